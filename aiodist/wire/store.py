@@ -1,0 +1,430 @@
+"""torch's TCPStore wire protocol, sans-I/O: encode/decode requests and replies on bytes.
+
+Rules this module keeps (see shared/reference/tcpstore_wire.md):
+- A request is one opcode byte and its fields; integers are little-endian; strings are a
+  u64 length then bytes; key lists are a u64 count then strings. There is no framing and no
+  request id: replies come in request order (but a WAIT's reply may come after the replies
+  of requests sent after it, so a client never sends anything behind a WAIT on the same
+  connection).
+- The first request on a connection must be VALIDATE with the magic; anything else is a
+  protocol error.
+- Everything a peer sends is bounded by ``Limits`` *before* it is buffered: a length field
+  over the limit is a ``ProtocolError`` at once, never a large allocation.
+No sockets, no asyncio here: ``RequestParser`` (server side) and ``ReplyParser`` (client
+side) take bytes in and hand decoded values out.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterator
+
+__all__ = [
+    "MAGIC",
+    "Op",
+    "Reply",
+    "Limits",
+    "Request",
+    "ProtocolError",
+    "RequestParser",
+    "ReplyParser",
+    "encode_request",
+    "encode_u8",
+    "encode_u32",
+    "encode_i64",
+    "encode_bytes",
+    "encode_bytes_list",
+    "encode_queue_pop",
+    "STOP_WAITING",
+    "WAIT_CANCELED",
+    "CHECK_READY",
+    "CHECK_NOT_READY",
+]
+
+MAGIC = 0x3C85F7CE
+
+STOP_WAITING = 0
+WAIT_CANCELED = 1
+CHECK_READY = 0
+CHECK_NOT_READY = 1
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_I64 = struct.Struct("<q")
+
+
+class Op(enum.IntEnum):
+    VALIDATE = 0
+    SET = 1
+    COMPARE_SET = 2
+    GET = 3
+    ADD = 4
+    CHECK = 5
+    WAIT = 6
+    GETNUMKEYS = 7
+    DELETE_KEY = 8
+    APPEND = 9
+    MULTI_GET = 10
+    MULTI_SET = 11
+    CANCEL_WAIT = 12
+    PING = 13
+    QUEUE_PUSH = 14
+    QUEUE_POP = 15
+    QUEUE_LEN = 16
+    LIST = 17
+
+
+class Reply(enum.Enum):
+    """The shape of a reply, as a client expects it."""
+
+    U8 = "u8"
+    U32 = "u32"
+    I64 = "i64"
+    BYTES = "bytes"
+    BYTES_LIST = "bytes_list"  # a known count of strings (MULTI_GET): count given with the shape
+    COUNTED_LIST = "counted_list"  # i64 count, then strings (LIST)
+    QUEUE_POP = "queue_pop"  # i64 length before the pop, then a string if it was > 0
+
+
+class ProtocolError(Exception):
+    """The peer sent bytes that break the protocol or its limits. Close that connection."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds on what one peer may send. Defaults are torch's libuv server's, plus a request cap."""
+
+    max_key_bytes: int = 8 * 1024
+    max_value_bytes: int = 8 * 1024 * 1024
+    max_keys: int = 128 * 1024
+    max_request_bytes: int = 256 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_key_bytes", "max_value_bytes", "max_keys", "max_request_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"Limits.{name} must be a positive int, got {v!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One decoded request. ``keys``/``values`` hold the string fields, ``number`` the integer one.
+
+    SET/APPEND/QUEUE_PUSH: keys=(k,), values=(v,). COMPARE_SET: keys=(k,), values=(expected,
+    desired). ADD: keys=(k,), number=delta. CHECK/WAIT/MULTI_GET: keys. MULTI_SET: keys, values
+    pairwise. GET/DELETE_KEY/QUEUE_POP/QUEUE_LEN: keys=(k,). PING/VALIDATE: number.
+    """
+
+    op: Op
+    keys: tuple[bytes, ...] = ()
+    values: tuple[bytes, ...] = ()
+    number: int = 0
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def _s(b: bytes) -> bytes:
+    return _U64.pack(len(b)) + b
+
+
+def _keylist(keys: tuple[bytes, ...] | list[bytes]) -> bytes:
+    return _U64.pack(len(keys)) + b"".join(_U64.pack(len(k)) + k for k in keys)
+
+
+def encode_request(req: Request) -> bytes:
+    """The bytes of ``req``. Refuses requests whose fields do not fit the opcode."""
+    op = req.op
+    k, v = req.keys, req.values
+    head = bytes((op,))
+    if op in (Op.VALIDATE, Op.PING):
+        return head + _U32.pack(req.number & 0xFFFFFFFF)
+    if op in (Op.SET, Op.APPEND, Op.QUEUE_PUSH):
+        _arity(req, 1, 1)
+        return head + _s(k[0]) + _s(v[0])
+    if op is Op.COMPARE_SET:
+        _arity(req, 1, 2)
+        return head + _s(k[0]) + _s(v[0]) + _s(v[1])
+    if op in (Op.GET, Op.DELETE_KEY, Op.QUEUE_POP, Op.QUEUE_LEN):
+        _arity(req, 1, 0)
+        return head + _s(k[0])
+    if op is Op.ADD:
+        _arity(req, 1, 0)
+        return head + _s(k[0]) + _I64.pack(req.number)
+    if op in (Op.CHECK, Op.WAIT, Op.MULTI_GET):
+        return head + _keylist(k)
+    if op is Op.MULTI_SET:
+        if len(k) != len(v):
+            raise ValueError(f"MULTI_SET needs as many values as keys ({len(k)} keys, {len(v)} values)")
+        return head + _U64.pack(len(k)) + b"".join(_s(a) + _s(b) for a, b in zip(k, v))
+    if op in (Op.GETNUMKEYS, Op.CANCEL_WAIT, Op.LIST):
+        return head
+    raise ValueError(f"unknown opcode {op!r}")  # pragma: no cover - Op is closed
+
+
+def _arity(req: Request, nkeys: int, nvalues: int) -> None:
+    if len(req.keys) != nkeys or len(req.values) != nvalues:
+        raise ValueError(f"{req.op.name} takes {nkeys} key(s) and {nvalues} value(s), got {len(req.keys)} and {len(req.values)}")
+
+
+def encode_u8(v: int) -> bytes:
+    return bytes((v,))
+
+
+def encode_u32(v: int) -> bytes:
+    return _U32.pack(v & 0xFFFFFFFF)
+
+
+def encode_i64(v: int) -> bytes:
+    return _I64.pack(v)
+
+
+def encode_bytes(b: bytes) -> bytes:
+    return _U64.pack(len(b)) + b
+
+
+def encode_bytes_list(items: list[bytes], counted: bool = False) -> bytes:
+    """Strings back to back; with ``counted`` an i64 count first (the LIST reply)."""
+    body = b"".join(_U64.pack(len(b)) + b for b in items)
+    return (_I64.pack(len(items)) + body) if counted else body
+
+
+def encode_queue_pop(length_before: int, value: bytes | None) -> bytes:
+    if length_before > 0:
+        assert value is not None
+        return _I64.pack(length_before) + _U64.pack(len(value)) + value
+    return _I64.pack(0)
+
+
+# ---------------------------------------------------------------- decoding
+
+
+class _Incomplete(Exception):
+    """Not enough bytes yet; raised inside a parse attempt and caught by the parser."""
+
+
+class _Reader:
+    """Reads fields from ``buf`` starting at ``pos``; raises _Incomplete when it runs out."""
+
+    __slots__ = ("buf", "pos", "end")
+
+    def __init__(self, buf: bytearray, pos: int) -> None:
+        self.buf = buf
+        self.pos = pos
+        self.end = len(buf)
+
+    def u8(self) -> int:
+        if self.pos + 1 > self.end:
+            raise _Incomplete
+        v = self.buf[self.pos]
+        self.pos += 1
+        return v
+
+    def u32(self) -> int:
+        if self.pos + 4 > self.end:
+            raise _Incomplete
+        (v,) = _U32.unpack_from(self.buf, self.pos)
+        self.pos += 4
+        return v
+
+    def u64(self) -> int:
+        if self.pos + 8 > self.end:
+            raise _Incomplete
+        (v,) = _U64.unpack_from(self.buf, self.pos)
+        self.pos += 8
+        return v
+
+    def i64(self) -> int:
+        if self.pos + 8 > self.end:
+            raise _Incomplete
+        (v,) = _I64.unpack_from(self.buf, self.pos)
+        self.pos += 8
+        return v
+
+    def string(self, limit: int, what: str) -> bytes:
+        n = self.u64()
+        if n > limit:
+            raise ProtocolError(f"{what} of {n} bytes is over the limit of {limit} bytes")
+        if self.pos + n > self.end:
+            raise _Incomplete
+        v = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        return v
+
+    def count(self, limit: int, what: str) -> int:
+        n = self.u64()
+        if n > limit:
+            raise ProtocolError(f"{what} of {n} keys is over the limit of {limit} keys")
+        return n
+
+
+class RequestParser:
+    """Server side: ``feed(bytes)``, then iterate to get each complete ``Request`` in order.
+
+    Raises ``ProtocolError`` (from ``feed`` or iteration) when the peer breaks the protocol:
+    no VALIDATE first, a bad magic, an unknown opcode, a field over ``limits``. After that the
+    parser is dead; the caller closes the connection.
+    """
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+        self._buf = bytearray()
+        self._validated = False
+        self._dead: ProtocolError | None = None
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+    def feed(self, data: bytes) -> None:
+        if self._dead is not None:
+            raise self._dead
+        self._buf += data
+
+    def __iter__(self) -> Iterator[Request]:
+        return self
+
+    def __next__(self) -> Request:
+        req = self.next_request()
+        if req is None:
+            raise StopIteration
+        return req
+
+    def next_request(self) -> Request | None:
+        """The next complete request, or None until more bytes arrive."""
+        if self._dead is not None:
+            raise self._dead
+        buf = self._buf
+        if not buf:
+            return None
+        r = _Reader(buf, 0)
+        try:
+            req = self._parse(r)
+        except _Incomplete:
+            if len(buf) > self.limits.max_request_bytes:
+                self._die(f"request of over {self.limits.max_request_bytes} bytes")
+            return None
+        except ProtocolError as exc:
+            self._dead = exc
+            raise
+        del buf[: r.pos]
+        return req
+
+    def _die(self, why: str) -> None:
+        self._dead = ProtocolError(why)
+        raise self._dead
+
+    def _parse(self, r: _Reader) -> Request:
+        lim = self.limits
+        code = r.u8()
+        try:
+            op = Op(code)
+        except ValueError:
+            raise ProtocolError(f"unknown opcode {code}") from None
+        if not self._validated:
+            if op is not Op.VALIDATE:
+                raise ProtocolError(f"first request must be VALIDATE, got {op.name}")
+            magic = r.u32()
+            if magic != MAGIC:
+                raise ProtocolError(f"bad validation magic 0x{magic:08X}")
+            self._validated = True
+            return Request(op, number=magic)
+        K, V = lim.max_key_bytes, lim.max_value_bytes
+        if op in (Op.SET, Op.APPEND, Op.QUEUE_PUSH):
+            key = r.string(K, "key")
+            return Request(op, (key,), (r.string(V, "value"),))
+        if op in (Op.GET, Op.DELETE_KEY, Op.QUEUE_POP, Op.QUEUE_LEN):
+            return Request(op, (r.string(K, "key"),))
+        if op is Op.ADD:
+            key = r.string(K, "key")
+            return Request(op, (key,), number=r.i64())
+        if op in (Op.CHECK, Op.WAIT, Op.MULTI_GET):
+            n = r.count(lim.max_keys, op.name)
+            return Request(op, tuple(r.string(K, "key") for _ in range(n)))
+        if op is Op.COMPARE_SET:
+            key = r.string(K, "key")
+            expected = r.string(V, "expected value")
+            return Request(op, (key,), (expected, r.string(V, "desired value")))
+        if op is Op.MULTI_SET:
+            n = r.count(lim.max_keys, op.name)
+            keys, values = [], []
+            for _ in range(n):
+                keys.append(r.string(K, "key"))
+                values.append(r.string(V, "value"))
+            return Request(op, tuple(keys), tuple(values))
+        if op is Op.PING:
+            return Request(op, number=r.u32())
+        if op is Op.VALIDATE:
+            magic = r.u32()
+            if magic != MAGIC:
+                raise ProtocolError(f"bad validation magic 0x{magic:08X}")
+            return Request(op, number=magic)
+        # GETNUMKEYS, CANCEL_WAIT, LIST take no fields
+        return Request(op)
+
+
+class ReplyParser:
+    """Client side: ``expect(shape)`` for each request sent, in order; ``feed`` bytes;
+    ``next_reply()`` returns each decoded reply in that order (None until complete).
+
+    Decoded values: U8/U32/I64 -> int; BYTES -> bytes; BYTES_LIST/COUNTED_LIST -> list[bytes];
+    QUEUE_POP -> (length_before, bytes | None).
+    """
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        # A server may legitimately hold values past a client's own limits; cap only absurd sizes.
+        self.limits = limits or Limits(max_key_bytes=1 << 40, max_value_bytes=1 << 40, max_keys=1 << 40, max_request_bytes=1 << 40)
+        self._buf = bytearray()
+        self._expected: deque[tuple[Reply, int]] = deque()
+
+    @property
+    def pending(self) -> int:
+        return len(self._expected)
+
+    def expect(self, shape: Reply, count: int = 0) -> None:
+        self._expected.append((shape, count))
+
+    def feed(self, data: bytes) -> None:
+        if not self._expected and data:
+            raise ProtocolError(f"{len(data)} unexpected byte(s) from the server with no request outstanding")
+        self._buf += data
+
+    def next_reply(self) -> object | None:
+        if not self._expected or not self._buf:
+            return None
+        shape, count = self._expected[0]
+        r = _Reader(self._buf, 0)
+        try:
+            value = self._parse(r, shape, count)
+        except _Incomplete:
+            return None
+        del self._buf[: r.pos]
+        self._expected.popleft()
+        if not self._expected and self._buf:
+            raise ProtocolError(f"{len(self._buf)} unexpected byte(s) from the server after the last reply")
+        return value
+
+    def _parse(self, r: _Reader, shape: Reply, count: int) -> object:
+        V = self.limits.max_value_bytes
+        if shape is Reply.U8:
+            return r.u8()
+        if shape is Reply.I64:
+            return r.i64()
+        if shape is Reply.BYTES:
+            return r.string(V, "value")
+        if shape is Reply.QUEUE_POP:
+            n = r.i64()
+            return (n, r.string(V, "value")) if n > 0 else (n, None)
+        if shape is Reply.BYTES_LIST:
+            return [r.string(V, "value") for _ in range(count)]
+        if shape is Reply.COUNTED_LIST:
+            n = r.i64()
+            if n < 0 or n > self.limits.max_keys:
+                raise ProtocolError(f"bad key count {n} in LIST reply")
+            return [r.string(V, "key") for _ in range(n)]
+        if shape is Reply.U32:
+            return r.u32()
+        raise AssertionError(shape)  # pragma: no cover
