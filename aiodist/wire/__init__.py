@@ -9,7 +9,8 @@ from aiodist.wire.store import (
     ReplyParser,
     Request,
     RequestParser,
+    encode,
     encode_request,
 )
 
-__all__ = ["MAGIC", "Limits", "Op", "ProtocolError", "Reply", "ReplyParser", "Request", "RequestParser", "encode_request"]
+__all__ = ["MAGIC", "Limits", "Op", "ProtocolError", "Reply", "ReplyParser", "Request", "RequestParser", "encode", "encode_request"]

@@ -32,6 +32,7 @@ __all__ = [
     "RequestParser",
     "ReplyParser",
     "encode_request",
+    "encode",
     "encode_u8",
     "encode_u32",
     "encode_i64",
@@ -137,37 +138,44 @@ def _keylist(keys: tuple[bytes, ...] | list[bytes]) -> bytes:
 
 def encode_request(req: Request) -> bytes:
     """The bytes of ``req``. Refuses requests whose fields do not fit the opcode."""
-    op = req.op
-    k, v = req.keys, req.values
-    head = bytes((op,))
-    if op in (Op.VALIDATE, Op.PING):
-        return head + _U32.pack(req.number & 0xFFFFFFFF)
-    if op in (Op.SET, Op.APPEND, Op.QUEUE_PUSH):
-        _arity(req, 1, 1)
-        return head + _s(k[0]) + _s(v[0])
-    if op is Op.COMPARE_SET:
-        _arity(req, 1, 2)
-        return head + _s(k[0]) + _s(v[0]) + _s(v[1])
-    if op in (Op.GET, Op.DELETE_KEY, Op.QUEUE_POP, Op.QUEUE_LEN):
-        _arity(req, 1, 0)
-        return head + _s(k[0])
+    return encode(req.op, req.keys, req.values, req.number)
+
+
+def encode(op: Op, keys: tuple[bytes, ...] | list[bytes] = (), values: tuple[bytes, ...] | list[bytes] = (), number: int = 0) -> bytes:
+    """The bytes of one request, from its fields (see ``Request`` for which fields each op takes)."""
+    k, v = keys, values
+    head = _OPBYTE[op]
+    if op is Op.SET or op is Op.APPEND or op is Op.QUEUE_PUSH:
+        _arity(op, k, v, 1, 1)
+        return head + _U64.pack(len(k[0])) + k[0] + _U64.pack(len(v[0])) + v[0]
+    if op is Op.GET or op is Op.DELETE_KEY or op is Op.QUEUE_POP or op is Op.QUEUE_LEN:
+        _arity(op, k, v, 1, 0)
+        return head + _U64.pack(len(k[0])) + k[0]
     if op is Op.ADD:
-        _arity(req, 1, 0)
-        return head + _s(k[0]) + _I64.pack(req.number)
-    if op in (Op.CHECK, Op.WAIT, Op.MULTI_GET):
+        _arity(op, k, v, 1, 0)
+        return head + _U64.pack(len(k[0])) + k[0] + _I64.pack(number)
+    if op is Op.CHECK or op is Op.WAIT or op is Op.MULTI_GET:
         return head + _keylist(k)
+    if op is Op.VALIDATE or op is Op.PING:
+        return head + _U32.pack(number & 0xFFFFFFFF)
+    if op is Op.COMPARE_SET:
+        _arity(op, k, v, 1, 2)
+        return head + _s(k[0]) + _s(v[0]) + _s(v[1])
     if op is Op.MULTI_SET:
         if len(k) != len(v):
             raise ValueError(f"MULTI_SET needs as many values as keys ({len(k)} keys, {len(v)} values)")
         return head + _U64.pack(len(k)) + b"".join(_s(a) + _s(b) for a, b in zip(k, v))
-    if op in (Op.GETNUMKEYS, Op.CANCEL_WAIT, Op.LIST):
+    if op is Op.GETNUMKEYS or op is Op.CANCEL_WAIT or op is Op.LIST:
         return head
-    raise ValueError(f"unknown opcode {op!r}")  # pragma: no cover - Op is closed
+    raise ValueError(f"unknown opcode {op!r}")
 
 
-def _arity(req: Request, nkeys: int, nvalues: int) -> None:
-    if len(req.keys) != nkeys or len(req.values) != nvalues:
-        raise ValueError(f"{req.op.name} takes {nkeys} key(s) and {nvalues} value(s), got {len(req.keys)} and {len(req.values)}")
+_OPBYTE = {op: bytes((op,)) for op in Op}
+
+
+def _arity(op: Op, k: tuple[bytes, ...] | list[bytes], v: tuple[bytes, ...] | list[bytes], nkeys: int, nvalues: int) -> None:
+    if len(k) != nkeys or len(v) != nvalues:
+        raise ValueError(f"{op.name} takes {nkeys} key(s) and {nvalues} value(s), got {len(k)} and {len(v)}")
 
 
 def encode_u8(v: int) -> bytes:
@@ -393,7 +401,7 @@ class ReplyParser:
         self._buf += data
 
     def next_reply(self) -> object | None:
-        if not self._expected or not self._buf:
+        if not self._expected:
             return None
         shape, count = self._expected[0]
         r = _Reader(self._buf, 0)

@@ -1,0 +1,1 @@
+"""Elastic-launch helpers (torch.distributed.elastic counterparts). See ``aiodist.elastic.utils``."""

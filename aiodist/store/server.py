@@ -1,0 +1,413 @@
+"""The TCPStore server: an asyncio server speaking torch's TCPStore protocol.
+
+``TCPStoreServer`` runs on whatever loop starts it (the launcher hosts it on its own loop);
+``ServerThread`` runs one on a private thread and loop, which is how ``TCPStore(is_master=True)``
+keeps answering while the master's own code computes.
+
+Rules it keeps:
+- A connection is a ``RequestParser`` (sans-I/O) fed by ``data_received``; every complete
+  request in a chunk is answered, and the replies of one chunk go out in one write.
+- A WAIT does not hold up the connection: later requests are answered at once and the WAIT's
+  STOP_WAITING comes when its keys exist (torch's server does the same).
+- Bad input (garbage, a bad magic, unknown opcodes, sizes over ``Limits``, ADD on a non-integer)
+  closes that connection only, with a log line naming the peer and the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import socket
+import threading
+import time
+from collections import Counter
+from typing import Any, Callable
+
+from aiodist.errors import DistNetworkError, StoreTimeoutError
+from aiodist.store.state import KVState, Waiter
+from aiodist.wire.store import (
+    CHECK_NOT_READY,
+    CHECK_READY,
+    STOP_WAITING,
+    WAIT_CANCELED,
+    Limits,
+    Op,
+    ProtocolError,
+    Request,
+    RequestParser,
+    encode_bytes,
+    encode_bytes_list,
+    encode_i64,
+    encode_queue_pop,
+    encode_u8,
+    encode_u32,
+)
+
+__all__ = ["TCPStoreServer", "ServerThread", "INIT_KEY", "new_event_loop"]
+
+log = logging.getLogger("aiodist.store.server")
+
+INIT_KEY = b"init/"
+_STOP = encode_u8(STOP_WAITING)
+_READY = encode_u8(CHECK_READY)
+_NOT_READY = encode_u8(CHECK_NOT_READY)
+_CANCELED = encode_u8(WAIT_CANCELED)
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A new loop: uvloop's when installed, else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def bind_listener(host: str | None, port: int, backlog: int = 2048) -> socket.socket:
+    """A listening socket on ``host:port``. With no host: one dual-stack socket on every
+    interface (IPv6 ``::`` with IPv4 mapped, else ``0.0.0.0``), as torch's server does, so
+    port 0 yields one port for both families."""
+    try:
+        if host in (None, ""):
+            try:
+                sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                addr: tuple[Any, ...] = ("::", port)
+            except OSError:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                addr = ("0.0.0.0", port)
+        else:
+            family, type_, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+            sock = socket.socket(family, type_, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(backlog)
+        except BaseException:
+            sock.close()
+            raise
+    except OSError as exc:
+        raise DistNetworkError(f"could not start a TCPStore server on {host or '*'}:{port}: {exc}") from exc
+    sock.setblocking(False)
+    return sock
+
+
+class _Conn(asyncio.Protocol):
+    """One client connection on the server."""
+
+    def __init__(self, server: TCPStoreServer) -> None:
+        self.server = server
+        self.state = server.state
+        self.parser = RequestParser(server.limits)
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
+        self.waits: list[Waiter] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:  # pragma: no cover
+                pass
+        self.server._conns.add(self)
+        self.server.stats_counter["connections"] += 1
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server._conns.discard(self)
+        for w in self.waits:
+            self.state.cancel(w)
+        self.waits.clear()
+
+    def data_received(self, data: bytes) -> None:
+        out: list[bytes] = []
+        handlers = _HANDLERS
+        n = 0
+        try:
+            self.parser.feed(data)
+            while (req := self.parser.next_request()) is not None:
+                handlers[req.op](self, req, out)
+                n += 1
+        except ProtocolError as exc:
+            self._refuse(str(exc))
+        except ValueError as exc:  # ADD on a non-integer: torch closes the connection too
+            self._refuse(str(exc))
+        finally:
+            self.server.stats_counter["requests"] += n
+        if out and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"".join(out) if len(out) > 1 else out[0])
+
+    def _refuse(self, why: str) -> None:
+        self.server.stats_counter["refused"] += 1
+        log.warning("TCPStore server: closing connection from %s: %s", self.peer, why)
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- handlers: each appends its reply (if any) to ``out`` ------------------------------
+
+    def _validate(self, req: Request, out: list[bytes]) -> None:
+        pass
+
+    def _set(self, req: Request, out: list[bytes]) -> None:
+        self.state.set(req.keys[0], req.values[0])
+
+    def _compare_set(self, req: Request, out: list[bytes]) -> None:
+        out.append(encode_bytes(self.state.compare_set(req.keys[0], req.values[0], req.values[1])))
+
+    def _get(self, req: Request, out: list[bytes]) -> None:
+        v = self.state.get(req.keys[0])
+        out.append(encode_bytes(b"" if v is None else v))
+
+    def _add(self, req: Request, out: list[bytes]) -> None:
+        out.append(encode_i64(self.state.add(req.keys[0], req.number)))
+
+    def _check(self, req: Request, out: list[bytes]) -> None:
+        out.append(_READY if self.state.check(req.keys) else _NOT_READY)
+
+    def _wait(self, req: Request, out: list[bytes]) -> None:
+        w = self.state.wait(req.keys)
+        if w is None:
+            out.append(_STOP)
+            return
+        self.waits.append(w)
+        w.fut.add_done_callback(lambda f, w=w: self._wait_done(w))
+
+    def _wait_done(self, w: Waiter) -> None:
+        if w.fut.cancelled():
+            return
+        try:
+            self.waits.remove(w)
+        except ValueError:
+            return
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(_STOP)
+
+    def _num_keys(self, req: Request, out: list[bytes]) -> None:
+        out.append(encode_i64(self.state.num_keys()))
+
+    def _delete(self, req: Request, out: list[bytes]) -> None:
+        out.append(encode_i64(1 if self.state.delete(req.keys[0]) else 0))
+
+    def _append(self, req: Request, out: list[bytes]) -> None:
+        self.state.append(req.keys[0], req.values[0])
+
+    def _multi_get(self, req: Request, out: list[bytes]) -> None:
+        out.append(encode_bytes_list(self.state.multi_get(req.keys)))
+
+    def _multi_set(self, req: Request, out: list[bytes]) -> None:
+        self.state.multi_set(req.keys, req.values)
+
+    def _cancel_wait(self, req: Request, out: list[bytes]) -> None:
+        for w in self.waits:
+            self.state.cancel(w)
+        self.waits.clear()
+        out.append(_CANCELED)
+
+    def _ping(self, req: Request, out: list[bytes]) -> None:
+        out.append(encode_u32(req.number))
+
+    def _queue_push(self, req: Request, out: list[bytes]) -> None:
+        self.state.queue_push(req.keys[0], req.values[0])
+
+    def _queue_pop(self, req: Request, out: list[bytes]) -> None:
+        n, v = self.state.queue_pop(req.keys[0])
+        out.append(encode_queue_pop(n, v))
+
+    def _queue_len(self, req: Request, out: list[bytes]) -> None:
+        out.append(encode_i64(self.state.queue_len(req.keys[0])))
+
+    def _list(self, req: Request, out: list[bytes]) -> None:
+        out.append(encode_bytes_list(self.state.list_keys(), counted=True))
+
+
+_HANDLERS: dict[Op, Callable[[_Conn, Request, list[bytes]], None]] = {
+    Op.VALIDATE: _Conn._validate,
+    Op.SET: _Conn._set,
+    Op.COMPARE_SET: _Conn._compare_set,
+    Op.GET: _Conn._get,
+    Op.ADD: _Conn._add,
+    Op.CHECK: _Conn._check,
+    Op.WAIT: _Conn._wait,
+    Op.GETNUMKEYS: _Conn._num_keys,
+    Op.DELETE_KEY: _Conn._delete,
+    Op.APPEND: _Conn._append,
+    Op.MULTI_GET: _Conn._multi_get,
+    Op.MULTI_SET: _Conn._multi_set,
+    Op.CANCEL_WAIT: _Conn._cancel_wait,
+    Op.PING: _Conn._ping,
+    Op.QUEUE_PUSH: _Conn._queue_push,
+    Op.QUEUE_POP: _Conn._queue_pop,
+    Op.QUEUE_LEN: _Conn._queue_len,
+    Op.LIST: _Conn._list,
+}
+assert set(_HANDLERS) == set(Op)
+
+
+class TCPStoreServer:
+    """A TCPStore server on the running loop.
+
+    ``host=None`` listens on every interface (dual-stack); ``port=0`` takes an ephemeral port,
+    reported by ``.port`` once started. ``sock`` serves an already-bound socket instead
+    (``master_listen_fd``). ``limits`` bounds what one client may send.
+    """
+
+    def __init__(
+        self,
+        host: str | None = None,
+        port: int = 0,
+        *,
+        limits: Limits | None = None,
+        sock: socket.socket | None = None,
+        state: KVState | None = None,
+    ) -> None:
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
+        self.limits = limits or Limits()
+        self.state = state if state is not None else KVState()
+        self._host = host
+        self._port = port
+        self._sock = sock
+        self._server: asyncio.Server | None = None
+        self._conns: set[_Conn] = set()
+        self.stats_counter: Counter[str] = Counter()
+        self._started_at = 0.0
+
+    async def start(self) -> TCPStoreServer:
+        sock = self._sock
+        if sock is None:
+            sock = bind_listener(self._host, self._port)
+        else:
+            sock.setblocking(False)
+            try:
+                sock.listen(2048)
+            except OSError as exc:
+                raise DistNetworkError(f"master_listen_fd socket cannot listen: {exc}") from exc
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Conn(self), sock=sock)
+        self._port = sock.getsockname()[1]
+        self._started_at = time.monotonic()
+        log.info("TCPStore server listening on %s:%d", self._host or "*", self._port)
+        return self
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def host(self) -> str | None:
+        return self._host
+
+    @property
+    def serving(self) -> bool:
+        return self._server is not None and self._server.is_serving()
+
+    async def wait_for_workers(self, world_size: int, timeout: float) -> None:
+        """Until the ``init/`` counter reaches ``world_size`` (server-side, no polling)."""
+
+        def enough(v: bytes | None) -> bool:
+            try:
+                return v is not None and int(v) >= world_size
+            except ValueError:
+                return False
+
+        w = self.state.wait_until(INIT_KEY, enough)
+        if w is None:
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                await w.fut
+        except TimeoutError:
+            self.state.cancel(w)
+            joined = self.state.get(INIT_KEY) or b"0"
+            raise StoreTimeoutError(
+                f"Timed out after {timeout:g} seconds waiting for clients. {int(joined)}/{world_size} clients joined."
+            ) from None
+        except BaseException:
+            self.state.cancel(w)
+            raise
+
+    async def close(self) -> None:
+        if self._server is None:
+            return
+        server, self._server = self._server, None
+        server.close()
+        for c in list(self._conns):
+            if c.transport is not None:
+                c.transport.close()
+        await server.wait_closed()
+
+    def stats(self) -> dict[str, Any]:
+        keys, queues, waiters = self.state.key_count()
+        return {
+            "type": "TCPStoreServer",
+            "port": self._port,
+            "clients": len(self._conns),
+            "keys": keys,
+            "queues": queues,
+            "waiters": waiters,
+            "uptime_s": time.monotonic() - self._started_at if self._started_at else 0.0,
+            **self.stats_counter,
+        }
+
+
+class ServerThread:
+    """A ``TCPStoreServer`` on its own daemon thread and event loop (uvloop when present)."""
+
+    def __init__(self, server: TCPStoreServer) -> None:
+        self.server = server
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped: asyncio.Event | None = None
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        """Start the thread and return once the server listens (blocking; see ``astart``)."""
+        ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name=f"aiodist-store-server:{self.server.port}", daemon=True)
+        self._thread.start()
+        ready.result(timeout)
+        return self
+
+    async def astart(self) -> ServerThread:
+        return await asyncio.to_thread(self.start)
+
+    def _run(self, ready: concurrent.futures.Future[None]) -> None:
+        loop = self.loop = new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._main(ready))
+        finally:
+            loop.close()
+
+    async def _main(self, ready: concurrent.futures.Future[None]) -> None:
+        self._stopped = asyncio.Event()
+        try:
+            await self.server.start()
+        except BaseException as exc:
+            ready.set_exception(exc)
+            return
+        ready.set_result(None)
+        await self._stopped.wait()
+        await self.server.close()
+
+    def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
+        """Run ``coro`` on the server's loop; a concurrent future of its result."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the server and join the thread (blocking; see ``astop``)."""
+        loop, stopped = self.loop, self._stopped
+        if loop is not None and stopped is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(stopped.set)
+            except RuntimeError:
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    async def astop(self) -> None:
+        await asyncio.to_thread(self.stop)

@@ -1,0 +1,550 @@
+"""TCPStore: the client of torch's TCPStore protocol, and the master that hosts the server.
+
+``store = await TCPStore(host, port, world_size, is_master, timeout)`` connects (and, for the
+master, starts the server on its own thread) and returns the store; ``async with`` works too.
+
+How requests travel:
+- One *main* connection carries every request that the server answers at once. Requests from
+  many tasks are pipelined on it (replies come back in order), so concurrent tasks sharing a
+  store never wait for each other's round trips.
+- ``get`` sends CHECK and GET in one write: an existing key costs one round trip (torch's
+  client pays two: WAIT, then GET). Only a missing key falls back to a WAIT.
+- A WAIT blocks its connection (the server answers it late, out of order), so waits run on
+  separate *waiter* connections from a small pool. A task blocked in ``get`` never stalls
+  another task's ``set`` on the same store object.
+- ``set``/``append``/``multi_set``/``queue_push`` have no reply in the protocol; the client sends
+  a PING behind them and awaits its echo, so when the call returns the server has the data.
+- A lost connection fails the requests on it; the next call reconnects. Requests that are safe
+  to repeat (reads) are retried once on the new connection.
+A ``TCPStore`` object belongs to the event loop that awaited it; use ``clone()`` for another
+loop or thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from collections import deque
+from typing import Any, Generator, Sequence
+
+from aiodist._time import TimeoutLike
+from aiodist.errors import DistNetworkError, DistStoreError, QueueEmptyError
+from aiodist.store.base import DEFAULT_STORE_TIMEOUT, Store, ValueLike, check_key, check_keys, pair_up, store_timeout, to_amount, to_value
+from aiodist.store.server import INIT_KEY, ServerThread, TCPStoreServer
+from aiodist.wire.store import CHECK_READY, STOP_WAITING, Limits, Op, ProtocolError, Reply, ReplyParser, encode
+
+__all__ = ["TCPStore"]
+
+_U8 = ((Reply.U8, 0),)
+_U32 = ((Reply.U32, 0),)
+_I64 = ((Reply.I64, 0),)
+_BYTES = ((Reply.BYTES, 0),)
+_CHECK_GET = ((Reply.U8, 0), (Reply.BYTES, 0))
+_MAX_IDLE_WAITERS = 8
+
+
+class _Lost(Exception):
+    """The connection under a request broke (wrapped into a DistError by the caller)."""
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: writes requests, matches replies to futures in order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.parser = ReplyParser()
+        self.futs: deque[asyncio.Future[Any]] = deque()
+        self.transport: asyncio.Transport | None = None
+        self.error: Exception | None = None
+        self._paused = False
+        self._drain: asyncio.Future[None] | None = None
+
+    # asyncio callbacks
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        parser, futs = self.parser, self.futs
+        try:
+            parser.feed(data)
+            while (r := parser.next_reply()) is not None:
+                f = futs.popleft()
+                if not f.done():
+                    f.set_result(r)
+        except ProtocolError as exc:
+            self._fail(_Lost(f"protocol error from the server: {exc}"))
+            assert self.transport is not None
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(_Lost(f"connection closed by the server{': ' + str(exc) if exc else ''}"))
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    def _fail(self, exc: Exception) -> None:
+        if self.error is None:
+            self.error = exc
+        while self.futs:
+            f = self.futs.popleft()
+            if not f.done():
+                f.set_exception(exc)
+
+    # API
+    @property
+    def usable(self) -> bool:
+        return self.error is None and self.transport is not None and not self.transport.is_closing()
+
+    def send(self, payload: bytes, shapes: tuple[tuple[Reply, int], ...]) -> list[asyncio.Future[Any]]:
+        if self.error is not None:
+            raise self.error
+        assert self.transport is not None
+        futs = []
+        for shape, count in shapes:
+            self.parser.expect(shape, count)
+            f = self.loop.create_future()
+            self.futs.append(f)
+            futs.append(f)
+        self.transport.write(payload)
+        return futs
+
+    async def drain(self) -> None:
+        if self._paused and self.error is None:
+            if self._drain is None or self._drain.done():
+                self._drain = self.loop.create_future()
+            await self._drain
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        self._fail(_Lost("connection closed by this client"))
+
+
+class _Tenants:
+    """Process-wide servers shared by ``multi_tenant=True`` stores with the same host:port."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._servers: dict[tuple[str, int], tuple[ServerThread, int]] = {}
+
+    def acquire(self, key: tuple[str, int], start: Any) -> ServerThread:
+        with self._lock:
+            if key in self._servers:
+                st, n = self._servers[key]
+                self._servers[key] = (st, n + 1)
+                return st
+            st = start()
+            self._servers[(key[0], st.server.port)] = (st, 1)
+            return st
+
+    def release(self, st: ServerThread) -> bool:
+        """Drop one reference; True when it was the last (the caller stops the server)."""
+        with self._lock:
+            for key, (s, n) in list(self._servers.items()):
+                if s is st:
+                    if n > 1:
+                        self._servers[key] = (s, n - 1)
+                        return False
+                    del self._servers[key]
+                    return True
+        return True
+
+
+_TENANTS = _Tenants()
+
+
+class TCPStore(Store):
+    """torch's TCPStore, awaitable. See the module docstring for how requests travel.
+
+    Arguments as torch's. ``limits`` (aiodist's) bounds what clients may send to the server
+    this store hosts. ``use_libuv`` is accepted for compatibility; the server is asyncio's
+    (uvloop, itself libuv-based, when installed).
+    """
+
+    def __init__(
+        self,
+        host_name: str,
+        port: int,
+        world_size: int | None = None,
+        is_master: bool = False,
+        timeout: TimeoutLike = DEFAULT_STORE_TIMEOUT,
+        wait_for_workers: bool = True,
+        multi_tenant: bool = False,
+        master_listen_fd: int | None = None,
+        use_libuv: bool = True,
+        *,
+        limits: Limits | None = None,
+    ) -> None:
+        super().__init__(timeout)
+        if not isinstance(host_name, str) or not host_name:
+            raise TypeError(f"host_name must be a non-empty str, got {host_name!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
+        if world_size is not None:
+            if isinstance(world_size, bool) or not isinstance(world_size, int):
+                raise TypeError(f"world_size must be an int or None, got {world_size!r}")
+            if world_size < 1:
+                world_size = None  # torch treats a negative world size as "not fixed"
+        if port == 0 and not is_master:
+            raise ValueError("a TCPStore client needs the server's port; port=0 is only for is_master=True")
+        if master_listen_fd is not None and not is_master:
+            raise ValueError("master_listen_fd is only for is_master=True")
+        self._host = host_name
+        self._port = port
+        self._world_size = world_size
+        self._is_master = bool(is_master)
+        self._wait_for_workers = bool(wait_for_workers)
+        self._multi_tenant = bool(multi_tenant)
+        self._listen_fd = master_listen_fd
+        self._use_libuv = bool(use_libuv)
+        self._limits = limits
+        self._server: ServerThread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._main: _Connection | None = None
+        self._idle: list[_Connection] = []
+        self._busy: set[_Connection] = set()
+        self._connect_lock: asyncio.Lock | None = None
+        self._started = False
+        self._closed = False
+        self._counts: dict[str, int] = {"requests": 0, "reconnects": 0, "waits": 0}
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def __await__(self) -> Generator[Any, None, TCPStore]:
+        return self._start().__await__()
+
+    async def __aenter__(self) -> TCPStore:
+        return await self._start()
+
+    async def _start(self) -> TCPStore:
+        if self._started:
+            return self
+        if self._closed:
+            raise DistStoreError(f"{self._describe()} is closed")
+        self._loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + self._timeout_s
+        if self._is_master:
+            await self._start_server()
+        try:
+            self._main = await self._open(deadline)
+            if self._world_size is not None and self._wait_for_workers:
+                await self._request(encode(Op.ADD, (INIT_KEY,), number=1), _I64, "join (init/ counter)", repeatable=False)
+                if self._server is not None:
+                    fut = self._server.submit(self._server.server.wait_for_workers(self._world_size, max(0.0, deadline - time.monotonic())))
+                    await asyncio.wrap_future(fut)
+        except BaseException:
+            await self.close()
+            raise
+        self._started = True
+        return self
+
+    async def _start_server(self) -> None:
+        limits = self._limits
+
+        def start() -> ServerThread:
+            sock = socket.socket(fileno=self._listen_fd) if self._listen_fd is not None else None
+            return ServerThread(TCPStoreServer(None, self._port, limits=limits, sock=sock)).start()
+
+        if self._multi_tenant and self._listen_fd is None and self._port != 0:
+            self._server = await asyncio.to_thread(_TENANTS.acquire, (self._host, self._port), start)
+        else:
+            self._server = await asyncio.to_thread(start)
+        self._port = self._server.server.port
+
+    async def close(self) -> None:
+        """Close the connections; the master also stops its server (other clients then fail)."""
+        self._closed = True
+        self._started = False
+        for c in [self._main, *self._idle, *self._busy]:
+            if c is not None:
+                c.close()
+        self._main = None
+        self._idle.clear()
+        self._busy.clear()
+        server, self._server = self._server, None
+        if server is not None and _TENANTS.release(server):
+            await server.astop()
+
+    # -- properties ---------------------------------------------------------------------
+
+    @property
+    def host(self) -> str:
+        return self._host
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def libuvBackend(self) -> bool:  # noqa: N802 - torch's name
+        return self._use_libuv
+
+    @property
+    def server(self) -> TCPStoreServer | None:
+        """The server this store hosts (master only), for statistics."""
+        return self._server.server if self._server is not None else None
+
+    def _describe(self) -> str:
+        return f"TCPStore({self._host}:{self._port})"
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {**super().stats(), "host": self._host, "port": self._port, "is_master": self._is_master}
+        out.update(self._counts)
+        out["waiter_connections"] = len(self._idle) + len(self._busy)
+        if self._server is not None:
+            out["server"] = self._server.server.stats()
+        return out
+
+    def clone(self) -> TCPStore:
+        """A new client of the same server; it connects on first use (on its own loop)."""
+        c = TCPStore(self._host, self._port, None, False, self._timeout_s, False, use_libuv=self._use_libuv)
+        c._started = True
+        return c
+
+    # -- connections ----------------------------------------------------------------------
+
+    async def _open(self, deadline: float) -> _Connection:
+        """A new validated connection, retrying with backoff until ``deadline``."""
+        loop = asyncio.get_running_loop()
+        delay, start = 0.01, time.monotonic()
+        while True:
+            try:
+                async with asyncio.timeout(max(0.001, deadline - time.monotonic())):
+                    _, conn = await loop.create_connection(lambda: _Connection(loop), self._host, self._port)
+                break
+            except (OSError, TimeoutError) as exc:
+                if time.monotonic() + delay >= deadline:
+                    raise DistNetworkError(
+                        f"could not connect to the TCPStore server at {self._host}:{self._port} "
+                        f"after trying for {time.monotonic() - start:.1f} s: {exc or 'timed out'}"
+                    ) from None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        nonce = int.from_bytes(os.urandom(4), "little")
+        try:
+            (echo,) = conn.send(encode(Op.VALIDATE, number=0x3C85F7CE) + encode(Op.PING, number=nonce), _U32)
+            async with asyncio.timeout(max(0.001, deadline - time.monotonic())):
+                got = await echo
+        except (_Lost, TimeoutError) as exc:
+            conn.close()
+            raise DistNetworkError(f"{self._describe()}: the server did not complete the handshake: {exc or 'timed out'}") from None
+        if got != nonce:
+            conn.close()
+            raise DistNetworkError(f"{self._describe()}: handshake failed (ping echo {got} != {nonce}); is this a TCPStore server?")
+        return conn
+
+    async def _main_conn(self) -> _Connection:
+        conn = self._main
+        if conn is not None and conn.usable:
+            if conn.loop is not asyncio.get_running_loop():
+                raise DistStoreError(f"{self._describe()} belongs to another event loop; use store.clone() on this one")
+            return conn
+        if not self._started:
+            raise DistStoreError(
+                f"{self._describe()} is not started: await it first (store = await TCPStore(...))"
+                if not self._closed
+                else f"{self._describe()} is closed"
+            )
+        if self._connect_lock is None:
+            self._connect_lock = asyncio.Lock()
+        async with self._connect_lock:
+            conn = self._main
+            if conn is None or not conn.usable:
+                if conn is not None:
+                    self._counts["reconnects"] += 1
+                conn = self._main = await self._open(time.monotonic() + self._timeout_s)
+        return conn
+
+    async def _request(
+        self, payload: bytes, shapes: tuple[tuple[Reply, int], ...], what: str, repeatable: bool = True
+    ) -> list[Any]:
+        """Send on the main connection; the replies. A broken connection is retried once
+        for ``repeatable`` requests, else it is a DistStoreError naming ``what``."""
+        self._counts["requests"] += 1
+        for attempt in (0, 1):
+            conn = await self._main_conn()
+            try:
+                futs = conn.send(payload, shapes)
+                await conn.drain()
+                async with asyncio.timeout(self._timeout_s):
+                    return [await f for f in futs]
+            except TimeoutError:
+                conn.close()  # a silent server: drop the connection so nothing waits on it
+                raise DistStoreError(f"{self._describe()}: {what}: no reply from the server within {self._timeout_s:g} s") from None
+            except _Lost as exc:
+                if repeatable and attempt == 0:
+                    continue
+                raise DistStoreError(
+                    f"{self._describe()}: {what} failed: {exc}. A TCPStore server closes a connection on a request it "
+                    f"refuses (e.g. add on a key holding a non-integer, a key or value over its limits); "
+                    f"the next call reconnects."
+                ) from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _wait_keys(self, keys: list[bytes], seconds: float, what: str) -> None:
+        """WAIT on a waiter connection until ``keys`` all exist or ``seconds`` pass."""
+        self._counts["waits"] += 1
+        start = time.monotonic()
+        deadline = start + seconds
+        conn = None
+        while self._idle and conn is None:
+            c = self._idle.pop()
+            conn = c if c.usable else None
+        try:
+            if conn is None:
+                conn = await self._open(deadline)
+            self._busy.add(conn)
+            (fut,) = conn.send(encode(Op.WAIT, keys), _U8)
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                r = await fut
+            if r != STOP_WAITING:
+                raise _Lost(f"unexpected reply {r} to WAIT")
+        except TimeoutError:
+            if conn is not None:
+                conn.close()
+            missing = await self._missing(keys)
+            raise store_timeout(self._describe(), what, missing or [k[1:].decode(errors="replace") for k in keys], time.monotonic() - start) from None
+        except _Lost as exc:
+            conn.close()  # type: ignore[union-attr]
+            raise DistStoreError(f"{self._describe()}: {what}: the waiter connection broke: {exc}") from None
+        except BaseException:
+            if conn is not None:
+                conn.close()
+            raise
+        finally:
+            if conn is not None:
+                self._busy.discard(conn)
+        if conn.usable and len(self._idle) < _MAX_IDLE_WAITERS:
+            self._idle.append(conn)
+        else:
+            conn.close()
+
+    async def _missing(self, keys: list[bytes]) -> list[str]:
+        """Which of ``keys`` (wire form) are missing now, for error messages."""
+        keys = keys[:64]
+        try:
+            payload = b"".join(encode(Op.CHECK, (k,)) for k in keys)
+            ready = await self._request(payload, tuple((Reply.U8, 0) for _ in keys), "check")
+        except DistStoreError:
+            return []
+        return [k[1:].decode(errors="replace") for k, r in zip(keys, ready) if r != CHECK_READY]
+
+    async def _confirmed(self, payload: bytes, what: str) -> None:
+        """Send a request that has no reply, followed by a PING; return when it is echoed."""
+        await self._request(payload + encode(Op.PING, number=0), _U32, what, repeatable=False)
+
+    # -- the Store API ----------------------------------------------------------------------
+
+    async def set(self, key: str, value: ValueLike) -> None:
+        k = b"/" + check_key(key).encode()
+        await self._confirmed(encode(Op.SET, (k,), (to_value(value),)), f"set({key!r})")
+
+    async def get(self, key: str) -> bytes:
+        k = b"/" + check_key(key).encode()
+        payload = encode(Op.CHECK, (k,)) + encode(Op.GET, (k,))
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            ready, value = await self._request(payload, _CHECK_GET, f"get({key!r})")
+            if ready == CHECK_READY:
+                return value  # type: ignore[no-any-return]
+            await self._wait_keys([k], max(0.0, deadline - time.monotonic()), f"get({key!r})")
+
+    async def add(self, key: str, amount: int) -> int:
+        k, n = b"/" + check_key(key).encode(), to_amount(amount)
+        (v,) = await self._request(encode(Op.ADD, (k,), number=n), _I64, f"add({key!r}, {n})", repeatable=False)
+        return v  # type: ignore[no-any-return]
+
+    async def compare_set(self, key: str, expected_value: ValueLike, desired_value: ValueLike) -> bytes:
+        k = b"/" + check_key(key).encode()
+        e, d = to_value(expected_value, "expected_value"), to_value(desired_value, "desired_value")
+        (v,) = await self._request(encode(Op.COMPARE_SET, (k,), (e, d)), _BYTES, f"compare_set({key!r})", repeatable=False)
+        return v  # type: ignore[no-any-return]
+
+    async def wait(self, keys: Sequence[str], timeout: TimeoutLike | None = None) -> None:
+        ks = check_keys(keys)
+        seconds = self._wait_seconds(timeout)
+        bkeys = [b"/" + k.encode() for k in ks]
+        (ready,) = await self._request(encode(Op.CHECK, bkeys), _U8, f"wait({ks!r})")
+        if ready != CHECK_READY:
+            await self._wait_keys(bkeys, seconds, f"wait({ks!r})")
+
+    async def check(self, keys: Sequence[str]) -> bool:
+        ks = check_keys(keys)
+        (ready,) = await self._request(encode(Op.CHECK, [b"/" + k.encode() for k in ks]), _U8, f"check({ks!r})")
+        return ready == CHECK_READY  # type: ignore[no-any-return]
+
+    async def delete_key(self, key: str) -> bool:
+        k = b"/" + check_key(key).encode()
+        (n,) = await self._request(encode(Op.DELETE_KEY, (k,)), _I64, f"delete_key({key!r})", repeatable=False)
+        return bool(n)
+
+    async def num_keys(self) -> int:
+        (n,) = await self._request(encode(Op.GETNUMKEYS), _I64, "num_keys()")
+        return n  # type: ignore[no-any-return]
+
+    async def list_keys(self) -> list[str]:
+        (keys,) = await self._request(encode(Op.LIST), ((Reply.COUNTED_LIST, 0),), "list_keys()")
+        return [k[1:].decode(errors="replace") for k in keys if k.startswith(b"/")]
+
+    async def append(self, key: str, value: ValueLike) -> None:
+        k = b"/" + check_key(key).encode()
+        await self._confirmed(encode(Op.APPEND, (k,), (to_value(value),)), f"append({key!r})")
+
+    async def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        ks = check_keys(keys)
+        if not ks:
+            return []
+        bkeys = [b"/" + k.encode() for k in ks]
+        payload = encode(Op.CHECK, bkeys) + encode(Op.MULTI_GET, bkeys)
+        shapes = ((Reply.U8, 0), (Reply.BYTES_LIST, len(bkeys)))
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            ready, values = await self._request(payload, shapes, f"multi_get({ks!r})")
+            if ready == CHECK_READY:
+                return values  # type: ignore[no-any-return]
+            await self._wait_keys(bkeys, max(0.0, deadline - time.monotonic()), f"multi_get({ks!r})")
+
+    async def multi_set(self, keys: Sequence[str], values: Sequence[ValueLike]) -> None:
+        ks, vs = pair_up(keys, values)
+        await self._confirmed(encode(Op.MULTI_SET, [b"/" + k.encode() for k in ks], vs), f"multi_set({ks!r})")
+
+    async def queue_push(self, key: str, value: ValueLike) -> None:
+        k = b"/" + check_key(key).encode()
+        await self._confirmed(encode(Op.QUEUE_PUSH, (k,), (to_value(value),)), f"queue_push({key!r})")
+
+    async def queue_pop(self, key: str, block: bool = True) -> bytes:
+        k = b"/" + check_key(key).encode()
+        payload = encode(Op.QUEUE_POP, (k,))
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            ((n, value),) = await self._request(payload, ((Reply.QUEUE_POP, 0),), f"queue_pop({key!r})", repeatable=False)
+            if n > 0:
+                return value  # type: ignore[no-any-return]
+            if not block:
+                raise QueueEmptyError(f"{self._describe()}: queue_pop({key!r}, block=False): queue is empty")
+            await self._wait_keys([k], max(0.0, deadline - time.monotonic()), f"queue_pop({key!r})")
+
+    async def queue_len(self, key: str) -> int:
+        k = b"/" + check_key(key).encode()
+        (n,) = await self._request(encode(Op.QUEUE_LEN, (k,)), _I64, f"queue_len({key!r})")
+        return n  # type: ignore[no-any-return]
+
+    async def ping(self) -> float:
+        """One round trip to the server; its time in seconds."""
+        t = time.perf_counter()
+        await self._request(encode(Op.PING, number=1), _U32, "ping()")
+        return time.perf_counter() - t
+
