@@ -26,6 +26,13 @@ DEFAULT_STORE_TIMEOUT = timedelta(seconds=300)
 
 ValueLike = str | bytes | bytearray | memoryview
 
+# The one case a blocking queue_pop refuses at once: waits see a key that holds a value as
+# present, so the pop could never wait for the queue to fill.
+VALUE_NOT_QUEUE = (
+    "{store}: queue_pop({key!r}): the queue is empty and the key holds a value, so a blocking pop "
+    "could never wait for it; use different keys for values and queues"
+)
+
 
 def check_key(key: object, what: str = "key") -> str:
     if not isinstance(key, str):

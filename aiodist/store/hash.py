@@ -9,7 +9,7 @@ from typing import Sequence
 
 from aiodist._time import TimeoutLike
 from aiodist.errors import DistStoreError, QueueEmptyError
-from aiodist.store.base import DEFAULT_STORE_TIMEOUT, Store, ValueLike, check_key, check_keys, pair_up, store_timeout, to_amount, to_value
+from aiodist.store.base import DEFAULT_STORE_TIMEOUT, VALUE_NOT_QUEUE, Store, ValueLike, check_key, check_keys, pair_up, store_timeout, to_amount, to_value
 from aiodist.store.state import KVState
 
 __all__ = ["HashStore"]
@@ -48,10 +48,9 @@ class HashStore(Store):
 
     async def get(self, key: str) -> bytes:
         k = _b(check_key(key))
-        deadline = time.monotonic() + self._timeout_s
-        while (v := self._state.get(k)) is None:
-            await self._wait([key], max(0.0, deadline - time.monotonic()), f"get({key!r})")
-        return v
+        await self._wait([key], self._timeout_s, f"get({key!r})")
+        v = self._state.get(k)
+        return b"" if v is None else v  # as torch: a key that only names a queue reads as empty
 
     async def add(self, key: str, amount: int) -> int:
         k, n = _b(check_key(key)), to_amount(amount)
@@ -103,6 +102,8 @@ class HashStore(Store):
                 return v
             if not block:
                 raise QueueEmptyError(f"HashStore: queue_pop({key!r}, block=False): queue is empty")
+            if self._state.get(k) is not None:
+                raise QueueEmptyError(VALUE_NOT_QUEUE.format(store="HashStore", key=key))
             await self._wait([key], max(0.0, deadline - time.monotonic()), f"queue_pop({key!r})")
 
     async def queue_len(self, key: str) -> int:

@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import logging
 import socket
+import sys
 import threading
 import time
 from collections import Counter
@@ -64,6 +65,14 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+def local_socket_name(port: int) -> str | None:
+    """The abstract Unix socket where a server on every interface and ``port`` also listens
+    (Linux only; None elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    return f"\0aiodist-tcpstore-{port}"
+
+
 def bind_listener(host: str | None, port: int, backlog: int = 2048) -> socket.socket:
     """A listening socket on ``host:port``. With no host: one dual-stack socket on every
     interface (IPv6 ``::`` with IPv4 mapped, else ``0.0.0.0``), as torch's server does, so
@@ -107,7 +116,7 @@ class _Conn(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
-        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "local"
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             try:
@@ -272,6 +281,7 @@ class TCPStoreServer:
         self._port = port
         self._sock = sock
         self._server: asyncio.Server | None = None
+        self._local: asyncio.Server | None = None
         self._conns: set[_Conn] = set()
         self.stats_counter: Counter[str] = Counter()
         self._started_at = 0.0
@@ -289,9 +299,31 @@ class TCPStoreServer:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Conn(self), sock=sock)
         self._port = sock.getsockname()[1]
+        if sock.family == socket.AF_INET6 and self._host in (None, "") and self._sock is None:
+            await self._start_local_listener(loop)
         self._started_at = time.monotonic()
         log.info("TCPStore server listening on %s:%d", self._host or "*", self._port)
         return self
+
+    async def _start_local_listener(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Also listen on the abstract Unix socket named by our port, for same-host clients.
+
+        Only a server bound to every interface does this: then no other process in this network
+        namespace can hold the TCP port, so the name cannot point at a different server. The
+        name disappears with the socket, so a dead server leaves nothing stale behind.
+        """
+        name = local_socket_name(self._port)
+        if name is None:
+            return
+        usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            usock.bind(name)
+            usock.listen(2048)
+            usock.setblocking(False)
+            self._local = await loop.create_unix_server(lambda: _Conn(self), sock=usock)
+        except OSError as exc:
+            usock.close()
+            log.debug("TCPStore server: no same-host Unix listener for port %d: %s", self._port, exc)
 
     @property
     def port(self) -> int:
@@ -335,10 +367,15 @@ class TCPStoreServer:
             return
         server, self._server = self._server, None
         server.close()
+        local, self._local = self._local, None
+        if local is not None:
+            local.close()
         for c in list(self._conns):
             if c.transport is not None:
                 c.transport.close()
         await server.wait_closed()
+        if local is not None:
+            await local.wait_closed()
 
     def stats(self) -> dict[str, Any]:
         keys, queues, waiters = self.state.key_count()

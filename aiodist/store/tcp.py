@@ -23,6 +23,7 @@ loop or thread.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import socket
 import threading
@@ -32,8 +33,8 @@ from typing import Any, Generator, Sequence
 
 from aiodist._time import TimeoutLike
 from aiodist.errors import DistNetworkError, DistStoreError, QueueEmptyError
-from aiodist.store.base import DEFAULT_STORE_TIMEOUT, Store, ValueLike, check_key, check_keys, pair_up, store_timeout, to_amount, to_value
-from aiodist.store.server import INIT_KEY, ServerThread, TCPStoreServer
+from aiodist.store.base import DEFAULT_STORE_TIMEOUT, VALUE_NOT_QUEUE, Store, ValueLike, check_key, check_keys, pair_up, store_timeout, to_amount, to_value
+from aiodist.store.server import INIT_KEY, ServerThread, TCPStoreServer, local_socket_name
 from aiodist.wire.store import CHECK_READY, STOP_WAITING, Limits, Op, ProtocolError, Reply, ReplyParser, encode
 
 __all__ = ["TCPStore"]
@@ -133,6 +134,20 @@ class _Connection(asyncio.Protocol):
         self._fail(_Lost("connection closed by this client"))
 
 
+def _wire_key(key: str) -> bytes:
+    """A user key as torch's client sends it: ``/`` in front."""
+    return b"/" + check_key(key).encode()
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class _Tenants:
     """Process-wide servers shared by ``multi_tenant=True`` stores with the same host:port."""
 
@@ -211,6 +226,9 @@ class TCPStore(Store):
         self._listen_fd = master_listen_fd
         self._use_libuv = bool(use_libuv)
         self._limits = limits
+        # Same-host clients of an aiodist server talk over its abstract Unix socket (fewer
+        # kernel steps than TCP loopback); torch servers have none, so TCP is used for them.
+        self._use_local = True
         self._server: ServerThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._main: _Connection | None = None
@@ -322,8 +340,10 @@ class TCPStore(Store):
         delay, start = 0.01, time.monotonic()
         while True:
             try:
-                async with asyncio.timeout(max(0.001, deadline - time.monotonic())):
-                    _, conn = await loop.create_connection(lambda: _Connection(loop), self._host, self._port)
+                conn = await self._open_local(loop)
+                if conn is None:
+                    async with asyncio.timeout(max(0.001, deadline - time.monotonic())):
+                        _, conn = await loop.create_connection(lambda: _Connection(loop), self._host, self._port)
                 break
             except (OSError, TimeoutError) as exc:
                 if time.monotonic() + delay >= deadline:
@@ -344,6 +364,22 @@ class TCPStore(Store):
         if got != nonce:
             conn.close()
             raise DistNetworkError(f"{self._describe()}: handshake failed (ping echo {got} != {nonce}); is this a TCPStore server?")
+        return conn
+
+    async def _open_local(self, loop: asyncio.AbstractEventLoop) -> _Connection | None:
+        """A connection over the server's same-host Unix socket, when the host is loopback and
+        an aiodist server listens there (see ``TCPStoreServer``); else None (use TCP)."""
+        name = local_socket_name(self._port) if self._use_local and _is_loopback(self._host) else None
+        if name is None:
+            return None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            sock.connect(name)  # abstract sockets connect at once or refuse at once
+        except OSError:
+            sock.close()
+            return None
+        _, conn = await loop.create_unix_connection(lambda: _Connection(loop), sock=sock)
         return conn
 
     async def _main_conn(self) -> _Connection:
@@ -449,11 +485,11 @@ class TCPStore(Store):
     # -- the Store API ----------------------------------------------------------------------
 
     async def set(self, key: str, value: ValueLike) -> None:
-        k = b"/" + check_key(key).encode()
+        k = _wire_key(key)
         await self._confirmed(encode(Op.SET, (k,), (to_value(value),)), f"set({key!r})")
 
     async def get(self, key: str) -> bytes:
-        k = b"/" + check_key(key).encode()
+        k = _wire_key(key)
         payload = encode(Op.CHECK, (k,)) + encode(Op.GET, (k,))
         deadline = time.monotonic() + self._timeout_s
         while True:
@@ -463,12 +499,12 @@ class TCPStore(Store):
             await self._wait_keys([k], max(0.0, deadline - time.monotonic()), f"get({key!r})")
 
     async def add(self, key: str, amount: int) -> int:
-        k, n = b"/" + check_key(key).encode(), to_amount(amount)
+        k, n = _wire_key(key), to_amount(amount)
         (v,) = await self._request(encode(Op.ADD, (k,), number=n), _I64, f"add({key!r}, {n})", repeatable=False)
         return v  # type: ignore[no-any-return]
 
     async def compare_set(self, key: str, expected_value: ValueLike, desired_value: ValueLike) -> bytes:
-        k = b"/" + check_key(key).encode()
+        k = _wire_key(key)
         e, d = to_value(expected_value, "expected_value"), to_value(desired_value, "desired_value")
         (v,) = await self._request(encode(Op.COMPARE_SET, (k,), (e, d)), _BYTES, f"compare_set({key!r})", repeatable=False)
         return v  # type: ignore[no-any-return]
@@ -487,7 +523,7 @@ class TCPStore(Store):
         return ready == CHECK_READY  # type: ignore[no-any-return]
 
     async def delete_key(self, key: str) -> bool:
-        k = b"/" + check_key(key).encode()
+        k = _wire_key(key)
         (n,) = await self._request(encode(Op.DELETE_KEY, (k,)), _I64, f"delete_key({key!r})", repeatable=False)
         return bool(n)
 
@@ -500,7 +536,7 @@ class TCPStore(Store):
         return [k[1:].decode(errors="replace") for k in keys if k.startswith(b"/")]
 
     async def append(self, key: str, value: ValueLike) -> None:
-        k = b"/" + check_key(key).encode()
+        k = _wire_key(key)
         await self._confirmed(encode(Op.APPEND, (k,), (to_value(value),)), f"append({key!r})")
 
     async def multi_get(self, keys: Sequence[str]) -> list[bytes]:
@@ -522,12 +558,13 @@ class TCPStore(Store):
         await self._confirmed(encode(Op.MULTI_SET, [b"/" + k.encode() for k in ks], vs), f"multi_set({ks!r})")
 
     async def queue_push(self, key: str, value: ValueLike) -> None:
-        k = b"/" + check_key(key).encode()
+        k = _wire_key(key)
         await self._confirmed(encode(Op.QUEUE_PUSH, (k,), (to_value(value),)), f"queue_push({key!r})")
 
     async def queue_pop(self, key: str, block: bool = True) -> bytes:
-        k = b"/" + check_key(key).encode()
+        k = _wire_key(key)
         payload = encode(Op.QUEUE_POP, (k,))
+        probe = encode(Op.CHECK, (k,)) + encode(Op.QUEUE_LEN, (k,))
         deadline = time.monotonic() + self._timeout_s
         while True:
             ((n, value),) = await self._request(payload, ((Reply.QUEUE_POP, 0),), f"queue_pop({key!r})", repeatable=False)
@@ -535,10 +572,17 @@ class TCPStore(Store):
                 return value  # type: ignore[no-any-return]
             if not block:
                 raise QueueEmptyError(f"{self._describe()}: queue_pop({key!r}, block=False): queue is empty")
+            # WAIT cannot tell a queue from a value: on a key that holds a value it returns at
+            # once, and the pop would spin. CHECK and QUEUE_LEN, answered together, can.
+            ready, length = await self._request(probe, ((Reply.U8, 0), (Reply.I64, 0)), f"queue_pop({key!r})")
+            if length > 0:
+                continue
+            if ready == CHECK_READY:
+                raise QueueEmptyError(VALUE_NOT_QUEUE.format(store=self._describe(), key=key))
             await self._wait_keys([k], max(0.0, deadline - time.monotonic()), f"queue_pop({key!r})")
 
     async def queue_len(self, key: str) -> int:
-        k = b"/" + check_key(key).encode()
+        k = _wire_key(key)
         (n,) = await self._request(encode(Op.QUEUE_LEN, (k,)), _I64, f"queue_len({key!r})")
         return n  # type: ignore[no-any-return]
 

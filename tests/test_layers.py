@@ -1,0 +1,65 @@
+"""Import layering, checked on the source: wire/ is sans-I/O (no asyncio, no sockets), and
+aiodist never imports aiodist_cuda or cupy. Plus the public surface and the error tree."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import aiodist
+import aiodist_cuda
+
+ROOT = pathlib.Path(aiodist.__file__).parent
+
+
+def imported_modules(path: pathlib.Path) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_wire_is_sans_io() -> None:
+    files = list((ROOT / "wire").glob("*.py"))
+    assert files
+    for f in files:
+        bad = imported_modules(f) & {"asyncio", "socket", "selectors", "uvloop", "aiohttp", "threading"}
+        assert not bad, f"{f.name} imports {bad}: wire/ must stay sans-I/O"
+
+
+def test_aiodist_never_imports_cuda() -> None:
+    for f in ROOT.rglob("*.py"):
+        bad = imported_modules(f) & {"aiodist_cuda", "cupy"}
+        assert not bad, f"{f.relative_to(ROOT.parent)} imports {bad}"
+
+
+def test_import_aiodist_loads_no_cuda_module() -> None:
+    code = "import sys, aiodist; print(sorted(m for m in sys.modules if m.startswith(('cupy', 'aiodist_cuda', 'torch'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_public_surface() -> None:
+    for name in aiodist.__all__:
+        assert hasattr(aiodist, name), name
+    for name in ("TCPStore", "HashStore", "FileStore", "PrefixStore", "Store", "rendezvous", "register_rendezvous_handler"):
+        assert name in aiodist.__all__
+
+
+def test_error_tree() -> None:
+    assert issubclass(aiodist.DistError, RuntimeError)
+    for cls in (aiodist.DistBackendError, aiodist.DistNetworkError, aiodist.DistStoreError):
+        assert issubclass(cls, aiodist.DistError)
+    assert issubclass(aiodist.QueueEmptyError, aiodist.DistStoreError)
+    assert issubclass(aiodist.DistTimeoutError, aiodist.DistError) and issubclass(aiodist.DistTimeoutError, TimeoutError)
+    assert issubclass(aiodist.StoreTimeoutError, aiodist.DistStoreError) and issubclass(aiodist.StoreTimeoutError, TimeoutError)
+
+
+def test_cuda_placeholder_says_so() -> None:
+    assert aiodist_cuda.is_available() is False
+    assert "not built yet" in aiodist_cuda.unavailable_reason()
