@@ -48,9 +48,15 @@ class HashStore(Store):
 
     async def get(self, key: str) -> bytes:
         k = _b(check_key(key))
-        await self._wait([key], self._timeout_s, f"get({key!r})")
-        v = self._state.get(k)
-        return b"" if v is None else v  # as torch: a key that only names a queue reads as empty
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            await self._wait([key], max(0.0, deadline - time.monotonic()), f"get({key!r})")
+            v = self._state.get(k)
+            if v is not None:
+                return v
+            if self._state.check([k]):
+                return b""  # as torch's TCPStore: a key that only names a queue reads as empty
+            # deleted between the wake and now: wait on
 
     async def add(self, key: str, amount: int) -> int:
         k, n = _b(check_key(key)), to_amount(amount)

@@ -14,12 +14,13 @@ class PrefixStore(Store):
     """Every key ``k`` goes to ``underlying_store`` as ``f"{prefix}/{k}"``. Timeouts are the
     underlying store's; ``num_keys`` counts the underlying store's keys, as torch's does."""
 
-    def __init__(self, prefix: str, store: Store) -> None:
+    def __init__(self, prefix: str, store: Store, *, _owns_store: bool = False) -> None:
         check_key(prefix, "prefix")
         if not isinstance(store, Store):
             raise TypeError(f"PrefixStore needs an aiodist Store, not {type(store).__name__}")
         self._prefix = prefix
         self._store = store
+        self._owns_store = _owns_store  # a clone owns the underlying clone it made
 
     @property
     def underlying_store(self) -> Store:
@@ -95,10 +96,13 @@ class PrefixStore(Store):
         return self._store.has_extended_api()
 
     def clone(self) -> PrefixStore:
-        return PrefixStore(self._prefix, self._store.clone())
+        return PrefixStore(self._prefix, self._store.clone(), _owns_store=True)
 
     async def close(self) -> None:
-        """Closing a view leaves the underlying store open (it may have other users)."""
+        """Closing a view leaves the underlying store open (it may have other users), except
+        for a view made by ``clone()``, which closes the underlying clone it made."""
+        if self._owns_store:
+            await self._store.close()
 
     def stats(self) -> dict[str, object]:
         return {"type": "PrefixStore", "prefix": self._prefix, "underlying": self._store.stats()}

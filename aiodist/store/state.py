@@ -83,7 +83,7 @@ class KVState:
     def key_count(self) -> tuple[int, int, int]:
         """(keys, queues, waiters): for statistics."""
         with self._lock:
-            return len(self._data), len(self._queues), sum(len(w) for w in self._waiters.values())
+            return len(self._data), len(self._queues), len({id(w) for ws in self._waiters.values() for w in ws})
 
     def snapshot_sizes(self) -> dict[bytes, int]:
         with self._lock:

@@ -1,0 +1,114 @@
+"""Test-suite plumbing: event loops to run on, and "nothing passed" is a failure.
+
+Event loops
+    pytest-asyncio (1.5) builds each async test's loop through the ``pytest_asyncio_loop_factories``
+    hook, implemented below; it parametrizes the test over the factories the hook returns
+    (overriding the ``event_loop_policy`` fixture, the older way, is deprecated in 1.5).
+
+    - An ordinary async test gets one factory, the plain asyncio loop, under a hidden id: it
+      runs once, named as before.
+    - An async test that opts in runs once per loop in ``LOOP_FACTORIES``, with ids
+      ``[asyncio]`` (the default asyncio loop in debug mode, which also catches calls into a
+      loop from the wrong thread) and ``[uvloop]`` (where uvloop is installed). Opt in by
+      marking the test, class or module with ``@pytest.mark.any_loop`` (``pytestmark =
+      pytest.mark.any_loop``), or by requesting the ``any_loop`` fixture, whose value is the
+      name of the loop the test is running on (``"asyncio"`` or ``"uvloop"``).
+    - Run one loop only with ``-k asyncio`` / ``-k uvloop``. ``--asyncio-debug`` turns debug
+      mode on for every loop.
+
+Nothing passed
+    A session in which no test passed (all skipped, xfailed or deselected; for example a
+    dependency is missing and everything skips) exits with status 5, as pytest does when it
+    collects nothing, instead of 0. ``--collect-only`` runs and failing runs are left alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is not available on Windows
+    uvloop = None  # type: ignore[assignment]
+
+
+class DebugEventLoop(asyncio.SelectorEventLoop):
+    """asyncio's default loop, always in debug mode. pytest-asyncio's runner calls
+    ``set_debug(False)`` on every loop unless ``--asyncio-debug`` is given, so that is ignored."""
+
+    def set_debug(self, enabled: bool) -> None:
+        super().set_debug(True)
+
+
+LOOP_FACTORIES: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": DebugEventLoop}
+if uvloop is not None:
+    LOOP_FACTORIES["uvloop"] = uvloop.new_event_loop
+
+_PLAIN_LOOP: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": asyncio.new_event_loop}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "any_loop: run this async test on every event loop of tests/conftest.py LOOP_FACTORIES (asyncio in debug mode, uvloop)")
+
+
+def _wants_any_loop(item: pytest.Item) -> bool:
+    return item.get_closest_marker("any_loop") is not None or "any_loop" in getattr(item, "fixturenames", ())
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    # pytest-asyncio refuses None here, so tests that do not opt in get a single plain loop.
+    return LOOP_FACTORIES if _wants_any_loop(item) else _PLAIN_LOOP
+
+
+@pytest.fixture
+async def any_loop() -> str:
+    """Run the requesting async test on every loop; the value names the current one."""
+    loop = asyncio.get_running_loop()
+    if uvloop is not None and isinstance(loop, uvloop.Loop):
+        return "uvloop"
+    return "asyncio"
+
+
+# -- a session where nothing passed fails ------------------------------------------------------
+
+
+class _PassCounter:
+    """Counts passed tests (reports forwarded from xdist workers included)."""
+
+    def __init__(self) -> None:
+        self.passed = 0
+        self.failed_the_session = False
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call" and report.passed:
+            self.passed += 1
+
+
+_COUNTER = pytest.StashKey[_PassCounter]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    counter = _PassCounter()
+    session.config.stash[_COUNTER] = counter
+    session.config.pluginmanager.register(counter, "aiodist-pass-counter")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    counter = config.stash.get(_COUNTER, None)
+    if counter is None or hasattr(config, "workerinput") or config.option.collectonly:
+        return  # an xdist worker reports to the controller, which decides
+    if exitstatus == pytest.ExitCode.OK and counter.passed == 0:
+        session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED
+        counter.failed_the_session = True
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
+    counter = config.stash.get(_COUNTER, None)
+    if counter is not None and counter.failed_the_session:
+        terminalreporter.write_line("no test passed (all skipped, xfailed or deselected): exit status 5, see tests/conftest.py", red=True, bold=True)
