@@ -9,7 +9,8 @@ from aiodist.errors import (
     QueueEmptyError,
     StoreTimeoutError,
 )
-from aiodist.store import HashStore, PrefixStore, Store
+from aiodist.rendezvous import register_rendezvous_handler, rendezvous
+from aiodist.store import FileStore, HashStore, PrefixStore, Store, TCPStore, TCPStoreServer
 
 __version__ = "0.1.0"
 
@@ -24,4 +25,9 @@ __all__ = [
     "Store",
     "HashStore",
     "PrefixStore",
+    "FileStore",
+    "TCPStore",
+    "TCPStoreServer",
+    "rendezvous",
+    "register_rendezvous_handler",
 ]
