@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import abc
 import operator
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from aiodist._time import TimeoutLike, to_seconds
 from aiodist.errors import StoreTimeoutError
@@ -198,7 +199,7 @@ class Store(abc.ABC):
         """Whether the store supports the extended operations (append, multi_get/set, queues)."""
         return True
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - a no-op default, not abstract
         """Release what the store holds (connections, servers). Idempotent."""
 
     async def __aenter__(self) -> Store:

@@ -40,7 +40,8 @@ import struct
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Generator, Sequence, TypeVar
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, TypeVar
 
 try:
     import fcntl
@@ -49,7 +50,18 @@ except ImportError:  # pragma: no cover - not POSIX
 
 from aiodist._time import TimeoutLike
 from aiodist.errors import DistStoreError, QueueEmptyError, StoreTimeoutError
-from aiodist.store.base import DEFAULT_STORE_TIMEOUT, VALUE_NOT_QUEUE, Store, ValueLike, check_key, check_keys, pair_up, store_timeout, to_amount, to_value
+from aiodist.store.base import (
+    DEFAULT_STORE_TIMEOUT,
+    VALUE_NOT_QUEUE,
+    Store,
+    ValueLike,
+    check_key,
+    check_keys,
+    pair_up,
+    store_timeout,
+    to_amount,
+    to_value,
+)
 
 __all__ = ["FileStore"]
 

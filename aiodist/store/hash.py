@@ -5,11 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from aiodist._time import TimeoutLike
 from aiodist.errors import DistStoreError, QueueEmptyError
-from aiodist.store.base import DEFAULT_STORE_TIMEOUT, VALUE_NOT_QUEUE, Store, ValueLike, check_key, check_keys, pair_up, store_timeout, to_amount, to_value
+from aiodist.store.base import (
+    DEFAULT_STORE_TIMEOUT,
+    VALUE_NOT_QUEUE,
+    Store,
+    ValueLike,
+    check_key,
+    check_keys,
+    pair_up,
+    store_timeout,
+    to_amount,
+    to_value,
+)
 from aiodist.store.state import KVState
 
 __all__ = ["HashStore"]

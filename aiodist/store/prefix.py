@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from aiodist._time import TimeoutLike
 from aiodist.store.base import Store, ValueLike, check_key, check_keys

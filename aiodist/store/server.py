@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import socket
 import sys
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from aiodist.errors import DistNetworkError, StoreTimeoutError
 from aiodist.store.state import KVState, Waiter
@@ -183,9 +185,9 @@ class _Conn(asyncio.Protocol):
             out.append(_STOP)
             return
         self.waits.append(w)
-        w.fut.add_done_callback(lambda f, w=w: self._wait_done(w))
+        w.fut.add_done_callback(functools.partial(self._wait_done, w))
 
-    def _wait_done(self, w: Waiter) -> None:
+    def _wait_done(self, w: Waiter, _fut: object = None) -> None:
         if w.fut.cancelled():
             return
         try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["KVState", "Waiter"]
 

@@ -29,11 +29,23 @@ import socket
 import threading
 import time
 from collections import deque
-from typing import Any, Generator, Sequence
+from collections.abc import Generator, Sequence
+from typing import Any
 
 from aiodist._time import TimeoutLike
 from aiodist.errors import DistNetworkError, DistStoreError, QueueEmptyError
-from aiodist.store.base import DEFAULT_STORE_TIMEOUT, VALUE_NOT_QUEUE, Store, ValueLike, check_key, check_keys, pair_up, store_timeout, to_amount, to_value
+from aiodist.store.base import (
+    DEFAULT_STORE_TIMEOUT,
+    VALUE_NOT_QUEUE,
+    Store,
+    ValueLike,
+    check_key,
+    check_keys,
+    pair_up,
+    store_timeout,
+    to_amount,
+    to_value,
+)
 from aiodist.store.server import INIT_KEY, ServerThread, TCPStoreServer, local_socket_name
 from aiodist.wire.store import CHECK_READY, STOP_WAITING, Limits, Op, ProtocolError, Reply, ReplyParser, encode
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import enum
 import struct
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 __all__ = [
     "MAGIC",
