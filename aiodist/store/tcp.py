@@ -63,17 +63,36 @@ class _Lost(Exception):
     """The connection under a request broke (wrapped into a DistError by the caller)."""
 
 
+class _NoReply(_Lost):
+    """The server did not answer a request within the store timeout; the connection is closed."""
+
+
+class _Pending:
+    """One request group in flight: the future of its replies, how many are still due, when."""
+
+    __slots__ = ("fut", "left", "values", "deadline")
+
+    def __init__(self, fut: asyncio.Future[list[Any]], left: int, deadline: float | None) -> None:
+        self.fut = fut
+        self.left = left
+        self.values: list[Any] = []
+        self.deadline = deadline
+
+
 class _Connection(asyncio.Protocol):
-    """One client connection: writes requests, matches replies to futures in order."""
+    """One client connection: writes request groups, hands each group's replies (which come
+    back in order) to one future. A single timer watches the oldest group's deadline, instead
+    of one timer per request: replies are in order, so the oldest group is always due first."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.parser = ReplyParser()
-        self.futs: deque[asyncio.Future[Any]] = deque()
+        self.pending: deque[_Pending] = deque()
         self.transport: asyncio.Transport | None = None
         self.error: Exception | None = None
-        self._paused = False
+        self.paused = False
         self._drain: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
 
     # asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -83,13 +102,17 @@ class _Connection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
-        parser, futs = self.parser, self.futs
+        parser, pending = self.parser, self.pending
         try:
             parser.feed(data)
             while (r := parser.next_reply()) is not None:
-                f = futs.popleft()
-                if not f.done():
-                    f.set_result(r)
+                head = pending[0]
+                head.values.append(r)
+                head.left -= 1
+                if head.left == 0:
+                    pending.popleft()
+                    if not head.fut.done():
+                        head.fut.set_result(head.values)
         except ProtocolError as exc:
             self._fail(_Lost(f"protocol error from the server: {exc}"))
             assert self.transport is not None
@@ -101,41 +124,59 @@ class _Connection(asyncio.Protocol):
             self._drain.set_result(None)
 
     def pause_writing(self) -> None:
-        self._paused = True
+        self.paused = True
 
     def resume_writing(self) -> None:
-        self._paused = False
+        self.paused = False
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
 
     def _fail(self, exc: Exception) -> None:
         if self.error is None:
             self.error = exc
-        while self.futs:
-            f = self.futs.popleft()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        while self.pending:
+            f = self.pending.popleft().fut
             if not f.done():
                 f.set_exception(exc)
+
+    def _check_deadline(self) -> None:
+        self._timer = None
+        if not self.pending:
+            return
+        deadline = self.pending[0].deadline
+        if deadline is not None and self.loop.time() >= deadline:
+            self._fail(_NoReply("no reply from the server in time"))
+            if self.transport is not None:
+                self.transport.close()
+        elif deadline is not None:
+            self._timer = self.loop.call_at(deadline, self._check_deadline)
 
     # API
     @property
     def usable(self) -> bool:
         return self.error is None and self.transport is not None and not self.transport.is_closing()
 
-    def send(self, payload: bytes, shapes: tuple[tuple[Reply, int], ...]) -> list[asyncio.Future[Any]]:
+    def send(self, payload: bytes, shapes: tuple[tuple[Reply, int], ...], timeout: float | None) -> asyncio.Future[list[Any]]:
+        """Write one request group; a future of its replies. With ``timeout``, the connection
+        fails (``_NoReply``) if they are not all in by then."""
         if self.error is not None:
             raise self.error
         assert self.transport is not None
-        futs = []
         for shape, count in shapes:
             self.parser.expect(shape, count)
-            f = self.loop.create_future()
-            self.futs.append(f)
-            futs.append(f)
+        fut = self.loop.create_future()
+        deadline = None if timeout is None else self.loop.time() + timeout
+        self.pending.append(_Pending(fut, len(shapes), deadline))
+        if deadline is not None and self._timer is None:
+            self._timer = self.loop.call_at(deadline, self._check_deadline)
         self.transport.write(payload)
-        return futs
+        return fut
 
     async def drain(self) -> None:
-        if self._paused and self.error is None:
+        if self.paused and self.error is None:
             if self._drain is None or self._drain.done():
                 self._drain = self.loop.create_future()
             await self._drain
@@ -144,6 +185,23 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
         self._fail(_Lost("connection closed by this client"))
+
+    @property
+    def kind(self) -> str:
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        return "unix" if sock is not None and sock.family == socket.AF_UNIX else "tcp"
+
+
+_NO_ARG = object()
+
+
+def _what(op: str, arg: object) -> str:
+    """How an error message names a call: ``get('k')``, ``add('k', 1)``, ``num_keys()``."""
+    if arg is _NO_ARG:
+        return f"{op}()"
+    if isinstance(arg, tuple):
+        return f"{op}({', '.join(repr(a) for a in arg)})"
+    return f"{op}({arg!r})"
 
 
 def _wire_key(key: str) -> bytes:
@@ -334,6 +392,7 @@ class TCPStore(Store):
         out: dict[str, Any] = {**super().stats(), "host": self._host, "port": self._port, "is_master": self._is_master}
         out.update(self._counts)
         out["waiter_connections"] = len(self._idle) + len(self._busy)
+        out["transport"] = self._main.kind if self._main is not None and self._main.usable else None
         if self._server is not None:
             out["server"] = self._server.server.stats()
         return out
@@ -367,10 +426,8 @@ class TCPStore(Store):
                 delay = min(delay * 2, 1.0)
         nonce = int.from_bytes(os.urandom(4), "little")
         try:
-            (echo,) = conn.send(encode(Op.VALIDATE, number=0x3C85F7CE) + encode(Op.PING, number=nonce), _U32)
-            async with asyncio.timeout(max(0.001, deadline - time.monotonic())):
-                got = await echo
-        except (_Lost, TimeoutError) as exc:
+            (got,) = await conn.send(encode(Op.VALIDATE, number=0x3C85F7CE) + encode(Op.PING, number=nonce), _U32, max(0.001, deadline - time.monotonic()))
+        except _Lost as exc:
             conn.close()
             raise DistNetworkError(f"{self._describe()}: the server did not complete the handshake: {exc or 'timed out'}") from None
         if got != nonce:
@@ -417,27 +474,29 @@ class TCPStore(Store):
         return conn
 
     async def _request(
-        self, payload: bytes, shapes: tuple[tuple[Reply, int], ...], what: str, repeatable: bool = True
+        self, payload: bytes, shapes: tuple[tuple[Reply, int], ...], op: str, arg: object = _NO_ARG, repeatable: bool = True
     ) -> list[Any]:
-        """Send on the main connection; the replies. A broken connection is retried once
-        for ``repeatable`` requests, else it is a DistStoreError naming ``what``."""
+        """Send on the main connection; the replies. A broken connection is retried once for
+        ``repeatable`` requests, else it is a DistStoreError naming the call (``op(arg)``,
+        formatted only when it fails: this is the hot path)."""
         self._counts["requests"] += 1
         for attempt in (0, 1):
-            conn = await self._main_conn()
+            conn = self._main
+            if conn is None or conn.error is not None or conn.loop is not asyncio.get_running_loop():
+                conn = await self._main_conn()
             try:
-                futs = conn.send(payload, shapes)
-                await conn.drain()
-                async with asyncio.timeout(self._timeout_s):
-                    return [await f for f in futs]
-            except TimeoutError:
-                conn.close()  # a silent server: drop the connection so nothing waits on it
-                raise DistStoreError(f"{self._describe()}: {what}: no reply from the server within {self._timeout_s:g} s") from None
+                fut = conn.send(payload, shapes, self._timeout_s)
+                if conn.paused:
+                    await conn.drain()
+                return await fut
+            except _NoReply:
+                raise DistStoreError(f"{self._describe()}: {_what(op, arg)}: no reply from the server within {self._timeout_s:g} s") from None
             except _Lost as exc:
                 if repeatable and attempt == 0:
                     continue
                 raise DistStoreError(
-                    f"{self._describe()}: {what} failed: {exc}. A TCPStore server closes a connection on a request it "
-                    f"refuses (e.g. add on a key holding a non-integer, a key or value over its limits); "
+                    f"{self._describe()}: {_what(op, arg)} failed: {exc}. A TCPStore server closes a connection on a "
+                    f"request it refuses (e.g. add on a key holding a non-integer, a key or value over its limits); "
                     f"the next call reconnects."
                 ) from None
         raise AssertionError("unreachable")  # pragma: no cover
@@ -455,9 +514,9 @@ class TCPStore(Store):
             if conn is None:
                 conn = await self._open(deadline)
             self._busy.add(conn)
-            (fut,) = conn.send(encode(Op.WAIT, keys), _U8)
+            fut = conn.send(encode(Op.WAIT, keys), _U8, None)  # the wait's own deadline, below
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                r = await fut
+                (r,) = await fut
             if r != STOP_WAITING:
                 raise _Lost(f"unexpected reply {r} to WAIT")
         except TimeoutError:
@@ -485,71 +544,71 @@ class TCPStore(Store):
         keys = keys[:64]
         try:
             payload = b"".join(encode(Op.CHECK, (k,)) for k in keys)
-            ready = await self._request(payload, tuple((Reply.U8, 0) for _ in keys), "check")
+            ready = await self._request(payload, tuple((Reply.U8, 0) for _ in keys), "check", keys)
         except DistStoreError:
             return []
         return [k[1:].decode(errors="replace") for k, r in zip(keys, ready) if r != CHECK_READY]
 
-    async def _confirmed(self, payload: bytes, what: str) -> None:
+    async def _confirmed(self, payload: bytes, op: str, arg: object) -> None:
         """Send a request that has no reply, followed by a PING; return when it is echoed."""
-        await self._request(payload + encode(Op.PING, number=0), _U32, what, repeatable=False)
+        await self._request(payload + encode(Op.PING, number=0), _U32, op, arg, repeatable=False)
 
     # -- the Store API ----------------------------------------------------------------------
 
     async def set(self, key: str, value: ValueLike) -> None:
         k = _wire_key(key)
-        await self._confirmed(encode(Op.SET, (k,), (to_value(value),)), f"set({key!r})")
+        await self._confirmed(encode(Op.SET, (k,), (to_value(value),)), "set", key)
 
     async def get(self, key: str) -> bytes:
         k = _wire_key(key)
         payload = encode(Op.CHECK, (k,)) + encode(Op.GET, (k,))
         deadline = time.monotonic() + self._timeout_s
         while True:
-            ready, value = await self._request(payload, _CHECK_GET, f"get({key!r})")
+            ready, value = await self._request(payload, _CHECK_GET, "get", key)
             if ready == CHECK_READY:
                 return value  # type: ignore[no-any-return]
             await self._wait_keys([k], max(0.0, deadline - time.monotonic()), f"get({key!r})")
 
     async def add(self, key: str, amount: int) -> int:
         k, n = _wire_key(key), to_amount(amount)
-        (v,) = await self._request(encode(Op.ADD, (k,), number=n), _I64, f"add({key!r}, {n})", repeatable=False)
+        (v,) = await self._request(encode(Op.ADD, (k,), number=n), _I64, "add", (key, n), repeatable=False)
         return v  # type: ignore[no-any-return]
 
     async def compare_set(self, key: str, expected_value: ValueLike, desired_value: ValueLike) -> bytes:
         k = _wire_key(key)
         e, d = to_value(expected_value, "expected_value"), to_value(desired_value, "desired_value")
-        (v,) = await self._request(encode(Op.COMPARE_SET, (k,), (e, d)), _BYTES, f"compare_set({key!r})", repeatable=False)
+        (v,) = await self._request(encode(Op.COMPARE_SET, (k,), (e, d)), _BYTES, "compare_set", key, repeatable=False)
         return v  # type: ignore[no-any-return]
 
     async def wait(self, keys: Sequence[str], timeout: TimeoutLike | None = None) -> None:
         ks = check_keys(keys)
         seconds = self._wait_seconds(timeout)
         bkeys = [b"/" + k.encode() for k in ks]
-        (ready,) = await self._request(encode(Op.CHECK, bkeys), _U8, f"wait({ks!r})")
+        (ready,) = await self._request(encode(Op.CHECK, bkeys), _U8, "wait", ks)
         if ready != CHECK_READY:
             await self._wait_keys(bkeys, seconds, f"wait({ks!r})")
 
     async def check(self, keys: Sequence[str]) -> bool:
         ks = check_keys(keys)
-        (ready,) = await self._request(encode(Op.CHECK, [b"/" + k.encode() for k in ks]), _U8, f"check({ks!r})")
+        (ready,) = await self._request(encode(Op.CHECK, [b"/" + k.encode() for k in ks]), _U8, "check", ks)
         return ready == CHECK_READY  # type: ignore[no-any-return]
 
     async def delete_key(self, key: str) -> bool:
         k = _wire_key(key)
-        (n,) = await self._request(encode(Op.DELETE_KEY, (k,)), _I64, f"delete_key({key!r})", repeatable=False)
+        (n,) = await self._request(encode(Op.DELETE_KEY, (k,)), _I64, "delete_key", key, repeatable=False)
         return bool(n)
 
     async def num_keys(self) -> int:
-        (n,) = await self._request(encode(Op.GETNUMKEYS), _I64, "num_keys()")
+        (n,) = await self._request(encode(Op.GETNUMKEYS), _I64, "num_keys")
         return n  # type: ignore[no-any-return]
 
     async def list_keys(self) -> list[str]:
-        (keys,) = await self._request(encode(Op.LIST), ((Reply.COUNTED_LIST, 0),), "list_keys()")
+        (keys,) = await self._request(encode(Op.LIST), ((Reply.COUNTED_LIST, 0),), "list_keys")
         return [k[1:].decode(errors="replace") for k in keys if k.startswith(b"/")]
 
     async def append(self, key: str, value: ValueLike) -> None:
         k = _wire_key(key)
-        await self._confirmed(encode(Op.APPEND, (k,), (to_value(value),)), f"append({key!r})")
+        await self._confirmed(encode(Op.APPEND, (k,), (to_value(value),)), "append", key)
 
     async def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         ks = check_keys(keys)
@@ -560,18 +619,18 @@ class TCPStore(Store):
         shapes = ((Reply.U8, 0), (Reply.BYTES_LIST, len(bkeys)))
         deadline = time.monotonic() + self._timeout_s
         while True:
-            ready, values = await self._request(payload, shapes, f"multi_get({ks!r})")
+            ready, values = await self._request(payload, shapes, "multi_get", ks)
             if ready == CHECK_READY:
                 return values  # type: ignore[no-any-return]
             await self._wait_keys(bkeys, max(0.0, deadline - time.monotonic()), f"multi_get({ks!r})")
 
     async def multi_set(self, keys: Sequence[str], values: Sequence[ValueLike]) -> None:
         ks, vs = pair_up(keys, values)
-        await self._confirmed(encode(Op.MULTI_SET, [b"/" + k.encode() for k in ks], vs), f"multi_set({ks!r})")
+        await self._confirmed(encode(Op.MULTI_SET, [b"/" + k.encode() for k in ks], vs), "multi_set", ks)
 
     async def queue_push(self, key: str, value: ValueLike) -> None:
         k = _wire_key(key)
-        await self._confirmed(encode(Op.QUEUE_PUSH, (k,), (to_value(value),)), f"queue_push({key!r})")
+        await self._confirmed(encode(Op.QUEUE_PUSH, (k,), (to_value(value),)), "queue_push", key)
 
     async def queue_pop(self, key: str, block: bool = True) -> bytes:
         k = _wire_key(key)
@@ -579,14 +638,14 @@ class TCPStore(Store):
         probe = encode(Op.CHECK, (k,)) + encode(Op.QUEUE_LEN, (k,))
         deadline = time.monotonic() + self._timeout_s
         while True:
-            ((n, value),) = await self._request(payload, ((Reply.QUEUE_POP, 0),), f"queue_pop({key!r})", repeatable=False)
+            ((n, value),) = await self._request(payload, ((Reply.QUEUE_POP, 0),), "queue_pop", key, repeatable=False)
             if n > 0:
                 return value  # type: ignore[no-any-return]
             if not block:
                 raise QueueEmptyError(f"{self._describe()}: queue_pop({key!r}, block=False): queue is empty")
             # WAIT cannot tell a queue from a value: on a key that holds a value it returns at
             # once, and the pop would spin. CHECK and QUEUE_LEN, answered together, can.
-            ready, length = await self._request(probe, ((Reply.U8, 0), (Reply.I64, 0)), f"queue_pop({key!r})")
+            ready, length = await self._request(probe, ((Reply.U8, 0), (Reply.I64, 0)), "queue_pop", key)
             if length > 0:
                 continue
             if ready == CHECK_READY:
@@ -595,12 +654,12 @@ class TCPStore(Store):
 
     async def queue_len(self, key: str) -> int:
         k = _wire_key(key)
-        (n,) = await self._request(encode(Op.QUEUE_LEN, (k,)), _I64, f"queue_len({key!r})")
+        (n,) = await self._request(encode(Op.QUEUE_LEN, (k,)), _I64, "queue_len", key)
         return n  # type: ignore[no-any-return]
 
     async def ping(self) -> float:
         """One round trip to the server; its time in seconds."""
         t = time.perf_counter()
-        await self._request(encode(Op.PING, number=1), _U32, "ping()")
+        await self._request(encode(Op.PING, number=1), _U32, "ping")
         return time.perf_counter() - t
 
