@@ -294,3 +294,29 @@ async def test_waking_a_waiter_of_a_closed_loop_is_harmless() -> None:
     live = s.wait([b"k"])
     s.set(b"k", b"v")
     assert live is not None and live.fut.done()
+
+
+@pytest.mark.parametrize(
+    "old,delta,want",
+    [
+        (None, 5, 5),
+        (b"7", -10, -3),
+        (b"  +4", 1, 5),  # leading blanks and a sign, as C's stoll
+        (b"12abc", 1, 13),  # torch's server ignores what follows the number
+        (b"1_000", 1, 2),
+        (str(2**63 - 1).encode(), 1, -(2**63)),  # wraps in 64 bits, as torch's int64_t
+        (str(-(2**63)).encode(), -1, 2**63 - 1),
+    ],
+)
+def test_counter_add_reads_values_as_torch_does(old: bytes | None, delta: int, want: int) -> None:
+    from aiodist.store.state import counter_add
+
+    assert counter_add(b"k", old, delta) == want
+
+
+@pytest.mark.parametrize("old", [b"abc", b"", b"  ", b"99999999999999999999999"])
+def test_counter_add_refuses_non_counters(old: bytes) -> None:
+    from aiodist.store.state import counter_add
+
+    with pytest.raises(ValueError):
+        counter_add(b"k", old, 1)

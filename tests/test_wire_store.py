@@ -255,3 +255,12 @@ def test_split_and_pipelined_replies(items: list[tuple[tuple[Reply, int], bytes,
     while (r := p.next_reply()) is not None:  # zero-byte replies (an empty MULTI_GET) at the end
         got.append(r)
     assert got == [v for _, _, v in items]
+
+
+def test_second_validate_is_refused() -> None:
+    """torch's server closes a connection that validates twice; so does aiodist's."""
+    p = RequestParser()
+    p.feed(VALIDATE + VALIDATE)
+    p.next_request()
+    with pytest.raises(ProtocolError, match="twice"):
+        p.next_request()

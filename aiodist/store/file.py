@@ -62,6 +62,7 @@ from aiodist.store.base import (
     to_amount,
     to_value,
 )
+from aiodist.store.state import counter_add
 
 __all__ = ["FileStore"]
 
@@ -559,14 +560,10 @@ class FileStore(Store):
         k, n = _b(check_key(key)), to_amount(amount)
 
         def body(fd: int | None) -> int:
-            old = self._cache.data.get(k)
-            if old is None:
-                new = n
-            else:
-                try:
-                    new = int(old) + n
-                except ValueError:
-                    raise DistStoreError(f"{self._describe()}: add({key!r}, {n}): value of key {key!r} is not an integer: {old[:64]!r}") from None
+            try:
+                new = counter_add(k, self._cache.data.get(k), n)
+            except ValueError as exc:
+                raise DistStoreError(f"{self._describe()}: add({key!r}, {n}): {exc}") from None
             self._commit(fd, _rec(_SET, k, str(new).encode()))  # type: ignore[arg-type]
             return new
 

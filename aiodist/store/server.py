@@ -56,6 +56,7 @@ _STOP = encode_u8(STOP_WAITING)
 _READY = encode_u8(CHECK_READY)
 _NOT_READY = encode_u8(CHECK_NOT_READY)
 _CANCELED = encode_u8(WAIT_CANCELED)
+_FLUSH_BYTES = 64 * 1024
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -114,6 +115,7 @@ class _Conn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
         self.waits: list[Waiter] = []
+        self.paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -135,22 +137,55 @@ class _Conn(asyncio.Protocol):
         self.waits.clear()
 
     def data_received(self, data: bytes) -> None:
-        out: list[bytes] = []
-        handlers = _HANDLERS
-        n = 0
         try:
             self.parser.feed(data)
-            while (req := self.parser.next_request()) is not None:
-                handlers[req.op](self, req, out)
-                n += 1
         except ProtocolError as exc:
             self._refuse(str(exc))
-        except ValueError as exc:  # ADD on a non-integer: torch closes the connection too
+            return
+        self._process()
+
+    def _process(self) -> None:
+        """Answer every complete request buffered, unless the peer stops reading our replies:
+        then stop (and stop reading from it) until the transport drains. Replies go out in one
+        write per batch, or sooner when a batch grows past ``_FLUSH_BYTES``."""
+        out: list[bytes] = []
+        size = n = 0
+        handlers = _HANDLERS
+        parser = self.parser
+        try:
+            while not self.paused and (req := parser.next_request()) is not None:
+                handlers[req.op](self, req, out)
+                n += 1
+                if out and len(out[-1]) + size >= _FLUSH_BYTES:
+                    self._write(out)
+                    out, size = [], 0
+                elif out:
+                    size += len(out[-1])
+        except ProtocolError as exc:
             self._refuse(str(exc))
+        except Exception as exc:  # ADD on a non-integer, or anything unforeseen: close only this client
+            self._refuse(f"{type(exc).__name__}: {exc}")
         finally:
             self.server.stats_counter["requests"] += n
-        if out and self.transport is not None and not self.transport.is_closing():
+        if out:
+            self._write(out)
+
+    def _write(self, out: list[bytes]) -> None:
+        if self.transport is not None and not self.transport.is_closing():
             self.transport.write(b"".join(out) if len(out) > 1 else out[0])
+
+    def pause_writing(self) -> None:
+        # The peer is not reading its replies: stop reading its requests, so what we buffer
+        # stays bounded by the transport's high-water mark plus one flush.
+        self.paused = True
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+            self._process()
 
     def _refuse(self, why: str) -> None:
         self.server.stats_counter["refused"] += 1

@@ -12,11 +12,12 @@ tasks on several threads' loops can share one state.
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from collections import deque
 from collections.abc import Callable
 
-__all__ = ["KVState", "Waiter"]
+__all__ = ["KVState", "Waiter", "counter_add"]
 
 
 class Waiter:
@@ -113,16 +114,15 @@ class KVState:
         _wake(wake)
 
     def add(self, key: bytes, delta: int) -> int:
-        """Add ``delta`` to the counter at ``key`` (created at 0); ValueError if it holds a non-integer."""
+        """Add ``delta`` to the counter at ``key`` (created at 0) and return the new value.
+
+        As torch's server: the stored value is read like C's ``stoll`` (leading blanks, a sign,
+        then digits; anything after them is ignored), the sum wraps around in 64 bits, and a
+        value with no leading integer or one outside the signed 64-bit range is refused with
+        ``ValueError``.
+        """
         with self._lock:
-            old = self._data.get(key)
-            if old is None:
-                n = delta
-            else:
-                try:
-                    n = int(old) + delta
-                except ValueError:
-                    raise ValueError(f"value of key {key!r} is not an integer: {old[:64]!r}") from None
+            n = counter_add(key, self._data.get(key), delta)
             self._data[key] = str(n).encode()
             wake = self._ready_waiters(key, one=False)
         _wake(wake)
@@ -237,6 +237,28 @@ class KVState:
                 if one:
                     break
         return out
+
+
+_I64_HALF = 2**63
+_I64_SPAN = 2**64
+_LEADING_INT = re.compile(rb"\s*([+-]?\d+)")
+
+
+def _stoll(key: bytes, value: bytes) -> int:
+    m = _LEADING_INT.match(value)
+    if m is None:
+        raise ValueError(f"value of key {key!r} is not an integer: {value[:64]!r}")
+    n = int(m.group(1))
+    if not -_I64_HALF <= n < _I64_HALF:
+        raise ValueError(f"value of key {key!r} is outside the signed 64-bit range: {value[:64]!r}")
+    return n
+
+
+def counter_add(key: bytes, old: bytes | None, delta: int) -> int:
+    """What ADD stores: ``old`` read as torch's server reads it, plus ``delta``, wrapped to 64
+    bits. Every store uses this, so they agree. ValueError if ``old`` is not a counter."""
+    n = delta if old is None else _stoll(key, old) + delta
+    return ((n + _I64_HALF) % _I64_SPAN) - _I64_HALF
 
 
 def _wake(waiters: list[Waiter]) -> None:

@@ -223,16 +223,16 @@ class _Tenants:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._servers: dict[tuple[str, int], tuple[ServerThread, int]] = {}
+        self._servers: dict[int, tuple[ServerThread, int]] = {}
 
-    def acquire(self, key: tuple[str, int], start: Any) -> ServerThread:
+    def acquire(self, key: int, start: Any) -> ServerThread:
         with self._lock:
             if key in self._servers:
                 st, n = self._servers[key]
                 self._servers[key] = (st, n + 1)
                 return st
             st = start()
-            self._servers[(key[0], st.server.port)] = (st, 1)
+            self._servers[st.server.port] = (st, 1)
             return st
 
     def release(self, st: ServerThread) -> bool:
@@ -347,7 +347,8 @@ class TCPStore(Store):
             return ServerThread(TCPStoreServer(None, self._port, limits=limits, sock=sock)).start()
 
         if self._multi_tenant and self._listen_fd is None and self._port != 0:
-            self._server = await asyncio.to_thread(_TENANTS.acquire, (self._host, self._port), start)
+            # Keyed by port alone: the server listens on every interface whatever the host string.
+            self._server = await asyncio.to_thread(_TENANTS.acquire, self._port, start)
         else:
             self._server = await asyncio.to_thread(start)
         self._port = self._server.server.port
@@ -451,11 +452,17 @@ class TCPStore(Store):
         _, conn = await loop.create_unix_connection(lambda: _Connection(loop), sock=sock)
         return conn
 
+    def _check_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop  # a clone belongs to the loop that first uses it
+        elif self._loop is not loop:
+            raise DistStoreError(f"{self._describe()} belongs to another event loop; use store.clone() on this one")
+
     async def _main_conn(self) -> _Connection:
+        self._check_loop()
         conn = self._main
         if conn is not None and conn.usable:
-            if conn.loop is not asyncio.get_running_loop():
-                raise DistStoreError(f"{self._describe()} belongs to another event loop; use store.clone() on this one")
             return conn
         if not self._started:
             raise DistStoreError(
@@ -503,6 +510,7 @@ class TCPStore(Store):
 
     async def _wait_keys(self, keys: list[bytes], seconds: float, what: str) -> None:
         """WAIT on a waiter connection until ``keys`` all exist or ``seconds`` pass."""
+        self._check_loop()
         self._counts["waits"] += 1
         start = time.monotonic()
         deadline = start + seconds

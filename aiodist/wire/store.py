@@ -369,10 +369,7 @@ class RequestParser:
         if op is Op.PING:
             return Request(op, number=r.u32())
         if op is Op.VALIDATE:
-            magic = r.u32()
-            if magic != MAGIC:
-                raise ProtocolError(f"bad validation magic 0x{magic:08X}")
-            return Request(op, number=magic)
+            raise ProtocolError("VALIDATE sent twice on one connection")  # torch closes it too
         # GETNUMKEYS, CANCEL_WAIT, LIST take no fields
         return Request(op)
 

@@ -1,0 +1,43 @@
+"""``python -m aiodist.bench NAME [options]``: run one benchmark; with no name, list them."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module with a ``main(argv) -> int``, one line for the listing). Modules are
+# imported only when chosen, so listing stays instant.
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "store": ("aiodist.bench.store", "TCPStore set/get/add ops/s and latency: aiodist (seq, pipelined) vs torch"),
+}
+
+
+def usage() -> str:
+    width = max(len(n) for n in BENCHMARKS)
+    lines = [
+        "usage: python -m aiodist.bench NAME [options]",
+        "       python -m aiodist.bench NAME --help",
+        "",
+        "benchmarks:",
+        *(f"  {name.ljust(width)}  {about}" for name, (_, about) in BENCHMARKS.items()),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in BENCHMARKS:
+        print(f"unknown benchmark {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(BENCHMARKS[name][0])
+    return int(module.main(rest))
+
+
+# The guard matters beyond style: the benchmarks start 'spawn' worker processes, which
+# re-import this module as __mp_main__ and must not run the benchmark again.
+if __name__ == "__main__":
+    sys.exit(main())
