@@ -20,6 +20,7 @@ import pytest
 from aiodist.errors import DistStoreError
 from aiodist.store.server import ServerThread, TCPStoreServer
 from aiodist.store.tcp import TCPStore
+from aiodist.testing import until
 from aiodist.wire.store import Limits
 
 HOST = "127.0.0.1"
@@ -125,13 +126,6 @@ async def good(server: TCPStoreServer) -> AsyncIterator[TCPStore]:
     finally:
         await c.close()
 
-
-async def until(predicate, what: str, deadline_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + deadline_s
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {deadline_s} s waiting for {what}")
-        await asyncio.sleep(0.002)
 
 
 # -- bad input closes that connection only -------------------------------------------------------

@@ -27,18 +27,11 @@ import pytest
 from aiodist.errors import DistError, DistNetworkError, DistStoreError, StoreTimeoutError
 from aiodist.store.base import Store
 from aiodist.store.tcp import TCPStore
+from aiodist.testing import until
 
 HOST = "127.0.0.1"
 SLACK_S = 1.5  # how late (beyond its timeout) a call may report on a busy 2-core box
 
-
-async def until(predicate: Callable[[], bool], what: str, deadline_s: float = 5.0) -> None:
-    """Wait (with a deadline) until ``predicate()`` holds; the predicate reads in-process state."""
-    end = time.monotonic() + deadline_s
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {deadline_s} s waiting for {what}")
-        await asyncio.sleep(0.002)
 
 
 def refused_port() -> tuple[socket.socket, int]:

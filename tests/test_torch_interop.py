@@ -34,6 +34,7 @@ if not dist.is_available():  # pragma: no cover
 from aiodist.errors import DistStoreError, QueueEmptyError, StoreTimeoutError  # noqa: E402
 from aiodist.store.server import ServerThread, TCPStoreServer  # noqa: E402
 from aiodist.store.tcp import TCPStore  # noqa: E402
+from aiodist.testing import until  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -49,13 +50,6 @@ def td(seconds: float) -> datetime.timedelta:
 async def in_thread(fn: Callable[[], T], deadline_s: float = 20.0) -> T:
     return await asyncio.wait_for(asyncio.to_thread(fn), deadline_s)
 
-
-async def until(predicate: Callable[[], bool], what: str, deadline_s: float = 5.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {deadline_s} s waiting for {what}")
-        await asyncio.sleep(0.002)
 
 
 def torch_client(port: int, timeout_s: float = 5.0, **kw: Any) -> Any:
