@@ -726,6 +726,7 @@ async def test_torch_filestore_file_is_refused(tmp_path: Path) -> None:
 # -- the conformance kit -----------------------------------------------------------------------
 
 
+@pytest.mark.any_loop
 async def test_store_conformance_kit(tmp_path: Path) -> None:
     testing = pytest.importorskip("aiodist.testing")
     names = itertools.count()

@@ -645,6 +645,7 @@ async def _run_kit(make_store: Callable[[], Awaitable[Store]]) -> None:
     await check_store(make_store)
 
 
+@pytest.mark.any_loop
 async def test_conformance_kit_on_master() -> None:
     async def make() -> Store:
         return await TCPStore(HOST, 0, is_master=True, timeout=5)
@@ -652,6 +653,7 @@ async def test_conformance_kit_on_master() -> None:
     await _run_kit(make)
 
 
+@pytest.mark.any_loop
 async def test_conformance_kit_on_client_of_separate_master() -> None:
     masters: list[TCPStore] = []
 
@@ -667,6 +669,7 @@ async def test_conformance_kit_on_client_of_separate_master() -> None:
             await m.close()
 
 
+@pytest.mark.any_loop
 async def test_conformance_kit_on_client_over_tcp() -> None:
     """A server bound to 127.0.0.1 has no same-host Unix listener: the client speaks TCP."""
     from aiodist.store.server import ServerThread, TCPStoreServer
