@@ -1,5 +1,30 @@
 """Sans-I/O protocol code: pure encode/decode on bytes. Nothing here imports asyncio or socket."""
 
+from aiodist.wire.frame import (
+    HEADER_SIZE,
+    AbortReceived,
+    DecoderState,
+    FrameDecoder,
+    FrameHeader,
+    FrameKind,
+    FrameLimits,
+    FrameProtocolError,
+    GoodbyeReceived,
+    HeaderReceived,
+    Hello,
+    HelloReceived,
+    LocalProtocolError,
+    PayloadReceived,
+    RemoteProtocolError,
+    StagingLimitError,
+    abort_frame,
+    decode_hello,
+    encode_header,
+    encode_hello,
+    frame_parts,
+    goodbye_frame,
+    hello_frame,
+)
 from aiodist.wire.store import (
     MAGIC,
     Limits,
@@ -14,3 +39,28 @@ from aiodist.wire.store import (
 )
 
 __all__ = ["MAGIC", "Limits", "Op", "ProtocolError", "Reply", "ReplyParser", "Request", "RequestParser", "encode", "encode_request"]
+__all__ += [
+    "HEADER_SIZE",
+    "AbortReceived",
+    "DecoderState",
+    "FrameDecoder",
+    "FrameHeader",
+    "FrameKind",
+    "FrameLimits",
+    "FrameProtocolError",
+    "GoodbyeReceived",
+    "HeaderReceived",
+    "Hello",
+    "HelloReceived",
+    "LocalProtocolError",
+    "PayloadReceived",
+    "RemoteProtocolError",
+    "StagingLimitError",
+    "abort_frame",
+    "decode_hello",
+    "encode_header",
+    "encode_hello",
+    "frame_parts",
+    "goodbye_frame",
+    "hello_frame",
+]

@@ -1,0 +1,124 @@
+"""The one table of size thresholds that picks a collective's schedule, and the only reader of
+the ``AIODIST_ALGO_*`` environment variables.
+
+Rules this module keeps:
+- Every threshold is in bytes of payload (what the choice function names), never elements,
+  so one table serves every dtype.
+- Every rank of a group must choose the same schedule for the same op, so every rank must
+  see the same values: set the variables in the launcher's environment, not per rank. The
+  choice depends only on sizes all ranks know (an all_gather's total, not a rank's own part);
+  all_to_all alone chooses by a rank's own bytes, as its two ways send the same messages.
+- ``AIODIST_ALGO_<FIELD>`` (for example ``AIODIST_ALGO_ALLREDUCE_RD_MAX=32K``) overrides a
+  field; values are integers with an optional binary suffix K, M or G. A malformed value is a
+  ValueError naming the variable, raised when the table is read.
+- The defaults are starting points, to be tuned with ``python -m aiodist.bench``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["ENV_PREFIX", "Thresholds", "current", "from_env"]
+
+ENV_PREFIX = "AIODIST_ALGO_"
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+AllReduceAlgo = Literal["recursive_doubling", "halving_doubling", "ring"]
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Byte thresholds between latency-bound and bandwidth-bound schedules.
+
+    A negative value disables the small-message schedule it bounds (``..._max = -1``) and a
+    zero ``allreduce_ring_min`` sends every all_reduce round the ring, which is how tests force
+    a path."""
+
+    #: broadcast: binomial tree up to this many bytes, a pipelined chain above.
+    broadcast_tree_max: int = 256 * KiB
+    #: all_reduce: recursive doubling (log2 p full exchanges) up to this many bytes ...
+    allreduce_rd_max: int = 64 * KiB
+    #: ... ring reduce-scatter + all-gather from this many bytes; recursive halving/doubling between.
+    allreduce_ring_min: int = 4 * MiB
+    #: all_gather: Bruck (log2 p steps, one staging copy) up to this many bytes in total, ring above.
+    allgather_bruck_max: int = 64 * KiB
+    #: reduce_scatter: direct (every part straight to its owner, one round) up to this many bytes
+    #: in total, ring above.
+    reduce_scatter_direct_max: int = 64 * KiB
+    #: all_to_all: every exchange in flight at once up to this many bytes sent in total, one
+    #: pairwise step at a time above (bounds what a peer must hold unposted).
+    alltoall_burst_max: int = 256 * KiB
+    #: pipelined schedules (ring, chain, tree reduce) move data in pieces of at most this many
+    #: bytes, so one piece's reduction overlaps the next piece's transfer.
+    pipeline_piece: int = 256 * KiB
+
+    def __post_init__(self) -> None:
+        if self.pipeline_piece < 1:
+            raise ValueError(f"pipeline_piece must be at least 1 byte, got {self.pipeline_piece}")
+
+    def piece_elems(self, itemsize: int) -> int:
+        """Pipelining piece in elements of ``itemsize`` bytes (at least one)."""
+        return max(1, self.pipeline_piece // max(1, itemsize))
+
+    def broadcast(self, nbytes: int) -> Literal["tree", "chain"]:
+        return "tree" if nbytes <= self.broadcast_tree_max else "chain"
+
+    def all_reduce(self, nbytes: int) -> AllReduceAlgo:
+        if nbytes <= self.allreduce_rd_max:
+            return "recursive_doubling"
+        if nbytes >= self.allreduce_ring_min:
+            return "ring"
+        return "halving_doubling"
+
+    def all_gather(self, total_nbytes: int) -> Literal["bruck", "ring"]:
+        return "bruck" if total_nbytes <= self.allgather_bruck_max else "ring"
+
+    def reduce_scatter(self, total_nbytes: int) -> Literal["direct", "ring"]:
+        return "direct" if total_nbytes <= self.reduce_scatter_direct_max else "ring"
+
+    def all_to_all(self, total_nbytes: int) -> Literal["burst", "pairwise"]:
+        return "burst" if total_nbytes <= self.alltoall_burst_max else "pairwise"
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Thresholds))
+_SIZE = re.compile(r"\s*(-?\d+)\s*([kmg]?)(?:i?b)?\s*", re.IGNORECASE)
+_UNIT = {"": 1, "k": KiB, "m": MiB, "g": 1 << 30}
+
+
+def _parse(name: str, text: str) -> int:
+    m = _SIZE.fullmatch(text)
+    if m is None:
+        raise ValueError(f"{name}={text!r}: expected a byte count such as 65536, 64K or 4M")
+    return int(m.group(1)) * _UNIT[m.group(2).lower()]
+
+
+_DEFAULT = Thresholds()
+_KNOWN = {ENV_PREFIX + f.upper(): f for f in _FIELDS}
+
+
+def from_env(env: Mapping[str, str]) -> Thresholds:
+    """The defaults with every ``AIODIST_ALGO_<FIELD>`` in ``env`` applied. An ``AIODIST_ALGO_``
+    name that matches no field is a ValueError: a misspelt override must not be ignored."""
+    changes = {}
+    for name, value in env.items():
+        if name.startswith(ENV_PREFIX):
+            field = _KNOWN.get(name)
+            if field is None:
+                raise ValueError(f"unknown {name}: the thresholds are {', '.join(sorted(_KNOWN))}")
+            changes[field] = _parse(name, value)
+    return Thresholds(**changes) if changes else _DEFAULT
+
+
+def current() -> Thresholds:
+    """The table for this process: the defaults with ``os.environ``'s overrides, read afresh on
+    each call (nothing is cached at module level). Reading scans the environment for misspelt
+    names, some 10-30 us, so a backend reads it once per group, when the group is made, and
+    passes it to every op as ``thresholds=``; the collectives call this only when given none."""
+    return from_env(os.environ)
