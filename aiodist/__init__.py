@@ -11,6 +11,7 @@ from aiodist.errors import (
 )
 from aiodist.rendezvous import register_rendezvous_handler, rendezvous
 from aiodist.store import FileStore, HashStore, PrefixStore, Store, TCPStore, TCPStoreServer
+from aiodist.types import ReduceOp, reduce_op
 
 __version__ = "0.1.0"
 
@@ -30,4 +31,6 @@ __all__ = [
     "TCPStoreServer",
     "rendezvous",
     "register_rendezvous_handler",
+    "ReduceOp",
+    "reduce_op",
 ]
