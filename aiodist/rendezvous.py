@@ -22,7 +22,6 @@ from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 from aiodist._time import TimeoutLike, to_timedelta
 from aiodist.constants import default_pg_timeout
 from aiodist.store.base import Store
-from aiodist.store.prefix import PrefixStore
 from aiodist.store.tcp import TCPStore
 
 __all__ = ["rendezvous", "register_rendezvous_handler", "RendezvousRegistry", "create_c10d_store"]
@@ -149,16 +148,14 @@ def _use_libuv(query: dict[str, str]) -> bool:
 async def create_c10d_store(
     hostname: str, port: int, rank: int, world_size: int, timeout: TimeoutLike, use_libuv: bool = True
 ) -> Store:
-    """The job's TCPStore, as torch makes it: rank 0 hosts it (shared by every store of this
-    process on that port), the others connect. Under an agent that already hosts the store
-    (``TORCHELASTIC_USE_AGENT_STORE=True``, as torchrun sets) every rank is a client and keys
-    live under ``/worker/attempt_<restart count>``."""
+    """The job's TCPStore, as torch 2.13 makes it: rank 0 hosts it (shared by every store of
+    this process on that port), the others connect. Under an agent that already hosts the store
+    (``TORCHELASTIC_USE_AGENT_STORE=True``, as torchrun sets) every rank is a client; torch adds
+    no per-attempt prefix (the agent makes a new store for every restart), nor does aiodist."""
     if not 0 <= port < 2**16:
         raise ValueError(f"port must have value from 0 to 65535 but was {port}.")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = await TCPStore(hostname, port, world_size, False, timeout, use_libuv=use_libuv)
-        return PrefixStore(f"/worker/attempt_{attempt}", store)
+        return await TCPStore(hostname, port, world_size, False, timeout, use_libuv=use_libuv)
     return await TCPStore(hostname, port, world_size, rank == 0, timeout, multi_tenant=True, use_libuv=use_libuv)
 
 

@@ -264,3 +264,35 @@ def test_second_validate_is_refused() -> None:
     p.next_request()
     with pytest.raises(ProtocolError, match="twice"):
         p.next_request()
+
+
+def test_parsers_resume_instead_of_rescanning() -> None:
+    """A big multi-key message arriving in pieces is decoded once, field by field: after each
+    piece the parser has moved past every complete field (it does not start over), which keeps
+    the cost linear in the message size."""
+    keys = [b"/k%05d" % i for i in range(2000)]
+    values = [b"v" * 100 for _ in keys]
+    frame = encode(Op.MULTI_SET, keys, values)
+    p = RequestParser()
+    p.feed(VALIDATE)
+    p.next_request()
+    positions = []
+    for i in range(0, len(frame), 4096):
+        p.feed(frame[i : i + 4096])
+        req = p.next_request()
+        if req is None:
+            positions.append(p._st.pos)
+    assert req == Request(Op.MULTI_SET, tuple(keys), tuple(values))
+    # every partial attempt stopped near the end of what had arrived, never back at the start
+    assert all(4096 * (n + 1) - 200 <= pos <= 4096 * (n + 1) for n, pos in enumerate(positions))
+
+    replies = encode_bytes_list(values)
+    rp = ReplyParser()
+    rp.expect(Reply.BYTES_LIST, len(values))
+    got = None
+    for i in range(0, len(replies), 1000):
+        rp.feed(replies[i : i + 1000])
+        got = rp.next_reply()
+        if got is None:
+            assert rp._st.pos > i + 1000 - 120
+    assert got == values

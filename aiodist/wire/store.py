@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import struct
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -212,65 +212,55 @@ def encode_queue_pop(length_before: int, value: bytes | None) -> bytes:
 
 
 # ---------------------------------------------------------------- decoding
+#
+# The parsers are resumable: each request/reply is decoded by a generator that reads fields
+# from a growing buffer and yields whenever it needs bytes that have not arrived. The next
+# chunk resumes it where it stopped, so every byte is looked at once however the stream is
+# split (a re-parse from the start on every chunk would make large multi-key messages cost
+# time quadratic in their size).
+
+_U8S = struct.Struct("<B")
 
 
-class _Incomplete(Exception):
-    """Not enough bytes yet; raised inside a parse attempt and caught by the parser."""
+class _Stream:
+    """A growing buffer and the read position of the message being decoded."""
+
+    __slots__ = ("buf", "pos")
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.pos = 0
+
+    def consume(self) -> None:
+        """Drop the bytes of the message just decoded (O(1): bytearray trims its front lazily)."""
+        del self.buf[: self.pos]
+        self.pos = 0
 
 
-class _Reader:
-    """Reads fields from ``buf`` starting at ``pos``; raises _Incomplete when it runs out."""
+def _fixed(st: _Stream, fmt: struct.Struct) -> Generator[None, None, int]:
+    while len(st.buf) - st.pos < fmt.size:
+        yield
+    (v,) = fmt.unpack_from(st.buf, st.pos)
+    st.pos += fmt.size
+    return v  # type: ignore[no-any-return]
 
-    __slots__ = ("buf", "pos", "end")
 
-    def __init__(self, buf: bytearray, pos: int) -> None:
-        self.buf = buf
-        self.pos = pos
-        self.end = len(buf)
+def _string(st: _Stream, limit: int, what: str) -> Generator[None, None, bytes]:
+    n = yield from _fixed(st, _U64)
+    if n > limit:
+        raise ProtocolError(f"{what} of {n} bytes is over the limit of {limit} bytes")
+    while len(st.buf) - st.pos < n:
+        yield
+    v = bytes(st.buf[st.pos : st.pos + n])
+    st.pos += n
+    return v
 
-    def u8(self) -> int:
-        if self.pos + 1 > self.end:
-            raise _Incomplete
-        v = self.buf[self.pos]
-        self.pos += 1
-        return v
 
-    def u32(self) -> int:
-        if self.pos + 4 > self.end:
-            raise _Incomplete
-        (v,) = _U32.unpack_from(self.buf, self.pos)
-        self.pos += 4
-        return v
-
-    def u64(self) -> int:
-        if self.pos + 8 > self.end:
-            raise _Incomplete
-        (v,) = _U64.unpack_from(self.buf, self.pos)
-        self.pos += 8
-        return v
-
-    def i64(self) -> int:
-        if self.pos + 8 > self.end:
-            raise _Incomplete
-        (v,) = _I64.unpack_from(self.buf, self.pos)
-        self.pos += 8
-        return v
-
-    def string(self, limit: int, what: str) -> bytes:
-        n = self.u64()
-        if n > limit:
-            raise ProtocolError(f"{what} of {n} bytes is over the limit of {limit} bytes")
-        if self.pos + n > self.end:
-            raise _Incomplete
-        v = bytes(self.buf[self.pos : self.pos + n])
-        self.pos += n
-        return v
-
-    def count(self, limit: int, what: str) -> int:
-        n = self.u64()
-        if n > limit:
-            raise ProtocolError(f"{what} of {n} keys is over the limit of {limit} keys")
-        return n
+def _count(st: _Stream, limit: int, what: str) -> Generator[None, None, int]:
+    n = yield from _fixed(st, _U64)
+    if n > limit:
+        raise ProtocolError(f"{what} of {n} keys is over the limit of {limit} keys")
+    return n
 
 
 class RequestParser:
@@ -283,18 +273,19 @@ class RequestParser:
 
     def __init__(self, limits: Limits | None = None) -> None:
         self.limits = limits or Limits()
-        self._buf = bytearray()
+        self._st = _Stream()
+        self._gen: Generator[None, None, Request] | None = None
         self._validated = False
         self._dead: ProtocolError | None = None
 
     @property
     def buffered(self) -> int:
-        return len(self._buf)
+        return len(self._st.buf)
 
     def feed(self, data: bytes) -> None:
         if self._dead is not None:
             raise self._dead
-        self._buf += data
+        self._st.buf += data
 
     def __iter__(self) -> Iterator[Request]:
         return self
@@ -309,65 +300,72 @@ class RequestParser:
         """The next complete request, or None until more bytes arrive."""
         if self._dead is not None:
             raise self._dead
-        buf = self._buf
-        if not buf:
-            return None
-        r = _Reader(buf, 0)
+        gen = self._gen
+        if gen is None:
+            if not self._st.buf:
+                return None
+            gen = self._gen = self._request()
         try:
-            req = self._parse(r)
-        except _Incomplete:
-            if len(buf) > self.limits.max_request_bytes:
-                self._die(f"request of over {self.limits.max_request_bytes} bytes")
-            return None
+            next(gen)
+        except StopIteration as done:
+            self._gen = None
+            self._st.consume()
+            return done.value  # type: ignore[no-any-return]
         except ProtocolError as exc:
             self._dead = exc
             raise
-        del buf[: r.pos]
-        return req
+        if len(self._st.buf) > self.limits.max_request_bytes:
+            self._dead = ProtocolError(f"request of over {self.limits.max_request_bytes} bytes")
+            raise self._dead
+        return None
 
-    def _die(self, why: str) -> None:
-        self._dead = ProtocolError(why)
-        raise self._dead
-
-    def _parse(self, r: _Reader) -> Request:
-        lim = self.limits
-        code = r.u8()
+    def _request(self) -> Generator[None, None, Request]:
+        st, lim = self._st, self.limits
+        code = yield from _fixed(st, _U8S)
         if code >= len(_OPS):
             raise ProtocolError(f"unknown opcode {code}")
         op = _OPS[code]
         if not self._validated:
             if op is not Op.VALIDATE:
                 raise ProtocolError(f"first request must be VALIDATE, got {op.name}")
-            magic = r.u32()
+            magic = yield from _fixed(st, _U32)
             if magic != MAGIC:
                 raise ProtocolError(f"bad validation magic 0x{magic:08X}")
             self._validated = True
             return Request(op, number=magic)
         K, V = lim.max_key_bytes, lim.max_value_bytes
-        if op in (Op.SET, Op.APPEND, Op.QUEUE_PUSH):
-            key = r.string(K, "key")
-            return Request(op, (key,), (r.string(V, "value"),))
-        if op in (Op.GET, Op.DELETE_KEY, Op.QUEUE_POP, Op.QUEUE_LEN):
-            return Request(op, (r.string(K, "key"),))
+        if op is Op.SET or op is Op.APPEND or op is Op.QUEUE_PUSH:
+            key = yield from _string(st, K, "key")
+            value = yield from _string(st, V, "value")
+            return Request(op, (key,), (value,))
+        if op is Op.GET or op is Op.DELETE_KEY or op is Op.QUEUE_POP or op is Op.QUEUE_LEN:
+            key = yield from _string(st, K, "key")
+            return Request(op, (key,))
         if op is Op.ADD:
-            key = r.string(K, "key")
-            return Request(op, (key,), number=r.i64())
-        if op in (Op.CHECK, Op.WAIT, Op.MULTI_GET):
-            n = r.count(lim.max_keys, op.name)
-            return Request(op, tuple(r.string(K, "key") for _ in range(n)))
+            key = yield from _string(st, K, "key")
+            delta = yield from _fixed(st, _I64)
+            return Request(op, (key,), number=delta)
+        if op is Op.CHECK or op is Op.WAIT or op is Op.MULTI_GET:
+            n = yield from _count(st, lim.max_keys, op.name)
+            keys = []
+            for _ in range(n):
+                keys.append((yield from _string(st, K, "key")))
+            return Request(op, tuple(keys))
         if op is Op.COMPARE_SET:
-            key = r.string(K, "key")
-            expected = r.string(V, "expected value")
-            return Request(op, (key,), (expected, r.string(V, "desired value")))
+            key = yield from _string(st, K, "key")
+            expected = yield from _string(st, V, "expected value")
+            desired = yield from _string(st, V, "desired value")
+            return Request(op, (key,), (expected, desired))
         if op is Op.MULTI_SET:
-            n = r.count(lim.max_keys, op.name)
+            n = yield from _count(st, lim.max_keys, op.name)
             keys, values = [], []
             for _ in range(n):
-                keys.append(r.string(K, "key"))
-                values.append(r.string(V, "value"))
+                keys.append((yield from _string(st, K, "key")))
+                values.append((yield from _string(st, V, "value")))
             return Request(op, tuple(keys), tuple(values))
         if op is Op.PING:
-            return Request(op, number=r.u32())
+            nonce = yield from _fixed(st, _U32)
+            return Request(op, number=nonce)
         if op is Op.VALIDATE:
             raise ProtocolError("VALIDATE sent twice on one connection")  # torch closes it too
         # GETNUMKEYS, CANCEL_WAIT, LIST take no fields
@@ -385,7 +383,8 @@ class ReplyParser:
     def __init__(self, limits: Limits | None = None) -> None:
         # A server may legitimately hold values past a client's own limits; cap only absurd sizes.
         self.limits = limits or Limits(max_key_bytes=1 << 40, max_value_bytes=1 << 40, max_keys=1 << 40, max_request_bytes=1 << 40)
-        self._buf = bytearray()
+        self._st = _Stream()
+        self._gen: Generator[None, None, object] | None = None
         self._expected: deque[tuple[Reply, int]] = deque()
 
     @property
@@ -398,41 +397,46 @@ class ReplyParser:
     def feed(self, data: bytes) -> None:
         if not self._expected and data:
             raise ProtocolError(f"{len(data)} unexpected byte(s) from the server with no request outstanding")
-        self._buf += data
+        self._st.buf += data
 
     def next_reply(self) -> object | None:
         if not self._expected:
             return None
-        shape, count = self._expected[0]
-        r = _Reader(self._buf, 0)
+        gen = self._gen
+        if gen is None:
+            shape, count = self._expected[0]
+            gen = self._gen = self._reply(shape, count)
         try:
-            value = self._parse(r, shape, count)
-        except _Incomplete:
-            return None
-        del self._buf[: r.pos]
-        self._expected.popleft()
-        if not self._expected and self._buf:
-            raise ProtocolError(f"{len(self._buf)} unexpected byte(s) from the server after the last reply")
-        return value
+            next(gen)
+        except StopIteration as done:
+            self._gen = None
+            self._st.consume()
+            self._expected.popleft()
+            if not self._expected and self._st.buf:
+                raise ProtocolError(f"{len(self._st.buf)} unexpected byte(s) from the server after the last reply") from None
+            return done.value
+        return None
 
-    def _parse(self, r: _Reader, shape: Reply, count: int) -> object:
-        V = self.limits.max_value_bytes
+    def _reply(self, shape: Reply, count: int) -> Generator[None, None, object]:
+        st, V = self._st, self.limits.max_value_bytes
         if shape is Reply.U8:
-            return r.u8()
+            return (yield from _fixed(st, _U8S))
         if shape is Reply.I64:
-            return r.i64()
+            return (yield from _fixed(st, _I64))
         if shape is Reply.BYTES:
-            return r.string(V, "value")
+            return (yield from _string(st, V, "value"))
         if shape is Reply.QUEUE_POP:
-            n = r.i64()
-            return (n, r.string(V, "value")) if n > 0 else (n, None)
-        if shape is Reply.BYTES_LIST:
-            return [r.string(V, "value") for _ in range(count)]
-        if shape is Reply.COUNTED_LIST:
-            n = r.i64()
-            if n < 0 or n > self.limits.max_keys:
-                raise ProtocolError(f"bad key count {n} in LIST reply")
-            return [r.string(V, "key") for _ in range(n)]
+            n = yield from _fixed(st, _I64)
+            return (n, (yield from _string(st, V, "value"))) if n > 0 else (n, None)
+        if shape is Reply.BYTES_LIST or shape is Reply.COUNTED_LIST:
+            if shape is Reply.COUNTED_LIST:
+                count = yield from _fixed(st, _I64)
+                if count < 0 or count > self.limits.max_keys:
+                    raise ProtocolError(f"bad key count {count} in LIST reply")
+            items = []
+            for _ in range(count):
+                items.append((yield from _string(st, V, "value")))
+            return items
         if shape is Reply.U32:
-            return r.u32()
+            return (yield from _fixed(st, _U32))
         raise AssertionError(shape)  # pragma: no cover
