@@ -583,3 +583,17 @@ async def test_add_overflow_parity_with_torch_server(torch_server: Any) -> None:
     finally:
         await st.astop()
     assert ours == theirs
+
+
+async def test_delete_key_leaves_a_queue_alone_like_torch(torch_server: Any, client: TCPStore) -> None:
+    """torch's server deletes only values: a queue of the same name survives DELETE_KEY."""
+    await client.queue_push("dq", "1")
+    assert await client.delete_key("dq") is False
+    assert await client.queue_len("dq") == 1
+    m = await TCPStore("127.0.0.1", 0, is_master=True, timeout=5)
+    try:
+        await m.queue_push("dq", "1")
+        assert await m.delete_key("dq") is False
+        assert await m.queue_len("dq") == 1 and await m.check(["dq"])
+    finally:
+        await m.close()

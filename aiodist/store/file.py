@@ -15,7 +15,7 @@ File format (little-endian)::
     record:  u8 type | u64 key length | key | u64 value length | value
 
 Record types: SET (the whole resulting value: set, add, append, compare_set and multi_set all
-write one), DELETE (the key's value and queue), QUEUE_PUSH, QUEUE_POP (pops the head),
+write one), DELETE (the key's value; a queue of that name stays), QUEUE_PUSH, QUEUE_POP (pops the head),
 QUEUE_PUSH_FRONT (returns an item popped by a cancelled ``queue_pop``) and USERS (empty key;
 value: i64 change of the number of live users, i64 change of the number of closed users).
 The user counts live outside the key space, so ``num_keys``/``list_keys`` never see them.
@@ -474,8 +474,7 @@ class FileStore(Store):
         if kind == _SET:
             c.data[key] = value
         elif kind == _DELETE:
-            c.data.pop(key, None)
-            c.queues.pop(key, None)
+            c.data.pop(key, None)  # as torch's server: a queue of the same name is left alone
         elif kind == _QPUSH or kind == _QPUSH_FRONT:
             q = c.queues.get(key)
             if q is None:
@@ -603,8 +602,7 @@ class FileStore(Store):
         k = _b(check_key(key))
 
         def body(fd: int | None) -> bool:
-            c = self._cache
-            if k not in c.data and k not in c.queues:
+            if k not in self._cache.data:
                 return False
             self._commit(fd, _rec(_DELETE, k))  # type: ignore[arg-type]
             return True

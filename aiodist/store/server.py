@@ -409,7 +409,7 @@ class TCPStoreServer:
             local.close()
         for c in list(self._conns):
             if c.transport is not None:
-                c.transport.close()
+                c.transport.abort()  # close() would wait (forever, on 3.12+) for a peer that is not reading
         await server.wait_closed()
         if local is not None:
             await local.wait_closed()

@@ -144,10 +144,9 @@ class KVState:
         return desired
 
     def delete(self, key: bytes) -> bool:
+        """Delete the value at ``key``; a queue of the same name is left alone (torch's server)."""
         with self._lock:
-            found = self._data.pop(key, None) is not None
-            q = self._queues.pop(key, None)
-            return found or bool(q)
+            return self._data.pop(key, None) is not None
 
     def queue_push(self, key: bytes, value: bytes) -> None:
         with self._lock:

@@ -33,7 +33,7 @@ from collections.abc import Generator, Sequence
 from typing import Any
 
 from aiodist._time import TimeoutLike
-from aiodist.errors import DistNetworkError, DistStoreError, QueueEmptyError
+from aiodist.errors import DistNetworkError, DistStoreError, QueueEmptyError, StoreTimeoutError
 from aiodist.store.base import (
     DEFAULT_STORE_TIMEOUT,
     VALUE_NOT_QUEUE,
@@ -81,8 +81,8 @@ class _Pending:
 
 class _Connection(asyncio.Protocol):
     """One client connection: writes request groups, hands each group's replies (which come
-    back in order) to one future. A single timer watches the oldest group's deadline, instead
-    of one timer per request: replies are in order, so the oldest group is always due first."""
+    back in order) to one future. A single timer per connection watches the earliest deadline
+    of the groups in flight, instead of one timer per request (the hot path only compares it)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -116,7 +116,7 @@ class _Connection(asyncio.Protocol):
         except ProtocolError as exc:
             self._fail(_Lost(f"protocol error from the server: {exc}"))
             assert self.transport is not None
-            self.transport.close()
+            self.transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(_Lost(f"connection closed by the server{': ' + str(exc) if exc else ''}"))
@@ -134,6 +134,8 @@ class _Connection(asyncio.Protocol):
     def _fail(self, exc: Exception) -> None:
         if self.error is None:
             self.error = exc
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)  # a writer blocked on flow control learns of the failure
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -144,15 +146,22 @@ class _Connection(asyncio.Protocol):
 
     def _check_deadline(self) -> None:
         self._timer = None
-        if not self.pending:
+        due = min((p.deadline for p in self.pending if p.deadline is not None), default=None)
+        if due is None:
             return
-        deadline = self.pending[0].deadline
-        if deadline is not None and self.loop.time() >= deadline:
+        if self.loop.time() >= due:
             self._fail(_NoReply("no reply from the server in time"))
             if self.transport is not None:
-                self.transport.close()
-        elif deadline is not None:
-            self._timer = self.loop.call_at(deadline, self._check_deadline)
+                self.transport.abort()  # close() would wait to flush to a peer that is not reading
+        else:
+            self._arm(due)
+
+    def _arm(self, when: float) -> None:
+        if self._timer is not None:
+            if self._timer.when() <= when:
+                return  # an earlier check is already due; it re-arms for the rest
+            self._timer.cancel()
+        self._timer = self.loop.call_at(when, self._check_deadline)
 
     # API
     @property
@@ -170,8 +179,8 @@ class _Connection(asyncio.Protocol):
         fut = self.loop.create_future()
         deadline = None if timeout is None else self.loop.time() + timeout
         self.pending.append(_Pending(fut, len(shapes), deadline))
-        if deadline is not None and self._timer is None:
-            self._timer = self.loop.call_at(deadline, self._check_deadline)
+        if deadline is not None:
+            self._arm(deadline)
         self.transport.write(payload)
         return fut
 
@@ -182,8 +191,10 @@ class _Connection(asyncio.Protocol):
             await self._drain
 
     def close(self) -> None:
+        # abort, not close: nothing unconfirmed is worth flushing (every write is confirmed by a
+        # reply), and close() would keep the socket until a stuck server read it.
         if self.transport is not None:
-            self.transport.close()
+            self.transport.abort()
         self._fail(_Lost("connection closed by this client"))
 
     @property
@@ -348,9 +359,20 @@ class TCPStore(Store):
 
         if self._multi_tenant and self._listen_fd is None and self._port != 0:
             # Keyed by port alone: the server listens on every interface whatever the host string.
-            self._server = await asyncio.to_thread(_TENANTS.acquire, self._port, start)
+            starting = asyncio.ensure_future(asyncio.to_thread(_TENANTS.acquire, self._port, start))
         else:
-            self._server = await asyncio.to_thread(start)
+            starting = asyncio.ensure_future(asyncio.to_thread(start))
+        try:
+            self._server = await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            # The thread finishes starting the server anyway; stop it rather than leak it.
+            try:
+                st = await starting
+            except Exception:
+                raise asyncio.CancelledError from None
+            if _TENANTS.release(st):
+                await st.astop()
+            raise
         self._port = self._server.server.port
 
     async def close(self) -> None:
@@ -430,7 +452,12 @@ class TCPStore(Store):
             (got,) = await conn.send(encode(Op.VALIDATE, number=0x3C85F7CE) + encode(Op.PING, number=nonce), _U32, max(0.001, deadline - time.monotonic()))
         except _Lost as exc:
             conn.close()
-            raise DistNetworkError(f"{self._describe()}: the server did not complete the handshake: {exc or 'timed out'}") from None
+            raise DistNetworkError(
+                f"{self._describe()}: the server did not complete the handshake within {max(0.0, deadline - start):.1f} s: {exc}"
+            ) from None
+        except BaseException:  # cancelled mid-handshake: do not leak the socket
+            conn.close()
+            raise
         if got != nonce:
             conn.close()
             raise DistNetworkError(f"{self._describe()}: handshake failed (ping echo {got} != {nonce}); is this a TCPStore server?")
@@ -481,7 +508,13 @@ class TCPStore(Store):
         return conn
 
     async def _request(
-        self, payload: bytes, shapes: tuple[tuple[Reply, int], ...], op: str, arg: object = _NO_ARG, repeatable: bool = True
+        self,
+        payload: bytes,
+        shapes: tuple[tuple[Reply, int], ...],
+        op: str,
+        arg: object = _NO_ARG,
+        repeatable: bool = True,
+        timeout: float | None = None,
     ) -> list[Any]:
         """Send on the main connection; the replies. A broken connection is retried once for
         ``repeatable`` requests, else it is a DistStoreError naming the call (``op(arg)``,
@@ -492,12 +525,13 @@ class TCPStore(Store):
             if conn is None or conn.error is not None or conn.loop is not asyncio.get_running_loop():
                 conn = await self._main_conn()
             try:
-                fut = conn.send(payload, shapes, self._timeout_s)
+                seconds = self._timeout_s if timeout is None else timeout
+                fut = conn.send(payload, shapes, seconds)
                 if conn.paused:
                     await conn.drain()
                 return await fut
             except _NoReply:
-                raise DistStoreError(f"{self._describe()}: {_what(op, arg)}: no reply from the server within {self._timeout_s:g} s") from None
+                raise StoreTimeoutError(f"{self._describe()}: {_what(op, arg)}: no reply from the server within {seconds:g} s") from None
             except _Lost as exc:
                 if repeatable and attempt == 0:
                     continue
@@ -552,7 +586,8 @@ class TCPStore(Store):
         keys = keys[:64]
         try:
             payload = b"".join(encode(Op.CHECK, (k,)) for k in keys)
-            ready = await self._request(payload, tuple((Reply.U8, 0) for _ in keys), "check", keys)
+            # a short budget: this only improves an error message about a server that may be stuck
+            ready = await self._request(payload, tuple((Reply.U8, 0) for _ in keys), "check", keys, timeout=min(1.0, self._timeout_s))
         except DistStoreError:
             return []
         return [k[1:].decode(errors="replace") for k, r in zip(keys, ready) if r != CHECK_READY]
@@ -592,7 +627,7 @@ class TCPStore(Store):
         ks = check_keys(keys)
         seconds = self._wait_seconds(timeout)
         bkeys = [b"/" + k.encode() for k in ks]
-        (ready,) = await self._request(encode(Op.CHECK, bkeys), _U8, "wait", ks)
+        (ready,) = await self._request(encode(Op.CHECK, bkeys), _U8, "wait", ks, timeout=seconds)
         if ready != CHECK_READY:
             await self._wait_keys(bkeys, seconds, f"wait({ks!r})")
 
