@@ -27,9 +27,9 @@ def say(who: str, msg: str) -> None:
     print(f"[{who}] {msg}", flush=True)
 
 
-async def worker(rank: int, port: int, world_size: int) -> None:
+async def worker(rank: int, port: int, world_size: int, timeout: float) -> None:
     me = f"worker {rank}"
-    async with aiodist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=TIMEOUT) as store:
+    async with aiodist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout) as store:
         n = await store.add("workers_ready", 1)
         say(me, f"connected to the store at 127.0.0.1:{port} ({n} worker(s) ready so far)")
         await store.barrier("start", world_size)
@@ -69,16 +69,16 @@ async def run_job(store: aiodist.TCPStore, workers: int, tasks: int, world_size:
     return got == expected and counted == tasks == len({r["task"] for r in results})
 
 
-async def coordinator(workers: int, tasks: int, port: int) -> int:
+async def coordinator(workers: int, tasks: int, port: int, timeout: float) -> int:
     me = "coordinator"
     world_size = workers + 1
     t0 = time.perf_counter()
-    store = aiodist.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
+    store = aiodist.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
     await store
     say(me, f"TCPStore server listening on port {store.port}; starting {workers} worker process(es)")
     procs = [
         await asyncio.create_subprocess_exec(
-            sys.executable, __file__, "--worker", str(r), "--port", str(store.port), "--world-size", str(world_size)
+            sys.executable, __file__, "--worker", str(r), "--port", str(store.port), "--world-size", str(world_size), "--timeout", str(timeout)
         )
         for r in range(1, workers + 1)
     ]
@@ -99,7 +99,7 @@ async def coordinator(workers: int, tasks: int, port: int) -> int:
             job.cancel()
             watcher.result()
         ok = job.result()
-        await asyncio.wait_for(watcher, TIMEOUT)
+        await asyncio.wait_for(watcher, timeout)
         say(me, f"{'OK' if ok else 'FAILED'} in {time.perf_counter() - t0:.2f} s")
         return 0 if ok else 1
     except aiodist.DistError as exc:
@@ -120,6 +120,7 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--tasks", type=int, default=12)
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=TIMEOUT, help="every wait's deadline, in seconds (default 30)")
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     p.add_argument("--world-size", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -131,11 +132,11 @@ def main() -> int:
     except ImportError:
         pass
     if args.worker is not None:
-        run(worker(args.worker, args.port, args.world_size))
+        run(worker(args.worker, args.port, args.world_size, args.timeout))
         return 0
     if args.workers < 1 or args.tasks < 0:
         p.error("--workers must be >= 1 and --tasks >= 0")
-    return run(coordinator(args.workers, args.tasks, args.port))
+    return run(coordinator(args.workers, args.tasks, args.port, args.timeout))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,7 @@
 bytes of the protocol, opcode by opcode.
 
 Requests here are built by hand with ``struct`` (not with aiodist's encoder), so an encoder and
-a parser that agree with each other but not with torch would still be caught. Tests marked
-``xfail(strict=True)`` pin known server bugs (see their reasons): remove the marker with the fix.
+a parser that agree with each other but not with torch would still be caught.
 """
 
 from __future__ import annotations

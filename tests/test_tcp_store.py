@@ -9,9 +9,7 @@ another thread's loop, use from a foreign loop, ``multi_tenant``, ``master_liste
 conformance kit on a master, on a client of a separate master (same host: the abstract Unix socket
 path) and on a client of a server bound to 127.0.0.1 (plain TCP).
 
-Every wait is bounded: a condition is polled with a deadline, never slept for. Tests marked
-``xfail(strict=True)`` pin known aiodist bugs (see their reasons); they turn into failures once the
-bug is fixed, so the marker gets removed then.
+Every wait is bounded: a condition is polled with a deadline, never slept for.
 """
 
 from __future__ import annotations

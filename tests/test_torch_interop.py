@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import functools
 import json
 import socket
 import struct
@@ -52,7 +53,7 @@ async def in_thread(fn: Callable[[], T], deadline_s: float = 20.0) -> T:
 
 
 
-def torch_client(port: int, timeout_s: float = 5.0, **kw: Any) -> Any:
+def torch_client(port: int, timeout_s: float = 30.0, **kw: Any) -> Any:
     return dist.TCPStore(HOST, port, is_master=False, timeout=td(timeout_s), **kw)
 
 
@@ -172,7 +173,7 @@ async def test_torch_blocking_get_woken_by_aiodist_set(master: TCPStore) -> None
     await until(lambda: waiters(master) == 1, "torch's get to WAIT")
     assert not getter.done()
     await master.set("later", "L")
-    assert await asyncio.wait_for(getter, 5) == b"L"
+    assert await asyncio.wait_for(getter, 20) == b"L"
 
 
 async def test_torch_blocking_wait_on_several_keys(master: TCPStore) -> None:
@@ -180,14 +181,14 @@ async def test_torch_blocking_wait_on_several_keys(master: TCPStore) -> None:
     await until(lambda: waiters(master) == 1, "torch's wait to WAIT")
     await master.set("k1", "1")
     await master.add("k2", 1)
-    assert await asyncio.wait_for(waiter, 5) is None
+    assert await asyncio.wait_for(waiter, 20) is None
 
 
 async def test_torch_blocking_queue_pop_woken_by_aiodist_push(master: TCPStore) -> None:
     popper = asyncio.ensure_future(in_thread(lambda: torch_client(master.port, 10).queue_pop("jobs")))
     await until(lambda: waiters(master) == 1, "torch's queue_pop to WAIT")
     await master.queue_push("jobs", "job-1")
-    assert await asyncio.wait_for(popper, 5) == b"job-1"
+    assert await asyncio.wait_for(popper, 20) == b"job-1"
     assert await master.queue_len("jobs") == 0
 
 
@@ -275,7 +276,7 @@ async def test_torch_master_times_out_when_aiodist_client_missing() -> None:
         return "returned"
 
     msg = await in_thread(torch_master)
-    c = await asyncio.wait_for(c_done, 5)
+    c = await asyncio.wait_for(c_done, 20)
     await c.close()
     assert "2/3 clients joined" in msg
 
@@ -342,7 +343,7 @@ async def test_aiodist_blocking_get_woken_by_torch_set(torch_server: Any, client
     await asyncio.wait_for(client.set("other", "1"), 2)  # the same store is not blocked
     assert not getter.done()
     await in_thread(lambda: torch_server.set("later", "L"))
-    assert await asyncio.wait_for(getter, 5) == b"L"
+    assert await asyncio.wait_for(getter, 20) == b"L"
 
 
 async def test_aiodist_blocking_queue_pop_woken_by_torch_push(torch_server: Any, client: TCPStore) -> None:
@@ -350,7 +351,7 @@ async def test_aiodist_blocking_queue_pop_woken_by_torch_push(torch_server: Any,
     await until(lambda: client.stats()["waits"] == 1, "the pop to start its WAIT")
     assert not popper.done()
     await in_thread(lambda: torch_server.queue_push("jobs", "j1"))
-    assert await asyncio.wait_for(popper, 5) == b"j1"
+    assert await asyncio.wait_for(popper, 20) == b"j1"
 
 
 async def test_aiodist_multi_get_waits_for_torch_writes(torch_server: Any, client: TCPStore) -> None:
@@ -358,7 +359,7 @@ async def test_aiodist_multi_get_waits_for_torch_writes(torch_server: Any, clien
     await until(lambda: client.stats()["waits"] == 1, "multi_get to WAIT")
     await in_thread(lambda: torch_server.set("p", "1"))
     await in_thread(lambda: torch_server.set("q", "2"))
-    assert await asyncio.wait_for(mg, 5) == [b"1", b"2"]
+    assert await asyncio.wait_for(mg, 20) == [b"1", b"2"]
 
 
 async def test_aiodist_timeouts_against_torch_server(torch_server: Any) -> None:
@@ -409,9 +410,9 @@ async def test_list_and_num_keys_semantics_match_torch(torch_server: Any) -> Non
     async with TCPStore(HOST, port, timeout=5) as c:
         await c.set("a", "1")
         await c.queue_push("q", "x")  # queues are neither counted nor listed
-        ts.set("b", "2")
-        assert sorted(await c.list_keys()) == sorted(ts.list_keys()) == ["a", "b"]
-        assert await c.num_keys() == ts.num_keys() == 3
+        await in_thread(functools.partial(ts.set, "b", "2"))
+        assert sorted(await c.list_keys()) == sorted(await in_thread(ts.list_keys)) == ["a", "b"]
+        assert await c.num_keys() == await in_thread(ts.num_keys) == 3
     del ts
 
 
@@ -428,7 +429,7 @@ async def test_torch_client_and_aiodist_client_see_each_other(torch_server: Any,
     th = asyncio.ensure_future(in_thread(torch_side))
     assert await asyncio.wait_for(client.get("from_torch"), 5) == b"t"
     await client.set("late_from_aiodist", "z")
-    got = await asyncio.wait_for(th, 5)
+    got = await asyncio.wait_for(th, 20)
     assert got[0] == b"a" and got[2] == b"z"
     assert await client.add("shared", 1) == 11
 

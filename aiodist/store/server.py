@@ -442,7 +442,10 @@ class ServerThread:
         ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(ready,), name=f"aiodist-store-server:{self.server.port}", daemon=True)
         self._thread.start()
-        ready.result(timeout)
+        try:
+            ready.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise DistNetworkError(f"the TCPStore server thread did not start listening within {timeout:g} s") from None
         return self
 
     async def astart(self) -> ServerThread:

@@ -285,8 +285,10 @@ class TCPStore(Store):
         limits: Limits | None = None,
     ) -> None:
         super().__init__(timeout)
-        if not isinstance(host_name, str) or not host_name:
-            raise TypeError(f"host_name must be a non-empty str, got {host_name!r}")
+        if not isinstance(host_name, str):
+            raise TypeError(f"host_name must be a str, got {type(host_name).__name__}")
+        if not host_name:
+            raise ValueError("host_name must not be empty")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
         if world_size is not None:
@@ -536,9 +538,10 @@ class TCPStore(Store):
                 if repeatable and attempt == 0:
                     continue
                 raise DistStoreError(
-                    f"{self._describe()}: {_what(op, arg)} failed: {exc}. A TCPStore server closes a connection on a "
-                    f"request it refuses (e.g. add on a key holding a non-integer, a key or value over its limits); "
-                    f"the next call reconnects."
+                    f"{self._describe()}: {_what(op, arg)} failed: {exc}. Whether it took effect is unknown. "
+                    f"A TCPStore server closes a connection when it refuses any request on it (add on a key "
+                    f"holding a non-integer, a key or value over its limits), which also fails the other "
+                    f"requests in flight on this store object; the next call reconnects."
                 ) from None
         raise AssertionError("unreachable")  # pragma: no cover
 

@@ -1,0 +1,57 @@
+"""Tier 3: the example that README runs as its main job, and a smoke run of the benchmark,
+as real processes with hard timeouts."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(180)]
+
+
+def test_store_demo_runs_and_checks_its_totals() -> None:
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "store_demo.py"), "--workers", "3", "--tasks", "9"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "[coordinator] OK" in out
+    assert "tasks_done counter = 9" in out
+    for w in (1, 2, 3):
+        assert f"[worker {w}] finished after" in out
+
+
+def test_store_demo_fails_cleanly_when_a_worker_dies(tmp_path: pathlib.Path) -> None:
+    """A worker that cannot join (no such port) fails the job with a message, not a hang."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "store_demo.py"), "--worker", "1", "--port", "1", "--world-size", "2", "--timeout", "1"],
+        capture_output=True, text=True, timeout=120, env={"PATH": "", "PYTHONPATH": str(ROOT)},
+    )
+    assert r.returncode != 0
+    assert "DistNetworkError" in r.stderr and "127.0.0.1:1" in r.stderr
+
+
+def test_store_benchmark_smoke(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "bench.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "aiodist.bench", "store", "--ops", "50", "--repeat", "1", "--clients", "1,2", "--json", str(out)],
+        capture_output=True, text=True, timeout=150, cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads(out.read_text())
+    variants = {s["variant"] for s in data["samples"]}
+    assert {"aiodist-seq", "aiodist-pipelined"} <= variants
+    assert all(s["ops_per_s"] > 0 for s in data["samples"])
+    assert "targets" in r.stdout
+
+
+def test_bench_without_arguments_lists_benchmarks() -> None:
+    r = subprocess.run([sys.executable, "-m", "aiodist.bench"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert "store" in r.stdout + r.stderr
