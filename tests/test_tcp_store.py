@@ -128,8 +128,10 @@ def test_argument_errors() -> None:
         TCPStore(HOST, 0, is_master=False)
     with pytest.raises(ValueError):
         TCPStore(HOST, 70000, is_master=True)
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="empty"):
         TCPStore("", 1234)
+    with pytest.raises(TypeError):
+        TCPStore(b"127.0.0.1", 1234)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="master_listen_fd"):
         TCPStore(HOST, 1234, master_listen_fd=3)
 
