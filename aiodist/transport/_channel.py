@@ -1,0 +1,69 @@
+"""``Channel``: the ``P2P`` (aiodist.algorithms.p2p) of one op of one group over a ``Transport``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from aiodist.algorithms.p2p import TAG_LIMIT
+from aiodist.errors import DistBackendError
+
+if TYPE_CHECKING:
+    from aiodist.transport._transport import Transport
+
+__all__ = ["Channel"]
+
+
+class Channel:
+    """The ``P2P`` (aiodist.algorithms.p2p) of one op of one group over a ``Transport``:
+    group ranks in, global ranks and the key ``(group_id, seq, tag)`` on the wire."""
+
+    __slots__ = ("transport", "group_id", "seq", "ranks", "_rank")
+
+    def __init__(self, transport: Transport, group_id: int, seq: int, global_ranks: Sequence[int]) -> None:
+        ranks = tuple(global_ranks)
+        if transport.rank not in ranks:
+            raise ValueError(f"rank {transport.rank} is not in the group's ranks {list(ranks)}")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"the group's ranks {list(ranks)} repeat a rank")
+        self.transport = transport
+        self.group_id = group_id
+        self.seq = seq
+        self.ranks = ranks
+        self._rank = ranks.index(transport.rank)
+
+    def __repr__(self) -> str:
+        return f"Channel(group={self.group_id}, seq={self.seq}, rank={self._rank}, size={len(self.ranks)})"
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def _global(self, peer: int, tag: int) -> int:
+        if not isinstance(peer, int) or not 0 <= peer < len(self.ranks):
+            raise ValueError(f"group rank {self._rank}: peer {peer!r} is not a rank of a group of {len(self.ranks)}")
+        if not isinstance(tag, int) or not 0 <= tag < TAG_LIMIT:
+            raise ValueError(f"tag {tag!r} is outside [0, 2**31)")
+        return self.ranks[peer]
+
+    async def send(self, peer: int, buf: np.ndarray, tag: int) -> None:
+        await self.transport.send(self._global(peer, tag), buf, group=self.group_id, seq=self.seq, tag=tag)
+
+    async def recv(self, peer: int, buf: np.ndarray, tag: int) -> None:
+        await self.transport.recv(self._global(peer, tag), buf, group=self.group_id, seq=self.seq, tag=tag)
+
+    async def recv_any(self, buf: np.ndarray, tag: int) -> int:
+        """Receive from any rank of the group; returns the sender's group rank."""
+        if not isinstance(tag, int) or not 0 <= tag < TAG_LIMIT:
+            raise ValueError(f"tag {tag!r} is outside [0, 2**31)")
+        src = await self.transport.recv(None, buf, group=self.group_id, seq=self.seq, tag=tag)
+        try:
+            return self.ranks.index(src)
+        except ValueError:
+            raise DistBackendError(f"any-source receive of group {self.group_id} got a message from rank {src}, not in the group") from None

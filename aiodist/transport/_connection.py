@@ -1,0 +1,251 @@
+"""One rank-to-rank connection: an ``asyncio.BufferedProtocol`` pumping bytes between the socket
+and a sans-I/O ``FrameDecoder``, plus the write side (frames out, flow control).
+
+Rules this module keeps:
+- Reading never stops: every DATA header is answered at once, with the posted receive's
+  memory (the payload lands there) or with staging (bounded by ``FrameLimits``). A peer that
+  breaks the protocol or the staging bound kills the connection, with the reason.
+- Writing: the write buffer limits are (0, 0), so the protocol is paused whenever anything is
+  buffered and resumed only when the buffer is empty. ``send_frame`` returns once the buffer
+  has been seen empty after its frame was written: every byte of it is then in the kernel,
+  whatever the loop does with the memoryview it was given (asyncio on 3.11 copies a partial
+  remainder, asyncio 3.12+ and uvloop keep a reference), so the caller may reuse its array.
+- The transport owns matching and failure; this class only reports to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import TYPE_CHECKING, cast
+
+from aiodist.errors import DistNetworkError
+from aiodist.transport._mailbox import PostedRecv
+from aiodist.wire.frame import (
+    HEADER_SIZE,
+    AbortReceived,
+    Event,
+    FrameDecoder,
+    FrameHeader,
+    GoodbyeReceived,
+    HeaderReceived,
+    Hello,
+    HelloReceived,
+    PayloadReceived,
+    RemoteProtocolError,
+    frame_parts,
+    goodbye_frame,
+    hello_frame,
+)
+
+if TYPE_CHECKING:
+    from aiodist.transport._transport import Transport
+
+__all__ = ["Connection"]
+
+log = logging.getLogger("aiodist.transport")
+
+
+class Connection(asyncio.BufferedProtocol):
+    """A connection to one peer rank (``peer`` is None until its HELLO is in)."""
+
+    def __init__(self, owner: Transport, kind: str, dialed_peer: int | None = None) -> None:
+        self.owner = owner
+        self.kind = kind  # "unix" | "tcp"
+        self.dialed_peer = dialed_peer  # the rank we dialed; None for an accepted connection
+        self.peer: int | None = None
+        self.decoder = FrameDecoder(owner.limits)
+        self.transport: asyncio.Transport | None = None
+        self.handshake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.current: PostedRecv | None = None  # the receive whose payload is being read
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.goodbye = False  # the peer said GOODBYE
+        self.closed = asyncio.get_running_loop().create_future()  # set in connection_lost
+        self._paused = False
+        self._drain: list[tuple[int | None, asyncio.Future[None]]] = []
+        self._error: BaseException | None = None
+
+    def __repr__(self) -> str:
+        return f"<Connection {self.kind} rank {self.owner.rank} <-> rank {self.peer}>"
+
+    # -- the asyncio side ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport subclasses
+        transport = self.transport
+        transport.set_write_buffer_limits(high=0, low=0)
+        _grow_socket_buffers(transport)
+        self.owner._connection_made(self)
+        if self.dialed_peer is not None:
+            transport.write(hello_frame(self.owner.hello))
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.bytes_in += nbytes
+        try:
+            events = self.decoder.buffer_updated(nbytes)
+            while events:
+                later: list[Event] = []
+                for ev in events:
+                    if type(ev) is HeaderReceived:
+                        later = self.decoder.set_target(self._target_for(ev.header))
+                    else:
+                        self._event(ev)
+                events = later
+        except RemoteProtocolError as exc:
+            for ev in exc.events:
+                if type(ev) is not HeaderReceived:
+                    self._event(ev)
+            self.fail(DistNetworkError(f"rank {self.owner.rank}: connection with {self._who()} broken by the peer: {exc}"))
+
+    def eof_received(self) -> bool:
+        try:
+            self.decoder.eof_received()
+        except RemoteProtocolError as exc:
+            self.fail(DistNetworkError(f"rank {self.owner.rank}: {self._who()} closed the connection mid-frame: {exc}"))
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._error is None:
+            if self.goodbye:
+                why = f"{self._who()} closed its transport (GOODBYE)"
+            elif exc is not None:
+                why = f"connection with {self._who()} lost: {exc}"
+            else:
+                why = f"{self._who()} closed the connection without GOODBYE"
+            self._error = DistNetworkError(f"rank {self.owner.rank}: {why}")
+        err = self._error
+        for _, fut in self._drain:
+            if not fut.done():
+                fut.set_exception(err)
+        self._drain.clear()
+        if not self.handshake.done():
+            self.handshake.set_exception(err)
+            self.handshake.exception()  # an accepted connection's handshake has no awaiter
+        cur, self.current = self.current, None
+        self.owner._connection_lost(self, err, cur)
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        for _, fut in self._drain:
+            if not fut.done():
+                fut.set_result(None)
+        self._drain.clear()
+
+    # -- decoding events -------------------------------------------------------------------
+
+    def _target_for(self, header: FrameHeader) -> object | None:
+        recv = self.owner._match(header)
+        if recv is None:
+            return None  # stage it
+        if recv.dst.nbytes != header.length:
+            self.owner._size_mismatch(recv, header)
+            self.current = None
+            return None  # stage it and drop it when complete
+        self.current = recv
+        return recv.dst
+
+    def _event(self, ev: object) -> None:
+        if type(ev) is PayloadReceived:
+            if ev.staged is None:
+                cur, self.current = self.current, None
+                assert cur is not None
+                if not cur.fut.done():
+                    cur.fut.set_result(ev.header.source)
+            else:
+                self.owner._arrived(ev.header, ev.staged, self.decoder.release_staged)
+        elif type(ev) is HelloReceived:
+            self._hello(ev.hello)
+        elif type(ev) is AbortReceived:
+            self.owner._abort_received(ev.header, ev.reason)
+        elif type(ev) is GoodbyeReceived:
+            self.goodbye = True
+
+    def _hello(self, hello: Hello) -> None:
+        owner = self.owner
+        why = owner._check_hello(hello, self.dialed_peer)
+        if why is not None:
+            log.error("rank %d: refused a %s connection: %s", owner.rank, self.kind, why)
+            self.fail(DistNetworkError(f"rank {owner.rank}: refused a {self.kind} connection: {why}"))
+            return
+        self.peer = hello.rank
+        if self.dialed_peer is None:
+            assert self.transport is not None
+            self.transport.write(hello_frame(owner.hello))
+        owner._connection_ready(self)
+        if not self.handshake.done():
+            self.handshake.set_result(None)
+
+    # -- writing ---------------------------------------------------------------------------
+
+    async def send_frame(self, header: FrameHeader, payload: object | None, group: int | None) -> None:
+        """Write one frame; return once all of it is in the kernel (see the module docstring)."""
+        if self._error is not None:
+            raise self._error
+        tr = self.transport
+        assert tr is not None
+        for part in frame_parts(header, payload):
+            tr.write(part)
+        self.bytes_out += HEADER_SIZE + header.length
+        if tr.get_write_buffer_size() == 0 and not self._paused:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._drain.append((group, fut))
+        await fut
+
+    def fail_sends(self, group: int, err: BaseException) -> None:
+        """Fail the sends of ``group`` waiting for the write buffer (their bytes may still go)."""
+        keep = []
+        for g, fut in self._drain:
+            if g == group and not fut.done():
+                fut.set_exception(err)
+            else:
+                keep.append((g, fut))
+        self._drain = keep
+
+    def write_control(self, frame: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing() and self._error is None:
+            self.transport.write(frame)
+
+    def say_goodbye(self) -> None:
+        if self.handshake.done() and not self.handshake.exception():
+            self.write_control(goodbye_frame(self.owner.rank))
+
+    def fail(self, err: BaseException) -> None:
+        """Close this connection because of ``err`` (reported to the transport on close)."""
+        if self._error is None:
+            self._error = err
+        if self.transport is not None:
+            self.transport.abort()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _who(self) -> str:
+        p = self.peer if self.peer is not None else self.dialed_peer
+        return f"rank {p}" if p is not None else "an unidentified peer"
+
+
+SOCKET_BUFFER_BYTES = 4 << 20  # kernel send/receive buffer asked for (the kernel may cap it)
+
+
+def _grow_socket_buffers(transport: asyncio.BaseTransport) -> None:
+    """Bigger kernel buffers: a large payload then goes out in fewer writes and wake-ups."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+        except OSError:  # pragma: no cover - best effort
+            pass

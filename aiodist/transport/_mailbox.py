@@ -1,0 +1,159 @@
+"""Matching of incoming DATA to posted receives: the table of receives waiting for a message and
+of messages that came before their receive (staged).
+
+Rules this module keeps:
+- A message is named by ``(group, seq, tag)`` and its source rank. A receive names the same
+  key and either one source or any source (``src=None``).
+- Per key, matching is first-come first-served in both directions: a message goes to the
+  earliest-posted receive that accepts its source; a receive takes the earliest-staged message
+  from a source it accepts. With one ordered byte stream per (sender, receiver), two messages
+  with the same key and source are therefore received in the order they were sent.
+- Nothing here waits or does I/O: the transport completes and fails the futures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["Key", "PostedRecv", "StagedMessage", "Mailbox", "describe_key"]
+
+Key = tuple[int, int, int]  # (group, seq, tag)
+
+
+def describe_key(key: Key) -> str:
+    return f"group {key[0]}, seq {key[1]}, tag {key[2]}"
+
+
+@dataclass(eq=False, slots=True)
+class PostedRecv:
+    """A receive waiting for its message. ``fut`` resolves to the source rank."""
+
+    key: Key
+    src: int | None
+    dst: np.ndarray  # flat uint8 view of the user's buffer
+    fut: asyncio.Future[int]
+
+    def accepts(self, src: int) -> bool:
+        return self.src is None or self.src == src
+
+    def what(self) -> str:
+        frm = "any source" if self.src is None else f"rank {self.src}"
+        return f"receive from {frm} ({describe_key(self.key)}, {self.dst.nbytes} bytes)"
+
+
+@dataclass(eq=False, slots=True)
+class StagedMessage:
+    """A message received before its receive was posted. ``release`` gives its bytes back to
+    the staging budget they were counted against."""
+
+    src: int
+    data: memoryview
+    release: Callable[[int], None] = field(default=lambda n: None)
+
+
+class Mailbox:
+    """Posted receives and staged messages of one transport."""
+
+    def __init__(self) -> None:
+        self._posted: dict[Key, list[PostedRecv]] = {}
+        self._staged: dict[Key, deque[StagedMessage]] = {}
+        self.staged_bytes = 0
+
+    # -- receives --------------------------------------------------------------------------
+
+    def take_staged(self, key: Key, src: int | None) -> StagedMessage | None:
+        """The earliest staged message for ``key`` from ``src`` (any when None), removed."""
+        q = self._staged.get(key)
+        if not q:
+            return None
+        for i, m in enumerate(q):
+            if src is None or m.src == src:
+                del q[i]
+                if not q:
+                    del self._staged[key]
+                self.staged_bytes -= m.data.nbytes
+                return m
+        return None
+
+    def post(self, recv: PostedRecv) -> None:
+        self._posted.setdefault(recv.key, []).append(recv)
+
+    def unpost(self, recv: PostedRecv) -> bool:
+        """Withdraw a receive (timed out or cancelled); False when it was already matched."""
+        lst = self._posted.get(recv.key)
+        if lst is None or recv not in lst:
+            return False
+        lst.remove(recv)
+        if not lst:
+            del self._posted[recv.key]
+        return True
+
+    # -- messages --------------------------------------------------------------------------
+
+    def match(self, key: Key, src: int) -> PostedRecv | None:
+        """The earliest posted receive that takes a message ``key`` from ``src``, removed."""
+        lst = self._posted.get(key)
+        if not lst:
+            return None
+        for i, r in enumerate(lst):
+            if r.accepts(src):
+                del lst[i]
+                if not lst:
+                    del self._posted[key]
+                return r
+        return None
+
+    def stage(self, key: Key, msg: StagedMessage) -> None:
+        self._staged.setdefault(key, deque()).append(msg)
+        self.staged_bytes += msg.data.nbytes
+
+    # -- failure ---------------------------------------------------------------------------
+
+    def posted(self) -> Iterator[PostedRecv]:
+        for lst in self._posted.values():
+            yield from lst
+
+    def remove_posted(self, pred: Callable[[PostedRecv], bool]) -> list[PostedRecv]:
+        """Remove and return every posted receive ``pred`` selects."""
+        out: list[PostedRecv] = []
+        for key in list(self._posted):
+            keep: list[PostedRecv] = []
+            for r in self._posted[key]:
+                (out if pred(r) else keep).append(r)
+            if keep:
+                self._posted[key] = keep
+            else:
+                del self._posted[key]
+        return out
+
+    def drop_staged(self, pred: Callable[[Key, StagedMessage], bool]) -> int:
+        """Drop (and release) the staged messages ``pred`` selects; returns how many."""
+        n = 0
+        for key in list(self._staged):
+            q = self._staged[key]
+            keep: deque[StagedMessage] = deque()
+            for m in q:
+                if pred(key, m):
+                    n += 1
+                    self.staged_bytes -= m.data.nbytes
+                    m.release(m.data.nbytes)
+                else:
+                    keep.append(m)
+            if keep:
+                self._staged[key] = keep
+            else:
+                del self._staged[key]
+        return n
+
+    @property
+    def pending(self) -> int:
+        return sum(len(v) for v in self._posted.values())
+
+    @property
+    def staged_messages(self) -> int:
+        return sum(len(v) for v in self._staged.values())

@@ -1,0 +1,537 @@
+"""``Transport``: one rank's listeners, connections and receive matching (``channel()`` hands out
+the ``P2P`` of one op of one group over it).
+
+Rules this module keeps:
+- Addresses: each rank listens on TCP port 0 on every interface and, on Linux, on an abstract
+  Unix socket (named from a hash of the job token, the rank, the pid and a random nonce, so
+  no two transports ever share a name), and publishes both with its host id under
+  ``aiodist/transport/<rank>``. The host id is the kernel boot id plus the network namespace
+  (abstract socket names are per namespace); peers with equal host ids use the Unix socket.
+- Connections are made on first use by whichever side needs one first: a send dials the
+  peer; a receive from one peer starts a dial in the background (so that peer's death is
+  noticed). If both sides dial at once there are two connections; each side SENDS on the
+  first one whose handshake completed and keeps it for good (so its messages to that peer stay
+  in order) and RECEIVES on both. At most two connections per pair, never a race to close one.
+- Handshake: the dialer sends HELLO (job token, rank, world size), the acceptor checks it and
+  answers with its own; the dialer checks that the answer comes from the rank it dialed. A
+  wrong token, world size or rank closes the connection and logs an error.
+- Matching key: ``(group, seq, tag)`` plus the source rank (or any source). A payload whose
+  receive is posted lands in the receive's array (zero-copy); one that comes first is staged
+  (bounded per connection by ``FrameLimits.max_staged_bytes``; going over kills that
+  connection with a clear ``DistNetworkError``) and copied once when its receive is posted.
+- ``send`` returns once the whole frame is in the kernel's socket buffer (or, to self, copied):
+  the array may then be changed. Send to self never touches a socket.
+- Failure is fail-stop: a connection that dies (without GOODBYE, or after it) marks its peer
+  dead for this transport: every pending and later receive from it, and every later send to
+  it, fails with a ``DistNetworkError`` naming the peer (and the op's key). ``abort(group)``
+  and an incoming ABORT fail the group's pending and later ops with ``DistBackendError``.
+- Every wait is bounded by ``timeout``; running past it raises ``DistTimeoutError`` naming the
+  peer and the key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import socket
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from aiodist.algorithms.p2p import byte_view
+from aiodist.errors import DistBackendError, DistError, DistNetworkError, DistTimeoutError
+from aiodist.store.base import Store
+from aiodist.transport._address import PeerAddress, address_key, host_id, listen_tcp, unix_name
+from aiodist.transport._channel import Channel
+from aiodist.transport._connection import Connection
+from aiodist.transport._mailbox import Key, Mailbox, PostedRecv, StagedMessage, describe_key
+from aiodist.wire.frame import FrameHeader, FrameKind, FrameLimits, Hello, abort_frame
+
+__all__ = ["Transport"]
+
+log = logging.getLogger("aiodist.transport")
+
+_CLOSE_WAIT = 2.0  # seconds close() waits for connections to finish closing
+_DIAL_GRACE = 0.05  # seconds a waiting receive gives its peer to connect before dialing it
+
+
+class Transport:
+    """Rank-to-rank data for one process of a job. Make one with ``await Transport.start(...)``."""
+
+    def __init__(self, store: Store, rank: int, world_size: int, token: bytes, timeout: float, limits: FrameLimits, unix: bool, host: str | None) -> None:
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.limits = limits
+        self.hello = Hello(token, rank, world_size)
+        self._use_unix = unix and sys.platform.startswith("linux")
+        self._host = host or socket.gethostname()
+        self._host_id = host_id()
+        self._servers: list[asyncio.AbstractServer] = []
+        self.address: PeerAddress | None = None
+        self._mailbox = Mailbox()
+        self._conns: set[Connection] = set()  # every open connection, handshake done or not
+        self._send_conn: dict[int, Connection] = {}  # the one connection we send to a peer on
+        self._dialing: dict[int, asyncio.Task[Connection]] = {}
+        self._watching: dict[int, asyncio.Task[None]] = {}
+        self.staged_total = 0  # messages ever staged (came before their receive)
+        self._dead: dict[int, DistNetworkError] = {}
+        self._aborted: dict[int, str] = {}
+        self._self_staged = 0
+        self._discard: set[tuple[int, int, int, int]] = set()  # payloads to drop on arrival (size mismatch)
+        self._closed = False
+        self._bytes_lost = [0, 0]  # bytes in/out of connections already gone
+
+    @classmethod
+    async def start(
+        cls,
+        store: Store,
+        rank: int,
+        world_size: int,
+        *,
+        token: str | bytes,
+        timeout: float,
+        limits: FrameLimits | None = None,
+        unix: bool = True,
+        host: str | None = None,
+    ) -> Transport:
+        """Listen, publish this rank's address in ``store``, and return the transport.
+
+        ``token`` names the job (peers with another token are refused); ``timeout`` (seconds)
+        bounds every wait; ``unix=False`` keeps same-host peers on TCP; ``host`` is the name or
+        address peers on other hosts dial (default: this host's name).
+        """
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank!r} is not in [0, {world_size})")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        tok = token.encode() if isinstance(token, str) else bytes(token)
+        self = cls(store, rank, world_size, tok, float(timeout), limits or FrameLimits(), unix, host)
+        try:
+            await self._listen()
+            assert self.address is not None
+            await store.set(address_key(rank), self.address.encode())
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def _listen(self) -> None:
+        loop = asyncio.get_running_loop()
+        tsock = listen_tcp()
+        srv = await loop.create_server(lambda: Connection(self, "tcp"), sock=tsock)
+        self._servers.append(srv)
+        port = tsock.getsockname()[1]
+        name = unix_name(self.hello.token, self.rank) if self._use_unix else None
+        if name is not None:
+            usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                usock.bind(name)
+                usock.listen(1024)
+                usock.setblocking(False)
+                self._servers.append(await loop.create_unix_server(lambda: Connection(self, "unix"), sock=usock))
+            except OSError as exc:
+                usock.close()
+                log.warning("rank %d: no Unix socket listener (same-host peers will use TCP): %s", self.rank, exc)
+                name = None
+        self.address = PeerAddress(self.rank, self._host, port, name, self._host_id)
+
+    # -- public API ------------------------------------------------------------------------
+
+    def channel(self, group_id: int, seq: int, global_ranks: Sequence[int]) -> Channel:
+        """The ``P2P`` of op ``seq`` of group ``group_id``, whose rank i is global rank
+        ``global_ranks[i]``; this rank must be one of them."""
+        return Channel(self, group_id, seq, global_ranks)
+
+    async def send(self, dst: int, buf: np.ndarray, *, group: int = 0, seq: int = 0, tag: int = 0) -> None:
+        """Send ``buf``'s bytes to global rank ``dst`` as message ``(group, seq, tag)``.
+        Returns once the bytes are in the kernel (or copied, to self): ``buf`` may then change."""
+        view = byte_view(buf)
+        self._check_peer(dst)
+        key = (group, seq, tag)
+        self._check_usable(key, dst)
+        if view.nbytes > self.limits.max_payload_bytes:
+            raise ValueError(
+                f"rank {self.rank}: a {view.nbytes}-byte message ({describe_key(key)}) is over the limit of "
+                f"{self.limits.max_payload_bytes} bytes per message (FrameLimits.max_payload_bytes): split it"
+            )
+        if dst == self.rank:
+            self._deliver_self(key, view)
+            return
+        header = FrameHeader(FrameKind.DATA, group, seq, tag, self.rank, view.nbytes)
+        try:
+            async with asyncio.timeout(self.timeout):
+                conn = await self._connection(dst)
+                await conn.send_frame(header, view, group)
+        except TimeoutError:
+            raise DistTimeoutError(f"rank {self.rank}: send to rank {dst} ({describe_key(key)}, {view.nbytes} bytes) did not complete in {self.timeout:g} s") from None
+        except DistNetworkError as exc:
+            raise DistNetworkError(f"{exc} (during a send to rank {dst}, {describe_key(key)})") from exc
+        if group in self._aborted:
+            raise self._abort_error(key)
+
+    async def recv(self, src: int | None, buf: np.ndarray, *, group: int = 0, seq: int = 0, tag: int = 0) -> int:
+        """Receive message ``(group, seq, tag)`` from global rank ``src`` (None: from any rank)
+        into ``buf``, which it must fill exactly. Returns the source rank."""
+        dst = byte_view(buf, writable=True)
+        key = (group, seq, tag)
+        if src is not None:
+            self._check_peer(src)
+        self._check_usable(key, src)
+        m = self._mailbox.take_staged(key, src)
+        if m is not None:
+            return self._consume(m, dst, key)
+        if src is not None:
+            if src in self._dead:
+                raise self._dead_error(src, key)
+            if src != self.rank:
+                self._want_connection(src)
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        recv = PostedRecv(key, src, dst, fut)
+        self._mailbox.post(recv)
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await fut
+        except TimeoutError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                return fut.result()
+            raise DistTimeoutError(f"rank {self.rank}: {recv.what()} not complete after {self.timeout:g} s") from None
+        finally:
+            # A payload already being read into ``buf`` keeps landing there after a timeout or a
+            # cancellation: the op is broken then, and ``buf`` holds undefined bytes.
+            self._mailbox.unpost(recv)
+            if not fut.done():
+                fut.cancel()
+
+    async def connect(self, peers: Sequence[int] | None = None) -> None:
+        """Eagerly make the connections to ``peers`` (default: every other rank)."""
+        todo = [p for p in (range(self.world_size) if peers is None else peers) if p != self.rank]
+        for p in todo:
+            self._check_peer(p)
+        try:
+            async with asyncio.timeout(self.timeout):
+                await asyncio.gather(*(self._connection(p) for p in todo))
+        except TimeoutError:
+            raise DistTimeoutError(f"rank {self.rank}: connecting to ranks {todo} did not complete in {self.timeout:g} s") from None
+
+    async def abort(self, group_id: int, reason: str) -> None:
+        """Tell every connected peer that ``group_id`` is dead, and fail its local pending and
+        later ops with ``DistBackendError(reason)``."""
+        frame = abort_frame(self.rank, group_id, 0, reason)
+        for conn in list(self._send_conn.values()):
+            conn.write_control(frame)
+        self._abort_local(group_id, f"rank {self.rank} aborted group {group_id}: {reason}")
+
+    async def close(self) -> None:
+        """Say GOODBYE to every peer, close every connection and listener, fail what is pending.
+        Idempotent; waits at most a couple of seconds for sockets to finish closing."""
+        if self._closed:
+            return
+        self._closed = True
+        for t in [*self._dialing.values(), *self._watching.values()]:
+            t.cancel()
+        err = DistBackendError(f"rank {self.rank}: the transport was closed")
+        for r in self._mailbox.remove_posted(lambda r: True):
+            if not r.fut.done():
+                r.fut.set_exception(err)
+        self._mailbox.drop_staged(lambda k, m: True)
+        for srv in self._servers:
+            srv.close()
+        conns = list(self._conns)
+        for c in conns:
+            c.say_goodbye()
+            c.close()
+        waits: list[asyncio.Future[Any]] = [c.closed for c in conns] + [*self._dialing.values(), *self._watching.values()]
+        if waits:
+            await asyncio.wait(waits, timeout=_CLOSE_WAIT)
+        for c in conns:
+            if not c.closed.done() and c.transport is not None:
+                c.transport.abort()
+        for srv in self._servers:
+            try:
+                async with asyncio.timeout(_CLOSE_WAIT):
+                    await srv.wait_closed()
+            except TimeoutError:
+                pass
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def stats(self) -> dict[str, Any]:
+        conns: list[dict[str, Any]] = [
+            {
+                "peer": c.peer,
+                "kind": c.kind,
+                "dialed": c.dialed_peer is not None,
+                "sending": c.peer is not None and self._send_conn.get(c.peer) is c,
+                "bytes_in": c.bytes_in,
+                "bytes_out": c.bytes_out,
+                "staged_bytes": c.decoder.staged_bytes,
+            }
+            for c in self._conns
+        ]
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "connections": conns,
+            "bytes_in": self._bytes_lost[0] + sum(c["bytes_in"] for c in conns),
+            "bytes_out": self._bytes_lost[1] + sum(c["bytes_out"] for c in conns),
+            "staged_bytes": self._mailbox.staged_bytes,
+            "staged_messages": self._mailbox.staged_messages,
+            "staged_total": self.staged_total,
+            "pending_receives": self._mailbox.pending,
+            "dead_peers": sorted(self._dead),
+            "aborted_groups": sorted(self._aborted),
+            "closed": self._closed,
+        }
+
+    # -- checks ----------------------------------------------------------------------------
+
+    def _check_peer(self, peer: int) -> None:
+        if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < self.world_size:
+            raise ValueError(f"rank {self.rank}: peer {peer!r} is not a rank of a world of {self.world_size}")
+
+    def _check_usable(self, key: Key, peer: int | None) -> None:
+        if self._closed:
+            raise DistBackendError(f"rank {self.rank}: the transport is closed ({describe_key(key)})")
+        if key[0] in self._aborted:
+            raise self._abort_error(key)
+        if peer is not None and peer in self._dead:
+            raise self._dead_error(peer, key)
+
+    def _abort_error(self, key: Key) -> DistBackendError:
+        return DistBackendError(f"{self._aborted[key[0]]} ({describe_key(key)})")
+
+    def _dead_error(self, peer: int, key: Key) -> DistNetworkError:
+        return DistNetworkError(f"{self._dead[peer]} ({describe_key(key)}, peer rank {peer})")
+
+    # -- connections -----------------------------------------------------------------------
+
+    async def _connection(self, peer: int) -> Connection:
+        conn = self._send_conn.get(peer)
+        if conn is not None:
+            return conn
+        if peer in self._dead:
+            raise self._dead[peer]
+        if self._closed:
+            raise DistBackendError(f"rank {self.rank}: the transport is closed")
+        task = self._dialing.get(peer)
+        if task is None:
+            task = self._dialing[peer] = asyncio.get_running_loop().create_task(self._dial(peer))
+            task.add_done_callback(functools.partial(self._dial_done, peer))
+        await asyncio.shield(task)
+        conn = self._send_conn.get(peer)
+        if conn is None:  # the dial's connection died at once
+            raise self._dead.get(peer) or DistNetworkError(f"rank {self.rank}: connection to rank {peer} closed right after the handshake")
+        return conn
+
+    def _want_connection(self, peer: int) -> None:
+        """A receive from ``peer`` waits: make sure a connection exists soon, so that the peer's
+        death fails the receive. After a short grace, since the peer's send usually dials first
+        (one connection instead of two)."""
+        if peer in self._send_conn or peer in self._dialing or peer in self._dead or self._closed or peer in self._watching:
+            return
+        task = self._watching[peer] = asyncio.get_running_loop().create_task(self._watch(peer))
+        task.add_done_callback(functools.partial(self._watch_done, peer))
+
+    async def _watch(self, peer: int) -> None:
+        await asyncio.sleep(_DIAL_GRACE)
+        if peer in self._send_conn or peer in self._dead or self._closed:
+            return
+        try:
+            async with asyncio.timeout(self.timeout):
+                await self._connection(peer)
+        except (DistError, TimeoutError) as exc:
+            log.debug("rank %d: background connection to rank %d failed: %s", self.rank, peer, exc)
+
+    def _watch_done(self, peer: int, task: asyncio.Task[None]) -> None:
+        if self._watching.get(peer) is task:
+            del self._watching[peer]
+
+    def _dial_done(self, peer: int, task: asyncio.Task[Connection]) -> None:
+        if self._dialing.get(peer) is task:
+            del self._dialing[peer]
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("rank %d: dialing rank %d failed: %s", self.rank, peer, task.exception())
+
+    async def _dial(self, peer: int) -> Connection:
+        try:
+            async with asyncio.timeout(self.timeout):
+                raw = await self.store.get(address_key(peer))
+                addr = PeerAddress.decode(raw)
+                if addr.rank != peer:
+                    raise DistNetworkError(f"rank {self.rank}: the store's address for rank {peer} is rank {addr.rank}'s")
+                conn = await self._open(addr)
+                await conn.handshake
+                return conn
+        except TimeoutError:
+            raise DistTimeoutError(f"rank {self.rank}: could not connect to rank {peer} within {self.timeout:g} s") from None
+        except DistError as exc:
+            if isinstance(exc, DistTimeoutError):
+                raise
+            raise DistNetworkError(f"rank {self.rank}: could not connect to rank {peer}: {exc}") from exc
+
+    async def _open(self, addr: PeerAddress) -> Connection:
+        """Connect to ``addr``, retrying refusals with backoff (the caller holds the deadline)."""
+        loop = asyncio.get_running_loop()
+        same_host = addr.host_id == self._host_id
+        delay = 0.005
+        while True:
+            try:
+                if self._use_unix and same_host and addr.unix is not None:
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    try:
+                        sock.setblocking(False)
+                        sock.connect(addr.unix)  # abstract sockets connect at once or refuse at once
+                    except OSError:
+                        sock.close()
+                        raise
+                    _, uconn = await loop.create_unix_connection(lambda: Connection(self, "unix", addr.rank), sock=sock)
+                    return uconn
+                host = "127.0.0.1" if same_host else addr.host
+                _, tconn = await loop.create_connection(lambda: Connection(self, "tcp", addr.rank), host, addr.port)
+                return tconn
+            except OSError as exc:
+                log.debug("rank %d: connecting to rank %d failed (%s); retrying in %g s", self.rank, addr.rank, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    def _check_hello(self, hello: Hello, dialed: int | None) -> str | None:
+        """Why a peer's HELLO is refused, or None."""
+        if hello.token != self.hello.token:
+            return f"rank {hello.rank} of another job (job token mismatch): two jobs on one host must not cross"
+        if hello.world_size != self.world_size:
+            return f"rank {hello.rank} says the world size is {hello.world_size}, here it is {self.world_size}"
+        if dialed is not None and hello.rank != dialed:
+            return f"dialed rank {dialed}, but rank {hello.rank} answered (stale address in the store?)"
+        if hello.rank == self.rank:
+            return f"a connection from this rank ({hello.rank}) itself"
+        if self._closed:
+            return "this transport is closed"
+        return None
+
+    def _connection_made(self, conn: Connection) -> None:
+        self._conns.add(conn)
+
+    def _connection_ready(self, conn: Connection) -> None:
+        assert conn.peer is not None
+        if conn.peer not in self._send_conn and conn.peer not in self._dead:
+            self._send_conn[conn.peer] = conn
+
+    def _connection_lost(self, conn: Connection, err: DistNetworkError | BaseException, current: PostedRecv | None) -> None:
+        self._conns.discard(conn)
+        self._bytes_lost[0] += conn.bytes_in
+        self._bytes_lost[1] += conn.bytes_out
+        peer = conn.peer
+        if peer is None or self._closed:
+            if current is not None and not current.fut.done():
+                current.fut.set_exception(err)
+            return
+        if self._send_conn.get(peer) is conn:
+            del self._send_conn[peer]
+        dead = err if isinstance(err, DistNetworkError) else DistNetworkError(str(err))
+        self._dead.setdefault(peer, dead)
+        log.log(logging.INFO if conn.goodbye else logging.WARNING, "%s", dead)
+        for other in list(self._conns):  # fail-stop: nothing more from this peer
+            if other.peer == peer:
+                other.fail(dead)
+        if current is not None and not current.fut.done():
+            current.fut.set_exception(DistNetworkError(f"{dead} ({current.what()}, peer rank {peer})"))
+        for r in self._mailbox.remove_posted(lambda r: r.src == peer):
+            if not r.fut.done():
+                r.fut.set_exception(DistNetworkError(f"{dead} ({r.what()}, peer rank {peer})"))
+
+    # -- receiving (called by connections) ---------------------------------------------------
+
+    def _match(self, header: FrameHeader) -> PostedRecv | None:
+        if header.group in self._aborted:
+            return None  # staged, and dropped when it completes
+        return self._mailbox.match((header.group, header.seq, header.tag), header.source)
+
+    def _size_mismatch(self, recv: PostedRecv, header: FrameHeader) -> None:
+        if not recv.fut.done():
+            recv.fut.set_exception(
+                ValueError(f"rank {self.rank}: message from rank {header.source} ({describe_key(recv.key)}) is {header.length} bytes, the receive buffer {recv.dst.nbytes}")
+            )
+        self._discard.add((header.group, header.seq, header.tag, header.source))
+
+    def _arrived(self, header: FrameHeader, data: memoryview, release: Any) -> None:
+        """A whole payload that no receive claimed when its header came."""
+        key = (header.group, header.seq, header.tag)
+        dkey = (*key, header.source)
+        if dkey in self._discard or header.group in self._aborted:
+            self._discard.discard(dkey)
+            release(data.nbytes)
+            return
+        # a receive may have been posted while the payload was being staged (or, for a
+        # zero-length payload, which comes without a HeaderReceived, at any time)
+        recv = self._mailbox.match(key, header.source)
+        if recv is not None:
+            try:
+                self._complete_copy(recv, data, header.source)
+            finally:
+                release(data.nbytes)
+            return
+        self.staged_total += 1
+        self._mailbox.stage(key, StagedMessage(header.source, data, release))
+
+    def _complete_copy(self, recv: PostedRecv, data: memoryview, src: int) -> None:
+        if recv.dst.nbytes != data.nbytes:
+            if not recv.fut.done():
+                recv.fut.set_exception(ValueError(f"rank {self.rank}: message from rank {src} ({describe_key(recv.key)}) is {data.nbytes} bytes, the receive buffer {recv.dst.nbytes}"))
+            return
+        if data.nbytes:
+            recv.dst[:] = np.frombuffer(data, np.uint8)
+        if not recv.fut.done():
+            recv.fut.set_result(src)
+
+    def _consume(self, m: StagedMessage, dst: np.ndarray, key: Key) -> int:
+        try:
+            if m.data.nbytes != dst.nbytes:
+                raise ValueError(f"rank {self.rank}: message from rank {m.src} ({describe_key(key)}) is {m.data.nbytes} bytes, the receive buffer {dst.nbytes}")
+            if dst.nbytes:
+                dst[:] = np.frombuffer(m.data, np.uint8)
+            return m.src
+        finally:
+            m.release(m.data.nbytes)
+
+    def _deliver_self(self, key: Key, view: np.ndarray) -> None:
+        recv = self._mailbox.match(key, self.rank)
+        if recv is not None:
+            self._complete_copy(recv, view.data, self.rank)
+            return
+        n = view.nbytes
+        if self._self_staged + n > self.limits.max_staged_bytes:
+            raise DistBackendError(
+                f"rank {self.rank}: send to self ({describe_key(key)}, {n} bytes) would hold {self._self_staged + n} unclaimed bytes, "
+                f"over the limit of {self.limits.max_staged_bytes} (FrameLimits.max_staged_bytes): post the receive first"
+            )
+        self._self_staged += n
+        self.staged_total += 1
+        self._mailbox.stage(key, StagedMessage(self.rank, memoryview(view.tobytes()), self._release_self))
+
+    def _release_self(self, n: int) -> None:
+        self._self_staged -= n
+
+    def _abort_received(self, header: FrameHeader, reason: str) -> None:
+        self._abort_local(header.group, f"rank {header.source} aborted group {header.group}: {reason}")
+
+    def _abort_local(self, group: int, why: str) -> None:
+        self._aborted.setdefault(group, why)
+        err_for = self._abort_error
+        for r in self._mailbox.remove_posted(lambda r: r.key[0] == group):
+            if not r.fut.done():
+                r.fut.set_exception(err_for(r.key))
+        for c in self._conns:
+            cur = c.current
+            if cur is not None and cur.key[0] == group and not cur.fut.done():
+                cur.fut.set_exception(err_for(cur.key))
+            c.fail_sends(group, DistBackendError(why))
+        self._mailbox.drop_staged(lambda k, m: k[0] == group)
