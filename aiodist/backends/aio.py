@@ -1,0 +1,69 @@
+"""The CPU socket backend ("aio", alias "gloo"): ``aiodist.transport.Transport`` as a channel
+factory. Imported lazily, so aiodist still imports while the transport is absent; then the
+creator refuses with a DistBackendError that says so.
+
+The job token (checked in every connection's handshake, so two jobs on one host never cross)
+is agreed through the store: every rank offers a random one with ``compare_set`` on one key
+and the first offer wins.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from aiodist.algorithms.p2p import P2P
+from aiodist.backends.base import CommBackend
+from aiodist.errors import DistBackendError
+from aiodist.store.base import Store
+
+__all__ = ["AioBackend", "create_aio_backend", "transport_available"]
+
+_TOKEN_KEY = "aiodist/aio_backend/token"
+
+
+def transport_available() -> bool:
+    try:
+        import aiodist.transport  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class AioBackend(CommBackend):
+    name = "aio"
+
+    def __init__(self, transport: Any, rank: int, world_size: int) -> None:
+        super().__init__(rank, world_size)
+        self.transport = transport
+
+    def channel(self, group_id: int, seq: int, global_ranks: Sequence[int]) -> P2P:
+        ch: P2P = self.transport.channel(group_id, seq, global_ranks)
+        return ch
+
+    async def abort_group(self, group_id: int, reason: str) -> None:
+        await self.transport.abort(group_id, reason)
+
+    async def close(self) -> None:
+        await self.transport.close()
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        out["transport"] = self.transport.stats()
+        return out
+
+
+async def create_aio_backend(store: Store, rank: int, world_size: int, timeout: timedelta) -> AioBackend:
+    """The "aio" backend's creator, as ``Backend.register_backend`` takes it."""
+    try:
+        from aiodist.transport import Transport
+    except ImportError as exc:
+        raise DistBackendError(
+            "the CPU socket backend ('aio', alias 'gloo') is not wired yet: aiodist.transport is not available "
+            f"({exc}). Use backend='memory' for ranks in one process (aiodist.testing.run_world)"
+        ) from exc
+    token = (await store.compare_set(_TOKEN_KEY, "", secrets.token_hex(16))).decode()
+    transport = await Transport.start(store, rank, world_size, token=token, timeout=max(timeout.total_seconds(), 1e-3))
+    return AioBackend(transport, rank, world_size)

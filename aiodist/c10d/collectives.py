@@ -1,0 +1,388 @@
+"""The collectives, with torch's names, arguments and defaults; each an ``async def``.
+
+Every function: resolves the group, checks its arguments (TypeError/ValueError, nothing sent,
+the group stays usable), then issues the op in the same step (its sequence number taken before
+any suspension point). ``async_op=True`` returns the ``Work`` at once; otherwise the call
+returns None once the op is done. Outputs are written in place. ``src``/``dst`` are global
+ranks, ``group_src``/``group_dst`` group ranks, as in torch.
+
+Reductions: ``check_reduce`` refuses an op/dtype pair before anything is sent; PREMUL_SUM
+scales each rank's own contribution once (a copy where the caller's tensor is only an input),
+AVG divides once at the end (``aiodist.types``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from aiodist.algorithms import collectives as alg
+from aiodist.algorithms.p2p import P2P
+from aiodist.c10d._args import buf, bufs, check_async_op, group_root, same_dtype
+from aiodist.c10d.init import GroupArg, resolve_group
+from aiodist.c10d.work import Work
+from aiodist.types import Buffer, ReduceOp, ReduceOpLike, check_reduce, finalize, premultiply, reduce_into, to_reduce_op
+
+__all__ = [
+    "broadcast",
+    "all_reduce",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+]
+
+_PREMUL = ReduceOp.RedOpType.PREMUL_SUM
+
+
+async def _finish(work: Work, async_op: bool) -> Work | None:
+    if async_op:
+        return work
+    await work
+    return None
+
+
+def _reduction(op: object, b: Buffer) -> tuple[ReduceOp, Callable[[np.ndarray, np.ndarray], None]]:
+    rop = to_reduce_op(op)
+    check_reduce(rop, b.dtype_name)
+    name = b.dtype_name
+
+    def combine(dst: np.ndarray, src: np.ndarray) -> None:
+        reduce_into(dst, src, rop, dtype=name)
+
+    return rop, combine
+
+
+def _same_size(a: Buffer, size: int, what: str) -> None:
+    if a.flat.size != size:
+        raise ValueError(f"{what} has {a.flat.size} elements, expected {size}")
+
+
+def _chunks(flat: np.ndarray, n: int) -> list[np.ndarray]:
+    m = flat.size // n
+    return [flat[i * m : (i + 1) * m] for i in range(n)]
+
+
+# -- broadcast / all_reduce / reduce -----------------------------------------------------------
+
+
+async def broadcast(
+    tensor: Any, src: int | None = None, group: GroupArg = None, async_op: bool = False, group_src: int | None = None
+) -> Work | None:
+    """Copy ``tensor`` of ``src`` into ``tensor`` of every rank of the group."""
+    pg = resolve_group(group, what="broadcast")
+    asy = check_async_op(async_op)
+    root = group_root(pg, "broadcast", "src", src, group_src)
+    b = buf(tensor, "broadcast tensor", writable=pg.rank() != root)
+    flat, th = b.flat, pg.thresholds
+
+    async def body(p2p: P2P) -> None:
+        await alg.broadcast(p2p, flat, root, thresholds=th)
+
+    return await _finish(pg.issue("broadcast", body, [tensor]), asy)
+
+
+async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False) -> Work | None:
+    """Reduce ``tensor`` across the group, in place; the same bits on every rank."""
+    pg = resolve_group(group, what="all_reduce")
+    asy = check_async_op(async_op)
+    b = buf(tensor, "all_reduce tensor", writable=True)
+    rop, combine = _reduction(op, b)
+    flat, name, n, th = b.flat, b.dtype_name, pg.size(), pg.thresholds
+
+    async def body(p2p: P2P) -> None:
+        premultiply(flat, rop, dtype=name)
+        await alg.all_reduce(p2p, flat, combine, thresholds=th)
+        finalize(flat, rop, n, dtype=name)
+
+    return await _finish(pg.issue("all_reduce", body, [tensor]), asy)
+
+
+async def reduce(
+    tensor: Any,
+    dst: int | None = None,
+    op: ReduceOpLike = ReduceOp.SUM,
+    group: GroupArg = None,
+    async_op: bool = False,
+    group_dst: int | None = None,
+) -> Work | None:
+    """Reduce ``tensor`` of every rank into ``tensor`` of ``dst``; the others' are left as they were."""
+    pg = resolve_group(group, what="reduce")
+    asy = check_async_op(async_op)
+    root = group_root(pg, "reduce", "dst", dst, group_dst)
+    is_root = pg.rank() == root
+    b = buf(tensor, "reduce tensor", writable=is_root)
+    rop, combine = _reduction(op, b)
+    flat, name, n, th = b.flat, b.dtype_name, pg.size(), pg.thresholds
+
+    async def body(p2p: P2P) -> None:
+        mine = flat if is_root or rop.op is not _PREMUL else flat.copy()
+        premultiply(mine, rop, dtype=name)
+        await alg.reduce(p2p, mine, root, combine, thresholds=th)
+        if is_root:
+            finalize(mine, rop, n, dtype=name)
+
+    return await _finish(pg.issue("reduce", body, [tensor]), asy)
+
+
+# -- all_gather / gather / scatter -------------------------------------------------------------
+
+
+async def all_gather(tensor_list: Sequence[Any], tensor: Any, group: GroupArg = None, async_op: bool = False) -> Work | None:
+    """Every rank's ``tensor`` into ``tensor_list[that rank]`` on every rank (sizes may differ per rank)."""
+    pg = resolve_group(group, what="all_gather")
+    asy = check_async_op(async_op)
+    inp = buf(tensor, "all_gather tensor", writable=False)
+    outs = bufs(tensor_list, "all_gather tensor_list", pg.size(), writable=True)
+    same_dtype(outs, inp, "all_gather tensor_list")
+    _same_size(outs[pg.rank()], inp.flat.size, f"all_gather tensor_list[{pg.rank()}] (this rank's own slot)")
+    flats, mine, th = [o.flat for o in outs], inp.flat, pg.thresholds
+
+    async def body(p2p: P2P) -> None:
+        await alg.all_gather(p2p, flats, mine, thresholds=th)
+
+    return await _finish(pg.issue("all_gather", body, list(tensor_list)), asy)
+
+
+async def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: GroupArg = None, async_op: bool = False) -> Work | None:
+    """Every rank's ``input_tensor`` concatenated (or stacked) into ``output_tensor`` in rank order."""
+    return await _all_gather_one("all_gather_into_tensor", output_tensor, input_tensor, group, async_op)
+
+
+async def all_gather_single(output_tensor: Any, input_tensor: Any, group: GroupArg = None, async_op: bool = False) -> Work | None:
+    """The newer name of ``all_gather_into_tensor`` (concatenation and stack forms)."""
+    return await _all_gather_one("all_gather_single", output_tensor, input_tensor, group, async_op)
+
+
+async def _all_gather_one(op: str, output_tensor: Any, input_tensor: Any, group: GroupArg, async_op: bool) -> Work | None:
+    pg = resolve_group(group, what=op)
+    asy = check_async_op(async_op)
+    out = buf(output_tensor, f"{op} output_tensor", writable=True)
+    inp = buf(input_tensor, f"{op} input_tensor", writable=False)
+    same_dtype([out], inp, f"{op} output_tensor")
+    n = pg.size()
+    _same_size(out, n * inp.flat.size, f"{op} output_tensor (world size x input size)")
+    chunks, mine, th = _chunks(out.flat, n), inp.flat, pg.thresholds
+
+    async def body(p2p: P2P) -> None:
+        await alg.all_gather(p2p, chunks, mine, thresholds=th)
+
+    return await _finish(pg.issue(op, body, [output_tensor]), asy)
+
+
+async def gather(
+    tensor: Any,
+    gather_list: Sequence[Any] | None = None,
+    dst: int | None = None,
+    group: GroupArg = None,
+    async_op: bool = False,
+    group_dst: int | None = None,
+) -> Work | None:
+    """Every rank's ``tensor`` into ``gather_list`` of ``dst`` (default: global rank 0)."""
+    pg = resolve_group(group, what="gather")
+    asy = check_async_op(async_op)
+    root = group_root(pg, "gather", "dst", dst, group_dst, default_global=0 if group_dst is None else None)
+    inp = buf(tensor, "gather tensor", writable=False)
+    flats: list[np.ndarray] | None = None
+    if pg.rank() == root:
+        if gather_list is None:
+            raise ValueError("gather: gather_list must be specified on the destination rank")
+        outs = bufs(gather_list, "gather gather_list", pg.size(), writable=True)
+        same_dtype(outs, inp, "gather gather_list")
+        _same_size(outs[root], inp.flat.size, f"gather gather_list[{root}] (the destination's own slot)")
+        flats = [o.flat for o in outs]
+    elif gather_list:
+        raise ValueError("gather: gather_list must NOT be specified on non-destination ranks")
+    mine = inp.flat
+
+    async def body(p2p: P2P) -> None:
+        await alg.gather(p2p, flats, mine, root)
+
+    return await _finish(pg.issue("gather", body, list(gather_list or [])), asy)
+
+
+async def scatter(
+    tensor: Any,
+    scatter_list: Sequence[Any] | None = None,
+    src: int | None = None,
+    group: GroupArg = None,
+    async_op: bool = False,
+    group_src: int | None = None,
+) -> Work | None:
+    """``scatter_list[i]`` of ``src`` (default: global rank 0) into ``tensor`` of group rank i."""
+    pg = resolve_group(group, what="scatter")
+    asy = check_async_op(async_op)
+    root = group_root(pg, "scatter", "src", src, group_src, default_global=0 if group_src is None else None)
+    out = buf(tensor, "scatter tensor", writable=True)
+    flats: list[np.ndarray] | None = None
+    if pg.rank() == root:
+        if scatter_list is None:
+            raise ValueError("scatter: scatter_list must be specified on the source rank")
+        ins = bufs(scatter_list, "scatter scatter_list", pg.size(), writable=False)
+        same_dtype(ins, out, "scatter scatter_list")
+        _same_size(ins[root], out.flat.size, f"scatter scatter_list[{root}] (the source's own part)")
+        flats = [i.flat for i in ins]
+    elif scatter_list:
+        raise ValueError("scatter: scatter_list must NOT be specified on non-source ranks")
+    mine = out.flat
+
+    async def body(p2p: P2P) -> None:
+        await alg.scatter(p2p, mine, flats, root)
+
+    return await _finish(pg.issue("scatter", body, [tensor]), asy)
+
+
+# -- reduce_scatter / all_to_all / barrier -----------------------------------------------------
+
+
+async def reduce_scatter(
+    output: Any, input_list: Sequence[Any], op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False
+) -> Work | None:
+    """``output`` of rank r = the reduction over every rank of its ``input_list[r]``."""
+    pg = resolve_group(group, what="reduce_scatter")
+    asy = check_async_op(async_op)
+    out = buf(output, "reduce_scatter output", writable=True)
+    ins = bufs(input_list, "reduce_scatter input_list", pg.size(), writable=False)
+    same_dtype(ins, out, "reduce_scatter input_list")
+    _same_size(ins[pg.rank()], out.flat.size, f"reduce_scatter input_list[{pg.rank()}] (this rank's part)")
+    rop, combine = _reduction(op, out)
+    return await _finish(_issue_reduce_scatter(pg, "reduce_scatter", out, [i.flat for i in ins], rop, combine, output), asy)
+
+
+async def reduce_scatter_tensor(
+    output: Any, input: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False
+) -> Work | None:
+    """``input`` is the concatenation (or stack) of every rank's part; ``output`` gets this rank's, reduced."""
+    return await _reduce_scatter_one("reduce_scatter_tensor", output, input, op, group, async_op)
+
+
+async def reduce_scatter_single(
+    output: Any, input: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False
+) -> Work | None:
+    """The newer name of ``reduce_scatter_tensor``."""
+    return await _reduce_scatter_one("reduce_scatter_single", output, input, op, group, async_op)
+
+
+async def _reduce_scatter_one(name: str, output: Any, input: Any, op: ReduceOpLike, group: GroupArg, async_op: bool) -> Work | None:
+    pg = resolve_group(group, what=name)
+    asy = check_async_op(async_op)
+    out = buf(output, f"{name} output", writable=True)
+    inp = buf(input, f"{name} input", writable=False)
+    same_dtype([inp], out, f"{name} input")
+    _same_size(inp, pg.size() * out.flat.size, f"{name} input (world size x output size)")
+    rop, combine = _reduction(op, out)
+    return await _finish(_issue_reduce_scatter(pg, name, out, _chunks(inp.flat, pg.size()), rop, combine, output), asy)
+
+
+def _issue_reduce_scatter(pg: Any, name: str, out: Buffer, parts: list[np.ndarray], rop: ReduceOp, combine: Any, output: Any) -> Work:
+    dtype, n, th = out.dtype_name, pg.size(), pg.thresholds
+
+    async def body(p2p: P2P) -> None:
+        mine = parts
+        if rop.op is _PREMUL:
+            mine = [p.copy() for p in parts]
+            for p in mine:
+                premultiply(p, rop, dtype=dtype)
+        await alg.reduce_scatter(p2p, out.flat, mine, combine, thresholds=th)
+        finalize(out.flat, rop, n, dtype=dtype)
+
+    work: Work = pg.issue(name, body, [output])
+    return work
+
+
+async def all_to_all(
+    output_tensor_list: Sequence[Any], input_tensor_list: Sequence[Any], group: GroupArg = None, async_op: bool = False
+) -> Work | None:
+    """``input_tensor_list[j]`` of rank i into ``output_tensor_list[i]`` of rank j (sizes may differ)."""
+    pg = resolve_group(group, what="all_to_all")
+    asy = check_async_op(async_op)
+    ins = bufs(input_tensor_list, "all_to_all input_tensor_list", pg.size(), writable=False)
+    outs = bufs(output_tensor_list, "all_to_all output_tensor_list", pg.size(), writable=True)
+    same_dtype(ins, ins[0], "all_to_all input_tensor_list")
+    same_dtype(outs, ins[0], "all_to_all output_tensor_list")
+    r = pg.rank()
+    _same_size(outs[r], ins[r].flat.size, f"all_to_all output_tensor_list[{r}] (what this rank sends itself)")
+    return await _finish(_issue_all_to_all(pg, "all_to_all", [o.flat for o in outs], [i.flat for i in ins], list(output_tensor_list)), asy)
+
+
+def _split_bounds(b: Buffer, sizes: Sequence[int] | None, n: int, what: str) -> tuple[list[tuple[int, int]], int]:
+    if len(b.shape) == 0:
+        raise ValueError(f"{what} must have at least one dimension to split")
+    rows, row = b.shape[0], math.prod(b.shape[1:])
+    if not sizes:
+        if rows % n:
+            raise ValueError(f"{what}: dim 0 ({rows}) must divide equally by the world size ({n}) when no split sizes are given")
+        sizes = [rows // n] * n
+    else:
+        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or len(sizes) != n:
+            raise ValueError(f"{what} split sizes must be a list of {n} ints, got {sizes!r}")
+        for s in sizes:
+            if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+                raise ValueError(f"{what} split sizes must be non-negative ints, got {sizes!r}")
+        if sum(sizes) != rows:
+            raise ValueError(f"{what} split sizes {list(sizes)} add up to {sum(sizes)}, but dim 0 is {rows}")
+    bounds, start = [], 0
+    for s in sizes:
+        bounds.append((start * row, (start + s) * row))
+        start += s
+    return bounds, row
+
+
+async def all_to_all_single(
+    output: Any,
+    input: Any,
+    output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None,
+    group: GroupArg = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Split ``input`` along dim 0 (``input_split_sizes`` or equally), send part j to rank j, and
+    concatenate what arrives into ``output`` (``output_split_sizes`` or equally)."""
+    pg = resolve_group(group, what="all_to_all_single")
+    asy = check_async_op(async_op)
+    out = buf(output, "all_to_all_single output", writable=True)
+    inp = buf(input, "all_to_all_single input", writable=False)
+    same_dtype([out], inp, "all_to_all_single output")
+    n = pg.size()
+    ib, irow = _split_bounds(inp, input_split_sizes, n, "all_to_all_single input")
+    ob, orow = _split_bounds(out, output_split_sizes, n, "all_to_all_single output")
+    if irow != orow and inp.flat.size and out.flat.size:
+        raise ValueError(f"all_to_all_single: input rows have {irow} elements, output rows {orow}")
+    r = pg.rank()
+    if ib[r][1] - ib[r][0] != ob[r][1] - ob[r][0]:
+        raise ValueError(f"all_to_all_single: this rank sends itself {ib[r][1] - ib[r][0]} elements but expects {ob[r][1] - ob[r][0]}")
+    ins = [inp.flat[a:b] for a, b in ib]
+    outs = [out.flat[a:b] for a, b in ob]
+    return await _finish(_issue_all_to_all(pg, "all_to_all_single", outs, ins, [output]), asy)
+
+
+def _issue_all_to_all(pg: Any, name: str, outs: list[np.ndarray], ins: list[np.ndarray], outputs: list[Any]) -> Work:
+    th = pg.thresholds
+
+    async def body(p2p: P2P) -> None:
+        await alg.all_to_all(p2p, outs, ins, thresholds=th)
+
+    work: Work = pg.issue(name, body, outputs)
+    return work
+
+
+async def barrier(group: GroupArg = None, async_op: bool = False, device_ids: Any = None) -> Work | None:
+    """Return once every rank of the group has entered (``device_ids`` is ignored on CPU)."""
+    pg = resolve_group(group, what="barrier")
+    asy = check_async_op(async_op)
+
+    async def body(p2p: P2P) -> None:
+        await alg.barrier(p2p)
+
+    return await _finish(pg.issue("barrier", body, []), asy)

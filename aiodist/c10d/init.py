@@ -1,0 +1,300 @@
+"""Initialisation, groups and the pure queries: ``init_process_group``, ``destroy_process_group``,
+``new_group``, ``get_rank`` and friends.
+
+Decisions (see docs/c10d.md):
+- Group ids are u32s every member agrees on without talking: the default group is 0; a
+  ``new_group`` called by every rank (torch's rule) takes the World's next counter value
+  (1, 2, ...); with ``use_local_synchronization=True`` only members call it, so its id is a
+  hash of (member list, how many groups of that member list this rank made before), with bit 31
+  set so it never meets a counter id.
+- ``new_group`` does not communicate: the channel factory multiplexes by group id, so there is
+  nothing to connect. Non-members get ``GroupMember.NON_GROUP_MEMBER``.
+- A sub-group uses the default group's backend; asking for another backend is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from aiodist._time import TimeoutLike, to_seconds, to_timedelta
+from aiodist.c10d.backend_registry import Backend, create_backend, is_backend_available, is_nccl_available
+from aiodist.c10d.process_group import ProcessGroup
+from aiodist.c10d.world import NON_GROUP_MEMBER, current_world, default_group
+from aiodist.constants import default_pg_timeout
+from aiodist.errors import DistBackendError
+from aiodist.rendezvous import rendezvous
+from aiodist.store.base import Store
+from aiodist.store.prefix import PrefixStore
+
+__all__ = [
+    "init_process_group",
+    "destroy_process_group",
+    "new_group",
+    "is_initialized",
+    "is_available",
+    "is_gloo_available",
+    "is_nccl_available",
+    "is_mpi_available",
+    "is_ucc_available",
+    "is_xccl_available",
+    "is_backend_available",
+    "is_torchelastic_launched",
+    "get_rank",
+    "get_world_size",
+    "get_backend",
+    "get_pg_count",
+    "get_process_group_ranks",
+    "get_group_rank",
+    "get_global_rank",
+    "get_default_backend_for_device",
+    "resolve_group",
+]
+
+GroupArg = ProcessGroup | int | None
+
+
+def _int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
+    return value
+
+
+def resolve_group(group: GroupArg, *, what: str = "this op") -> ProcessGroup:
+    """The group an API call works on: None is the default group; a non-member handle is refused."""
+    world = current_world()
+    if group is None:
+        return default_group()
+    if isinstance(group, int) and not isinstance(group, bool) and group == NON_GROUP_MEMBER:
+        raise ValueError(f"{what}: this rank (global rank {world.rank}) is not a member of the group (new_group returned NON_GROUP_MEMBER)")
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"group must be a ProcessGroup or None, not {type(group).__name__}")
+    if world.groups.get(group.group_id) is not group:
+        raise ValueError(f"{what}: {group.describe()} is not a live group of this World (destroyed, or made by another World)")
+    return group
+
+
+# -- availability ------------------------------------------------------------------------------
+
+
+def is_available() -> bool:
+    return True
+
+
+def is_gloo_available() -> bool:
+    """True: "gloo" is aiodist's CPU backend (an alias of "aio")."""
+    return True
+
+
+def is_mpi_available() -> bool:
+    return False
+
+
+def is_ucc_available() -> bool:
+    return False
+
+
+def is_xccl_available() -> bool:
+    return False
+
+
+def is_torchelastic_launched() -> bool:
+    return os.environ.get("TORCHELASTIC_RUN_ID") is not None
+
+
+def get_default_backend_for_device(device: Any) -> str:
+    kind = device if isinstance(device, str) else getattr(device, "type", str(device))
+    kind = kind.split(":")[0]
+    try:
+        return Backend.default_device_backend_map[kind]
+    except KeyError:
+        raise ValueError(f"Default backend not registered for device : {device}") from None
+
+
+# -- init / destroy ----------------------------------------------------------------------------
+
+
+async def init_process_group(
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout: TimeoutLike | None = None,
+    world_size: int = -1,
+    rank: int = -1,
+    store: Store | None = None,
+    group_name: str = "",
+    pg_options: Any = None,
+    device_id: Any = None,
+) -> None:
+    """Initialise the default group of the current World (see torch's docs).
+
+    ``store`` with ``rank`` and ``world_size``, or ``init_method`` (default ``env://``) through
+    ``aiodist.rendezvous``. ``timeout`` (timedelta or seconds, default 30 min) bounds every op
+    of the group. ``group_name`` (deprecated in torch) names the group; ``device_id`` and
+    ``pg_options`` are passed to the backend's creator where it takes them, otherwise ignored.
+    """
+    world = current_world()
+    if world.default_pg is not None:
+        raise ValueError("trying to initialize the default process group twice!")
+    rank = _int(rank, "rank")
+    world_size = _int(world_size, "world_size")
+    if store is not None and init_method is not None:
+        raise ValueError("Cannot specify both init_method and store.")
+    td = default_pg_timeout if timeout is None else to_timedelta(timeout)
+    name = Backend(backend) if backend is not None else Backend(get_default_backend_for_device(device_id or "cpu"))
+    if store is not None:
+        if not isinstance(store, Store):
+            raise TypeError(f"store must be an aiodist Store, not {type(store).__name__}")
+        if world_size <= 0:
+            raise ValueError("world_size must be positive if using store")
+        if rank < 0:
+            raise ValueError("rank must be non-negative if using store")
+    else:
+        store, rank, world_size = await rendezvous(init_method or "env://", rank, world_size, timeout=td)
+        store = PrefixStore("default_pg", store)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
+    comm = await create_backend(name, store, rank, world_size, td, pg_options)
+    world.rank, world.world_size = rank, world_size
+    world.backend, world.backend_name, world.store = comm, str(name), store
+    pg = ProcessGroup(comm, str(name), 0, range(world_size), td.total_seconds(), name=group_name or "0", desc="default_pg")
+    world.groups[0] = pg
+    world.default_pg = pg
+
+
+def is_initialized() -> bool:
+    """Whether the current World has a default group."""
+    return current_world().default_pg is not None
+
+
+async def destroy_process_group(group: GroupArg = None) -> None:
+    """Destroy ``group`` (its pending ops fail, it refuses new ones); None or the default group
+    destroys every group and deinitialises the World."""
+    world = current_world()
+    pg = resolve_group(group, what="destroy_process_group")
+    if pg is world.default_pg:
+        for g in list(world.groups.values()):
+            await g.shutdown("the group was destroyed")
+        backend = world.backend
+        world.reset()
+        if backend is not None:
+            await backend.close()
+        return
+    del world.groups[pg.group_id]
+    await pg.shutdown("the group was destroyed")
+
+
+# -- new_group ---------------------------------------------------------------------------------
+
+
+def _canonical(name: str) -> str:
+    b = Backend(name)
+    return Backend.aliases.get(b, b)
+
+
+def _local_group_id(ranks: tuple[int, ...], occurrence: int) -> int:
+    digest = hashlib.blake2b(f"{ranks}/{occurrence}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") | (1 << 31)
+
+
+async def new_group(
+    ranks: Sequence[int] | None = None,
+    timeout: TimeoutLike | None = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+    use_local_synchronization: bool = False,
+    group_desc: str | None = None,
+    device_id: Any = None,
+    sort_ranks: bool = True,
+) -> ProcessGroup | int:
+    """A group of ``ranks`` (global ranks; all if None). Every rank of the default group calls it,
+    in the same order (with ``use_local_synchronization=True`` only the members). Returns the
+    group, or ``GroupMember.NON_GROUP_MEMBER`` on ranks not in it."""
+    world = current_world()
+    parent = default_group()
+    if ranks is None:
+        members = list(range(world.world_size))
+    else:
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
+            raise TypeError(f"ranks must be a list of ints, not {type(ranks).__name__}")
+        members = [_int(r, "every rank in ranks") for r in ranks]
+    for r in members:
+        if not 0 <= r < world.world_size:
+            raise ValueError(f"new_group: rank {r} is out of range for world_size {world.world_size}")
+    if len(set(members)) != len(members):
+        raise ValueError(f"new_group: ranks has duplicates: {members}")
+    if not members:
+        raise ValueError("new_group: ranks is empty")
+    if sort_ranks:
+        members.sort()
+    if backend is not None and _canonical(backend) != _canonical(world.backend_name):
+        raise DistBackendError(
+            f"new_group: backend {backend!r} differs from the default group's {world.backend_name!r}; one backend per World is supported"
+        )
+    seconds = parent.timeout_s if timeout is None else to_seconds(timeout)
+    key = tuple(members)
+    if use_local_synchronization:
+        if world.rank not in key:
+            return NON_GROUP_MEMBER
+        occurrence = world.created.get(key, 0)
+        world.created[key] = occurrence + 1
+        gid = _local_group_id(key, occurrence)
+    else:
+        gid = world.next_group_id
+        world.next_group_id += 1
+    if world.rank not in key:
+        return NON_GROUP_MEMBER
+    if gid in world.groups:
+        raise DistBackendError(
+            f"new_group: group id {gid} is already in use on this rank (a hash collision of use_local_synchronization ids)"
+        )
+    assert world.backend is not None
+    pg = ProcessGroup(world.backend, world.backend_name, gid, members, seconds, name=str(gid), desc=group_desc or f"group {gid}")
+    world.groups[gid] = pg
+    return pg
+
+
+# -- queries -----------------------------------------------------------------------------------
+
+
+def get_rank(group: GroupArg = None) -> int:
+    """This rank in ``group`` (default: the default group); -1 for a non-member handle."""
+    if isinstance(group, int) and not isinstance(group, bool) and group == NON_GROUP_MEMBER:
+        return -1
+    return resolve_group(group, what="get_rank").rank()
+
+
+def get_world_size(group: GroupArg = None) -> int:
+    """The size of ``group``; -1 for a non-member handle."""
+    if isinstance(group, int) and not isinstance(group, bool) and group == NON_GROUP_MEMBER:
+        return -1
+    return resolve_group(group, what="get_world_size").size()
+
+
+def get_backend(group: GroupArg = None) -> Backend:
+    return Backend(resolve_group(group, what="get_backend").backend_name)
+
+
+def get_pg_count() -> int:
+    return len(current_world().groups)
+
+
+def get_process_group_ranks(group: GroupArg) -> list[int]:
+    return list(resolve_group(group, what="get_process_group_ranks").ranks)
+
+
+def get_group_rank(group: GroupArg, global_rank: int) -> int:
+    pg = resolve_group(group, what="get_group_rank")
+    _int(global_rank, "global_rank")
+    if global_rank not in pg.ranks:
+        raise RuntimeError(f"Global rank {global_rank} is not part of {pg.describe()}")
+    return pg.ranks.index(global_rank)
+
+
+def get_global_rank(group: GroupArg, group_rank: int) -> int:
+    pg = resolve_group(group, what="get_global_rank")
+    _int(group_rank, "group_rank")
+    if not 0 <= group_rank < pg.size():
+        raise RuntimeError(f"Group rank {group_rank} is not part of {pg.describe()}")
+    return pg.ranks[group_rank]

@@ -1,0 +1,241 @@
+"""``ProcessGroup``: a set of global ranks, a sequence counter, a timeout, and the backend's
+channel factory; it issues ops and owns the tasks that run them.
+
+Rules:
+- ``issue`` is synchronous: it takes the next sequence number and opens the op's channel, so an
+  API coroutine that validates and then issues does both in its first step, before any
+  suspension point. Ops of one group run concurrently (each on its own channel).
+- An op runs as a task owned by the group: cancelling whoever awaits it leaves it running.
+- An op that does not finish within the group's timeout fails with ``DistTimeoutError`` naming
+  the op, the group, its sequence number, and the ranks this rank was still waiting on. Any
+  failure of an op breaks the group: its other pending ops fail, new ops are refused with the
+  reason, and the backend is asked to tell the peers (``CommBackend.abort_group``), so their
+  pending ops on the group fail now rather than at their own timeouts. Destroying (or
+  ``abort()``-ing) a group fails its pending ops on this rank only: peers are not told, since a
+  rank may destroy a group while a peer still receives what it sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+import numpy as np
+
+from aiodist.algorithms.p2p import P2P
+from aiodist.algorithms.thresholds import Thresholds, current
+from aiodist.backends.base import CommBackend
+from aiodist.c10d.work import Work
+from aiodist.errors import DistBackendError, DistError, DistTimeoutError
+
+__all__ = ["ProcessGroup"]
+
+log = logging.getLogger("aiodist.c10d")
+
+Body = Callable[[P2P], Coroutine[Any, Any, None]]
+
+
+class _Tracked:
+    """A P2P that remembers which peers it is still waiting on (for timeout messages)."""
+
+    def __init__(self, inner: P2P) -> None:
+        self.inner = inner
+        self.rank = inner.rank
+        self.size = inner.size
+        self.waiting_recv: Counter[int] = Counter()
+        self.waiting_send: Counter[int] = Counter()
+
+    async def send(self, peer: int, buf: np.ndarray, tag: int) -> None:
+        self.waiting_send[peer] += 1
+        try:
+            await self.inner.send(peer, buf, tag)
+        except asyncio.CancelledError:
+            raise  # still counted: the timeout message reads what was pending when it fired
+        except BaseException:
+            self.waiting_send[peer] -= 1
+            raise
+        self.waiting_send[peer] -= 1
+
+    async def recv(self, peer: int, buf: np.ndarray, tag: int) -> None:
+        self.waiting_recv[peer] += 1
+        try:
+            await self.inner.recv(peer, buf, tag)
+        except asyncio.CancelledError:
+            raise  # still counted: the timeout message reads what was pending when it fired
+        except BaseException:
+            self.waiting_recv[peer] -= 1
+            raise
+        self.waiting_recv[peer] -= 1
+
+
+class ProcessGroup:
+    """A group of ranks. Made by ``init_process_group`` / ``new_group``, never directly."""
+
+    def __init__(
+        self,
+        backend: CommBackend,
+        backend_name: str,
+        group_id: int,
+        global_ranks: Sequence[int],
+        timeout_s: float,
+        *,
+        name: str = "",
+        desc: str = "",
+    ) -> None:
+        self.backend = backend
+        self.backend_name = backend_name
+        self.group_id = group_id
+        self.ranks: tuple[int, ...] = tuple(global_ranks)
+        self._rank = self.ranks.index(backend.rank)
+        self.timeout_s = timeout_s
+        self.group_name = name or str(group_id)
+        self.group_desc = desc or ("default_pg" if group_id == 0 else f"group {group_id}")
+        self.thresholds: Thresholds = current()  # read once per group, the same on every rank
+        self.seq = 0
+        self.p2p_counts: Counter[tuple[int, int, int]] = Counter()
+        self.broken: str | None = None
+        self._pending: dict[asyncio.Task[None], Work] = {}
+        self._aborting: set[asyncio.Task[None]] = set()
+        self.completed = 0
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroup {self.describe()} rank {self._rank}/{len(self.ranks)}>"
+
+    def describe(self) -> str:
+        return f"{self.group_desc} (id {self.group_id}, ranks {list(self.ranks)})"
+
+    # -- torch's ProcessGroup queries -----------------------------------------------------------
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def name(self) -> str:
+        return self.group_name
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.ranks[group_rank]
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "group_id": self.group_id,
+            "desc": self.group_desc,
+            "ranks": list(self.ranks),
+            "seq": self.seq,
+            "pending": len(self._pending),
+            "completed": self.completed,
+            "broken": self.broken,
+            "timeout_s": self.timeout_s,
+        }
+
+    # -- issuing ops -----------------------------------------------------------------------------
+
+    def check_usable(self) -> None:
+        if self.broken is not None:
+            raise DistBackendError(f"{self.describe()} is unusable: {self.broken}; destroy it and create a new group")
+
+    def issue(self, op: str, body: Body, outputs: list[Any]) -> Work:
+        """Take the next sequence number, open the channel and start the op (no suspension)."""
+        self.check_usable()
+        seq = self.seq
+        self.seq += 1
+        return self._start(op, seq, self.ranks, body, outputs, None)
+
+    def issue_p2p(self, op: str, seq: int, pair: Sequence[int], body: Body, outputs: list[Any], source_rank: int | None) -> Work:
+        self.check_usable()
+        return self._start(op, seq, pair, body, outputs, source_rank)
+
+    def _start(self, op: str, seq: int, ranks: Sequence[int], body: Body, outputs: list[Any], source_rank: int | None) -> Work:
+        p2p = _Tracked(self.backend.channel(self.group_id, seq, ranks))
+        work = Work(op, self.describe(), seq, outputs, source_rank=source_rank)
+        task = asyncio.get_running_loop().create_task(
+            self._run(op, seq, ranks, p2p, body, work), name=f"aiodist {op} {self.group_desc} seq {seq}"
+        )
+        self._pending[task] = work
+        task.add_done_callback(self._pending.pop)  # type: ignore[arg-type]
+        return work
+
+    async def _run(self, op: str, seq: int, ranks: Sequence[int], p2p: _Tracked, body: Body, work: Work) -> None:
+        what = f"{op} on {self.describe()}, seq {seq}"
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await body(p2p)
+        except TimeoutError as exc:
+            silent = sorted(ranks[p] for p, n in p2p.waiting_recv.items() if n > 0)
+            unsent = sorted(ranks[p] for p, n in p2p.waiting_send.items() if n > 0)
+            msg = f"{what} timed out after {self.timeout_s:g} s on rank {self.backend.rank}"
+            if silent:
+                msg += f"; ranks not heard from: {silent}"
+            if unsent:
+                msg += f"; ranks not taking delivery: {unsent}"
+            if not silent and not unsent:
+                msg += "; it was not waiting on any peer (the group was still running it)"
+            err: DistError = DistTimeoutError(msg)
+            if isinstance(exc, DistError):  # the backend's own deadline came first: keep its words
+                err.__cause__ = exc
+            work._fail(err)
+            self._break(f"{op} seq {seq} timed out on rank {self.backend.rank}", err)
+            return
+        except asyncio.CancelledError:
+            work._fail(DistBackendError(f"{what} was aborted: {self.broken or 'the group was torn down'}"))
+            raise
+        except DistError as exc:
+            try:  # same type, with the op, group and seq in front
+                named: DistError = type(exc)(f"{what} failed on rank {self.backend.rank}: {exc}")
+                named.__cause__ = exc
+            except Exception:  # pragma: no cover - a subclass with another constructor
+                named = exc
+            work._fail(named)
+            self._break(f"{op} seq {seq} failed: {exc}", named)
+            return
+        except Exception as exc:
+            wrapped = DistBackendError(f"{what} failed on rank {self.backend.rank}: {type(exc).__name__}: {exc}")
+            wrapped.__cause__ = exc
+            work._fail(wrapped)
+            self._break(f"{op} seq {seq} failed: {exc}", wrapped)
+            return
+        self.completed += 1
+        work._complete()
+
+    # -- breaking and tearing down ---------------------------------------------------------------
+
+    def _break(self, reason: str, cause: BaseException | None = None, *, tell_peers: bool = True) -> None:
+        if self.broken is None:
+            self.broken = reason
+            if tell_peers:  # an op failed here: let the peers' pending ops on this group fail now
+                t = asyncio.get_running_loop().create_task(self._tell_peers(reason), name=f"aiodist abort {self.group_desc}")
+                self._aborting.add(t)
+                t.add_done_callback(self._aborting.discard)
+        current_task = asyncio.current_task()
+        for task, work in list(self._pending.items()):
+            if task is not current_task:
+                err = DistBackendError(f"{work.op} on {self.describe()}, seq {work.seq} aborted: the group broke ({self.broken})")
+                err.__cause__ = cause
+                work._fail(err)
+                task.cancel()
+
+    async def _tell_peers(self, reason: str) -> None:
+        try:
+            await self.backend.abort_group(self.group_id, f"{self.describe()} broke on rank {self.backend.rank}: {reason}")
+        except Exception as exc:  # best effort: the peers still have their own timeouts
+            log.warning("rank %d: could not tell peers that %s broke: %s", self.backend.rank, self.describe(), exc)
+
+    def abort(self, reason: str = "the group was aborted") -> None:
+        """Fail every pending op of this group (on this rank) and refuse new ones."""
+        self._break(reason, tell_peers=False)
+
+    async def shutdown(self, reason: str) -> None:
+        """Abort pending ops and wait for their tasks to end."""
+        works = list(self._pending.values())
+        tasks = list(self._pending) + list(self._aborting)
+        self._break(reason, tell_peers=False)
+        for w in works:
+            if w.done():
+                w.exception()  # torn down on purpose: not an error nobody looked at
+        if tasks:
+            await asyncio.wait(tasks)

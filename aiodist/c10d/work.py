@@ -1,0 +1,111 @@
+"""``Work``: the handle of an issued op. It *is* an ``asyncio.Future`` whose result is the list
+of the op's output arrays, with torch's ``Work`` methods on top.
+
+Cancellation: the op belongs to its group, not to whoever awaits it (DESIGN.md §1).
+``work.cancel()`` refuses (returns False). Awaiting a Work (``await work``, ``await
+work.wait()``) goes through a shield, so cancelling the awaiting task cancels that task at once
+and leaves the op running to completion, or to its group's timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Generator
+from typing import Any
+
+from aiodist._time import TimeoutLike, to_seconds
+from aiodist.errors import DistTimeoutError
+
+__all__ = ["Work"]
+
+
+class Work(asyncio.Future[list[Any]]):
+    """An issued op: ``await work`` (or ``await work.wait(timeout)``) for its outputs."""
+
+    def __init__(self, op: str, group_desc: str, seq: int, outputs: list[Any], *, source_rank: int | None = None) -> None:
+        super().__init__()
+        self.op = op
+        self.group_desc = group_desc
+        self.seq = seq
+        self._outputs = outputs
+        self._source_rank = source_rank
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.done() else ("failed" if self.exception() is not None else "completed")
+        return f"<Work {self.op} {self.group_desc} seq={self.seq} {state}>"
+
+    # -- cancellation refuses ----------------------------------------------------------------
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        """Refuse: an op cannot be cancelled on one rank without the others falling out of step.
+        Destroy (or ``abort()``) its group to tear it down."""
+        return False
+
+    # -- awaiting through a shield -------------------------------------------------------------
+
+    def __await__(self) -> Generator[Any, None, list[Any]]:
+        return self._shielded().__await__()
+
+    __iter__ = __await__
+
+    async def _shielded(self) -> list[Any]:
+        if not self.done():
+            await asyncio.shield(self)
+        return self.result()
+
+    # -- torch's Work API ----------------------------------------------------------------------
+
+    async def wait(self, timeout: TimeoutLike | None = None) -> bool:
+        """Wait for the op; True once it completed; its error if it failed. ``timeout``
+        (a timedelta or seconds) bounds this wait only: on expiry ``DistTimeoutError`` is raised
+        and the op keeps running (it ends by itself or by its group's timeout)."""
+        if timeout is None:
+            await self
+            return True
+        seconds = to_seconds(timeout)
+        try:
+            async with asyncio.timeout(seconds):
+                await asyncio.shield(self)
+        except TimeoutError:
+            if self.done():  # pragma: no cover - finished as the deadline passed
+                self.result()
+                return True
+            raise DistTimeoutError(
+                f"Work.wait: {self.op} on {self.group_desc} (seq {self.seq}) not done after {seconds:g} s; the op is still running"
+            ) from None
+        self.result()
+        return True
+
+    def is_completed(self) -> bool:
+        """True once the op has finished, successfully or not."""
+        return self.done()
+
+    def is_success(self) -> bool:
+        """True once the op has finished without an error."""
+        return self.done() and self.exception() is None
+
+    def source_rank(self) -> int:
+        """The global rank a receive got its message from."""
+        if self._source_rank is None:
+            raise RuntimeError(f"source_rank() is only defined for receives, not for {self.op}")
+        return self._source_rank
+
+    def get_future(self) -> Work:
+        """The future of the op's outputs: the Work itself."""
+        return self
+
+    def synchronize(self) -> None:
+        """Stream semantics: a no-op for CPU ops."""
+
+    def block_current_stream(self) -> None:
+        """Stream semantics: a no-op for CPU ops."""
+
+    # -- for the group -------------------------------------------------------------------------
+
+    def _complete(self) -> None:
+        if not self.done():
+            super().set_result(self._outputs)
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self.done():
+            super().set_exception(exc)

@@ -1,0 +1,116 @@
+"""``World``: everything a process knows about its distributed job (the default group, every
+group, rank, world size, backend), reached through a ``ContextVar``.
+
+The process has one World by default. ``use_world(world)`` (or running a task in a Context
+where it is set) points a task, and the tasks it starts, at another World: that is how
+``aiodist.testing.run_world`` runs N ranks as N tasks on one loop. There are no module-level
+group tables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from aiodist.store.base import Store
+
+if TYPE_CHECKING:
+    from aiodist.backends.base import CommBackend
+    from aiodist.c10d.process_group import ProcessGroup
+
+__all__ = ["World", "current_world", "use_world", "GroupMember", "group", "NON_GROUP_MEMBER", "default_group"]
+
+
+class World:
+    """One rank's view of a job. Empty until ``init_process_group``."""
+
+    def __init__(self, name: str = "world") -> None:
+        self.name = name
+        self.default_pg: ProcessGroup | None = None
+        self.groups: dict[int, ProcessGroup] = {}
+        self.rank = -1
+        self.world_size = -1
+        self.backend: CommBackend | None = None
+        self.backend_name = ""
+        self.store: Store | None = None
+        # new_group bookkeeping: how many groups of each member list this rank has made, so that
+        # ids are agreed without talking (every member sees every creation of its own groups)
+        self.created: dict[tuple[int, ...], int] = {}
+        self.next_group_id = 1
+
+    def __repr__(self) -> str:
+        state = f"rank {self.rank}/{self.world_size}, backend {self.backend_name!r}" if self.default_pg else "not initialized"
+        return f"<World {self.name}: {state}, {len(self.groups)} groups>"
+
+    def reset(self) -> None:
+        self.default_pg = None
+        self.groups.clear()
+        self.rank = self.world_size = -1
+        self.backend = None
+        self.backend_name = ""
+        self.store = None
+        self.created.clear()
+        self.next_group_id = 1
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "backend": self.backend_name,
+            "groups": [g.stats() for g in self.groups.values()],
+        }
+
+
+_PROCESS_WORLD = World("process")
+_CURRENT: contextvars.ContextVar[World] = contextvars.ContextVar("aiodist_world", default=_PROCESS_WORLD)
+
+
+def current_world() -> World:
+    """The World of the running task (the process's own unless ``use_world`` says otherwise)."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def use_world(world: World) -> Iterator[World]:
+    """Point this context (and tasks created inside it) at ``world`` for the ``with`` block."""
+    token = _CURRENT.set(world)
+    try:
+        yield world
+    finally:
+        _CURRENT.reset(token)
+
+
+def set_world(world: World) -> None:
+    """Point this context at ``world`` for good (for a task's own Context)."""
+    _CURRENT.set(world)
+
+
+def default_group() -> ProcessGroup:
+    pg = current_world().default_pg
+    if pg is None:
+        raise ValueError("Default process group has not been initialized, please make sure to call init_process_group.")
+    return pg
+
+
+#: what ``new_group`` returns on ranks that are not members (torch's value)
+NON_GROUP_MEMBER = -100
+
+
+class _WorldMeta(type):
+    @property
+    def WORLD(cls) -> ProcessGroup | None:  # noqa: N802 - torch's name
+        """The current World's default group (None before ``init_process_group``)."""
+        return current_world().default_pg
+
+
+class GroupMember(metaclass=_WorldMeta):
+    """``GroupMember.WORLD`` (the default group of the current World) and
+    ``GroupMember.NON_GROUP_MEMBER``, as in torch."""
+
+    NON_GROUP_MEMBER = NON_GROUP_MEMBER
+
+
+class group(metaclass=_WorldMeta):  # noqa: N801 - torch's name
+    """``group.WORLD``: the default group of the current World."""
