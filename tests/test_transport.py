@@ -469,6 +469,10 @@ async def test_staging_overflow_is_a_clear_error() -> None:
         await until(lambda: 0 in ts[1].stats()["dead_peers"], "the connection to be refused")
         with pytest.raises(DistNetworkError, match="max_staged_bytes"):
             await ts[1].recv(0, np.zeros(3000, np.uint8), tag=2)
+        # the sender learns of it too: a later send fails instead of reporting success
+        await until(lambda: 1 in ts[0].stats()["dead_peers"], "the sender to see the connection die")
+        with pytest.raises(DistNetworkError):
+            await ts[0].send(1, np.zeros(10, np.uint8), tag=3)
 
 
 async def test_send_to_self_staging_overflow() -> None:

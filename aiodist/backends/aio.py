@@ -55,6 +55,9 @@ class AioBackend(CommBackend):
         return out
 
 
+_TRANSPORT_BACKSTOP_S = 7 * 24 * 3600.0
+
+
 async def create_aio_backend(store: Store, rank: int, world_size: int, timeout: timedelta) -> AioBackend:
     """The "aio" backend's creator, as ``Backend.register_backend`` takes it."""
     try:
@@ -65,5 +68,8 @@ async def create_aio_backend(store: Store, rank: int, world_size: int, timeout: 
             f"({exc}). Use backend='memory' for ranks in one process (aiodist.testing.run_world)"
         ) from exc
     token = (await store.compare_set(_TOKEN_KEY, "", secrets.token_hex(16))).decode()
-    transport = await Transport.start(store, rank, world_size, token=token, timeout=max(timeout.total_seconds(), 1e-3))
+    # Each op runs under its own group's timeout (ProcessGroup), which may be longer than the
+    # default group's; so the transport's own per-send/recv deadline is only a backstop for
+    # waits outside any op, set far beyond any group timeout it could cut short.
+    transport = await Transport.start(store, rank, world_size, token=token, timeout=max(timeout.total_seconds(), _TRANSPORT_BACKSTOP_S))
     return AioBackend(transport, rank, world_size)

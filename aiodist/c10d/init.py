@@ -143,6 +143,7 @@ async def init_process_group(
         raise ValueError("Cannot specify both init_method and store.")
     td = default_pg_timeout if timeout is None else to_timedelta(timeout)
     name = Backend(backend) if backend is not None else Backend(get_default_backend_for_device(device_id or "cpu"))
+    owned: Store | None = None
     if store is not None:
         if not isinstance(store, Store):
             raise TypeError(f"store must be an aiodist Store, not {type(store).__name__}")
@@ -151,13 +152,20 @@ async def init_process_group(
         if rank < 0:
             raise ValueError("rank must be non-negative if using store")
     else:
-        store, rank, world_size = await rendezvous(init_method or "env://", rank, world_size, timeout=td)
-        store = PrefixStore("default_pg", store)
+        owned, rank, world_size = await rendezvous(init_method or "env://", rank, world_size, timeout=td)
+        store = PrefixStore("default_pg", owned)
     if not 0 <= rank < world_size:
+        if owned is not None:
+            await owned.close()
         raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
-    comm = await create_backend(name, store, rank, world_size, td, pg_options)
+    try:
+        comm = await create_backend(name, store, rank, world_size, td, pg_options)
+    except BaseException:
+        if owned is not None:
+            await owned.close()
+        raise
     world.rank, world.world_size = rank, world_size
-    world.backend, world.backend_name, world.store = comm, str(name), store
+    world.backend, world.backend_name, world.store, world.owned_store = comm, str(name), store, owned
     pg = ProcessGroup(comm, str(name), 0, range(world_size), td.total_seconds(), name=group_name or "0", desc="default_pg")
     world.groups[0] = pg
     world.default_pg = pg
@@ -176,10 +184,12 @@ async def destroy_process_group(group: GroupArg = None) -> None:
     if pg is world.default_pg:
         for g in list(world.groups.values()):
             await g.shutdown("the group was destroyed")
-        backend = world.backend
+        backend, owned = world.backend, world.owned_store
         world.reset()
         if backend is not None:
             await backend.close()
+        if owned is not None:  # rank 0's server stops here, as torch's does when its store goes
+            await owned.close()
         return
     del world.groups[pg.group_id]
     await pg.shutdown("the group was destroyed")

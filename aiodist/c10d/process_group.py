@@ -217,6 +217,9 @@ class ProcessGroup:
                 err = DistBackendError(f"{work.op} on {self.describe()}, seq {work.seq} aborted: the group broke ({self.broken})")
                 err.__cause__ = cause
                 work._fail(err)
+                # A consequence of the failure the user already sees: awaiting it still raises,
+                # but asyncio must not log one "exception was never retrieved" per pending op.
+                work.exception()
                 task.cancel()
 
     async def _tell_peers(self, reason: str) -> None:

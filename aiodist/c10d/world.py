@@ -35,6 +35,8 @@ class World:
         self.backend: CommBackend | None = None
         self.backend_name = ""
         self.store: Store | None = None
+        # the store rendezvous made for init_process_group (not a user's store=): closed on destroy
+        self.owned_store: Store | None = None
         # new_group bookkeeping: how many groups of each member list this rank has made, so that
         # ids are agreed without talking (every member sees every creation of its own groups)
         self.created: dict[tuple[int, ...], int] = {}
@@ -51,6 +53,7 @@ class World:
         self.backend = None
         self.backend_name = ""
         self.store = None
+        self.owned_store = None
         self.created.clear()
         self.next_group_id = 1
 

@@ -63,6 +63,10 @@ class _Lost(Exception):
     """The connection under a request broke (wrapped into a DistError by the caller)."""
 
 
+class _BadPeer(_Lost):
+    """The peer sent bytes that break the protocol: not (or no longer) a TCPStore server."""
+
+
 class _NoReply(_Lost):
     """The server did not answer a request within the store timeout; the connection is closed."""
 
@@ -114,7 +118,7 @@ class _Connection(asyncio.Protocol):
                     if not head.fut.done():
                         head.fut.set_result(head.values)
         except ProtocolError as exc:
-            self._fail(_Lost(f"protocol error from the server: {exc}"))
+            self._fail(_BadPeer(f"protocol error from the server: {exc}"))
             assert self.transport is not None
             self.transport.abort()
 
@@ -431,7 +435,9 @@ class TCPStore(Store):
     # -- connections ----------------------------------------------------------------------
 
     async def _open(self, deadline: float) -> _Connection:
-        """A new validated connection, retrying with backoff until ``deadline``."""
+        """A new validated connection, retrying with backoff until ``deadline``: a refused
+        connect, and a connection the server drops during the handshake (a server that is
+        starting or stopping), are both retried."""
         loop = asyncio.get_running_loop()
         delay, start = 0.01, time.monotonic()
         while True:
@@ -440,8 +446,10 @@ class TCPStore(Store):
                 if conn is None:
                     async with asyncio.timeout(max(0.001, deadline - time.monotonic())):
                         _, conn = await loop.create_connection(lambda: _Connection(loop), self._host, self._port)
-                break
-            except (OSError, TimeoutError) as exc:
+                got, nonce = await self._handshake(conn, deadline)
+            except _BadPeer as exc:
+                raise DistNetworkError(f"{self._describe()}: handshake failed: {exc}; is this a TCPStore server?") from None
+            except (OSError, TimeoutError, _Lost) as exc:
                 if time.monotonic() + delay >= deadline:
                     raise DistNetworkError(
                         f"could not connect to the TCPStore server at {self._host}:{self._port} "
@@ -449,21 +457,21 @@ class TCPStore(Store):
                     ) from None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+                continue
+            if got != nonce:
+                conn.close()
+                raise DistNetworkError(f"{self._describe()}: handshake failed (ping echo {got} != {nonce}); is this a TCPStore server?")
+            return conn
+
+    async def _handshake(self, conn: _Connection, deadline: float) -> tuple[int, int]:
+        """VALIDATE, then a PING with a random nonce: (the echo, the nonce)."""
         nonce = int.from_bytes(os.urandom(4), "little")
         try:
             (got,) = await conn.send(encode(Op.VALIDATE, number=0x3C85F7CE) + encode(Op.PING, number=nonce), _U32, max(0.001, deadline - time.monotonic()))
-        except _Lost as exc:
-            conn.close()
-            raise DistNetworkError(
-                f"{self._describe()}: the server did not complete the handshake within {max(0.0, deadline - start):.1f} s: {exc}"
-            ) from None
-        except BaseException:  # cancelled mid-handshake: do not leak the socket
+        except BaseException:  # lost, or cancelled mid-handshake: do not leak the socket
             conn.close()
             raise
-        if got != nonce:
-            conn.close()
-            raise DistNetworkError(f"{self._describe()}: handshake failed (ping echo {got} != {nonce}); is this a TCPStore server?")
-        return conn
+        return got, nonce
 
     async def _open_local(self, loop: asyncio.AbstractEventLoop) -> _Connection | None:
         """A connection over the server's same-host Unix socket, when the host is loopback and

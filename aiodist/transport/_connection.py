@@ -193,6 +193,9 @@ class Connection(asyncio.BufferedProtocol):
             raise self._error
         tr = self.transport
         assert tr is not None
+        if tr.is_closing():
+            # write() on a closing transport is silently dropped: refuse rather than report success
+            raise DistNetworkError(f"connection to rank {self.peer} is closed; cannot send (group {header.group}, seq {header.seq}, tag {header.tag})")
         for part in frame_parts(header, payload):
             tr.write(part)
         self.bytes_out += HEADER_SIZE + header.length
