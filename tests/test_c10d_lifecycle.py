@@ -23,6 +23,10 @@ async def test_destroy_releases_the_rendezvous_store_and_reinit_works() -> None:
     port = get_free_port()
     before = _server_threads()
 
+    # As torch's docs say for reinitialisation, ranks must synchronise by other means between
+    # destroy and the next init (else a rank may reach the old server while it shuts down).
+    between_rounds = asyncio.Barrier(2)
+
     async def rank_fn(rank: int) -> list[float]:
         got = []
         with dist.use_world(dist.World(f"lifecycle-{rank}")):
@@ -33,6 +37,7 @@ async def test_destroy_releases_the_rendezvous_store_and_reinit_works() -> None:
                 got.append(float(x[0]))
                 await dist.destroy_process_group()
                 assert not dist.is_initialized()
+                await between_rounds.wait()
         return got
 
     results = await asyncio.wait_for(asyncio.gather(rank_fn(0), rank_fn(1)), 40)

@@ -3,7 +3,7 @@ TCP), sharing one store. Exchanges of several dtypes and sizes (0 B to 8 MiB), z
 and the staged path, any-source receives, many ops in flight, every collective of
 aiodist/algorithms run unchanged over ``transport.channel(...)`` for 2, 3 and 4 ranks (also on
 uvloop), the handshake's refusal of another job, a peer closing or dying mid-op, ABORT,
-the staging bound, deadlines, close."""
+the staging bound (back-pressure on a late receiver), deadlines, close."""
 
 # The per-rank lambdas below close over loop variables on purpose: each is awaited to completion
 # in the iteration that makes it, so late binding cannot bite.
@@ -462,20 +462,125 @@ async def test_abort_propagates_to_peers() -> None:
         assert (out == 1).all()
 
 
-async def test_staging_overflow_is_a_clear_error() -> None:
+def _healthy(ts: list[Transport]) -> None:
+    for t in ts:
+        st = t.stats()
+        assert st["dead_peers"] == [] and st["held_connections"] == 0, st
+        assert st["staged_bytes"] == 0 and st["staged_messages"] == 0, st
+
+
+async def test_late_receiver_slows_the_sender_instead_of_failing() -> None:
+    limit = 4096
+    async with world(2, limits=FrameLimits(max_staged_bytes=limit)) as ts:
+        msgs = [np.full(3000, i, np.uint8) for i in range(8)]  # 24000 bytes before any receive
+
+        async def sender() -> None:
+            for i, m in enumerate(msgs):
+                await ts[0].send(1, m, tag=i)
+
+        sends = asyncio.create_task(sender())
+        await until(lambda: ts[1].stats()["held_connections"] == 1, "the receiver to hold a payload it has no room for")
+        await asyncio.sleep(0.2)
+        st = ts[1].stats()
+        assert st["dead_peers"] == [] and ts[0].stats()["dead_peers"] == []
+        assert st["staged_bytes"] <= limit and all(c["staged_bytes"] <= limit for c in st["connections"])
+        dsts = [np.zeros(3000, np.uint8) for _ in msgs]
+        for i, d in enumerate(dsts):  # the late receiver catches up
+            await ts[1].recv(0, d, tag=i)
+        await asyncio.wait_for(sends, 5)  # and the sender's sends complete
+        for m, d in zip(msgs, dsts):
+            np.testing.assert_array_equal(m, d)
+        _healthy(ts)
+        # the connection is still good both ways
+        out = np.zeros(4, np.int64)
+        await together(ts[1].send(0, np.arange(4), tag=99), ts[0].recv(1, out, tag=99))
+        np.testing.assert_array_equal(out, np.arange(4))
+
+
+async def test_message_bigger_than_the_staging_bound_waits_for_its_receive() -> None:
     async with world(2, limits=FrameLimits(max_staged_bytes=4096)) as ts:
-        await ts[0].send(1, np.zeros(3000, np.uint8), tag=1)
-        await ts[0].send(1, np.zeros(3000, np.uint8), tag=2)  # 6000 unclaimed bytes > 4096
-        await until(lambda: 0 in ts[1].stats()["dead_peers"], "the connection to be refused")
-        with pytest.raises(DistNetworkError, match="max_staged_bytes"):
-            await ts[1].recv(0, np.zeros(3000, np.uint8), tag=2)
-        # the sender learns of it too: a later send fails instead of reporting success
-        await until(lambda: 1 in ts[0].stats()["dead_peers"], "the sender to see the connection die")
-        with pytest.raises(DistNetworkError):
-            await ts[0].send(1, np.zeros(10, np.uint8), tag=3)
+        big = np.random.default_rng(1).integers(0, 256, 16 << 20).astype(np.uint8)  # far over the bound and the socket buffers
+        send = asyncio.create_task(ts[0].send(1, big, tag=1))
+        await until(lambda: ts[1].stats()["held_connections"] == 1, "the receiver to hold the big payload")
+        await asyncio.sleep(0.2)
+        assert not send.done()  # back-pressure: the sender waits for the receiver
+        dst = np.zeros_like(big)
+        assert await ts[1].recv(0, dst, tag=1) == 0
+        await asyncio.wait_for(send, 5)
+        np.testing.assert_array_equal(dst, big)
+        assert ts[1].staged_total == 0  # landed in the receive's array, never staged
+        _healthy(ts)
+
+
+async def test_held_send_still_times_out() -> None:
+    async with world(2, timeout=0.5, limits=FrameLimits(max_staged_bytes=4096)) as ts:
+        with pytest.raises(DistTimeoutError, match="send to rank 1"):
+            await ts[0].send(1, np.zeros(16 << 20, np.uint8), tag=1)
+        with pytest.raises(DistTimeoutError, match="tag 2"):
+            await ts[1].recv(0, np.zeros(10, np.uint8), tag=2)  # behind the held payload: times out
+
+
+async def test_many_ops_in_flight_with_a_small_staging_bound() -> None:
+    rng = np.random.default_rng(2)
+    ops, per_op = 24, 5
+    async with world(2, limits=FrameLimits(max_staged_bytes=4096)) as ts:
+        srcs = [[rng.integers(0, 256, int(rng.integers(0, 3500))).astype(np.uint8) for _ in range(per_op)] for _ in range(ops)]
+        dsts = [[np.zeros_like(m) for m in op] for op in srcs]
+        delays = rng.uniform(0, 0.01, (ops, per_op)).tolist()
+
+        async def send_op(i: int) -> None:
+            for k, m in enumerate(srcs[i]):
+                await ts[0].send(1, m, seq=i, tag=k)
+
+        async def recv_op(i: int) -> None:
+            for k, d in enumerate(dsts[i]):  # in order per op, interleaved at random across ops
+                await asyncio.sleep(delays[i][k])
+                await ts[1].recv(0, d, seq=i, tag=k)
+
+        await together(*(send_op(i) for i in rng.permutation(ops).tolist()), *(recv_op(i) for i in rng.permutation(ops).tolist()))
+        for op_s, op_d in zip(srcs, dsts):
+            for m, d in zip(op_s, op_d):
+                np.testing.assert_array_equal(m, d)
+        _healthy(ts)
+
+
+@pytest.mark.any_loop
+@pytest.mark.parametrize("unix", [True, False])
+async def test_collectives_with_a_late_rank_and_a_tiny_staging_bound(unix: bool) -> None:
+    n, m = 3, 20_000  # 160 KB per float64 array: far over the bound
+    rng = np.random.default_rng(3)
+    async with world(n, limits=FrameLimits(max_staged_bytes=1024), unix=unix) as ts:
+        parts = [rng.standard_normal(m) for _ in range(n)]
+        bcast = [parts[0].copy() if r == 0 else np.zeros(m) for r in range(n)]
+        red = [[p.copy() for p in parts] for _ in range(2)]
+        gathered = [[np.zeros(m) for _ in range(n)] for _ in range(n)]
+
+        async def rank(t: Transport) -> None:
+            if t.rank == n - 1:
+                await asyncio.sleep(0.5)  # this rank starts late: the others' data piles up for it
+            r = t.rank
+            ch = lambda seq: t.channel(0, seq, range(n))  # noqa: E731
+            await asyncio.gather(  # several ops in flight at once, as async collectives are
+                broadcast(ch(1), bcast[r], 0, thresholds=LARGE),
+                all_reduce(ch(2), red[0][r], add, thresholds=LARGE),
+                all_reduce(ch(3), red[1][r], add, thresholds=SMALL),
+                all_gather(ch(4), gathered[r], parts[r], thresholds=MIDDLE),
+            )
+            await barrier(ch(5))
+
+        await together(*each(ts, rank))
+        ref = np.sum(parts, axis=0)
+        for r in range(n):
+            np.testing.assert_array_equal(bcast[r], parts[0])
+            for k in range(2):
+                close(red[k][r], ref)
+            for j in range(n):
+                np.testing.assert_array_equal(gathered[r][j], parts[j])
+        _healthy(ts)
 
 
 async def test_send_to_self_staging_overflow() -> None:
+    # no socket to push back on: send to self still refuses to go over the bound
     async with world(1, limits=FrameLimits(max_staged_bytes=100)) as (t,):
         await t.send(0, np.zeros(60, np.uint8), tag=1)
         with pytest.raises(DistBackendError, match="max_staged_bytes"):

@@ -2,9 +2,15 @@
 and a sans-I/O ``FrameDecoder``, plus the write side (frames out, flow control).
 
 Rules this module keeps:
-- Reading never stops: every DATA header is answered at once, with the posted receive's
-  memory (the payload lands there) or with staging (bounded by ``FrameLimits``). A peer that
-  breaks the protocol or the staging bound kills the connection, with the reason.
+- Reading: a DATA header is answered with the posted receive's memory (the payload lands
+  there, zero-copy) or, when no receive is posted, with staging, bounded per connection by
+  ``FrameLimits.max_staged_bytes``. When staging it would go over that bound the header is
+  HELD: reading pauses (``pause_reading``), so TCP flow control makes the sender's send wait,
+  and resumes (``retry_held``, called by the transport) once its receive is posted (the
+  payload then lands there) or staged bytes were released so that it fits. A message bigger
+  than the bound thus simply waits for its receive. A payload nobody will take (its group
+  aborted, or its receive's size is wrong) is read into scratch memory and dropped. A peer
+  that breaks the protocol kills the connection, with the reason.
 - Writing: the write buffer limits are (0, 0), so the protocol is paused whenever anything is
   buffered and resumed only when the buffer is empty. ``send_frame`` returns once the buffer
   has been seen empty after its frame was written: every byte of it is then in the kernel,
@@ -18,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 from aiodist.errors import DistNetworkError
 from aiodist.transport._mailbox import PostedRecv
@@ -46,6 +53,8 @@ __all__ = ["Connection"]
 
 log = logging.getLogger("aiodist.transport")
 
+_HOLD = object()  # _target_for's answer: no receive posted and no staging room: hold the header
+
 
 class Connection(asyncio.BufferedProtocol):
     """A connection to one peer rank (``peer`` is None until its HELLO is in)."""
@@ -66,6 +75,7 @@ class Connection(asyncio.BufferedProtocol):
         self._paused = False
         self._drain: list[tuple[int | None, asyncio.Future[None]]] = []
         self._error: BaseException | None = None
+        self.held: FrameHeader | None = None  # a DATA header waiting (reading paused) for room or its receive
 
     def __repr__(self) -> str:
         return f"<Connection {self.kind} rank {self.owner.rank} <-> rank {self.peer}>"
@@ -86,13 +96,21 @@ class Connection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.bytes_in += nbytes
+        self._decode(self.decoder.buffer_updated, nbytes)
+
+    def _decode(self, step: Callable[[Any], list[Event]], arg: object) -> None:
+        """Run one decoder step (``buffer_updated``/``set_target``) and handle its events."""
         try:
-            events = self.decoder.buffer_updated(nbytes)
+            events = step(arg)
             while events:
                 later: list[Event] = []
                 for ev in events:
                     if type(ev) is HeaderReceived:
-                        later = self.decoder.set_target(self._target_for(ev.header))
+                        target = self._target_for(ev.header)
+                        if target is _HOLD:
+                            self._hold(ev.header)
+                        else:
+                            later = self.decoder.set_target(target)
                     else:
                         self._event(ev)
                 events = later
@@ -127,6 +145,8 @@ class Connection(asyncio.BufferedProtocol):
             self.handshake.set_exception(err)
             self.handshake.exception()  # an accepted connection's handshake has no awaiter
         cur, self.current = self.current, None
+        self.held = None
+        self.owner._held.discard(self)
         self.owner._connection_lost(self, err, cur)
         if not self.closed.done():
             self.closed.set_result(None)
@@ -144,25 +164,57 @@ class Connection(asyncio.BufferedProtocol):
     # -- decoding events -------------------------------------------------------------------
 
     def _target_for(self, header: FrameHeader) -> object | None:
-        recv = self.owner._match(header)
+        owner = self.owner
+        recv = owner._match(header)
         if recv is None:
+            if header.group in owner._aborted:
+                self.current = None
+                return bytearray(header.length)  # read and dropped
+            if self.decoder.staged_bytes + header.length > owner.limits.max_staged_bytes:
+                return _HOLD  # no room: wait (reading paused) for its receive or for room
             return None  # stage it
         if recv.dst.nbytes != header.length:
-            self.owner._size_mismatch(recv, header)
+            owner._size_mismatch(recv, header)
             self.current = None
-            return None  # stage it and drop it when complete
+            return bytearray(header.length)  # read and dropped
         self.current = recv
         return recv.dst
+
+    def _hold(self, header: FrameHeader) -> None:
+        """No receive and no staging room for ``header``'s payload: stop reading (the sender's
+        send then waits on TCP flow control) until ``retry_held`` finds a place for it."""
+        self.held = header
+        self.owner._held.add(self)
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def retry_held(self) -> None:
+        """A receive was posted or staged bytes were released: go on if the held payload now
+        has a place (its receive's memory, or staging room)."""
+        header = self.held
+        if header is None or self._error is not None or self.transport is None or self.transport.is_closing():
+            return
+        target = self._target_for(header)
+        if target is _HOLD:
+            return
+        self.held = None
+        self.owner._held.discard(self)
+        self._decode(self.decoder.set_target, target)
+        if self.held is None and self._error is None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def _release(self, nbytes: int) -> None:
+        self.decoder.release_staged(nbytes)
+        self.owner._room_freed()
 
     def _event(self, ev: object) -> None:
         if type(ev) is PayloadReceived:
             if ev.staged is None:
                 cur, self.current = self.current, None
-                assert cur is not None
-                if not cur.fut.done():
+                if cur is not None and not cur.fut.done():  # None: a payload read to be dropped
                     cur.fut.set_result(ev.header.source)
             else:
-                self.owner._arrived(ev.header, ev.staged, self.decoder.release_staged)
+                self.owner._arrived(ev.header, ev.staged, self._release)
         elif type(ev) is HelloReceived:
             self._hello(ev.hello)
         elif type(ev) is AbortReceived:

@@ -17,8 +17,16 @@ Rules this module keeps:
   wrong token, world size or rank closes the connection and logs an error.
 - Matching key: ``(group, seq, tag)`` plus the source rank (or any source). A payload whose
   receive is posted lands in the receive's array (zero-copy); one that comes first is staged
-  (bounded per connection by ``FrameLimits.max_staged_bytes``; going over kills that
-  connection with a clear ``DistNetworkError``) and copied once when its receive is posted.
+  and copied once when its receive is posted. Staging is bounded per connection by
+  ``FrameLimits.max_staged_bytes`` with back-pressure, not failure: a payload that would go
+  over the bound is held and that connection stops reading, so TCP flow control slows the
+  sender (its send waits, within its deadline), until the payload's receive is posted (it then
+  lands there, zero-copy; so a message bigger than the bound just waits for its receive) or
+  staged messages are claimed and it fits. A late rank thus slows its peers, never kills the
+  job. Send to self has no socket to push back on: going over the bound there raises
+  ``DistBackendError`` at once (post the receive first).
+  While a connection holds a payload it reads nothing, so a peer that dies then is noticed
+  only when reading resumes or a send to it fails: its receives then end by their deadline.
 - ``send`` returns once the whole frame is in the kernel's socket buffer (or, to self, copied):
   the array may then be changed. Send to self never touches a socket.
 - Failure is fail-stop: a connection that dies (without GOODBYE, or after it) marks its peer
@@ -82,7 +90,8 @@ class Transport:
         self._dead: dict[int, DistNetworkError] = {}
         self._aborted: dict[int, str] = {}
         self._self_staged = 0
-        self._discard: set[tuple[int, int, int, int]] = set()  # payloads to drop on arrival (size mismatch)
+        self._held: set[Connection] = set()  # connections holding a DATA header (reading paused)
+        self._retry_soon = False
         self._closed = False
         self._bytes_lost = [0, 0]  # bytes in/out of connections already gone
 
@@ -195,6 +204,8 @@ class Transport:
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         recv = PostedRecv(key, src, dst, fut)
         self._mailbox.post(recv)
+        if self._held:
+            self._room_freed()  # a held payload may be this receive's
         try:
             async with asyncio.timeout(self.timeout):
                 return await fut
@@ -286,6 +297,7 @@ class Transport:
             "staged_bytes": self._mailbox.staged_bytes,
             "staged_messages": self._mailbox.staged_messages,
             "staged_total": self.staged_total,
+            "held_connections": len(self._held),
             "pending_receives": self._mailbox.pending,
             "dead_peers": sorted(self._dead),
             "aborted_groups": sorted(self._aborted),
@@ -460,14 +472,23 @@ class Transport:
             recv.fut.set_exception(
                 ValueError(f"rank {self.rank}: message from rank {header.source} ({describe_key(recv.key)}) is {header.length} bytes, the receive buffer {recv.dst.nbytes}")
             )
-        self._discard.add((header.group, header.seq, header.tag, header.source))
+
+    def _room_freed(self) -> None:
+        """A receive was posted, staged bytes were released or a group aborted: soon, let every
+        connection holding a payload try again (soon, not now: never from inside a decoder step)."""
+        if self._held and not self._retry_soon:
+            self._retry_soon = True
+            asyncio.get_running_loop().call_soon(self._retry_held)
+
+    def _retry_held(self) -> None:
+        self._retry_soon = False
+        for c in list(self._held):
+            c.retry_held()
 
     def _arrived(self, header: FrameHeader, data: memoryview, release: Any) -> None:
         """A whole payload that no receive claimed when its header came."""
         key = (header.group, header.seq, header.tag)
-        dkey = (*key, header.source)
-        if dkey in self._discard or header.group in self._aborted:
-            self._discard.discard(dkey)
+        if header.group in self._aborted:
             release(data.nbytes)
             return
         # a receive may have been posted while the payload was being staged (or, for a
@@ -535,3 +556,4 @@ class Transport:
                 cur.fut.set_exception(err_for(cur.key))
             c.fail_sends(group, DistBackendError(why))
         self._mailbox.drop_staged(lambda k, m: k[0] == group)
+        self._room_freed()  # a held payload of this group is now read and dropped
