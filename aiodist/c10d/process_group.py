@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 import numpy as np
@@ -49,26 +49,22 @@ class _Tracked:
         self.waiting_send: Counter[int] = Counter()
 
     async def send(self, peer: int, buf: np.ndarray, tag: int) -> None:
-        self.waiting_send[peer] += 1
-        try:
-            await self.inner.send(peer, buf, tag)
-        except asyncio.CancelledError:
-            raise  # still counted: the timeout message reads what was pending when it fired
-        except BaseException:
-            self.waiting_send[peer] -= 1
-            raise
-        self.waiting_send[peer] -= 1
+        await self._track(self.waiting_send, peer, self.inner.send(peer, buf, tag))
 
     async def recv(self, peer: int, buf: np.ndarray, tag: int) -> None:
-        self.waiting_recv[peer] += 1
+        await self._track(self.waiting_recv, peer, self.inner.recv(peer, buf, tag))
+
+    @staticmethod
+    async def _track(counter: Counter[int], peer: int, transfer: Awaitable[None]) -> None:
+        counter[peer] += 1
         try:
-            await self.inner.recv(peer, buf, tag)
-        except asyncio.CancelledError:
+            await transfer
+        except (asyncio.CancelledError, TimeoutError):
             raise  # still counted: the timeout message reads what was pending when it fired
         except BaseException:
-            self.waiting_recv[peer] -= 1
+            counter[peer] -= 1
             raise
-        self.waiting_recv[peer] -= 1
+        counter[peer] -= 1
 
 
 class ProcessGroup:
