@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
+from aiodist.elastic.utils import get_free_port
 from aiodist.errors import DistError, DistNetworkError, DistStoreError, StoreTimeoutError
 from aiodist.store.base import Store
 from aiodist.store.tcp import TCPStore
@@ -37,16 +38,6 @@ def refused_port() -> tuple[socket.socket, int]:
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.bind((HOST, 0))
     return s, s.getsockname()[1]
-
-
-def free_port() -> int:
-    try:
-        from aiodist.elastic.utils import get_free_port
-    except ImportError:  # pragma: no cover
-        with socket.socket() as s:
-            s.bind((HOST, 0))
-            return int(s.getsockname()[1])
-    return get_free_port()
 
 
 async def started(store: TCPStore) -> TCPStore:
@@ -183,7 +174,7 @@ async def test_world_size_master_and_clients_gathered_on_a_fixed_port() -> None:
         return [t.result() for t in tasks]
 
     for _ in range(5):  # a free port is not reserved: retry if another process took it
-        got = await team(free_port())
+        got = await team(get_free_port())
         if got is not None:
             stores = got
             break
@@ -504,7 +495,7 @@ async def test_client_survives_a_server_restart_on_the_same_port() -> None:
 
 async def test_multi_tenant_masters_share_one_server() -> None:
     for _ in range(5):  # a free port is not reserved: retry if another process took it
-        port = free_port()
+        port = get_free_port()
         try:
             m1 = await TCPStore(HOST, port, is_master=True, timeout=5, multi_tenant=True)
             break
@@ -531,7 +522,7 @@ async def test_multi_tenant_masters_share_one_server() -> None:
 
 
 async def test_multi_tenant_shares_by_port_whatever_the_host_string() -> None:
-    port = free_port()
+    port = get_free_port()
     m1 = await TCPStore("127.0.0.1", port, is_master=True, timeout=5, multi_tenant=True)
     try:
         m2 = await TCPStore("localhost", port, is_master=True, timeout=5, multi_tenant=True)

@@ -40,7 +40,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any, TypeVar
 
 try:
@@ -264,10 +264,11 @@ class FileStore(Store):
 
     # -- running file work off the loop ---------------------------------------------------
 
-    async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    async def _run(self, fn: Callable[..., T], *args: Any, undo: Callable[[T], Awaitable[None]] | None = None, **kwargs: Any) -> T:
         """Run ``fn(*args, cancel=event, **kwargs)`` in a worker thread. If the caller is
         cancelled, the event tells the worker to give up waiting for locks; an operation that
-        already took the lock completes, and the cancellation is re-raised after it."""
+        already took the lock completes, ``undo(result)`` (if given) reverts it for the caller
+        that is gone, and the cancellation is re-raised after that."""
         cancel = threading.Event()
         task = asyncio.ensure_future(asyncio.to_thread(fn, *args, cancel=cancel, **kwargs))
         try:
@@ -275,6 +276,8 @@ class FileStore(Store):
         except asyncio.CancelledError:
             cancel.set()
             await self._finish(task)
+            if undo is not None and not task.cancelled() and task.exception() is None:
+                await undo(task.result())
             raise
 
     @staticmethod
@@ -659,22 +662,19 @@ class FileStore(Store):
             # unchanged file and an empty cached queue: nothing to pop, no lock needed
             return self._txn(lambda fd: body(fd, cancel), True, cancel=cancel, fast=lambda: (not c.queues.get(k), None))
 
-        cancel = threading.Event()
-        task = asyncio.ensure_future(asyncio.to_thread(run, cancel))
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            cancel.set()
-            await self._finish(task)
-            if not task.cancelled() and task.exception() is None and (v := task.result()) is not None:
-                # popped after all, for a caller that is gone: put it back at the head
-                def requeue(fd: int | None) -> None:
-                    if fd is not None:  # None: the file is gone, every user has closed
-                        self._commit(fd, _rec(_QPUSH_FRONT, k, v))
+        async def put_back(v: bytes | None) -> None:
+            if v is None:
+                return
 
-                back = asyncio.ensure_future(asyncio.to_thread(self._txn, requeue, True, cancel=threading.Event(), register=False, create=False))
-                await self._finish(back)
-            raise
+            # popped after all, for a caller that is gone: put it back at the head
+            def requeue(fd: int | None) -> None:
+                if fd is not None:  # None: the file is gone, every user has closed
+                    self._commit(fd, _rec(_QPUSH_FRONT, k, v))
+
+            back = asyncio.ensure_future(asyncio.to_thread(self._txn, requeue, True, cancel=threading.Event(), register=False, create=False))
+            await self._finish(back)
+
+        return await self._run(run, undo=put_back)
 
     async def queue_pop(self, key: str, block: bool = True) -> bytes:
         k = _b(check_key(key))

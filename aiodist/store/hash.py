@@ -3,7 +3,6 @@ own event loop, or none through ``asyncio.run_coroutine_threadsafe``)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Sequence
 
@@ -43,16 +42,9 @@ class HashStore(Store):
         if w is None:
             return
         start = time.monotonic()
-        try:
-            async with asyncio.timeout(seconds):
-                await w.fut
-        except TimeoutError:
-            self._state.cancel(w)
+        if not await self._state.settle(w, seconds):
             missing = [k.decode() for k in self._state.missing(bkeys)]
-            raise store_timeout(self._describe(), op, missing or keys, time.monotonic() - start) from None
-        except BaseException:
-            self._state.cancel(w)
-            raise
+            raise store_timeout(self._describe(), op, missing or keys, time.monotonic() - start)
 
     async def set(self, key: str, value: ValueLike) -> None:
         self._state.set(_b(check_key(key)), to_value(value))

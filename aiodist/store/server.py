@@ -386,18 +386,9 @@ class TCPStoreServer:
         w = self.state.wait_until(INIT_KEY, enough)
         if w is None:
             return
-        try:
-            async with asyncio.timeout(timeout):
-                await w.fut
-        except TimeoutError:
-            self.state.cancel(w)
+        if not await self.state.settle(w, timeout):
             joined = self.state.get(INIT_KEY) or b"0"
-            raise StoreTimeoutError(
-                f"Timed out after {timeout:g} seconds waiting for clients. {int(joined)}/{world_size} clients joined."
-            ) from None
-        except BaseException:
-            self.state.cancel(w)
-            raise
+            raise StoreTimeoutError(f"Timed out after {timeout:g} seconds waiting for clients. {int(joined)}/{world_size} clients joined.")
 
     async def close(self) -> None:
         if self._server is None:

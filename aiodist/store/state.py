@@ -190,6 +190,20 @@ class KVState:
                 self._waiters.setdefault(k, []).append(w)
             return w
 
+    async def settle(self, w: Waiter, seconds: float) -> bool:
+        """Await ``w`` for at most ``seconds``: True once woken, False on timeout. On timeout or
+        cancellation the waiter is unregistered (and a queue wake it held is passed on)."""
+        try:
+            async with asyncio.timeout(seconds):
+                await w.fut
+        except TimeoutError:
+            self.cancel(w)
+            return False
+        except BaseException:
+            self.cancel(w)
+            raise
+        return True
+
     def cancel(self, w: Waiter) -> None:
         """Forget ``w``. If it had been picked as the one waiter a queue push wakes, pass the
         wake on, so a timed-out waiter never swallows another waiter's item."""

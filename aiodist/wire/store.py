@@ -130,12 +130,8 @@ class Request(NamedTuple):
 # ---------------------------------------------------------------- encoding
 
 
-def _s(b: bytes) -> bytes:
-    return _U64.pack(len(b)) + b
-
-
 def _keylist(keys: tuple[bytes, ...] | list[bytes]) -> bytes:
-    return _U64.pack(len(keys)) + b"".join(_U64.pack(len(k)) + k for k in keys)
+    return _U64.pack(len(keys)) + encode_bytes_list(list(keys))
 
 
 def encode_request(req: Request) -> bytes:
@@ -162,11 +158,11 @@ def encode(op: Op, keys: tuple[bytes, ...] | list[bytes] = (), values: tuple[byt
         return head + _U32.pack(number & 0xFFFFFFFF)
     if op is Op.COMPARE_SET:
         _arity(op, k, v, 1, 2)
-        return head + _s(k[0]) + _s(v[0]) + _s(v[1])
+        return head + encode_bytes(k[0]) + encode_bytes(v[0]) + encode_bytes(v[1])
     if op is Op.MULTI_SET:
         if len(k) != len(v):
             raise ValueError(f"MULTI_SET needs as many values as keys ({len(k)} keys, {len(v)} values)")
-        return head + _U64.pack(len(k)) + b"".join(_s(a) + _s(b) for a, b in zip(k, v))
+        return head + _U64.pack(len(k)) + b"".join(encode_bytes(a) + encode_bytes(b) for a, b in zip(k, v))
     if op is Op.GETNUMKEYS or op is Op.CANCEL_WAIT or op is Op.LIST:
         return head
     raise ValueError(f"unknown opcode {op!r}")
