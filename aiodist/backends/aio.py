@@ -14,8 +14,10 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
+
 from aiodist.algorithms.p2p import P2P
-from aiodist.backends.base import CommBackend
+from aiodist.backends.base import P2P_SEQ, CommBackend
 from aiodist.errors import DistBackendError
 from aiodist.store.base import Store
 
@@ -42,6 +44,13 @@ class AioBackend(CommBackend):
     def channel(self, group_id: int, seq: int, global_ranks: Sequence[int]) -> P2P:
         ch: P2P = self.transport.channel(group_id, seq, global_ranks)
         return ch
+
+    async def p2p_send(self, group_id: int, dst: int, buf: np.ndarray, tag: int) -> None:
+        await self.transport.send(dst, buf, group=group_id, seq=P2P_SEQ, tag=tag)
+
+    async def p2p_recv(self, group_id: int, src: int | None, buf: np.ndarray, tag: int) -> int:
+        src_rank: int = await self.transport.recv(src, buf, group=group_id, seq=P2P_SEQ, tag=tag)
+        return src_rank
 
     async def abort_group(self, group_id: int, reason: str) -> None:
         await self.transport.abort(group_id, reason)

@@ -11,10 +11,14 @@ Naming of channels (the contract a backend keeps, and what the c10d layer guaran
 - Collectives: ``seq`` is the group's op counter (0, 1, 2, ... below ``2**63``) and
   ``global_ranks`` is the group's member list in group-rank order; the P2P's ranks are
   indices into it. Every member opens each ``(group_id, seq)`` exactly once.
-- Point-to-point: ``seq`` has bit 63 set (see ``aiodist.c10d.p2p.p2p_seq``) and
-  ``global_ranks`` is ``[sender, receiver]``: one channel carries exactly one message, tag 0,
-  from index 0 to index 1. The same ``(group_id, seq)`` may be opened for different pairs
-  of ranks (a message is named by group id, seq, tag *and* its two ends).
+- Point-to-point does not use channels: ``p2p_send(group_id, dst, buf, tag)`` and
+  ``p2p_recv(group_id, src, buf, tag)`` (``src=None``: any source) move one message between
+  global ranks, a rank may send to itself, and matching is MPI's non-overtaking rule: per
+  (group, tag, sender, receiver), messages are received in the order they were sent, a
+  message going to the earliest-posted receive that accepts its source. The c10d layer
+  issues sends and receives in the op's first step, so "call order" is issue order.
+  A backend that only provides channels gets p2p over a channel named ``P2P_SEQ`` (no any-source
+  receive, no send to self).
 """
 
 from __future__ import annotations
@@ -25,10 +29,16 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
+
 from aiodist.algorithms.p2p import P2P
+from aiodist.errors import DistBackendError
 from aiodist.store.base import Store
 
-__all__ = ["CommBackend", "BackendOptions"]
+__all__ = ["CommBackend", "BackendOptions", "P2P_SEQ"]
+
+#: the channel seq of every point-to-point message (collective seqs stay below 2**63)
+P2P_SEQ = 1 << 63
 
 
 class CommBackend(abc.ABC):
@@ -45,6 +55,23 @@ class CommBackend(abc.ABC):
     def channel(self, group_id: int, seq: int, global_ranks: Sequence[int]) -> P2P:
         """A fresh P2P for one op (see the module docstring for the naming rules). Must not
         suspend: the caller opens it in the op's first step."""
+
+    async def p2p_send(self, group_id: int, dst: int, buf: np.ndarray, tag: int) -> None:
+        """Send ``buf`` to global rank ``dst`` (see the module docstring for matching)."""
+        if dst == self.rank:
+            raise DistBackendError(f"backend {self.name!r} cannot send to oneself")
+        ranks = sorted((self.rank, dst))
+        await self.channel(group_id, P2P_SEQ, ranks).send(ranks.index(dst), buf, tag)
+
+    async def p2p_recv(self, group_id: int, src: int | None, buf: np.ndarray, tag: int) -> int:
+        """Receive into ``buf`` from global rank ``src`` (None: any); returns the sender."""
+        if src is None:
+            raise DistBackendError(f"backend {self.name!r} cannot receive from any source")
+        if src == self.rank:
+            raise DistBackendError(f"backend {self.name!r} cannot receive from oneself")
+        ranks = sorted((self.rank, src))
+        await self.channel(group_id, P2P_SEQ, ranks).recv(ranks.index(src), buf, tag)
+        return src
 
     async def abort_group(self, group_id: int, reason: str) -> None:  # noqa: B027 - optional
         """Tell the peers that ``group_id`` is broken, so their pending ops on it fail now rather

@@ -8,18 +8,26 @@ one key; the first offer wins and every rank uses that hub (held in a process-wi
 every rank has joined). So it works with any store the
 ranks share *within one process* (HashStore, or a TCPStore served in this process); across
 processes the hub id is unknown there and init fails with a clear error.
+
+Point-to-point messages go through one ``Mailbox`` per rank (the socket transport's matching
+table, so the matching rules are the same): a send completes at once, its bytes copied into
+the receive's buffer, or staged (a copy, without a bound) until the receive is posted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import Sequence
 from datetime import timedelta
 
-from aiodist.algorithms.p2p import LocalP2P, LocalWorld
-from aiodist.backends.base import CommBackend
+import numpy as np
+
+from aiodist.algorithms.p2p import LocalP2P, LocalWorld, byte_view
+from aiodist.backends.base import P2P_SEQ, CommBackend
 from aiodist.errors import DistBackendError
 from aiodist.store.base import Store
+from aiodist.transport._mailbox import Mailbox, PostedRecv, StagedMessage, describe_key
 
 __all__ = ["MemoryBackend", "MemoryHub", "create_memory_backend"]
 
@@ -37,6 +45,7 @@ class MemoryHub:
         self.capacity = capacity
         self.joined = 0
         self._open: dict[tuple[int, int, tuple[int, ...]], tuple[LocalWorld, int]] = {}
+        self.mailboxes = [Mailbox() for _ in range(world_size)]
 
     def channel(self, rank: int, group_id: int, seq: int, global_ranks: Sequence[int]) -> LocalP2P:
         ranks = tuple(global_ranks)
@@ -67,6 +76,46 @@ class MemoryBackend(CommBackend):
         if self.rank not in global_ranks:
             raise ValueError(f"rank {self.rank} opened a channel of group {group_id} it is not a member of ({list(global_ranks)})")
         return self.hub.channel(self.rank, group_id, seq, global_ranks)
+
+    async def p2p_send(self, group_id: int, dst: int, buf: np.ndarray, tag: int) -> None:
+        view = byte_view(buf)
+        key = (group_id, P2P_SEQ, tag)
+        box = self.hub.mailboxes[dst]
+        recv = box.match(key, self.rank)
+        if recv is None:
+            box.stage(key, StagedMessage(self.rank, memoryview(view.tobytes())))
+            return
+        if recv.dst.nbytes != view.nbytes:
+            if not recv.fut.done():
+                recv.fut.set_exception(
+                    ValueError(
+                        f"rank {dst}: message from rank {self.rank} ({describe_key(key)}) is {view.nbytes} bytes, the receive buffer {recv.dst.nbytes}"
+                    )
+                )
+            return
+        recv.dst[:] = view
+        if not recv.fut.done():
+            recv.fut.set_result(self.rank)
+
+    async def p2p_recv(self, group_id: int, src: int | None, buf: np.ndarray, tag: int) -> int:
+        dst = byte_view(buf, writable=True)
+        key = (group_id, P2P_SEQ, tag)
+        box = self.hub.mailboxes[self.rank]
+        m = box.take_staged(key, src)
+        if m is not None:
+            if m.data.nbytes != dst.nbytes:
+                raise ValueError(
+                    f"rank {self.rank}: message from rank {m.src} ({describe_key(key)}) is {m.data.nbytes} bytes, the receive buffer {dst.nbytes}"
+                )
+            dst[:] = np.frombuffer(m.data, np.uint8)
+            return m.src
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        recv = PostedRecv(key, src, dst, fut)
+        box.post(recv)
+        try:
+            return await fut
+        finally:
+            box.unpost(recv)
 
 
 async def create_memory_backend(store: Store, rank: int, world_size: int, timeout: timedelta) -> MemoryBackend:

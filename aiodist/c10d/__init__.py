@@ -42,13 +42,15 @@ from aiodist.c10d.init import (
     is_xccl_available,
     new_group,
 )
-from aiodist.c10d.point_to_point import irecv, isend, recv, send
+from aiodist.c10d.point_to_point import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from aiodist.c10d.process_group import ProcessGroup
 from aiodist.c10d.work import Work
 from aiodist.c10d.world import NON_GROUP_MEMBER, GroupMember, World, current_world, group, use_world
 
 __all__ = [
     "Backend",
+    "P2POp",
+    "batch_isend_irecv",
     "GroupMember",
     "NON_GROUP_MEMBER",
     "ProcessGroup",

@@ -1,37 +1,72 @@
-"""send, recv, isend, irecv.
+"""send, recv, isend, irecv, P2POp, batch_isend_irecv.
 
-Matching, as torch's: the n-th send from rank a to rank b with tag t meets the n-th receive on b
-from a with tag t. Each such message is its own one-message channel:
-``channel(group_id, p2p_seq(a, b, t, n), [global a, global b])``, sent from index 0 to index 1
-with P2P tag 0, where ``p2p_seq`` packs bit 63 (p2p, never a collective's seq), bit 62 (the
-direction: a < b), the tag (31 bits) and n mod 2**31. Both ends count the stream (a, b, t) in
-their issue order, in the call's first step, so "issued in the same order on both ends" is all
-a user keeps. Tags are ints in [0, 2**31).
+Matching is MPI's non-overtaking rule, as torch's backends do it: per (group, tag, sender,
+receiver), messages are received in the order they were sent; a message goes to the
+earliest-issued receive on its receiver that accepts its source (a receive from ``src=None``
+accepts any rank of the group). Every call issues its send or receive in its first step, so
+"order" means issue order on each rank. The backend moves the bytes
+(``CommBackend.p2p_send`` / ``p2p_recv``, named by group id and tag); the ProcessGroup bounds
+each op by the group's timeout.
 
-Not done: receiving from any source (``src=None``) and sending to oneself; both are refused
-with a ValueError that says so.
+A rank may send to itself with ``isend`` and receive it with ``irecv`` (or ``recv``); a blocking
+``send`` to oneself is refused, as in torch. Tags are ints in [0, 2**31).
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
-from aiodist.algorithms.p2p import P2P
+import numpy as np
+
+from aiodist.backends.base import CommBackend
 from aiodist.c10d._args import buf, group_root
 from aiodist.c10d.init import GroupArg, resolve_group
+from aiodist.c10d.process_group import ProcessGroup
 from aiodist.c10d.work import Work
 
-__all__ = ["send", "recv", "isend", "irecv", "p2p_seq", "P2P_TAG_LIMIT"]
+__all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv", "P2P_TAG_LIMIT", "PeerOps"]
 
 P2P_TAG_LIMIT = 1 << 31
-_P2P_BIT = 1 << 63
-_DIR_BIT = 1 << 62
-_COUNT_MASK = (1 << 31) - 1
 
 
-def p2p_seq(src: int, dst: int, tag: int, count: int) -> int:
-    """The channel seq of the ``count``-th message from group rank ``src`` to ``dst`` with ``tag``."""
-    return _P2P_BIT | (_DIR_BIT if src < dst else 0) | (tag << 31) | (count & _COUNT_MASK)
+class PeerOps:
+    """What a point-to-point op's body uses: the backend's p2p calls on global ranks, counting
+    what is pending so a timeout can name the ranks not heard from."""
+
+    def __init__(self, backend: CommBackend, group_id: int, ranks: Sequence[int]) -> None:
+        self.backend = backend
+        self.group_id = group_id
+        self.ranks = tuple(ranks)
+        self.waiting_recv: Counter[int | None] = Counter()
+        self.waiting_send: Counter[int] = Counter()
+
+    async def send(self, dst: int, b: np.ndarray, tag: int) -> None:
+        self.waiting_send[dst] += 1
+        await self.backend.p2p_send(self.group_id, dst, b, tag)
+        self.waiting_send[dst] -= 1
+
+    async def recv(self, src: int | None, b: np.ndarray, tag: int) -> int:
+        self.waiting_recv[src] += 1
+        got = await self.backend.p2p_recv(self.group_id, src, b, tag)
+        self.waiting_recv[src] -= 1
+        if src is None and got not in self.ranks:
+            raise ValueError(f"an any-source receive got a message from rank {got}, which is not in the group {list(self.ranks)}")
+        return got
+
+    def describe_waiting(self) -> str:
+        """The timeout message's tail: whom this op was still waiting on."""
+        out = ""
+        silent = sorted(r for r, n in self.waiting_recv.items() if n > 0 and r is not None)
+        if self.waiting_recv.get(None):
+            out += f"; ranks not heard from: any of {[r for r in self.ranks if r != self.backend.rank] or list(self.ranks)} (a receive from any source)"
+        elif silent:
+            out += f"; ranks not heard from: {silent}"
+        unsent = sorted(r for r, n in self.waiting_send.items() if n > 0)
+        if unsent:
+            out += f"; ranks not taking delivery: {unsent}"
+        return out
 
 
 def _tag(tag: object, op: str) -> int:
@@ -42,55 +77,121 @@ def _tag(tag: object, op: str) -> int:
     return tag
 
 
-def _issue(op: str, tensor: Any, peer_global: int | None, group: GroupArg, tag: int, peer_group: int | None, sending: bool) -> Work:
+class _Checked:
+    """One validated p2p op, ready to issue (validation of a whole batch comes before any issue)."""
+
+    __slots__ = ("op", "pg", "tensor", "flat", "peer", "tag", "sending")
+
+    def __init__(self, op: str, pg: ProcessGroup, tensor: Any, flat: np.ndarray, peer: int | None, tag: int, sending: bool) -> None:
+        self.op, self.pg, self.tensor, self.flat, self.peer, self.tag, self.sending = op, pg, tensor, flat, peer, tag, sending
+
+    def issue(self) -> Work:
+        pg, flat, tag, peer = self.pg, self.flat, self.tag, self.peer
+        work_ref: list[Work] = []
+        if self.sending:
+            assert peer is not None
+
+            async def body(ops: PeerOps) -> None:
+                await ops.send(peer, flat, tag)
+
+        else:
+
+            async def body(ops: PeerOps) -> None:
+                work_ref[0]._source_rank = await ops.recv(peer, flat, tag)
+
+        ranks = pg.ranks if peer is None else (peer,)
+        work = pg.issue_p2p(self.op, ranks, tag, body, [self.tensor], receive=not self.sending)
+        work_ref.append(work)
+        return work
+
+
+def _check(
+    op: str, tensor: Any, peer_global: int | None, group: GroupArg, tag: object, peer_group: int | None, sending: bool, *, blocking: bool
+) -> _Checked:
     pg = resolve_group(group, what=op)
     name = "dst" if sending else "src"
     if not sending and peer_global is None and peer_group is None:
-        raise ValueError(f"{op}: receiving from any source (src=None) is not supported by aiodist yet; pass src or group_src")
-    peer = group_root(pg, op, name, peer_global, peer_group)
+        peer: int | None = None  # any source
+    else:
+        g = group_root(pg, op, name, peer_global, peer_group)
+        peer = pg.ranks[g]
+        if sending and blocking and peer == pg.ranks[pg.rank()]:
+            raise ValueError(
+                f"{op}: invalid destination rank {peer}: it is this rank (a blocking send to oneself would never return; use isend and irecv)"
+            )
     t = _tag(tag, op)
-    me = pg.rank()
-    if peer == me:
-        raise ValueError(f"{op}: {name} is this rank ({pg.ranks[me]}); sending to oneself is not supported by aiodist yet")
     b = buf(tensor, f"{op} tensor", writable=not sending)
     pg.check_usable()
-    a, z = (me, peer) if sending else (peer, me)
-    stream = (a, z, t)
-    count = pg.p2p_counts[stream]
-    pg.p2p_counts[stream] = count + 1
-    flat = b.flat
-
-    if sending:
-
-        async def body(p2p: P2P) -> None:
-            await p2p.send(1, flat, 0)
-
-    else:
-
-        async def body(p2p: P2P) -> None:
-            await p2p.recv(0, flat, 0)
-
-    pair = [pg.ranks[a], pg.ranks[z]]
-    return pg.issue_p2p(op, p2p_seq(a, z, t, count), pair, body, [tensor], None if sending else pg.ranks[peer])
+    return _Checked(op, pg, tensor, b.flat, peer, t, sending)
 
 
 async def send(tensor: Any, dst: int | None = None, group: GroupArg = None, tag: int = 0, group_dst: int | None = None) -> None:
-    """Send ``tensor`` to ``dst`` (global rank) or ``group_dst``; returns once it is delivered to the transport's peer."""
-    await _issue("send", tensor, dst, group, tag, group_dst, True)
+    """Send ``tensor`` to ``dst`` (global rank) or ``group_dst``; returns once the bytes are
+    handed to the transport (the tensor may then change)."""
+    await _check("send", tensor, dst, group, tag, group_dst, True, blocking=True).issue()
 
 
 async def recv(tensor: Any, src: int | None = None, group: GroupArg = None, tag: int = 0, group_src: int | None = None) -> int:
-    """Receive into ``tensor`` from ``src`` (global rank) or ``group_src``; returns the sender's global rank."""
-    work = _issue("recv", tensor, src, group, tag, group_src, False)
+    """Receive into ``tensor`` from ``src`` (global rank), ``group_src``, or any rank of the group
+    (both None); returns the sender's global rank."""
+    work = _check("recv", tensor, src, group, tag, group_src, False, blocking=True).issue()
     await work
     return work.source_rank()
 
 
 async def isend(tensor: Any, dst: int | None = None, group: GroupArg = None, tag: int = 0, group_dst: int | None = None) -> Work:
     """Issue a send and return its Work (``tensor`` must not change until it completes)."""
-    return _issue("isend", tensor, dst, group, tag, group_dst, True)
+    return _check("isend", tensor, dst, group, tag, group_dst, True, blocking=False).issue()
 
 
 async def irecv(tensor: Any, src: int | None = None, group: GroupArg = None, tag: int = 0, group_src: int | None = None) -> Work:
-    """Issue a receive and return its Work; ``work.source_rank()`` is the sender."""
-    return _issue("irecv", tensor, src, group, tag, group_src, False)
+    """Issue a receive and return its Work; ``work.source_rank()`` is the sender once it completes."""
+    return _check("irecv", tensor, src, group, tag, group_src, False, blocking=False).issue()
+
+
+class P2POp:
+    """One point-to-point op for ``batch_isend_irecv``: ``op`` is ``isend`` or ``irecv`` (aiodist's
+    or torch's), ``peer`` a global rank or ``group_peer`` a group rank."""
+
+    def __init__(
+        self, op: Any, tensor: Any, peer: int | None = None, group: GroupArg = None, tag: int = 0, group_peer: int | None = None
+    ) -> None:
+        name = getattr(op, "__name__", None)
+        if name not in ("isend", "irecv"):
+            raise ValueError(f"P2POp: op must be isend or irecv, not {op!r}")
+        if peer is None and group_peer is None:
+            raise ValueError("P2POp: give peer or group_peer")
+        if peer is not None and group_peer is not None:
+            raise ValueError("P2POp: give peer or group_peer, not both")
+        self.op = op
+        self.tensor = tensor
+        self.peer = peer
+        self.group = group
+        self.tag = tag
+        self.group_peer = group_peer
+
+    @property
+    def sending(self) -> bool:
+        return bool(self.op.__name__ == "isend")
+
+    def __repr__(self) -> str:
+        peer = f"peer={self.peer}" if self.peer is not None else f"group_peer={self.group_peer}"
+        return f"P2POp({self.op.__name__}, {peer}, tag={self.tag})"
+
+
+async def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
+    """Issue every op of the list (all are checked first: a bad one issues none) and return their
+    Works in list order. Order within the list does not matter: every op is in flight at once."""
+    if isinstance(p2p_op_list, (str, bytes)) or not isinstance(p2p_op_list, Sequence):
+        raise TypeError(f"batch_isend_irecv takes a list of P2POp, not {type(p2p_op_list).__name__}")
+    if not p2p_op_list:
+        raise ValueError("batch_isend_irecv: the list of P2POp is empty")
+    checked = []
+    for i, p in enumerate(p2p_op_list):
+        if not isinstance(p, P2POp):
+            raise TypeError(f"batch_isend_irecv: item {i} is a {type(p).__name__}, not a P2POp")
+        checked.append(_check(p.op.__name__, p.tensor, p.peer, p.group, p.tag, p.group_peer, p.sending, blocking=False))
+    groups = {id(c.pg) for c in checked}
+    if len(groups) > 1:
+        raise ValueError("batch_isend_irecv: all ops of a batch must use the same group")
+    return [c.issue() for c in checked]

@@ -41,8 +41,9 @@ Body = Callable[[P2P], Coroutine[Any, Any, None]]
 class _Tracked:
     """A P2P that remembers which peers it is still waiting on (for timeout messages)."""
 
-    def __init__(self, inner: P2P) -> None:
+    def __init__(self, inner: P2P, ranks: Sequence[int]) -> None:
         self.inner = inner
+        self.ranks = ranks
         self.rank = inner.rank
         self.size = inner.size
         self.waiting_recv: Counter[int] = Counter()
@@ -53,6 +54,17 @@ class _Tracked:
 
     async def recv(self, peer: int, buf: np.ndarray, tag: int) -> None:
         await self._track(self.waiting_recv, peer, self.inner.recv(peer, buf, tag))
+
+    def describe_waiting(self) -> str:
+        """The timeout message's tail: whom this op was still waiting on."""
+        out = ""
+        silent = sorted(self.ranks[p] for p, n in self.waiting_recv.items() if n > 0)
+        unsent = sorted(self.ranks[p] for p, n in self.waiting_send.items() if n > 0)
+        if silent:
+            out += f"; ranks not heard from: {silent}"
+        if unsent:
+            out += f"; ranks not taking delivery: {unsent}"
+        return out
 
     @staticmethod
     async def _track(counter: Counter[int], peer: int, transfer: Awaitable[None]) -> None:
@@ -91,7 +103,7 @@ class ProcessGroup:
         self.group_desc = desc or ("default_pg" if group_id == 0 else f"group {group_id}")
         self.thresholds: Thresholds = current()  # read once per group, the same on every rank
         self.seq = 0
-        self.p2p_counts: Counter[tuple[int, int, int]] = Counter()
+        self.p2p_seq = 0  # point-to-point ops issued (their own numbering, apart from collectives')
         self.broken: str | None = None
         self._pending: dict[asyncio.Task[None], Work] = {}
         self._aborting: set[asyncio.Task[None]] = set()
@@ -142,40 +154,55 @@ class ProcessGroup:
         self.seq += 1
         return self._start(op, seq, self.ranks, body, outputs, None)
 
-    def issue_p2p(self, op: str, seq: int, pair: Sequence[int], body: Body, outputs: list[Any], source_rank: int | None) -> Work:
+    def issue_p2p(
+        self,
+        op: str,
+        peers: Sequence[int],
+        tag: int,
+        body: Callable[[Any], Coroutine[Any, Any, None]],
+        outputs: list[Any],
+        *,
+        receive: bool,
+    ) -> Work:
+        """Start a point-to-point op (see aiodist.c10d.point_to_point); it gets the next number of
+        the group's separate p2p counter, which names it in errors ("p2p seq")."""
+        from aiodist.c10d.point_to_point import PeerOps  # the body's view of the backend
+
         self.check_usable()
-        return self._start(op, seq, pair, body, outputs, source_rank)
+        n = self.p2p_seq
+        self.p2p_seq += 1
+        ops = PeerOps(self.backend, self.group_id, self.ranks)
+        work = Work(op, self.describe(), n, outputs, source_rank=-1 if receive else None)
+        work.label = f"p2p seq {n}"
+        return self._launch(op, f"p2p seq {n} (tag {tag}, peers {list(peers)})", n, ops, body, work)
 
     def _start(self, op: str, seq: int, ranks: Sequence[int], body: Body, outputs: list[Any], source_rank: int | None) -> Work:
-        p2p = _Tracked(self.backend.channel(self.group_id, seq, ranks))
+        p2p = _Tracked(self.backend.channel(self.group_id, seq, ranks), ranks)
         work = Work(op, self.describe(), seq, outputs, source_rank=source_rank)
+        return self._launch(op, f"seq {seq}", seq, p2p, body, work)
+
+    def _launch(self, op: str, label: str, seq: int, tracker: Any, body: Callable[[Any], Coroutine[Any, Any, None]], work: Work) -> Work:
         task = asyncio.get_running_loop().create_task(
-            self._run(op, seq, ranks, p2p, body, work), name=f"aiodist {op} {self.group_desc} seq {seq}"
+            self._run(op, label, tracker, body, work), name=f"aiodist {op} {self.group_desc} {label}"
         )
         self._pending[task] = work
         task.add_done_callback(self._pending.pop)  # type: ignore[arg-type]
         return work
 
-    async def _run(self, op: str, seq: int, ranks: Sequence[int], p2p: _Tracked, body: Body, work: Work) -> None:
-        what = f"{op} on {self.describe()}, seq {seq}"
+    async def _run(self, op: str, label: str, tracker: Any, body: Callable[[Any], Coroutine[Any, Any, None]], work: Work) -> None:
+        what = f"{op} on {self.describe()}, {label}"
         try:
             async with asyncio.timeout(self.timeout_s):
-                await body(p2p)
+                await body(tracker)
         except TimeoutError as exc:
-            silent = sorted(ranks[p] for p, n in p2p.waiting_recv.items() if n > 0)
-            unsent = sorted(ranks[p] for p, n in p2p.waiting_send.items() if n > 0)
             msg = f"{what} timed out after {self.timeout_s:g} s on rank {self.backend.rank}"
-            if silent:
-                msg += f"; ranks not heard from: {silent}"
-            if unsent:
-                msg += f"; ranks not taking delivery: {unsent}"
-            if not silent and not unsent:
-                msg += "; it was not waiting on any peer (the group was still running it)"
+            waiting = tracker.describe_waiting()
+            msg += waiting or "; it was not waiting on any peer (the group was still running it)"
             err: DistError = DistTimeoutError(msg)
             if isinstance(exc, DistError):  # the backend's own deadline came first: keep its words
                 err.__cause__ = exc
             work._fail(err)
-            self._break(f"{op} seq {seq} timed out on rank {self.backend.rank}", err)
+            self._break(f"{op} {label} timed out on rank {self.backend.rank}", err)
             return
         except asyncio.CancelledError:
             work._fail(DistBackendError(f"{what} was aborted: {self.broken or 'the group was torn down'}"))
@@ -187,13 +214,13 @@ class ProcessGroup:
             except Exception:  # pragma: no cover - a subclass with another constructor
                 named = exc
             work._fail(named)
-            self._break(f"{op} seq {seq} failed: {exc}", named)
+            self._break(f"{op} {label} failed: {exc}", named)
             return
         except Exception as exc:
             wrapped = DistBackendError(f"{what} failed on rank {self.backend.rank}: {type(exc).__name__}: {exc}")
             wrapped.__cause__ = exc
             work._fail(wrapped)
-            self._break(f"{op} seq {seq} failed: {exc}", wrapped)
+            self._break(f"{op} {label} failed: {exc}", wrapped)
             return
         self.completed += 1
         work._complete()
@@ -210,7 +237,7 @@ class ProcessGroup:
         current_task = asyncio.current_task()
         for task, work in list(self._pending.items()):
             if task is not current_task:
-                err = DistBackendError(f"{work.op} on {self.describe()}, seq {work.seq} aborted: the group broke ({self.broken})")
+                err = DistBackendError(f"{work.op} on {self.describe()}, {work.label} aborted: the group broke ({self.broken})")
                 err.__cause__ = cause
                 work._fail(err)
                 # A consequence of the failure the user already sees: awaiting it still raises,

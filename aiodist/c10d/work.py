@@ -27,12 +27,13 @@ class Work(asyncio.Future[list[Any]]):
         self.op = op
         self.group_desc = group_desc
         self.seq = seq
+        self.label = f"seq {seq}"  # how errors name it ("p2p seq n" for point-to-point)
         self._outputs = outputs
         self._source_rank = source_rank
 
     def __repr__(self) -> str:
         state = "pending" if not self.done() else ("failed" if self.exception() is not None else "completed")
-        return f"<Work {self.op} {self.group_desc} seq={self.seq} {state}>"
+        return f"<Work {self.op} {self.group_desc} {self.label} {state}>"
 
     # -- cancellation refuses ----------------------------------------------------------------
 
@@ -88,6 +89,8 @@ class Work(asyncio.Future[list[Any]]):
         """The global rank a receive got its message from."""
         if self._source_rank is None:
             raise RuntimeError(f"source_rank() is only defined for receives, not for {self.op}")
+        if self._source_rank < 0:
+            raise RuntimeError(f"source_rank(): {self.op} ({self.label}) has not received its message yet")
         return self._source_rank
 
     def get_future(self) -> Work:

@@ -86,6 +86,8 @@ class Transport:
         self._send_conn: dict[int, Connection] = {}  # the one connection we send to a peer on
         self._dialing: dict[int, asyncio.Task[Connection]] = {}
         self._watching: dict[int, asyncio.Task[None]] = {}
+        self._order: dict[int, asyncio.Lock] = {}  # per peer: sends waiting for the connection, in call order
+        self._queued: dict[int, int] = {}  # per peer: how many sends wait in that line
         self.staged_total = 0  # messages ever staged (came before their receive)
         self._dead: dict[int, DistNetworkError] = {}
         self._aborted: dict[int, str] = {}
@@ -160,7 +162,8 @@ class Transport:
 
     async def send(self, dst: int, buf: np.ndarray, *, group: int = 0, seq: int = 0, tag: int = 0) -> None:
         """Send ``buf``'s bytes to global rank ``dst`` as message ``(group, seq, tag)``.
-        Returns once the bytes are in the kernel (or copied, to self): ``buf`` may then change."""
+        Returns once the bytes are in the kernel (or copied, to self): ``buf`` may then change.
+        Sends to one peer go out in the order they were called (their first steps' order)."""
         view = byte_view(buf)
         self._check_peer(dst)
         key = (group, seq, tag)
@@ -176,8 +179,10 @@ class Transport:
         header = FrameHeader(FrameKind.DATA, group, seq, tag, self.rank, view.nbytes)
         try:
             async with asyncio.timeout(self.timeout):
-                conn = await self._connection(dst)
-                await conn.send_frame(header, view, group)
+                conn = self._send_conn.get(dst)
+                if conn is None or self._queued.get(dst):
+                    conn = await self._in_line(dst)
+                await conn.send_frame(header, view, group)  # writes in this step, before any suspension
         except TimeoutError:
             raise DistTimeoutError(f"rank {self.rank}: send to rank {dst} ({describe_key(key)}, {view.nbytes} bytes) did not complete in {self.timeout:g} s") from None
         except DistNetworkError as exc:
@@ -325,6 +330,20 @@ class Transport:
         return DistNetworkError(f"{self._dead[peer]} ({describe_key(key)}, peer rank {peer})")
 
     # -- connections -----------------------------------------------------------------------
+
+    async def _in_line(self, peer: int) -> Connection:
+        """The connection to ``peer`` for a send that must wait for it: sends to one peer are
+        written in the order they were called (an earlier one waiting for the connection is
+        never overtaken by a later one), which is what p2p's non-overtaking matching relies on."""
+        self._queued[peer] = self._queued.get(peer, 0) + 1
+        try:
+            lock = self._order.get(peer)
+            if lock is None:
+                lock = self._order[peer] = asyncio.Lock()
+            async with lock:  # FIFO; released before the caller writes, which it does in this step
+                return await self._connection(peer)
+        finally:
+            self._queued[peer] -= 1
 
     async def _connection(self, peer: int) -> Connection:
         conn = self._send_conn.get(peer)
