@@ -2,6 +2,8 @@
 
 from aiodist.c10d import (
     NON_GROUP_MEMBER,
+    SHRINK_ABORT,
+    SHRINK_DEFAULT,
     Backend,
     GroupMember,
     P2POp,
@@ -9,9 +11,11 @@ from aiodist.c10d import (
     Work,
     World,
     all_gather,
+    all_gather_coalesced,
     all_gather_into_tensor,
     all_gather_single,
     all_reduce,
+    all_reduce_coalesced,
     all_to_all,
     all_to_all_single,
     barrier,
@@ -21,9 +25,11 @@ from aiodist.c10d import (
     destroy_process_group,
     gather,
     get_backend,
+    get_backend_config,
     get_default_backend_for_device,
     get_global_rank,
     get_group_rank,
+    get_node_local_rank,
     get_pg_count,
     get_process_group_ranks,
     get_rank,
@@ -41,6 +47,7 @@ from aiodist.c10d import (
     is_ucc_available,
     is_xccl_available,
     isend,
+    monitored_barrier,
     new_group,
     recv,
     reduce,
@@ -49,8 +56,11 @@ from aiodist.c10d import (
     reduce_scatter_tensor,
     scatter,
     send,
+    shrink_group,
+    split_group,
     use_world,
 )
+from aiodist.device_mesh import DeviceMesh, init_device_mesh
 from aiodist.errors import (
     DistBackendError,
     DistError,
@@ -67,6 +77,17 @@ from aiodist.types import ReduceOp, reduce_op
 __version__ = "0.1.0"
 
 __all__ = [
+    "all_reduce_coalesced",
+    "all_gather_coalesced",
+    "monitored_barrier",
+    "split_group",
+    "shrink_group",
+    "get_backend_config",
+    "get_node_local_rank",
+    "SHRINK_DEFAULT",
+    "SHRINK_ABORT",
+    "DeviceMesh",
+    "init_device_mesh",
     "DistBackendError",
     "DistError",
     "DistNetworkError",

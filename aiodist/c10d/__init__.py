@@ -8,14 +8,17 @@ schedules live in ``aiodist.algorithms`` and the bytes move through a backend's 
 from aiodist.c10d.backend_registry import Backend, is_backend_available, is_nccl_available
 from aiodist.c10d.collectives import (
     all_gather,
+    all_gather_coalesced,
     all_gather_into_tensor,
     all_gather_single,
     all_reduce,
+    all_reduce_coalesced,
     all_to_all,
     all_to_all_single,
     barrier,
     broadcast,
     gather,
+    monitored_barrier,
     reduce,
     reduce_scatter,
     reduce_scatter_single,
@@ -23,11 +26,15 @@ from aiodist.c10d.collectives import (
     scatter,
 )
 from aiodist.c10d.init import (
+    SHRINK_ABORT,
+    SHRINK_DEFAULT,
     destroy_process_group,
     get_backend,
+    get_backend_config,
     get_default_backend_for_device,
     get_global_rank,
     get_group_rank,
+    get_node_local_rank,
     get_pg_count,
     get_process_group_ranks,
     get_rank,
@@ -41,6 +48,8 @@ from aiodist.c10d.init import (
     is_ucc_available,
     is_xccl_available,
     new_group,
+    shrink_group,
+    split_group,
 )
 from aiodist.c10d.point_to_point import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from aiodist.c10d.process_group import ProcessGroup
@@ -48,6 +57,15 @@ from aiodist.c10d.work import Work
 from aiodist.c10d.world import NON_GROUP_MEMBER, GroupMember, World, current_world, group, use_world
 
 __all__ = [
+    "all_reduce_coalesced",
+    "all_gather_coalesced",
+    "monitored_barrier",
+    "split_group",
+    "shrink_group",
+    "get_backend_config",
+    "get_node_local_rank",
+    "SHRINK_DEFAULT",
+    "SHRINK_ABORT",
     "Backend",
     "P2POp",
     "batch_isend_irecv",

@@ -33,6 +33,12 @@ __all__ = [
     "init_process_group",
     "destroy_process_group",
     "new_group",
+    "split_group",
+    "shrink_group",
+    "SHRINK_DEFAULT",
+    "SHRINK_ABORT",
+    "get_backend_config",
+    "get_node_local_rank",
     "is_initialized",
     "is_available",
     "is_gloo_available",
@@ -265,7 +271,139 @@ async def new_group(
     return pg
 
 
+def _derived_id(world: Any, *parts: object) -> int:
+    """A group id every member computes alike without talking (bit 31 set: never a counter id)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=4).digest()
+    gid = int.from_bytes(digest, "little") | (1 << 31)
+    if gid in world.groups:
+        raise DistBackendError(f"group id {gid} is already in use on this rank (a hash collision); create the group again")
+    return gid
+
+
+def _ranks_list(value: object, what: str) -> list[int]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(f"{what} must be a list of ints, not {type(value).__name__}")
+    return [_int(r, f"every rank in {what}") for r in value]
+
+
+async def split_group(
+    parent_pg: GroupArg = None,
+    split_ranks: Sequence[Sequence[int]] | None = None,
+    timeout: TimeoutLike | None = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
+    backend: str | None = None,
+) -> ProcessGroup | None:
+    """Split ``parent_pg`` into disjoint groups; ``split_ranks`` are lists of *group ranks of the
+    parent*. Every member of the parent calls it with the same split, in the same order.
+    Returns this rank's new group, or None when it is in none of the splits. Does not
+    communicate (ids are derived from the parent's id, its split count and the members)."""
+    world = current_world()
+    parent = resolve_group(parent_pg, what="split_group")
+    if split_ranks is None:
+        raise ValueError("split_group: split_ranks is required (a list of lists of the parent's group ranks)")
+    if isinstance(split_ranks, (str, bytes)) or not isinstance(split_ranks, Sequence) or not split_ranks:
+        raise ValueError("split_group: split_ranks must be a non-empty list of lists of ranks")
+    splits = [_ranks_list(s, f"split_ranks[{i}]") for i, s in enumerate(split_ranks)]
+    seen: set[int] = set()
+    for i, sp in enumerate(splits):
+        if not sp:
+            raise ValueError(f"split_group: split_ranks[{i}] is empty")
+        for r in sp:
+            if not 0 <= r < parent.size():
+                raise ValueError(
+                    f"split_group: rank {r} in split_ranks[{i}] is not a group rank of {parent.describe()} (size {parent.size()})"
+                )
+            if r in seen:
+                raise ValueError(f"split_group: group rank {r} is in more than one split (or twice in one)")
+            seen.add(r)
+    if backend is not None and _canonical(backend.split(":")[-1]) != _canonical(parent.backend_name):
+        raise DistBackendError(f"split_group: backend {backend!r} is not the parent's {parent.backend_name!r}")
+    count = parent.splits
+    parent.splits += 1
+    me = parent.rank()
+    mine = next((sp for sp in splits if me in sp), None)
+    if mine is None:
+        return None
+    members = [parent.ranks[r] for r in sorted(mine)]
+    gid = _derived_id(world, "split", parent.group_id, count, tuple(members))
+    seconds = parent.timeout_s if timeout is None else to_seconds(timeout)
+    assert world.backend is not None
+    pg = ProcessGroup(
+        world.backend, world.backend_name, gid, members, seconds, name=str(gid), desc=group_desc or f"split {count} of {parent.group_desc}"
+    )
+    world.groups[gid] = pg
+    return pg
+
+
+SHRINK_DEFAULT = 0
+SHRINK_ABORT = 1
+
+
+async def shrink_group(
+    ranks_to_exclude: Sequence[int], group: GroupArg = None, shrink_flags: int = SHRINK_DEFAULT, pg_options: Any = None
+) -> ProcessGroup:
+    """A new group of ``group``'s ranks minus ``ranks_to_exclude`` (group ranks of ``group``).
+    Only the remaining ranks call it (the excluded ones may be dead), in the same order.
+    ``SHRINK_ABORT`` first aborts the old group's pending ops on this rank. The old group stays
+    usable otherwise. Shrinking the *default* group is refused (see docs/c10d.md)."""
+    world = current_world()
+    pg = resolve_group(group, what="shrink_group")
+    excl = _ranks_list(ranks_to_exclude, "ranks_to_exclude")
+    if not excl:
+        raise ValueError("shrink_group: ranks_to_exclude is empty")
+    if len(set(excl)) != len(excl):
+        raise ValueError(f"shrink_group: ranks_to_exclude has duplicates: {excl}")
+    for r in excl:
+        if not 0 <= r < pg.size():
+            raise ValueError(f"shrink_group: rank {r} is out of bounds for {pg.describe()} of size {pg.size()}")
+    if len(excl) >= pg.size():
+        raise ValueError("shrink_group: ranks_to_exclude excludes every rank of the group")
+    if shrink_flags not in (SHRINK_DEFAULT, SHRINK_ABORT):
+        raise ValueError(f"shrink_group: shrink_flags must be SHRINK_DEFAULT (0) or SHRINK_ABORT (1), not {shrink_flags!r}")
+    if pg.rank() in excl:
+        raise RuntimeError(f"shrink_group: this rank (group rank {pg.rank()}) is excluded; excluded ranks must not call shrink_group")
+    if pg is world.default_pg:
+        raise DistBackendError(
+            "shrink_group: shrinking the default group is not supported by aiodist (it would renumber every rank); "
+            "make a group of all ranks with new_group() and shrink that"
+        )
+    if shrink_flags == SHRINK_ABORT:
+        pg.abort(f"shrink_group excluded group ranks {sorted(excl)}")
+    count = pg.shrinks
+    pg.shrinks += 1
+    members = [g for i, g in enumerate(pg.ranks) if i not in set(excl)]
+    gid = _derived_id(world, "shrink", pg.group_id, count, tuple(members))
+    assert world.backend is not None
+    new = ProcessGroup(world.backend, world.backend_name, gid, members, pg.timeout_s, name=str(gid), desc=f"{pg.group_desc} shrunk")
+    world.groups[gid] = new
+    return new
+
+
 # -- queries -----------------------------------------------------------------------------------
+
+
+def get_backend_config(group: GroupArg = None) -> str:
+    """The group's backend per device, as torch writes it: ``"cpu:gloo"``."""
+    pg = resolve_group(group, what="get_backend_config")
+    name = Backend(pg.backend_name)
+    devices = Backend.backend_capability.get(Backend.aliases.get(name, name), Backend.backend_capability.get(name, ["cpu"]))
+    return ",".join(f"{d}:{name}" for d in devices)
+
+
+def get_node_local_rank(fallback_rank: int | None = None) -> int:
+    """``LOCAL_RANK`` from the environment (set by launchers), else ``fallback_rank``."""
+    value = os.environ.get("LOCAL_RANK")
+    if value is not None:
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"LOCAL_RANK must be an int, got {value!r}") from None
+    if fallback_rank is not None:
+        return _int(fallback_rank, "fallback_rank")
+    raise RuntimeError(
+        "LOCAL_RANK is not in the environment. Consider passing fallback_rank to allow get_node_local_rank to work, assuming you are not running in a multi-device context and want the code to run locally instead."
+    )
 
 
 def get_rank(group: GroupArg = None) -> int:

@@ -103,6 +103,8 @@ class ProcessGroup:
         self.group_desc = desc or ("default_pg" if group_id == 0 else f"group {group_id}")
         self.thresholds: Thresholds = current()  # read once per group, the same on every rank
         self.seq = 0
+        self.splits = 0  # split_group calls on this group (part of the children's ids)
+        self.shrinks = 0  # shrink_group calls on this group
         self.p2p_seq = 0  # point-to-point ops issued (their own numbering, apart from collectives')
         self.broken: str | None = None
         self._pending: dict[asyncio.Task[None], Work] = {}
@@ -147,12 +149,13 @@ class ProcessGroup:
         if self.broken is not None:
             raise DistBackendError(f"{self.describe()} is unusable: {self.broken}; destroy it and create a new group")
 
-    def issue(self, op: str, body: Body, outputs: list[Any]) -> Work:
-        """Take the next sequence number, open the channel and start the op (no suspension)."""
+    def issue(self, op: str, body: Body, outputs: list[Any], *, timeout_s: float | None = None) -> Work:
+        """Take the next sequence number, open the channel and start the op (no suspension).
+        ``timeout_s`` replaces the group's timeout for this op (monitored_barrier's own)."""
         self.check_usable()
         seq = self.seq
         self.seq += 1
-        return self._start(op, seq, self.ranks, body, outputs, None)
+        return self._start(op, seq, self.ranks, body, outputs, None, timeout_s)
 
     def issue_p2p(
         self,
@@ -176,26 +179,50 @@ class ProcessGroup:
         work.label = f"p2p seq {n}"
         return self._launch(op, f"p2p seq {n} (tag {tag}, peers {list(peers)})", n, ops, body, work)
 
-    def _start(self, op: str, seq: int, ranks: Sequence[int], body: Body, outputs: list[Any], source_rank: int | None) -> Work:
+    def _start(
+        self,
+        op: str,
+        seq: int,
+        ranks: Sequence[int],
+        body: Body,
+        outputs: list[Any],
+        source_rank: int | None,
+        timeout_s: float | None = None,
+    ) -> Work:
         p2p = _Tracked(self.backend.channel(self.group_id, seq, ranks), ranks)
         work = Work(op, self.describe(), seq, outputs, source_rank=source_rank)
-        return self._launch(op, f"seq {seq}", seq, p2p, body, work)
+        return self._launch(op, f"seq {seq}", seq, p2p, body, work, timeout_s)
 
-    def _launch(self, op: str, label: str, seq: int, tracker: Any, body: Callable[[Any], Coroutine[Any, Any, None]], work: Work) -> Work:
+    def _launch(
+        self,
+        op: str,
+        label: str,
+        seq: int,
+        tracker: Any,
+        body: Callable[[Any], Coroutine[Any, Any, None]],
+        work: Work,
+        timeout_s: float | None = None,
+    ) -> Work:
+        limit = self.timeout_s if timeout_s is None else timeout_s
         task = asyncio.get_running_loop().create_task(
-            self._run(op, label, tracker, body, work), name=f"aiodist {op} {self.group_desc} {label}"
+            self._run(op, label, tracker, body, work, limit), name=f"aiodist {op} {self.group_desc} {label}"
         )
         self._pending[task] = work
         task.add_done_callback(self._pending.pop)  # type: ignore[arg-type]
         return work
 
-    async def _run(self, op: str, label: str, tracker: Any, body: Callable[[Any], Coroutine[Any, Any, None]], work: Work) -> None:
+    async def _run(
+        self, op: str, label: str, tracker: Any, body: Callable[[Any], Coroutine[Any, Any, None]], work: Work, limit: float
+    ) -> None:
         what = f"{op} on {self.describe()}, {label}"
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(limit):
                 await body(tracker)
         except TimeoutError as exc:
-            msg = f"{what} timed out after {self.timeout_s:g} s on rank {self.backend.rank}"
+            if isinstance(exc, DistError) and getattr(exc, "verdict", False):  # the op's own ruling, not a deadline
+                self._failed(op, label, what, work, exc)
+                return
+            msg = f"{what} timed out after {limit:g} s on rank {self.backend.rank}"
             waiting = tracker.describe_waiting()
             msg += waiting or "; it was not waiting on any peer (the group was still running it)"
             err: DistError = DistTimeoutError(msg)
@@ -208,13 +235,7 @@ class ProcessGroup:
             work._fail(DistBackendError(f"{what} was aborted: {self.broken or 'the group was torn down'}"))
             raise
         except DistError as exc:
-            try:  # same type, with the op, group and seq in front
-                named: DistError = type(exc)(f"{what} failed on rank {self.backend.rank}: {exc}")
-                named.__cause__ = exc
-            except Exception:  # pragma: no cover - a subclass with another constructor
-                named = exc
-            work._fail(named)
-            self._break(f"{op} {label} failed: {exc}", named)
+            self._failed(op, label, what, work, exc)
             return
         except Exception as exc:
             wrapped = DistBackendError(f"{what} failed on rank {self.backend.rank}: {type(exc).__name__}: {exc}")
@@ -224,6 +245,15 @@ class ProcessGroup:
             return
         self.completed += 1
         work._complete()
+
+    def _failed(self, op: str, label: str, what: str, work: Work, exc: DistError) -> None:
+        try:  # same type, with the op, group and seq in front
+            named: DistError = type(exc)(f"{what} failed on rank {self.backend.rank}: {exc}")
+            named.__cause__ = exc
+        except Exception:  # pragma: no cover - a subclass with another constructor
+            named = exc
+        work._fail(named)
+        self._break(f"{op} {label} failed: {exc}", named)
 
     # -- breaking and tearing down ---------------------------------------------------------------
 

@@ -1,0 +1,199 @@
+"""all_reduce_coalesced, all_gather_coalesced, monitored_barrier, split_group, shrink_group,
+get_backend_config, get_node_local_rank."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+import aiodist as dist
+from aiodist.testing import run_world
+
+pytestmark = pytest.mark.any_loop
+
+BACKENDS = ["memory", "gloo"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+async def test_all_reduce_coalesced(backend: str, n: int) -> None:
+    async def fn(rank: int) -> list[list[float]]:
+        ts = [np.full(4, rank + 1.0), np.arange(3.0) * (rank + 1), np.full((2, 2), float(rank))]
+        w = await dist.all_reduce_coalesced(ts, async_op=True)
+        assert isinstance(w, dist.Work)
+        assert (await w)[0] is ts[0]
+        x = [np.array([rank + 1], np.int32), np.array([2, rank], np.int32)]
+        await dist.all_reduce_coalesced(x, op=dist.ReduceOp.MAX)
+        assert x[0][0] == n and x[1].tolist() == [2, n - 1]
+        return [t.ravel().tolist() for t in ts]
+
+    out = await run_world(n, fn, backend=backend, timeout=20)
+    s = sum(r + 1.0 for r in range(n))
+    assert out[0] == [[s] * 4, [0.0, s, 2 * s], [float(sum(range(n)))] * 4]
+    assert all(o == out[0] for o in out)
+
+
+async def test_all_reduce_coalesced_refuses_bad_arguments_and_stays_usable() -> None:
+    async def fn(rank: int) -> None:
+        with pytest.raises(TypeError, match="float32"):
+            await dist.all_reduce_coalesced([np.ones(2), np.ones(2, np.float32)])
+        with pytest.raises(ValueError, match="empty"):
+            await dist.all_reduce_coalesced([])
+        with pytest.raises(TypeError, match="list"):
+            await dist.all_reduce_coalesced(np.ones(2))
+        with pytest.raises(TypeError, match="BAND"):
+            await dist.all_reduce_coalesced([np.ones(2)], op=dist.ReduceOp.BAND)
+        x = [np.ones(2)]
+        await dist.all_reduce_coalesced(x)
+        assert (x[0] == 2).all()
+
+    await run_world(2, fn)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n", [1, 2, 4])
+async def test_all_gather_coalesced_mixed_dtypes(backend: str, n: int) -> None:
+    async def fn(rank: int) -> None:
+        ins = [np.full(3, rank, np.int64), np.array([rank + 0.5], np.float32), np.full((2, 2), rank + 1j, np.complex64)]
+        outs = [[np.empty_like(t) for _ in range(n)] for t in ins]
+        await dist.all_gather_coalesced(outs, ins)
+        for r in range(n):
+            assert outs[0][r].tolist() == [r] * 3
+            assert outs[1][r].tolist() == [r + 0.5]
+            assert (outs[2][r] == r + 1j).all()
+        with pytest.raises(ValueError, match="lists"):
+            await dist.all_gather_coalesced(outs[:1], ins)
+        with pytest.raises(TypeError, match="int64"):
+            await dist.all_gather_coalesced([[np.empty(3, np.int32) for _ in range(n)]], ins[:1])
+
+    await run_world(n, fn, backend=backend, timeout=20)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_monitored_barrier_passes(backend: str) -> None:
+    async def fn(rank: int) -> None:
+        await asyncio.sleep(0.05 * rank)
+        await dist.monitored_barrier(timeout=5)
+        await dist.monitored_barrier(wait_all_ranks=True)
+        x = np.ones(1)
+        await dist.all_reduce(x)
+        assert x[0] == 3
+
+    await run_world(3, fn, backend=backend, timeout=20)
+
+
+@pytest.mark.parametrize("wait_all", [False, True])
+async def test_monitored_barrier_names_the_ranks_that_did_not_come(wait_all: bool) -> None:
+    async def fn(rank: int) -> tuple[str, float]:
+        t0 = time.monotonic()
+        if rank in (1, 3):
+            await asyncio.sleep(1.5)  # never calls monitored_barrier
+            return "", 0.0
+        with pytest.raises(dist.DistError) as ei:
+            await dist.monitored_barrier(timeout=0.5, wait_all_ranks=wait_all)
+        return str(ei.value), time.monotonic() - t0
+
+    out = await run_world(4, fn, backend="gloo", timeout=20)
+    msg0, t0 = out[0]
+    if wait_all:
+        assert "Ranks [1, 3] failed to pass monitoredBarrier in 500 ms" in msg0
+    else:
+        assert "Rank 1 failed to pass monitoredBarrier in 500 ms" in msg0
+    assert "monitored_barrier on default_pg" in msg0 and "seq 0" in msg0
+    msg2, t2 = out[2]
+    assert "failed to pass monitoredBarrier" in msg2  # rank 0's verdict reached rank 2
+    assert t0 < 1.4 and t2 < 1.4
+
+
+async def test_monitored_barrier_when_rank_0_never_comes() -> None:
+    async def fn(rank: int) -> str:
+        if rank == 0:
+            await asyncio.sleep(1.5)
+            return ""
+        with pytest.raises(dist.DistTimeoutError) as ei:
+            await dist.monitored_barrier(timeout=0.3)
+        return str(ei.value)
+
+    out = await run_world(3, fn, backend="gloo", timeout=20)
+    assert "ranks not heard from: [0]" in out[1] and "monitored_barrier" in out[1]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_split_group(backend: str) -> None:
+    async def fn(rank: int) -> None:
+        g = await dist.split_group(split_ranks=[[0, 1], [2, 3]], group_desc="pairs")
+        if rank == 4:
+            assert g is None
+        else:
+            assert isinstance(g, dist.ProcessGroup)
+            assert dist.get_process_group_ranks(g) == ([0, 1] if rank < 2 else [2, 3])
+            x = np.array([float(rank)])
+            await dist.all_reduce(x, group=g)
+            assert x[0] == (1.0 if rank < 2 else 5.0)
+        # split of a sub-group: split_ranks are the parent's group ranks
+        sub = await dist.new_group([1, 2, 3, 4])
+        if rank != 0:
+            assert isinstance(sub, dist.ProcessGroup)
+            h = await dist.split_group(sub, [[0, 3], [1]])  # globals {1, 4} and {2}; 3 is in none
+            if rank == 3:
+                assert h is None
+            else:
+                assert isinstance(h, dist.ProcessGroup)
+                assert dist.get_process_group_ranks(h) == ([1, 4] if rank in (1, 4) else [2])
+            if rank in (1, 4):
+                assert h is not None
+                y = np.array([rank])
+                await dist.all_reduce(y, group=h)
+                assert y[0] == 5
+        with pytest.raises(ValueError, match="more than one split"):
+            await dist.split_group(split_ranks=[[0, 1], [1, 2]])
+        with pytest.raises(ValueError, match="not a group rank"):
+            await dist.split_group(split_ranks=[[0, 9]])
+
+    await run_world(5, fn, backend=backend, timeout=20)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_shrink_group_after_a_rank_dies(backend: str) -> None:
+    async def fn(rank: int) -> None:
+        g = await dist.new_group([0, 1, 2, 3])
+        if rank == 2:
+            return  # "dies": never takes part again
+        assert isinstance(g, dist.ProcessGroup)
+        small = await dist.shrink_group([2], group=g)
+        assert dist.get_process_group_ranks(small) == [0, 1, 3]
+        x = np.array([rank + 1])
+        await dist.all_reduce(x, group=small)
+        assert x[0] == 1 + 2 + 4
+        with pytest.raises(ValueError, match="out of bounds"):
+            await dist.shrink_group([7], group=g)
+        with pytest.raises(ValueError, match="every rank"):
+            await dist.shrink_group([0, 1, 2, 3], group=g)
+        with pytest.raises(ValueError, match="empty"):
+            await dist.shrink_group([], group=g)
+        with pytest.raises(dist.DistBackendError, match="default group"):
+            await dist.shrink_group([2])
+        aborted = await dist.shrink_group([2], group=g, shrink_flags=dist.SHRINK_ABORT)
+        assert g.broken is not None and aborted.broken is None
+
+    await run_world(4, fn, backend=backend, timeout=20)
+
+
+async def test_backend_config_and_node_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def fn(rank: int) -> str:
+        return dist.get_backend_config()
+
+    assert await run_world(1, fn, backend="gloo") == ["cpu:gloo"]
+    assert await run_world(1, fn, backend="memory") == ["cpu:memory"]
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(RuntimeError, match="LOCAL_RANK"):
+        dist.get_node_local_rank()
+    assert dist.get_node_local_rank(fallback_rank=3) == 3
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert dist.get_node_local_rank(fallback_rank=3) == 2
+    monkeypatch.setenv("LOCAL_RANK", "x")
+    with pytest.raises(ValueError, match="LOCAL_RANK"):
+        dist.get_node_local_rank()
