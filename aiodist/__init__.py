@@ -1,5 +1,6 @@
 """aiodist: the torch.distributed communication API, asyncio-native. Re-exports only."""
 
+from aiodist import collective_utils, model_averaging
 from aiodist.c10d import (
     NON_GROUP_MEMBER,
     SHRINK_ABORT,
@@ -13,6 +14,7 @@ from aiodist.c10d import (
     all_gather,
     all_gather_coalesced,
     all_gather_into_tensor,
+    all_gather_object,
     all_gather_single,
     all_reduce,
     all_reduce_coalesced,
@@ -21,9 +23,11 @@ from aiodist.c10d import (
     barrier,
     batch_isend_irecv,
     broadcast,
+    broadcast_object_list,
     current_world,
     destroy_process_group,
     gather,
+    gather_object,
     get_backend,
     get_backend_config,
     get_default_backend_for_device,
@@ -50,12 +54,15 @@ from aiodist.c10d import (
     monitored_barrier,
     new_group,
     recv,
+    recv_object_list,
     reduce,
     reduce_scatter,
     reduce_scatter_single,
     reduce_scatter_tensor,
     scatter,
+    scatter_object_list,
     send,
+    send_object_list,
     shrink_group,
     split_group,
     use_world,
@@ -77,6 +84,14 @@ from aiodist.types import ReduceOp, reduce_op
 __version__ = "0.1.0"
 
 __all__ = [
+    "collective_utils",
+    "model_averaging",
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
     "all_reduce_coalesced",
     "all_gather_coalesced",
     "monitored_barrier",

@@ -51,12 +51,26 @@ from aiodist.c10d.init import (
     shrink_group,
     split_group,
 )
+from aiodist.c10d.objects import (
+    all_gather_object,
+    broadcast_object_list,
+    gather_object,
+    recv_object_list,
+    scatter_object_list,
+    send_object_list,
+)
 from aiodist.c10d.point_to_point import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from aiodist.c10d.process_group import ProcessGroup
 from aiodist.c10d.work import Work
 from aiodist.c10d.world import NON_GROUP_MEMBER, GroupMember, World, current_world, group, use_world
 
 __all__ = [
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
     "all_reduce_coalesced",
     "all_gather_coalesced",
     "monitored_barrier",
