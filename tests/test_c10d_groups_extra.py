@@ -197,3 +197,25 @@ async def test_backend_config_and_node_local_rank(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("LOCAL_RANK", "x")
     with pytest.raises(ValueError, match="LOCAL_RANK"):
         dist.get_node_local_rank()
+
+
+async def test_device_id_connects_eagerly() -> None:
+    # each rank on its own World, by hand: init with device_id on a shared store
+    store = dist.HashStore()
+
+    async def rank_main(rank: int) -> int:
+        with dist.use_world(dist.World(f"r{rank}")):
+            await dist.init_process_group("gloo", store=store, rank=rank, world_size=3, timeout=10, device_id="cpu")
+            try:
+                pg = dist.group.WORLD
+                assert pg is not None
+                transport = pg.backend.transport  # type: ignore[attr-defined]
+                connected = len(transport._send_conn)
+                x = np.ones(1)
+                await dist.all_reduce(x)
+                assert x[0] == 3
+                return connected
+            finally:
+                await dist.destroy_process_group()
+
+    assert await asyncio.gather(*(rank_main(r) for r in range(3))) == [2, 2, 2]

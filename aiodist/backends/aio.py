@@ -52,6 +52,9 @@ class AioBackend(CommBackend):
         src_rank: int = await self.transport.recv(src, buf, group=group_id, seq=P2P_SEQ, tag=tag)
         return src_rank
 
+    async def connect(self) -> None:
+        await self.transport.connect()
+
     async def abort_group(self, group_id: int, reason: str) -> None:
         await self.transport.abort(group_id, reason)
 

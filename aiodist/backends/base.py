@@ -73,6 +73,10 @@ class CommBackend(abc.ABC):
         await self.channel(group_id, P2P_SEQ, ranks).recv(ranks.index(src), buf, tag)
         return src
 
+    async def connect(self) -> None:  # noqa: B027 - optional
+        """Make the connections to every peer now (``init_process_group(device_id=...)``'s eager
+        mode); backends without connections do nothing."""
+
     async def abort_group(self, group_id: int, reason: str) -> None:  # noqa: B027 - optional
         """Tell the peers that ``group_id`` is broken, so their pending ops on it fail now rather
         than at their timeouts. Called once, when an op of the group fails on this rank."""

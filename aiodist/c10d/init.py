@@ -14,6 +14,7 @@ Decisions (see docs/c10d.md):
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 from collections.abc import Sequence
@@ -24,7 +25,7 @@ from aiodist.c10d.backend_registry import Backend, create_backend, is_backend_av
 from aiodist.c10d.process_group import ProcessGroup
 from aiodist.c10d.world import NON_GROUP_MEMBER, current_world, default_group
 from aiodist.constants import default_pg_timeout
-from aiodist.errors import DistBackendError
+from aiodist.errors import DistBackendError, DistTimeoutError
 from aiodist.rendezvous import rendezvous
 from aiodist.store.base import Store
 from aiodist.store.prefix import PrefixStore
@@ -170,6 +171,19 @@ async def init_process_group(
         if owned is not None:
             await owned.close()
         raise
+    if device_id is not None:  # torch's eager init: connect to every peer now, not on first use
+        try:
+            async with asyncio.timeout(td.total_seconds()):
+                await comm.connect()
+        except BaseException as exc:
+            await comm.close()
+            if owned is not None:
+                await owned.close()
+            if isinstance(exc, TimeoutError) and not isinstance(exc, DistTimeoutError):
+                raise DistTimeoutError(
+                    f"init_process_group: rank {rank} could not connect to every peer within {td.total_seconds():g} s (device_id given: eager connections)"
+                ) from None
+            raise
     world.rank, world.world_size = rank, world_size
     world.backend, world.backend_name, world.store, world.owned_store = comm, str(name), store, owned
     pg = ProcessGroup(comm, str(name), 0, range(world_size), td.total_seconds(), name=group_name or "0", desc="default_pg")
