@@ -4,6 +4,7 @@ torch's documented examples, uneven object sizes, argument errors that leave the
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -489,6 +490,55 @@ async def test_pickle_protocol_5() -> None:
             np.testing.assert_array_equal(out[r]["b"], out[r]["a"][:, ::2])
 
     await run_world(2, fn)
+
+
+async def test_cancelled_between_ops_aborts_the_group_instead_of_desyncing() -> None:
+    """A receiver cancelled while it waits for the sizes cannot issue the bytes op any more: its
+    group is aborted (later ops refused, loudly) rather than left one op behind its peers, and the
+    peers fail at their group timeout instead of matching the wrong ops."""
+
+    async def fn(rank: int) -> str:
+        objs: list[Any] = ["payload", 1] if rank == 0 else [None, None]
+        if rank == 0:
+            await asyncio.sleep(0.2)  # the source is late: rank 1 gives up first
+            await broadcast_object_list(objs, src=0)
+        elif rank == 1:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.05):
+                    await broadcast_object_list(objs, src=0)
+        else:
+            await broadcast_object_list(objs, src=0)
+            assert objs == ["payload", 1]
+        try:
+            await all_gather_object([None] * 3, rank)
+        except dist.DistError as exc:
+            return str(exc)
+        return "ok"
+
+    results = await run_world(3, fn, pg_timeout=1, timeout=20)
+    assert "unusable" in results[1] and "cancelled on global rank 1 between its sizes op and its bytes op" in results[1]
+    assert all(r != "ok" for r in results), results  # nobody pairs the wrong ops
+
+
+async def test_sources_cancelled_after_issuing_keep_the_group_in_step() -> None:
+    """A source (or a sender) issues both of its ops at once, so cancelling it afterwards leaves the
+    ops running and the group in step: the next collective works on every rank."""
+
+    async def fn(rank: int) -> None:
+        objs: list[Any] = ["x" * MB] if rank == 0 else [None]
+        if rank == 0:
+            task = asyncio.create_task(broadcast_object_list(objs, src=0))
+            await asyncio.sleep(0)  # issued
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            await asyncio.sleep(0.05)
+            await broadcast_object_list(objs, src=0)
+            assert objs == ["x" * MB]
+        await still_usable(rank)
+
+    await run_world(3, fn, pg_timeout=5, timeout=20)
 
 
 # -- over the socket backend ---------------------------------------------------------------------

@@ -11,24 +11,28 @@ Every argument is checked (TypeError/ValueError) before the first op is issued, 
 call sends nothing and leaves the group usable. Each call is two ops of the group (sizes, then
 bytes), each bounded by the group's timeout; like every op, they are matched across ranks by
 issue order, so do not run an object collective concurrently with other ops of the same group
-from another task (docs/objects.md).
+from another task. A rank that knows both ops up front issues them together; one that must wait
+for the sizes aborts the group if it is cancelled in between, rather than stay one op behind its
+peers (docs/objects.md).
 
 Unpickling runs arbitrary code: only exchange objects with ranks you trust (torch's warning).
 """
 
 from __future__ import annotations
 
+import asyncio
 import pickle
-from collections.abc import MutableSequence, Sequence
-from typing import Any
+from collections.abc import Awaitable, MutableSequence, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
 from aiodist.c10d._args import group_root
 from aiodist.c10d.collectives import all_gather, broadcast, gather, scatter
 from aiodist.c10d.init import GroupArg, resolve_group
-from aiodist.c10d.point_to_point import recv, send
+from aiodist.c10d.point_to_point import isend, recv
 from aiodist.c10d.process_group import ProcessGroup
+from aiodist.c10d.work import Work
 from aiodist.errors import DistError
 
 __all__ = [
@@ -46,6 +50,32 @@ PICKLE_PROTOCOL = 5
 
 _EMPTY = np.empty(0, dtype=np.uint8)
 _LENGTHS = "{op}: this rank expected the sizes of {n} objects (len(object_list)); if the message did not fit, the lists' lengths differ across ranks"
+
+
+T = TypeVar("T")
+
+
+# -- ordering: no rank left one op behind -------------------------------------------------------
+
+
+def _issued(work: Work | None) -> Work:
+    assert isinstance(work, Work), "async_op=True returns the issued op's Work"
+    return work
+
+
+async def _before_next(pg: ProcessGroup, op: str, step: Awaitable[T]) -> T:
+    """Await the sizes op of a call whose bytes op this rank can issue only once the sizes are in.
+
+    Cancelling the caller here (``asyncio.timeout``, ``task.cancel()``) would leave this rank one
+    op behind its peers: its next op would be matched with their bytes op. So the group is aborted
+    instead (this rank refuses every later op on it, loudly; the peers' bytes op fails at their
+    timeout) and the cancellation goes on. Ranks that know both ops up front issue them together
+    and have no such window."""
+    try:
+        return await step
+    except asyncio.CancelledError:
+        pg.abort(f"{op} was cancelled on global rank {pg.ranks[pg.rank()]} between its sizes op and its bytes op; this rank is out of step")
+        raise
 
 
 # -- local helpers (no communication) -----------------------------------------------------------
@@ -139,13 +169,16 @@ async def broadcast_object_list(
     _device(device, "broadcast_object_list")
     if pg.rank() == root:
         sizes, payload = _pack(objs)
-        await broadcast(sizes, group=pg, group_src=root)
-        if payload.size:
-            await broadcast(payload, group=pg, group_src=root)
+        works = [_issued(await broadcast(sizes, group=pg, group_src=root, async_op=True))]
+        if payload.size:  # both issued at once: the source has no window between its two ops
+            works.append(_issued(await broadcast(payload, group=pg, group_src=root, async_op=True)))
+        for w in works:
+            await w
         return
     sizes = np.empty(len(objs), dtype=np.int64)
     try:
-        await broadcast(sizes, group=pg, group_src=root)
+        sizes_op = broadcast(sizes, group=pg, group_src=root)
+        await (_before_next(pg, "broadcast_object_list", sizes_op) if objs else sizes_op)
     except DistError as exc:
         exc.add_note(_LENGTHS.format(op="broadcast_object_list", n=len(objs)))
         raise
@@ -164,7 +197,7 @@ async def all_gather_object(object_list: list[Any], obj: Any, group: GroupArg = 
     sizes, payload = _pack([obj])
     n = pg.size()
     all_sizes = [np.empty(1, dtype=np.int64) for _ in range(n)]
-    await all_gather(all_sizes, sizes, group=pg)
+    await _before_next(pg, "all_gather_object", all_gather(all_sizes, sizes, group=pg))
     got = np.concatenate(all_sizes)
     parts = [np.empty(int(s), dtype=np.uint8) for s in _checked(got, "all_gather_object")]
     await all_gather(parts, payload, group=pg)
@@ -189,12 +222,14 @@ async def gather_object(
         raise ValueError("gather_object: object_gather_list must NOT be specified on non-destination ranks")
     sizes, payload = _pack([obj])
     n = pg.size()
-    if out is None:
-        await gather(sizes, None, group=pg, group_dst=root)
-        await gather(payload, None, group=pg, group_dst=root)
+    if out is None:  # both issued at once: no window between the two ops
+        w1 = _issued(await gather(sizes, None, group=pg, group_dst=root, async_op=True))
+        w2 = _issued(await gather(payload, None, group=pg, group_dst=root, async_op=True))
+        await w1
+        await w2
         return
     all_sizes = [np.empty(1, dtype=np.int64) for _ in range(n)]
-    await gather(sizes, all_sizes, group=pg, group_dst=root)
+    await _before_next(pg, "gather_object", gather(sizes, all_sizes, group=pg, group_dst=root))
     got = np.concatenate(all_sizes)
     parts = [np.empty(int(s), dtype=np.uint8) for s in _checked(got, "gather_object")]
     await gather(payload, parts, group=pg, group_dst=root)
@@ -227,11 +262,13 @@ async def scatter_object_list(
         pickles = [_dumps(o) for o in ins]
         sizes = [np.array([len(p)], dtype=np.int64) for p in pickles]
         parts = [np.frombuffer(p, dtype=np.uint8) for p in pickles]
-        await scatter(size, sizes, group=pg, group_src=root)
-        mine = np.empty(int(size[0]), dtype=np.uint8)
-        await scatter(mine, parts, group=pg, group_src=root)
+        mine = np.empty(len(pickles[root]), dtype=np.uint8)
+        w1 = _issued(await scatter(size, sizes, group=pg, group_src=root, async_op=True))
+        w2 = _issued(await scatter(mine, parts, group=pg, group_src=root, async_op=True))  # no window between them
+        await w1
+        await w2
     else:
-        await scatter(size, None, group=pg, group_src=root)
+        await _before_next(pg, "scatter_object_list", scatter(size, None, group=pg, group_src=root))
         mine = np.empty(int(_checked(size, "scatter_object_list")[0]), dtype=np.uint8)
         await scatter(mine, None, group=pg, group_src=root)
     out[0] = _loads(mine)
@@ -260,9 +297,11 @@ async def send_object_list(
     if peer == pg.rank():
         raise ValueError(f"send_object_list: dst is this rank ({pg.ranks[peer]}); sending to oneself is not supported")
     sizes, payload = _pack(objs)
-    await send(sizes, group=pg, group_dst=peer)
-    if payload.size:
-        await send(payload, group=pg, group_dst=peer)
+    works = [await isend(sizes, group=pg, group_dst=peer)]
+    if payload.size:  # both issued at once: no window between the two messages
+        works.append(await isend(payload, group=pg, group_dst=peer))
+    for w in works:
+        await w
 
 
 async def recv_object_list(
@@ -287,10 +326,8 @@ async def recv_object_list(
     _bool(use_batch, "recv_object_list use_batch")
     sizes = np.empty(len(objs), dtype=np.int64)
     try:
-        if peer is None:
-            sender = await recv(sizes, group=pg)
-        else:
-            sender = await recv(sizes, group=pg, group_src=peer)
+        sizes_op = recv(sizes, group=pg) if peer is None else recv(sizes, group=pg, group_src=peer)
+        sender = await (_before_next(pg, "recv_object_list", sizes_op) if objs else sizes_op)
     except DistError as exc:
         exc.add_note(_LENGTHS.format(op="recv_object_list", n=len(objs)))
         raise
