@@ -327,11 +327,14 @@ async def test_send_recv_object_list_in_a_subgroup() -> None:
             assert isinstance(g, dist.ProcessGroup)
             await send_object_list([{"from": 1}], dst=3, group=g)
             await send_object_list([{"again": 1}], group_dst=1, group=g)
+            await send_object_list(["any", "x" * MB], dst=3, group=g)
         elif rank == 3:
             assert isinstance(g, dist.ProcessGroup)
             got: list[Any] = [None]
             assert await recv_object_list(got, src=1, group=g) == 1 and got == [{"from": 1}]
             assert await recv_object_list(got, group_src=0, group=g) == 1 and got == [{"again": 1}]
+            two: list[Any] = [None, None]
+            assert await recv_object_list(two, group=g) == 1 and two == ["any", "x" * MB]  # any source: a global rank
         else:
             assert g == dist.GroupMember.NON_GROUP_MEMBER
             with pytest.raises(ValueError, match="not a member"):
