@@ -220,11 +220,19 @@ async def test_socket_unrooted_ops(n: int) -> None:
             np.testing.assert_array_equal(single, want)
 
         # reduce_scatter (list form), direct and ring totals
-        for k, dtype, op, ref in ((5, "float64", R.SUM, np.add), (30_000, "int32", R.MAX, np.maximum)):
+        for k, dtype, op, ref in (
+            (5, "float64", R.SUM, np.add),
+            (30_000, "int32", R.MAX, np.maximum),
+            (6, "float32", R.PREMUL_SUM(0.5), lambda a, b: a + b),
+            (30_000, "float64", R.PREMUL_SUM(0.25), lambda a, b: a + b),
+        ):
             ins = [vals(rank, k, dtype, salt=j) for j in range(n)]
             out = np.full(k, -1, dtype=dtype)
             await dist.reduce_scatter(out, ins, op=op)
-            np.testing.assert_array_equal(out, fold([vals(r, k, dtype, salt=rank) for r in range(n)], ref))
+            factor: float = getattr(op, "factor", 1.0)
+            np.testing.assert_array_equal(out, fold([vals(r, k, dtype, salt=rank) * np.dtype(dtype).type(factor) for r in range(n)], ref))
+            for j in range(n):  # inputs are inputs: PREMUL_SUM scales a copy
+                np.testing.assert_array_equal(ins[j], vals(rank, k, dtype, salt=j))
 
         # reduce_scatter_tensor / reduce_scatter_single: concatenation and stack forms
         for k, dtype, op in ((4, "int64", R.SUM), (30_000, "float64", R.AVG), (7, "float32", R.PREMUL_SUM(2.0))):
@@ -244,6 +252,7 @@ async def test_socket_unrooted_ops(n: int) -> None:
             out3 = np.full(k, -1, dtype=dtype)
             await dist.reduce_scatter_single(out3, full.reshape(n, k), op=op)
             np.testing.assert_array_equal(out3, want.astype(dtype))
+            np.testing.assert_array_equal(full, vals(rank, n * k, dtype, salt=k))  # the input is left as it was
 
         # all_to_all: uneven sizes (zeros included), burst and pairwise
         for scale in (1, 20_000):
@@ -597,6 +606,52 @@ async def test_socket_sub_groups(n: int) -> None:
     await run_gloo(n, fn)
 
 
+# -- socket backend: point-to-point ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 5])
+async def test_socket_p2p_batches_sub_groups_any_source_and_tags(n: int) -> None:
+    async def fn(rank: int) -> None:
+        # a ring both ways in one batch (receives listed before sends), small and large
+        right, left = (rank + 1) % n, (rank - 1) % n
+        for size in (3, 300_000):
+            s1, s2 = np.full(size, rank, dtype=np.float64), np.full(size, -rank, dtype=np.float64)
+            r1, r2 = np.empty(size), np.empty(size)
+            reqs = await dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.irecv, r1, left),
+                    dist.P2POp(dist.isend, s1, right),
+                    dist.P2POp(dist.isend, s2, left),
+                    dist.P2POp(dist.irecv, r2, right),
+                ]
+            )
+            await asyncio.gather(*(r.wait() for r in reqs))
+            assert (r1 == left).all() and (r2 == -right).all()
+        # twenty tags, received in the reverse order of sending
+        if rank < 2:
+            peer = 1 - rank
+            sends = [await dist.isend(np.array([100 * rank + tag]), dst=peer, tag=tag) for tag in range(20)]
+            outs = [np.empty(1, dtype=np.int64) for _ in range(20)]
+            recvs = [await dist.irecv(outs[tag], src=peer, tag=tag) for tag in reversed(range(20))]
+            await asyncio.gather(*sends, *recvs)
+            assert [int(o[0]) for o in outs] == [100 * peer + tag for tag in range(20)]
+        # a sub-group in reverse order: group ranks, and any-source receives naming global ranks
+        members = list(range(n - 1, -1, -2))
+        g = await dist.new_group(members, sort_ranks=False)
+        if rank in members:
+            assert isinstance(g, dist.ProcessGroup)
+            if g.rank() == 0:
+                got = []
+                for _ in range(len(members) - 1):
+                    t = np.empty(1, dtype=np.int64)
+                    got.append((await dist.recv(t, group=g), int(t[0])))
+                assert sorted(got) == [(r, r) for r in sorted(members[1:])]
+            else:
+                await dist.send(np.array([rank]), group_dst=0, group=g)
+
+    await run_gloo(n, fn)
+
+
 # -- memory backend: every dtype x every ReduceOp ----------------------------------------------------
 
 NUMPY_DTYPES = [
@@ -786,7 +841,7 @@ async def test_memory_float_specials() -> None:
 # -- memory backend: torch CPU tensors ---------------------------------------------------------------
 
 
-TORCH_DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "float16", "bfloat16", "float32", "float64", "complex64", "complex128"]
+TORCH_DTYPES = [*NUMPY_DTYPES, "bfloat16"]
 
 
 @pytest.mark.parametrize("dtype", TORCH_DTYPES)
@@ -802,43 +857,23 @@ async def test_memory_torch_tensors_every_op_in_place(dtype: str) -> None:
             return v > 0
         if dtype.startswith("complex"):
             return (v + 1j * torch.randint(-3, 4, (2, 5), generator=g)).to(tdt)
-        if dtype == "uint8":
+        if dtype.startswith("uint"):
             v = v + 3
         return v.to(tdt)
 
     def tref(kind: Any) -> Any:
-        parts = [tdata(r) for r in range(n)]
-        if dtype == "bool":
-            f = {
-                R.SUM: torch.logical_or,
-                R.MAX: torch.logical_or,
-                R.BOR: torch.logical_or,
-                R.PRODUCT: torch.logical_and,
-                R.MIN: torch.logical_and,
-                R.BAND: torch.logical_and,
-                R.BXOR: torch.logical_xor,
-            }[kind]
-        else:
-            f = {
-                R.SUM: torch.add,
-                R.AVG: torch.add,
-                R.PREMUL_SUM: torch.add,
-                R.PRODUCT: torch.mul,
-                R.MIN: torch.minimum,
-                R.MAX: torch.maximum,
-                R.BAND: torch.bitwise_and,
-                R.BOR: torch.bitwise_or,
-                R.BXOR: torch.bitwise_xor,
-            }[kind]
-        if kind == R.PREMUL_SUM:
-            parts = [p * FACTOR for p in parts]
+        if dtype != "bfloat16":  # numpy has the dtype (torch lacks most ops on uint16/32/64)
+            return torch.from_numpy(numpy_reduce([tdata(r).numpy() for r in range(n)], kind, n))
+        # bfloat16: torch's own arithmetic, one rounding per step, AVG divided once in float32
+        f = {R.SUM: torch.add, R.AVG: torch.add, R.PREMUL_SUM: torch.add, R.PRODUCT: torch.mul, R.MIN: torch.minimum, R.MAX: torch.maximum}[
+            kind
+        ]
+        parts = [tdata(r) * FACTOR if kind == R.PREMUL_SUM else tdata(r) for r in range(n)]
         acc = parts[0].clone()
         for p in parts[1:]:
             acc = f(acc, p).to(tdt)
-        if kind == R.AVG and dtype.startswith("complex"):
-            acc = torch.complex(acc.real / n, acc.imag / n)
-        elif kind == R.AVG:
-            acc = (acc.to(torch.float64 if dtype == "float64" else torch.float32) / n).to(tdt)
+        if kind == R.AVG:
+            acc = (acc.to(torch.float32) / n).to(tdt)
         return acc
 
     async def fn(rank: int) -> None:
