@@ -44,17 +44,6 @@ async def world(n: int, fn: Callable[[int], Awaitable[Any]], backend: str, timeo
     return await run_world(n, wrapped, backend=backend, timeout=timeout)
 
 
-def objects_api(name: str) -> Any:
-    """An object collective: aiodist's export if there is one, else aiodist.c10d.objects's (written,
-    not yet exported from aiodist at the time of writing)."""
-    found = getattr(dist, name, None)
-    if found is None:
-        from aiodist.c10d import objects
-
-        found = getattr(objects, name)
-    return found
-
-
 # -- Point-to-point communication ----------------------------------------------------------------
 
 
@@ -173,6 +162,22 @@ async def test_batch_isend_irecv_order_rules(backend: str) -> None:
         return [ra.tolist(), rb.tolist()]
 
     assert await world(2, fn, backend) == [[[11], [12]], [[1], [2]]]
+
+
+async def test_send_object_list_recv_object_list_example(backend: str) -> None:
+    """recv_object_list "Returns: Sender rank"."""
+
+    async def fn(rank: int) -> Any:
+        device = torch.device("cpu")
+        if dist.get_rank() == 0:
+            objects: list[Any] = ["foo", 12, {1: 2}]
+            await dist.send_object_list(objects, dst=1, device=device)
+            return None
+        objects = [None, None, None]
+        sender = await dist.recv_object_list(objects, src=0, device=device)
+        return sender, objects
+
+    assert (await world(2, fn, backend))[1] == (0, ["foo", 12, {1: 2}])
 
 
 # -- Synchronous and asynchronous collective operations -------------------------------------------
@@ -531,7 +536,7 @@ async def test_broadcast_object_list_example(backend: str) -> None:
     async def fn(rank: int) -> list[Any]:
         objects = ["foo", 12, {1: 2}] if dist.get_rank() == 0 else [None, None, None]
         device = torch.device("cpu")
-        await objects_api("broadcast_object_list")(objects, src=0, device=device)
+        await dist.broadcast_object_list(objects, src=0, device=device)
         return objects
 
     assert await world(3, fn, backend) == [["foo", 12, {1: 2}]] * 3
@@ -541,7 +546,7 @@ async def test_all_gather_object_example(backend: str) -> None:
     async def fn(rank: int) -> list[Any]:
         gather_objects = ["foo", 12, {1: 2}]
         output = [None for _ in gather_objects]
-        await objects_api("all_gather_object")(output, gather_objects[dist.get_rank()])
+        await dist.all_gather_object(output, gather_objects[dist.get_rank()])
         return output
 
     assert await world(3, fn, backend) == [["foo", 12, {1: 2}]] * 3
@@ -551,7 +556,7 @@ async def test_gather_object_example(backend: str) -> None:
     async def fn(rank: int) -> Any:
         gather_objects = ["foo", 12, {1: 2}]
         output = [None for _ in gather_objects]
-        await objects_api("gather_object")(gather_objects[dist.get_rank()], output if dist.get_rank() == 0 else None, dst=0)
+        await dist.gather_object(gather_objects[dist.get_rank()], output if dist.get_rank() == 0 else None, dst=0)
         return output
 
     assert (await world(3, fn, backend))[0] == ["foo", 12, {1: 2}]
@@ -561,7 +566,7 @@ async def test_scatter_object_list_example(backend: str) -> None:
     async def fn(rank: int) -> Any:
         objects = ["foo", 12, {1: 2}] if dist.get_rank() == 0 else [None, None, None]
         output_list = [None]
-        await objects_api("scatter_object_list")(output_list, objects, src=0)
+        await dist.scatter_object_list(output_list, objects, src=0)
         return output_list
 
     assert await world(3, fn, backend) == [["foo"], [12], [{1: 2}]]
