@@ -40,19 +40,9 @@ T = TypeVar("T")
 
 
 async def run_gloo(n: int, fn: Callable[[int], Awaitable[T]]) -> list[T]:
-    """``run_world`` over sockets, where the ranks leave together: each waits on an asyncio.Barrier
-    (outside aiodist) after ``fn`` before run_world destroys its World. A rank that leaves while a
-    peer still receives what it sent loses the message (a bug, shown by
-    test_socket_message_sent_before_the_sender_leaves_is_delivered); these tests are about the
-    ops, not about leaving. Drop the barrier once that bug is fixed."""
-    leave = asyncio.Barrier(n)
-
-    async def wrapped(rank: int) -> T:
-        result = await fn(rank)
-        await leave.wait()
-        return result
-
-    return await run_world(n, wrapped, backend="gloo", timeout=TIMEOUT)
+    """``run_world`` over real loopback sockets. Ranks leave as soon as they are done: what a rank
+    sent before leaving is still delivered (test_socket_message_sent_before_the_sender_leaves_is_delivered)."""
+    return await run_world(n, fn, backend="gloo", timeout=TIMEOUT)
 
 
 def issued(work: dist.Work | None) -> dist.Work:
@@ -332,11 +322,6 @@ async def test_socket_all_reduce_bitwise_identical(n: int, path: str) -> None:
     np.testing.assert_allclose(results[0][1], want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a message whose send completed is lost when the sender then destroys its World: the receiver's "
-    "later recv fails with 'rank 0 closed its transport (GOODBYE)' (the memory backend delivers it)",
-)
 async def test_socket_message_sent_before_the_sender_leaves_is_delivered() -> None:
     """Rank 0's send returns (its bytes are handed to the transport), rank 0 returns and run_world
     destroys its World; rank 1 posts the matching recv a little later and must still get the

@@ -30,18 +30,8 @@ ReduceOp = dist.ReduceOp
 
 
 async def world(n: int, fn: Callable[[int], Awaitable[Any]], backend: str, timeout: float = 20) -> list[Any]:
-    """run_world, where the ranks leave together (an asyncio.Barrier outside aiodist, after ``fn``):
-    over sockets, a rank that leaves while a peer still receives what it sent loses the message (a
-    bug, see test_c10d_matrix.py::test_socket_message_sent_before_the_sender_leaves_is_delivered);
-    these tests are about the examples, not about leaving."""
-    leave = asyncio.Barrier(n)
-
-    async def wrapped(rank: int) -> Any:
-        result = await fn(rank)
-        await leave.wait()
-        return result
-
-    return await run_world(n, wrapped, backend=backend, timeout=timeout)
+    """run_world on ``backend``; ranks leave as soon as they are done."""
+    return await run_world(n, fn, backend=backend, timeout=timeout)
 
 
 # -- Point-to-point communication ----------------------------------------------------------------

@@ -197,12 +197,12 @@ class Transport:
         key = (group, seq, tag)
         if src is not None:
             self._check_peer(src)
-        self._check_usable(key, src)
-        m = self._mailbox.take_staged(key, src)
+        self._check_usable(key, None)
+        m = self._mailbox.take_staged(key, src)  # a peer that left may have sent it before leaving
         if m is not None:
             return self._consume(m, dst, key)
         if src is not None:
-            if src in self._dead:
+            if self._gone(src):
                 raise self._dead_error(src, key)
             if src != self.rank:
                 self._want_connection(src)
@@ -322,6 +322,10 @@ class Transport:
             raise self._abort_error(key)
         if peer is not None and peer in self._dead:
             raise self._dead_error(peer, key)
+
+    def _gone(self, peer: int) -> bool:
+        """Nothing more can come from ``peer``: it died or left, and its last connection closed."""
+        return peer in self._dead and not any(c.peer == peer for c in self._conns)
 
     def _abort_error(self, key: Key) -> DistBackendError:
         return DistBackendError(f"{self._aborted[key[0]]} ({describe_key(key)})")
@@ -470,11 +474,18 @@ class Transport:
         dead = err if isinstance(err, DistNetworkError) else DistNetworkError(str(err))
         self._dead.setdefault(peer, dead)
         log.log(logging.INFO if conn.goodbye else logging.WARNING, "%s", dead)
-        for other in list(self._conns):  # fail-stop: nothing more from this peer
-            if other.peer == peer:
-                other.fail(dead)
         if current is not None and not current.fut.done():
             current.fut.set_exception(DistNetworkError(f"{dead} ({current.what()}, peer rank {peer})"))
+        if conn.goodbye:
+            # A graceful leave: the peer says GOODBYE on each of its connections after all it
+            # sent there, so its other connections still deliver what it sent before leaving;
+            # receives from it fail once the last of them has closed.
+            if any(other.peer == peer for other in self._conns):
+                return
+        else:
+            for other in list(self._conns):  # fail-stop: nothing more from this peer
+                if other.peer == peer:
+                    other.fail(dead)
         for r in self._mailbox.remove_posted(lambda r: r.src == peer):
             if not r.fut.done():
                 r.fut.set_exception(DistNetworkError(f"{dead} ({r.what()}, peer rank {peer})"))
