@@ -43,7 +43,10 @@ async def test_all_reduce_coalesced_refuses_bad_arguments_and_stays_usable() -> 
         with pytest.raises(ValueError, match="empty"):
             await dist.all_reduce_coalesced([])
         with pytest.raises(TypeError, match="list"):
-            await dist.all_reduce_coalesced(np.ones(2))
+            await dist.all_reduce_coalesced("ab")  # type: ignore[arg-type]
+        one = np.ones(2)
+        await dist.all_reduce_coalesced(one)  # a single tensor, as torch takes it
+        assert (one == 2).all()
         with pytest.raises(TypeError, match="BAND"):
             await dist.all_reduce_coalesced([np.ones(2)], op=dist.ReduceOp.BAND)
         x = [np.ones(2)]
@@ -58,16 +61,18 @@ async def test_all_reduce_coalesced_refuses_bad_arguments_and_stays_usable() -> 
 async def test_all_gather_coalesced_mixed_dtypes(backend: str, n: int) -> None:
     async def fn(rank: int) -> None:
         ins = [np.full(3, rank, np.int64), np.array([rank + 0.5], np.float32), np.full((2, 2), rank + 1j, np.complex64)]
-        outs = [[np.empty_like(t) for _ in range(n)] for t in ins]
+        outs = [[np.empty_like(t) for t in ins] for _ in range(n)]  # torch's layout: [rank][tensor]
         await dist.all_gather_coalesced(outs, ins)
         for r in range(n):
-            assert outs[0][r].tolist() == [r] * 3
-            assert outs[1][r].tolist() == [r + 0.5]
-            assert (outs[2][r] == r + 1j).all()
-        with pytest.raises(ValueError, match="lists"):
-            await dist.all_gather_coalesced(outs[:1], ins)
+            assert outs[r][0].tolist() == [r] * 3
+            assert outs[r][1].tolist() == [r + 0.5]
+            assert (outs[r][2] == r + 1j).all()
+        with pytest.raises(ValueError, match="one list per rank"):
+            await dist.all_gather_coalesced(outs + [outs[0]], ins)
+        with pytest.raises(ValueError, match="tensors, input_tensor_list"):
+            await dist.all_gather_coalesced([row[:1] for row in outs], ins)
         with pytest.raises(TypeError, match="int64"):
-            await dist.all_gather_coalesced([[np.empty(3, np.int32) for _ in range(n)]], ins[:1])
+            await dist.all_gather_coalesced([[np.empty(3, np.int32)] for _ in range(n)], ins[:1])
 
     await run_world(n, fn, backend=backend, timeout=20)
 

@@ -233,12 +233,6 @@ async def test_all_reduce_coalesced(backend: str) -> None:
     assert await world(3, fn, backend) == [[[[3.0, 6.0], [9.0, 12.0]], [6.0] * 3, [2.0, 0.0]]] * 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="BUG: all_reduce_coalesced refuses a single tensor ('tensors must be a list, not Tensor'); torch documents "
-    "tensors as Union[List[Tensor], Tensor] and torch 2.13's gloo accepts one",
-)
 async def test_all_reduce_coalesced_takes_a_single_tensor(backend: str) -> None:
     async def fn(rank: int) -> list[float]:
         single = torch.full((2,), float(rank))
@@ -283,12 +277,6 @@ async def test_all_gather_single_concatenation_and_stack_forms(backend: str) -> 
     assert await world(2, fn, backend) == [[[1, 2, 3, 4], [[1, 2], [3, 4]], [[1, 2], [3, 4]]]] * 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="BUG: all_gather_coalesced takes output_tensor_lists[i][rank] (one list per input tensor); torch's "
-    "documented example and torch 2.13's gloo take output_tensor_lists[rank][i] (one list per rank)",
-)
 async def test_all_gather_coalesced_documented_example(backend: str) -> None:
     inputs = {0: [[[1, 1], [1, 1]], [2], [3, 3]], 1: [[[3, 3], [3, 3]], [5], [1, 1]]}
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -406,13 +407,14 @@ def _list(objs: object, what: str) -> Sequence[Any]:
 
 
 async def all_reduce_coalesced(
-    tensors: Sequence[Any], op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False
+    tensors: Sequence[Any] | Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False
 ) -> Work | None:
-    """Reduce every tensor of ``tensors`` (one dtype) across the group as one op: one flattened
-    buffer, one all_reduce, the results copied back in place (bitwise identical on every rank)."""
+    """Reduce every tensor of ``tensors`` (a list of one dtype, or one tensor) across the group as
+    one op: one flattened buffer, one all_reduce, the results copied back in place (bitwise
+    identical on every rank)."""
     pg = resolve_group(group, what="all_reduce_coalesced")
     asy = check_async_op(async_op)
-    ts = _list(tensors, "all_reduce_coalesced tensors")
+    ts = [tensors] if isinstance(tensors, np.ndarray) or _is_torch_tensor(tensors) else _list(tensors, "all_reduce_coalesced tensors")
     bs = [buf(t, f"all_reduce_coalesced tensors[{i}]", writable=True) for i, t in enumerate(ts)]
     same_dtype(bs, bs[0], "all_reduce_coalesced tensors")
     rop, combine = _reduction(op, bs[0])
@@ -431,11 +433,16 @@ async def all_reduce_coalesced(
     return await _finish(pg.issue("all_reduce_coalesced", body, list(ts)), asy)
 
 
+def _is_torch_tensor(obj: object) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
 async def all_gather_coalesced(
     output_tensor_lists: Sequence[Sequence[Any]], input_tensor_list: Sequence[Any], group: GroupArg = None, async_op: bool = False
 ) -> Work | None:
-    """``all_gather`` of every tensor of ``input_tensor_list`` as one op:
-    ``output_tensor_lists[i][r]`` receives rank r's ``input_tensor_list[i]``. The tensors may
+    """``all_gather`` of every tensor of ``input_tensor_list`` as one op, torch's layout:
+    ``output_tensor_lists[r][i]`` receives rank r's ``input_tensor_list[i]``. The tensors may
     have different dtypes (each output's dtype must be its input's); one message per peer."""
     pg = resolve_group(group, what="all_gather_coalesced")
     asy = check_async_op(async_op)
@@ -444,16 +451,26 @@ async def all_gather_coalesced(
         for i, t in enumerate(_list(input_tensor_list, "all_gather_coalesced input_tensor_list"))
     ]
     lists = _list(output_tensor_lists, "all_gather_coalesced output_tensor_lists")
-    if len(lists) != len(ins):
-        raise ValueError(f"all_gather_coalesced: output_tensor_lists has {len(lists)} lists, input_tensor_list {len(ins)} tensors")
     n, me = pg.size(), pg.rank()
-    outs = [bufs(lst, f"all_gather_coalesced output_tensor_lists[{i}]", n, writable=True) for i, lst in enumerate(lists)]
-    for i, (row, inp) in enumerate(zip(outs, ins, strict=True)):
-        same_dtype(row, inp, f"all_gather_coalesced output_tensor_lists[{i}]")
-        _same_size(row[me], inp.flat.size, f"all_gather_coalesced output_tensor_lists[{i}][{me}] (this rank's own slot)")
+    if len(lists) != n:
+        raise ValueError(f"all_gather_coalesced: output_tensor_lists has {len(lists)} lists, the group has {n} ranks (one list per rank)")
+    outs = []
+    for r, lst in enumerate(lists):
+        row = _list(lst, f"all_gather_coalesced output_tensor_lists[{r}]")
+        if len(row) != len(ins):
+            raise ValueError(f"all_gather_coalesced: output_tensor_lists[{r}] has {len(row)} tensors, input_tensor_list {len(ins)}")
+        outs.append([buf(t, f"all_gather_coalesced output_tensor_lists[{r}][{i}]", writable=True) for i, t in enumerate(row)])
+    for r, row in enumerate(outs):
+        for i, (o, inp) in enumerate(zip(row, ins, strict=True)):
+            if o.dtype_name != inp.dtype_name:
+                raise TypeError(
+                    f"all_gather_coalesced output_tensor_lists[{r}][{i}] is {o.dtype_name}, expected {inp.dtype_name} (input_tensor_list[{i}]'s dtype)"
+                )
+    for i, (o, inp) in enumerate(zip(outs[me], ins, strict=True)):
+        _same_size(o, inp.flat.size, f"all_gather_coalesced output_tensor_lists[{me}][{i}] (this rank's own slot)")
     in_bytes = [byte_view(b.flat) for b in ins]
     out_bytes = [[byte_view(b.flat, writable=True) for b in row] for row in outs]
-    sizes = [sum(row[r].nbytes for row in out_bytes) for r in range(n)]
+    sizes = [sum(x.nbytes for x in row) for row in out_bytes]
     th = pg.thresholds
 
     async def body(p2p: P2P) -> None:
@@ -462,10 +479,8 @@ async def all_gather_coalesced(
         await alg.all_gather(p2p, chunks, mine, thresholds=th)
         for r in range(n):
             at = 0
-            for row in out_bytes:
-                dst = row[r]
-                if r != me or dst.ctypes.data != chunks[r][at:].ctypes.data:
-                    np.copyto(dst, chunks[r][at : at + dst.size])
+            for dst in out_bytes[r]:
+                np.copyto(dst, chunks[r][at : at + dst.size])
                 at += dst.size
 
     return await _finish(pg.issue("all_gather_coalesced", body, [list(row) for row in lists]), asy)
