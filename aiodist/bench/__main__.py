@@ -1,4 +1,5 @@
-"""``python -m aiodist.bench NAME [options]``: run one benchmark; with no name, list them."""
+"""``python -m aiodist.bench NAME [options]``: run one benchmark; with no name, the collectives
+benchmark with its defaults; ``--help`` lists them."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import sys
 # name -> (module with a ``main(argv) -> int``, one line for the listing). Modules are
 # imported only when chosen, so listing stays instant.
 BENCHMARKS: dict[str, tuple[str, str]] = {
+    "collectives": ("aiodist.bench.collectives", "collective time/algbw/busbw over a size sweep, nccl-tests style (--compare torch)"),
     "store": ("aiodist.bench.store", "TCPStore set/get/add ops/s and latency: aiodist (seq, pipelined) vs torch"),
 }
+DEFAULT = "collectives"  # what runs with no name
 
 
 def usage() -> str:
@@ -17,6 +20,7 @@ def usage() -> str:
     lines = [
         "usage: python -m aiodist.bench NAME [options]",
         "       python -m aiodist.bench NAME --help",
+        f"       python -m aiodist.bench            (runs {DEFAULT!r} with its defaults)",
         "",
         "benchmarks:",
         *(f"  {name.ljust(width)}  {about}" for name, (_, about) in BENCHMARKS.items()),
@@ -26,10 +30,10 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if not args or args[0] in ("-h", "--help", "help"):
+    if args and args[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
-    name, rest = args[0], args[1:]
+    name, rest = (args[0], args[1:]) if args else (DEFAULT, [])
     if name not in BENCHMARKS:
         print(f"unknown benchmark {name!r}\n\n{usage()}", file=sys.stderr)
         return 2

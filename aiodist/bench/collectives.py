@@ -1,0 +1,506 @@
+"""``python -m aiodist.bench collectives``: collective latency and bandwidth, nccl-tests style.
+
+What it runs: ``--nproc`` rank processes (spawned), which meet through ``tcp://127.0.0.1:PORT``
+(a free port; rank 0 hosts the store) and make a "gloo" group (aiodist's socket backend, on
+uvloop). For each op of ``--ops`` and each size of the sweep (float32, ``--min-bytes`` to
+``--max-bytes``, times ``--step``), every rank makes its buffers, runs ``--warmup`` untimed
+iterations, meets the others at a barrier, then runs ``--iters`` timed iterations back to back,
+each timed on its own with ``time.perf_counter``.
+
+With ``--compare torch`` the same rows also run, in the same invocation, on a second set of
+processes that import torch (only they do, and only then) and make a torch.distributed gloo
+group. Both sets start once; the coordinator then drives them row by row over pipes, one side at
+a time (the machine is small), alternating which goes first from row to row, so that the
+machine's drift lands on both. ``--rounds`` repeats the whole sweep.
+
+The time reported for one (op, size) is the MEDIAN over iterations (of every round) of the
+slowest rank's time for that iteration. algbw = size / time; busbw = algbw times nccl-tests' factor for the op
+(all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast, reduce 1).
+Sizes follow nccl-tests: all_reduce/broadcast/reduce move a buffer of ``size`` bytes;
+all_gather's size is its output (n parts), reduce_scatter's its input, all_to_all's one rank's
+input, each rounded down to a multiple of n elements.
+
+Correctness, checked once per all_reduce size before timing: the sum of small integers must be
+exact, and the sum of random floats must have the same bits on every rank. A wrong result, a
+worker that raises or dies, or any wait past ``--timeout`` fails the run (exit code 1) with the
+worker's traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import multiprocessing.connection
+import os
+import re
+import signal
+import statistics
+import sys
+import time
+import traceback
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.context import SpawnProcess
+from typing import Any
+
+import numpy as np
+
+from aiodist.bench import format_table, machine_info
+
+__all__ = ["main", "OPS", "sizes"]
+
+HOST = "127.0.0.1"
+OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "barrier")
+ITEMSIZE = 4  # float32
+FAIL_ENV = "AIODIST_BENCH_FAIL_RANK"  # tests: the rank (of either side) that raises at its first row
+STARTUP = 120.0  # seconds a rank may take to start (import, spawn) and join, on top of --timeout
+
+
+class BenchError(Exception):
+    """The benchmark could not run, or a result was wrong."""
+
+
+def _busbw_factor(op: str, n: int) -> float:
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
+        return (n - 1) / n
+    return 1.0
+
+
+def _count(op: str, nbytes: int, n: int) -> int:
+    """Elements moved for a row of ``nbytes`` (nccl-tests' rounding)."""
+    if op == "barrier":
+        return 0
+    count = nbytes // ITEMSIZE
+    if op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
+        count -= count % n
+    return count
+
+
+def sizes(min_bytes: int, max_bytes: int, step: int) -> list[int]:
+    out, s = [], max(ITEMSIZE, min_bytes)
+    while s <= max_bytes:
+        out.append(s)
+        s *= step
+    return out
+
+
+def _rows(op: str, all_sizes: Sequence[int], n: int) -> list[int]:
+    """The element counts of ``op``'s rows (barrier: one row of 0); sizes that round to
+    nothing, or to a count already listed, are left out."""
+    if op == "barrier":
+        return [0]
+    out: list[int] = []
+    for s in all_sizes:
+        c = _count(op, s, n)
+        if c and c not in out:
+            out.append(c)
+    return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the ranks of one side start. Sent to the rank processes as an argument; what they
+    run comes row by row over their pipes."""
+
+    impl: str  # "aiodist" | "torch"
+    nproc: int
+    port: int
+    timeout: float
+
+
+# ----------------------------------------------------------------------------- ranks
+
+
+def _check_input(rank: int, count: int) -> np.ndarray:
+    """Small integers (exact in float32 when summed over a few ranks)."""
+    return ((np.arange(count, dtype=np.int64) % 7) + rank + 1).astype(np.float32)
+
+
+def _check_expected(n: int, count: int) -> np.ndarray:
+    return ((np.arange(count, dtype=np.int64) % 7) * n + n * (n + 1) // 2).astype(np.float32)
+
+
+def _random_input(rank: int, count: int) -> np.ndarray:
+    return np.random.default_rng(1000 + rank).standard_normal(count, dtype=np.float32)
+
+
+class _Buffers:
+    """An op's buffers (numpy arrays; the torch side wraps them with torch.from_numpy)."""
+
+    def __init__(self, op: str, count: int, n: int) -> None:
+        part = count // n if op in ("all_gather_into_tensor", "reduce_scatter_tensor") else count
+        if op == "all_gather_into_tensor":
+            self.inp, self.out = np.zeros(part, np.float32), np.zeros(count, np.float32)
+        elif op == "reduce_scatter_tensor":
+            self.inp, self.out = np.zeros(count, np.float32), np.zeros(part, np.float32)
+        elif op == "all_to_all_single":
+            self.inp, self.out = np.zeros(count, np.float32), np.zeros(count, np.float32)
+        else:  # in place (barrier: an empty one, unused)
+            self.inp = self.out = np.zeros(count, np.float32)
+
+
+class _Rank:
+    """One rank's side of the protocol, whatever the implementation: ``call(op, b)`` runs one
+    op (a coroutine for aiodist, None for torch) and ``barrier()`` likewise."""
+
+    def __init__(self, rank: int, n: int, call: Callable[[str, _Buffers], Any], barrier: Callable[[], Any], check_bits: bool) -> None:
+        self.rank, self.n, self.call, self.barrier, self.check_bits = rank, n, call, barrier, check_bits
+        self.checked: set[int] = set()
+
+    async def _do(self, aw: Any) -> None:
+        if aw is not None:
+            await aw
+
+    async def row(self, op: str, count: int, warmup: int, iters: int) -> dict[str, Any]:
+        """Warm up, meet at a barrier, time ``iters`` iterations; the first time an all_reduce
+        size is seen, check its result first."""
+        if os.environ.get(FAIL_ENV) == str(self.rank):
+            raise RuntimeError(f"rank {self.rank}: failing on purpose ({FAIL_ENV} is set)")
+        b = _Buffers(op, count, self.n)
+        crc = None
+        if op == "all_reduce" and count not in self.checked:
+            self.checked.add(count)
+            b.out[:] = _check_input(self.rank, count)
+            await self._do(self.call(op, b))
+            if not np.array_equal(b.out, _check_expected(self.n, count)):
+                raise BenchError(f"rank {self.rank}: all_reduce of {count} elements gave a wrong sum")
+            if self.check_bits:
+                b.out[:] = _random_input(self.rank, count)
+                await self._do(self.call(op, b))
+                crc = zlib.crc32(b.out.tobytes())
+            b.out.fill(0)
+        for _ in range(warmup):
+            await self._do(self.call(op, b))
+        await self._do(self.barrier())
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            await self._do(self.call(op, b))
+            times.append(time.perf_counter() - t0)
+        return {"times": times, "crc": crc}
+
+    async def serve(self, conn: multiprocessing.connection.Connection) -> None:
+        """Run the coordinator's commands: ("row", op, count, warmup, iters) or ("stop",)."""
+        conn.send(("ready",))
+        while True:
+            cmd = conn.recv()  # blocking is fine: nothing else runs here between rows
+            if cmd[0] == "stop":
+                await self._do(self.barrier())
+                return
+            conn.send(("row", await self.row(*cmd[1:])))
+
+
+async def _aiodist_rank(plan: Plan, rank: int, conn: multiprocessing.connection.Connection) -> None:
+    import aiodist
+
+    n = plan.nproc
+    await aiodist.init_process_group("gloo", init_method=f"tcp://{HOST}:{plan.port}", rank=rank, world_size=n, timeout=plan.timeout)
+    try:
+
+        def call(op: str, b: _Buffers) -> Any:
+            if op == "all_reduce":
+                return aiodist.all_reduce(b.out)
+            if op == "broadcast":
+                return aiodist.broadcast(b.out, src=0)
+            if op == "reduce":
+                return aiodist.reduce(b.out, dst=0)
+            if op == "all_gather_into_tensor":
+                return aiodist.all_gather_into_tensor(b.out, b.inp)
+            if op == "reduce_scatter_tensor":
+                return aiodist.reduce_scatter_tensor(b.out, b.inp)
+            if op == "all_to_all_single":
+                return aiodist.all_to_all_single(b.out, b.inp)
+            return aiodist.barrier()
+
+        await _Rank(rank, n, call, aiodist.barrier, True).serve(conn)
+    finally:
+        await aiodist.destroy_process_group()
+
+
+async def _torch_rank(plan: Plan, rank: int, conn: multiprocessing.connection.Connection) -> None:
+    import warnings
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    n = plan.nproc
+    warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_into_tensor & co. are deprecated names
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{HOST}:{plan.port}", rank=rank, world_size=n, timeout=timedelta(seconds=plan.timeout)
+    )
+    try:
+
+        def call(op: str, b: _Buffers) -> None:
+            inp, out = torch.from_numpy(b.inp), torch.from_numpy(b.out)
+            if op == "all_reduce":
+                dist.all_reduce(out)
+            elif op == "broadcast":
+                dist.broadcast(out, src=0)
+            elif op == "reduce":
+                dist.reduce(out, dst=0)
+            elif op == "all_gather_into_tensor":
+                dist.all_gather_into_tensor(out, inp)
+            elif op == "reduce_scatter_tensor":
+                dist.reduce_scatter_tensor(out, inp)
+            elif op == "all_to_all_single":
+                dist.all_to_all_single(out, inp)
+            else:
+                dist.barrier()
+
+        # torch's ops block; the coroutine wrapper only shares the timing loop with aiodist's
+        await _Rank(rank, n, call, dist.barrier, False).serve(conn)
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_main(plan: Plan, rank: int, conn: multiprocessing.connection.Connection) -> None:
+    """One rank process: serves the coordinator's commands; on failure sends ("error", traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator stops its ranks itself
+    try:
+        if plan.impl == "torch":
+            asyncio.run(_torch_rank(plan, rank, conn))
+        else:
+            try:
+                import uvloop
+
+                run: Callable[[Any], Any] = uvloop.run
+            except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+                run = asyncio.run
+            run(_aiodist_rank(plan, rank, conn))
+        reply: tuple[Any, ...] = ("done",)
+    except EOFError:  # the coordinator is gone
+        return
+    except BaseException:
+        reply = ("error", traceback.format_exc())
+    try:
+        conn.send(reply)
+    except OSError:  # the coordinator is gone
+        pass
+    conn.close()
+
+
+# ----------------------------------------------------------------------------- coordinator
+
+
+def _free_port() -> int:
+    from aiodist.elastic.utils import get_free_port
+
+    return get_free_port()
+
+
+class Side:
+    """The rank processes of one implementation, started once and driven row by row."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.procs: list[SpawnProcess] = []
+        self.conns: list[multiprocessing.connection.Connection] = []
+
+    def start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        for r in range(self.plan.nproc):
+            here, there = ctx.Pipe()
+            p = ctx.Process(target=_rank_main, args=(self.plan, r, there), name=f"bench-{self.plan.impl}-{r}", daemon=True)
+            p.start()
+            there.close()
+            self.procs.append(p)
+            self.conns.append(here)
+
+    def wait_ready(self) -> None:
+        self._gather("ready", STARTUP + self.plan.timeout, "start-up")
+
+    def _gather(self, kind: str, limit: float, what: str) -> list[Any]:
+        """One message of ``kind`` from every rank, within ``limit`` seconds; an error, a death
+        or silence fails the run."""
+        impl = self.plan.impl
+        deadline = time.monotonic() + limit
+        got: dict[int, Any] = {}
+        while len(got) < len(self.conns):
+            left = deadline - time.monotonic()
+            waiting = [r for r in range(len(self.conns)) if r not in got]
+            if left <= 0:
+                raise BenchError(f"{impl}: ranks {waiting} did not answer within {limit:g} s during {what} (--timeout)")
+            multiprocessing.connection.wait(
+                [self.conns[r] for r in waiting] + [self.procs[r].sentinel for r in waiting], timeout=min(left, 1.0)
+            )
+            for r in waiting:
+                conn = self.conns[r]
+                if conn.poll():
+                    try:
+                        msg = conn.recv()
+                    except EOFError:
+                        self.procs[r].join(5)
+                        raise BenchError(f"{impl} rank {r} died (exit code {self.procs[r].exitcode}) during {what}") from None
+                    if msg[0] == "error":
+                        raise BenchError(f"{impl} rank {r} failed during {what}:\n{msg[1]}")
+                    if msg[0] != kind:
+                        raise BenchError(f"{impl} rank {r}: expected {kind!r}, got {msg[0]!r} during {what}")
+                    got[r] = msg[1] if len(msg) > 1 else None
+                elif not self.procs[r].is_alive():
+                    raise BenchError(f"{impl} rank {r} died (exit code {self.procs[r].exitcode}) during {what}")
+        return [got[r] for r in range(len(self.conns))]
+
+    def row(self, op: str, count: int, warmup: int, iters: int) -> list[float]:
+        """Run one row on every rank: the slowest rank's time of each iteration."""
+        for c in self.conns:
+            c.send(("row", op, count, warmup, iters))
+        replies = self._gather("row", self.plan.timeout, f"{op} of {count * ITEMSIZE} B")
+        crcs = {r: x["crc"] for r, x in enumerate(replies) if x["crc"] is not None}
+        if len(set(crcs.values())) > 1:
+            raise BenchError(f"{self.plan.impl}: {op} of {count} elements left different bits on different ranks: {crcs}")
+        return [max(ts) for ts in zip(*(x["times"] for x in replies))]
+
+    def stop(self) -> None:
+        try:
+            for c in self.conns:
+                c.send(("stop",))
+            self._gather("done", self.plan.timeout, "shut-down")
+            for p in self.procs:
+                p.join(10)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        for p in self.procs:  # only our own processes, by handle
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for c in self.conns:
+            c.close()
+
+
+def run(
+    args: argparse.Namespace, sz: tuple[int, ...]
+) -> tuple[dict[str, dict[int, list[float]]], dict[str, dict[int, list[float]]] | None]:
+    """Both sides' rows, interleaved: for each row, each side in turn (the order alternating
+    from row to row), so the machine's drift lands on both."""
+    impls = ["aiodist"] + (["torch"] if args.compare == "torch" else [])
+    sides = {i: Side(Plan(i, args.nproc, _free_port(), args.timeout)) for i in impls}
+    out: dict[str, dict[str, dict[int, list[float]]]] = {i: {op: {} for op in args.op_list} for i in impls}
+    try:
+        for side in sides.values():
+            side.start()
+        for side in sides.values():
+            side.wait_ready()
+        k = 0
+        for rnd in range(args.rounds):
+            for op in args.op_list:
+                for count in _rows(op, sz, args.nproc):
+                    for i in impls if k % 2 == 0 else impls[::-1]:
+                        times = sides[i].row(op, count, args.warmup, args.iters)
+                        out[i][op].setdefault(count, []).extend(times)
+                    k += 1
+                    if args.verbose:
+                        print(f"  round {rnd + 1}: {op} {count * ITEMSIZE} B", flush=True)
+        for side in sides.values():
+            side.stop()
+    finally:
+        for side in sides.values():
+            side.kill()
+    return out["aiodist"], out.get("torch")
+
+
+def _fmt_us(t: float | None) -> str:
+    return "-" if t is None else f"{t * 1e6:.1f}"
+
+
+def report(ops: Sequence[str], n: int, mine: dict[str, dict[int, list[float]]], torch: dict[str, dict[int, list[float]]] | None) -> str:
+    blocks = []
+    for op in ops:
+        headers = ["size(B)", "count", "dtype", "time(us)", "algbw(GB/s)", "busbw(GB/s)"]
+        if torch is not None:
+            headers += ["torch(us)", "torch busbw", "aiodist/torch"]
+        rows = []
+        for count, ts in mine[op].items():
+            nbytes = count * ITEMSIZE
+            t = statistics.median(ts)
+            alg = nbytes / t / 1e9 if t > 0 else 0.0
+            row = [str(nbytes), str(count), "float32", _fmt_us(t), f"{alg:.3f}", f"{alg * _busbw_factor(op, n):.3f}"]
+            if torch is not None:
+                tt = torch.get(op, {}).get(count)
+                if tt:
+                    tm = statistics.median(tt)
+                    talg = nbytes / tm / 1e9 if tm > 0 else 0.0
+                    row += [_fmt_us(tm), f"{talg * _busbw_factor(op, n):.3f}", f"{t / tm:.2f}"]
+                else:
+                    row += ["-", "-", "-"]
+            rows.append(row)
+        blocks.append(f"# {op}\n{format_table(headers, rows)}")
+    return "\n\n".join(blocks)
+
+
+def _size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)(?:i?b)?\s*", text, re.IGNORECASE)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"expected a byte count such as 4, 64K or 16M, got {text!r}")
+    return int(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2).lower()]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m aiodist.bench collectives",
+        description="Collective time, algbw and busbw over a size sweep (float32), nccl-tests style; optionally against torch gloo in the same run.",
+    )
+    p.add_argument("--nproc", type=int, default=2, help="ranks (spawned processes; default 2)")
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated ops (default all: {','.join(OPS)})")
+    p.add_argument("--min-bytes", type=_size, default=4, help="smallest size, bytes; K/M/G suffixes (default 4)")
+    p.add_argument("--max-bytes", type=_size, default=16 << 20, help="largest size (default 16M)")
+    p.add_argument("--step", type=int, default=4, help="size factor between rows (default 4; 2 for a finer sweep)")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per size (default 20)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed iterations per size before the barrier (default 5)")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="passes over the whole sweep; a row's time is the median over all of them (default 1)"
+    )
+    p.add_argument("--compare", choices=["torch"], help="also run torch.distributed gloo on the same plan and show the ratio")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any op, or the wait for the next size, may take (default 120)")
+    p.add_argument("--quick", action="store_true", help="for tests: 4 B to 64 KiB, step 16, 3 iterations, 1 warmup")
+    p.add_argument("--verbose", action="store_true", help="print progress per size")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.min_bytes, args.max_bytes, args.step, args.iters, args.warmup = 4, 64 << 10, 16, 3, 1
+    args.op_list = tuple(o.strip() for o in args.ops.split(",") if o.strip())
+    bad = [o for o in args.op_list if o not in OPS]
+    if bad or not args.op_list:
+        p.error(f"--ops: unknown {bad}; choose from {', '.join(OPS)}")
+    if args.nproc < 2:
+        p.error("--nproc must be at least 2")
+    if args.step < 2 or args.iters < 1 or args.rounds < 1 or args.warmup < 0 or args.timeout <= 0 or args.min_bytes > args.max_bytes:
+        p.error("need --step >= 2, --iters >= 1, --rounds >= 1, --warmup >= 0, --timeout > 0, --min-bytes <= --max-bytes")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    sz = tuple(sizes(args.min_bytes, args.max_bytes, args.step))
+    info = machine_info()
+    print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
+    print(
+        f"ranks: {args.nproc}; dtype float32; sizes {sz[0]}..{sz[-1]} B x{args.step}; {args.warmup} warmup + {args.iters} timed iterations; "
+        f"time = median over iterations of the slowest rank's time",
+        flush=True,
+    )
+    try:
+        mine, theirs = run(args, sz)
+    except BenchError as exc:
+        print(f"\nBENCHMARK FAILED: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr, flush=True)
+        return 130
+    print()
+    print(report(args.op_list, args.nproc, mine, theirs))
+    note = "aiodist: the 'gloo' backend (aiodist's socket transport) on uvloop"
+    if theirs is not None:
+        note += "; torch: torch.distributed gloo; aiodist/torch = time ratio (below 1: aiodist faster)"
+    print(f"\n{note}\nwall time {time.monotonic() - started:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
