@@ -129,15 +129,26 @@ class _Recv(NamedTuple):
     reduce: bool  # receive into scratch and combine into buf, or receive straight into buf
 
 
-async def _flow(p2p: P2P, sends: Sequence[_Send], recvs: Sequence[_Recv], combine: Combine | None = None, scratch: np.ndarray | None = None) -> None:
+async def _flow(
+    p2p: P2P, sends: Sequence[_Send], recvs: Sequence[_Recv], combine: Combine | None = None, scratch: np.ndarray | None = None
+) -> None:
     """Run a pipelined schedule: receives complete in order (each combined into its buffer when
     it reduces); each send starts once the first ``after`` receives are complete and sends go
     out in order, so every (peer, direction) sees its messages in the order both ends list them.
+
+    When a receive is ``_AHEAD_MIN_BYTES`` or bigger, up to ``_WINDOW`` receives are posted at
+    once (in list order, from the one being waited for), so a payload that comes early lands in
+    its array instead of being staged and copied; a reducing one needs a free slot of
+    ``scratch`` (which holds ``scratch.size // longest reducing receive`` of them; ``_scratch``
+    sizes it). Posting a plain receive early is safe because a schedule's peer sends into a
+    region only after it has (causally) seen this rank's last use of that region: its data, or
+    a message sent after it. Smaller pieces are received one at a time (a task per receive
+    costs more than copying a small staged payload).
     """
     done = 0
     moved = asyncio.Event()
 
-    async def receive() -> None:
+    async def receive_one_by_one() -> None:
         nonlocal done
         for peer, dst, tag, reduce in recvs:
             if dst.size:
@@ -151,6 +162,56 @@ async def _flow(p2p: P2P, sends: Sequence[_Send], recvs: Sequence[_Recv], combin
             done += 1
             moved.set()
 
+    async def receive() -> None:
+        nonlocal done
+        if len(recvs) < 2 or max(r.buf.nbytes for r in recvs) < _AHEAD_MIN_BYTES:
+            await receive_one_by_one()
+            return
+        n = len(recvs)
+        slots: list[np.ndarray] = []
+        if scratch is not None:
+            longest = max((r.buf.size for r in recvs if r.reduce), default=0)
+            if longest:
+                slots = [scratch[i * longest : (i + 1) * longest] for i in range(max(1, scratch.size // longest))]
+        free = list(range(len(slots)))
+        slot_of: dict[int, int] = {}
+        posted: list[asyncio.Task[None] | None] = []
+
+        def post(head: int) -> None:
+            while len(posted) < n and len(posted) - head < _WINDOW:
+                i = len(posted)
+                peer, dst, tag, reduce = recvs[i]
+                if not dst.size:
+                    posted.append(None)
+                    continue
+                if reduce:
+                    if not free:
+                        return
+                    slot_of[i] = k = free.pop()
+                    dst = slots[k][: dst.size]
+                posted.append(asyncio.ensure_future(p2p.recv(peer, dst, tag)))
+
+        try:
+            post(0)
+            for i, (_, dst, _, reduce) in enumerate(recvs):
+                task = posted[i]
+                if task is not None:
+                    await task
+                    posted[i] = None
+                    if reduce:
+                        assert combine is not None
+                        k = slot_of.pop(i)
+                        combine(dst, slots[k][: dst.size])
+                        free.append(k)
+                done += 1
+                moved.set()
+                post(i + 1)
+        finally:
+            for t in posted:
+                if t is not None and not t.done():
+                    t.cancel()
+                    t.add_done_callback(_retrieve)
+
     async def send() -> None:
         for peer, src, tag, after in sends:
             while done < after:
@@ -160,6 +221,7 @@ async def _flow(p2p: P2P, sends: Sequence[_Send], recvs: Sequence[_Recv], combin
                 await p2p.send(peer, src, tag)
 
     assert all(s.after <= len(recvs) for s in sends), "a send waits for a receive that is not in the schedule"
+    assert scratch is not None or not any(r.reduce and r.buf.size for r in recvs), "reducing receives need scratch"
     if not recvs:
         await send()
     elif not sends:
@@ -168,14 +230,37 @@ async def _flow(p2p: P2P, sends: Sequence[_Send], recvs: Sequence[_Recv], combin
         await _all(send(), receive())
 
 
-def _scratch(dtype: np.dtype, longest: int) -> np.ndarray:
-    return np.empty(longest, dtype=dtype)
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """Mark a cancelled receive's outcome as seen (its error, if any, is the op's already)."""
+    if not task.cancelled():
+        task.exception()
+
+
+#: receives a pipelined schedule keeps posted at once (a reducing one has its own scratch slot) ...
+_WINDOW = 4
+#: ... when its pieces are this big; smaller ones are received one at a time
+_AHEAD_MIN_BYTES = 64 << 10
+
+
+def _scratch(dtype: np.dtype, longest: int, total: int | None = None) -> np.ndarray:
+    """Scratch for ``_flow``: up to ``_WINDOW`` slots of ``longest`` elements, no more than the
+    ``total`` elements its reducing receives take together."""
+    slots = _WINDOW if total is None else max(1, min(_WINDOW, -(-total // max(1, longest))))
+    return np.empty(longest * slots, dtype=dtype)
 
 
 # -- ring ------------------------------------------------------------------------------------------
 
 
-async def _ring(p2p: P2P, chunks: Sequence[np.ndarray], steps: Sequence[sch.RingStep], reduce_steps: int, combine: Combine | None, piece: int, phase: int) -> None:
+async def _ring(
+    p2p: P2P,
+    chunks: Sequence[np.ndarray],
+    steps: Sequence[sch.RingStep],
+    reduce_steps: int,
+    combine: Combine | None,
+    piece: int,
+    phase: int,
+) -> None:
     """Ring steps over ``chunks``, in pieces: the first ``reduce_steps`` combine what they
     receive, the rest overwrite; each step's send forwards (piece by piece, as soon as each is
     in) what the step before received."""
@@ -194,7 +279,8 @@ async def _ring(p2p: P2P, chunks: Sequence[np.ndarray], steps: Sequence[sch.Ring
         prev_start = start
     scratch = None
     if reduce_steps and recvs:
-        scratch = _scratch(chunks[0].dtype, max(r.buf.size for r in recvs))
+        red = [r.buf.size for r in recvs if r.reduce]
+        scratch = _scratch(chunks[0].dtype, max(red, default=1), sum(red))
     await _flow(p2p, sends, recvs, combine, scratch)
 
 
@@ -244,7 +330,7 @@ async def reduce(p2p: P2P, buf: np.ndarray, root: int, combine: Combine, *, thre
     ps = sch.pieces(0, buf.size, th.piece_elems(buf.itemsize))
     recvs = [_Recv(c, acc[a:b], _tag(0, j), True) for j, (a, b) in enumerate(ps) for c in children]
     sends = [] if parent is None else [_Send(parent, acc[a:b], _tag(0, j), (j + 1) * len(children)) for j, (a, b) in enumerate(ps)]
-    scratch = _scratch(buf.dtype, max(b - a for a, b in ps)) if children else None
+    scratch = _scratch(buf.dtype, max(b - a for a, b in ps), buf.size * len(children)) if children else None
     await _flow(p2p, sends, recvs, combine, scratch)
 
 
@@ -287,7 +373,7 @@ async def all_reduce(p2p: P2P, buf: np.ndarray, combine: Combine, *, thresholds:
         await _flow(p2p, [], [_Recv(f.partner, buf[a:b], _tag(_PH_UNFOLD, j), False) for j, (a, b) in enumerate(ps)])
         return
     if f.partner is not None:  # a keeper: absorb the extra rank (it is the higher one)
-        scratch = _scratch(buf.dtype, max(b - a for a, b in ps))
+        scratch = _scratch(buf.dtype, max(b - a for a, b in ps), buf.size)
         await _flow(p2p, [], [_Recv(f.partner, buf[a:b], _tag(_PH_FOLD, j), True) for j, (a, b) in enumerate(ps)], combine, scratch)
     if algo == "recursive_doubling":
         await _recursive_doubling(p2p, buf, combine, f)
@@ -318,7 +404,7 @@ async def _halving_doubling(p2p: P2P, buf: np.ndarray, combine: Combine, f: sch.
     v, q = f.vrank, f.pof2
     b = sch.chunk_bounds(buf.size, q)
     halving = sch.halving_steps(v, q)
-    scratch = _scratch(buf.dtype, min(piece, max(1, b[q // 2])))  # the first kept half is the largest receive
+    scratch = _scratch(buf.dtype, min(piece, max(1, b[q // 2])), b[q // 2])  # the first kept half is the largest receive
     phase = _PH_STEPS
     for st in halving:
         peer = sch.real_rank(st.partner, p2p.size)
@@ -330,7 +416,9 @@ async def _halving_doubling(p2p: P2P, buf: np.ndarray, combine: Combine, f: sch.
     for dst in sch.doubling_steps(v, q):
         peer = sch.real_rank(dst.partner, p2p.size)
         sends = [_Send(peer, buf[x:y], _tag(phase, j), 0) for j, (x, y) in enumerate(sch.pieces(b[dst.mine[0]], b[dst.mine[1]], piece))]
-        recvs = [_Recv(peer, buf[x:y], _tag(phase, j), False) for j, (x, y) in enumerate(sch.pieces(b[dst.theirs[0]], b[dst.theirs[1]], piece))]
+        recvs = [
+            _Recv(peer, buf[x:y], _tag(phase, j), False) for j, (x, y) in enumerate(sch.pieces(b[dst.theirs[0]], b[dst.theirs[1]], piece))
+        ]
         await _flow(p2p, sends, recvs)
         phase += 1
 
@@ -425,7 +513,9 @@ async def scatter(p2p: P2P, out: np.ndarray, in_chunks: Sequence[np.ndarray] | N
 # -- reduce_scatter / all_to_all / barrier ---------------------------------------------------------
 
 
-async def reduce_scatter(p2p: P2P, out: np.ndarray, inputs_per_rank: Sequence[np.ndarray], combine: Combine, *, thresholds: Thresholds | None = None) -> None:
+async def reduce_scatter(
+    p2p: P2P, out: np.ndarray, inputs_per_rank: Sequence[np.ndarray], combine: Combine, *, thresholds: Thresholds | None = None
+) -> None:
     """``out`` on rank r = the reduction over every rank of its ``inputs_per_rank[r]``. Sizes may
     differ per r; every rank passes inputs of the same sizes. Inputs are not written.
 

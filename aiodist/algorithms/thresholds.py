@@ -56,8 +56,14 @@ class Thresholds:
     #: pairwise step at a time above (bounds what a peer must hold unposted).
     alltoall_burst_max: int = 256 * KiB
     #: pipelined schedules (ring, chain, tree reduce) move data in pieces of at most this many
-    #: bytes, so one piece's reduction overlaps the next piece's transfer.
-    pipeline_piece: int = 256 * KiB
+    #: bytes, so one piece's reduction overlaps the next piece's transfer. Every piece costs a
+    #: few tens of us of Python (a message, a task, a wake-up) on each side; between ranks of one
+    #: host the kernel's copies run on the ranks' own cores, so overlap buys little and the
+    #: per-piece cost dominates: measured with ``python -m aiodist.bench collectives`` on 2 cores,
+    #: 16 MiB all_reduce took ~10 ms with 256 KiB pieces and ~7 ms with 4 MiB (2 ranks; 33 ms
+    #: against 25 ms with 4). Across hosts, where the NIC moves the bytes, smaller pieces may pay:
+    #: tune with AIODIST_ALGO_PIPELINE_PIECE.
+    pipeline_piece: int = 4 * MiB
 
     def __post_init__(self) -> None:
         if self.pipeline_piece < 1:

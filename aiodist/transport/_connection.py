@@ -8,7 +8,11 @@ Rules this module keeps:
   HELD: reading pauses (``pause_reading``), so TCP flow control makes the sender's send wait,
   and resumes (``retry_held``, called by the transport) once its receive is posted (the
   payload then lands there) or staged bytes were released so that it fits. A message bigger
-  than the bound thus simply waits for its receive. A payload nobody will take (its group
+  than the bound thus simply waits for its receive. A big payload (``GRACE_MIN_BYTES`` or more)
+  that would be staged is first held for a short grace (``GRACE_SECONDS``) in case its receive
+  is about to be posted, which is the common case when a peer runs ahead by one op: staging it
+  would cost a fresh allocation and two extra copies; if no receive comes in time it is staged
+  as before, so no program that staging serves can stall on it. A payload nobody will take (its group
   aborted, or its receive's size is wrong) is read into scratch memory and dropped. A peer
   that breaks the protocol kills the connection, with the reason.
 - Writing: the write buffer limits are (0, 0), so the protocol is paused whenever anything is
@@ -55,6 +59,9 @@ log = logging.getLogger("aiodist.transport")
 
 _HOLD = object()  # _target_for's answer: no receive posted and no staging room: hold the header
 
+GRACE_MIN_BYTES = 1 << 20  # payloads this big wait GRACE_SECONDS for their receive before being staged
+GRACE_SECONDS = 0.005
+
 
 class Connection(asyncio.BufferedProtocol):
     """A connection to one peer rank (``peer`` is None until its HELLO is in)."""
@@ -76,6 +83,8 @@ class Connection(asyncio.BufferedProtocol):
         self._drain: list[tuple[int | None, asyncio.Future[None]]] = []
         self._error: BaseException | None = None
         self.held: FrameHeader | None = None  # a DATA header waiting (reading paused) for room or its receive
+        self._grace: asyncio.TimerHandle | None = None  # the held header's grace before staging
+        self._grace_over = False
 
     def __repr__(self) -> str:
         return f"<Connection {self.kind} rank {self.owner.rank} <-> rank {self.peer}>"
@@ -146,6 +155,7 @@ class Connection(asyncio.BufferedProtocol):
             self.handshake.exception()  # an accepted connection's handshake has no awaiter
         cur, self.current = self.current, None
         self.held = None
+        self._end_grace()
         self.owner._held.discard(self)
         self.owner._connection_lost(self, err, cur)
         if not self.closed.done():
@@ -168,17 +178,36 @@ class Connection(asyncio.BufferedProtocol):
         recv = owner._match(header)
         if recv is None:
             if header.group in owner._aborted:
+                self._end_grace()
                 self.current = None
                 return bytearray(header.length)  # read and dropped
             if self.decoder.staged_bytes + header.length > owner.limits.max_staged_bytes:
                 return _HOLD  # no room: wait (reading paused) for its receive or for room
+            if header.length >= GRACE_MIN_BYTES and not self._grace_over:
+                if self._grace is None:
+                    self._grace = asyncio.get_running_loop().call_later(GRACE_SECONDS, self._grace_ended)
+                return _HOLD  # room, but staging a big payload is dear: give its receive a moment
+            self._end_grace()
             return None  # stage it
+        self._end_grace()
         if recv.dst.nbytes != header.length:
             owner._size_mismatch(recv, header)
             self.current = None
             return bytearray(header.length)  # read and dropped
         self.current = recv
         return recv.dst
+
+    def _grace_ended(self) -> None:
+        self._grace = None
+        self._grace_over = True
+        self.retry_held()
+
+    def _end_grace(self) -> None:
+        """The current header's fate is decided (or the connection is gone): reset the grace."""
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
+        self._grace_over = False
 
     def _hold(self, header: FrameHeader) -> None:
         """No receive and no staging room for ``header``'s payload: stop reading (the sender's
@@ -247,7 +276,9 @@ class Connection(asyncio.BufferedProtocol):
         assert tr is not None
         if tr.is_closing():
             # write() on a closing transport is silently dropped: refuse rather than report success
-            raise DistNetworkError(f"connection to rank {self.peer} is closed; cannot send (group {header.group}, seq {header.seq}, tag {header.tag})")
+            raise DistNetworkError(
+                f"connection to rank {self.peer} is closed; cannot send (group {header.group}, seq {header.seq}, tag {header.tag})"
+            )
         for part in frame_parts(header, payload):
             tr.write(part)
         self.bytes_out += HEADER_SIZE + header.length
