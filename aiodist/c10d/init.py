@@ -186,7 +186,7 @@ async def init_process_group(
             raise
     world.rank, world.world_size = rank, world_size
     world.backend, world.backend_name, world.store, world.owned_store = comm, str(name), store, owned
-    pg = ProcessGroup(comm, str(name), 0, range(world_size), td.total_seconds(), name=group_name or "0", desc="default_pg")
+    pg = ProcessGroup(comm, str(name), 0, range(world_size), td.total_seconds(), name=group_name or "0", desc="default_pg", store=store)
     world.groups[0] = pg
     world.default_pg = pg
 
@@ -280,7 +280,9 @@ async def new_group(
             f"new_group: group id {gid} is already in use on this rank (a hash collision of use_local_synchronization ids)"
         )
     assert world.backend is not None
-    pg = ProcessGroup(world.backend, world.backend_name, gid, members, seconds, name=str(gid), desc=group_desc or f"group {gid}")
+    pg = ProcessGroup(
+        world.backend, world.backend_name, gid, members, seconds, name=str(gid), desc=group_desc or f"group {gid}", store=world.store
+    )
     world.groups[gid] = pg
     return pg
 
@@ -344,7 +346,14 @@ async def split_group(
     seconds = parent.timeout_s if timeout is None else to_seconds(timeout)
     assert world.backend is not None
     pg = ProcessGroup(
-        world.backend, world.backend_name, gid, members, seconds, name=str(gid), desc=group_desc or f"split {count} of {parent.group_desc}"
+        world.backend,
+        world.backend_name,
+        gid,
+        members,
+        seconds,
+        name=str(gid),
+        desc=group_desc or f"split {count} of {parent.group_desc}",
+        store=world.store,
     )
     world.groups[gid] = pg
     return pg
@@ -389,7 +398,9 @@ async def shrink_group(
     members = [g for i, g in enumerate(pg.ranks) if i not in set(excl)]
     gid = _derived_id(world, "shrink", pg.group_id, count, tuple(members))
     assert world.backend is not None
-    new = ProcessGroup(world.backend, world.backend_name, gid, members, pg.timeout_s, name=str(gid), desc=f"{pg.group_desc} shrunk")
+    new = ProcessGroup(
+        world.backend, world.backend_name, gid, members, pg.timeout_s, name=str(gid), desc=f"{pg.group_desc} shrunk", store=world.store
+    )
     world.groups[gid] = new
     return new
 

@@ -18,6 +18,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -30,6 +31,7 @@ from aiodist.algorithms.thresholds import Thresholds, current
 from aiodist.backends.base import CommBackend
 from aiodist.c10d.work import Work
 from aiodist.errors import DistBackendError, DistError, DistTimeoutError
+from aiodist.store.base import Store
 
 __all__ = ["ProcessGroup"]
 
@@ -92,6 +94,7 @@ class ProcessGroup:
         *,
         name: str = "",
         desc: str = "",
+        store: Store | None = None,
     ) -> None:
         self.backend = backend
         self.backend_name = backend_name
@@ -103,6 +106,7 @@ class ProcessGroup:
         self.group_desc = desc or ("default_pg" if group_id == 0 else f"group {group_id}")
         self.thresholds: Thresholds = current()  # read once per group, the same on every rank
         self.seq = 0
+        self.store: Store | None = store  # the World's store: used to explain a timeout
         self.splits = 0  # split_group calls on this group (part of the children's ids)
         self.shrinks = 0  # shrink_group calls on this group
         self.p2p_seq = 0  # point-to-point ops issued (their own numbering, apart from collectives')
@@ -215,8 +219,12 @@ class ProcessGroup:
         self, op: str, label: str, tracker: Any, body: Callable[[Any], Coroutine[Any, Any, None]], work: Work, limit: float
     ) -> None:
         what = f"{op} on {self.describe()}, {label}"
+        # a collective keeps the last part of its time to find out, through the store, which
+        # rank the wait is really stuck on (see _diagnose)
+        diagnose = self.store is not None and isinstance(tracker, _Tracked) and len(self.ranks) > 2
+        grace = min(max(limit * 0.1, 0.05), 5.0) if diagnose else 0.0
         try:
-            async with asyncio.timeout(limit):
+            async with asyncio.timeout(limit - grace):
                 await body(tracker)
         except TimeoutError as exc:
             if isinstance(exc, DistError) and getattr(exc, "verdict", False):  # the op's own ruling, not a deadline
@@ -225,11 +233,13 @@ class ProcessGroup:
             msg = f"{what} timed out after {limit:g} s on rank {self.backend.rank}"
             waiting = tracker.describe_waiting()
             msg += waiting or "; it was not waiting on any peer (the group was still running it)"
+            if diagnose:
+                msg += await self._diagnose(work.seq, sorted(self.ranks[p] for p, n in tracker.waiting_recv.items() if n > 0), grace)
             err: DistError = DistTimeoutError(msg)
             if isinstance(exc, DistError):  # the backend's own deadline came first: keep its words
                 err.__cause__ = exc
             work._fail(err)
-            self._break(f"{op} {label} timed out on rank {self.backend.rank}", err)
+            self._break(msg, err)
             return
         except asyncio.CancelledError:
             work._fail(DistBackendError(f"{what} was aborted: {self.broken or 'the group was torn down'}"))
@@ -245,6 +255,44 @@ class ProcessGroup:
             return
         self.completed += 1
         work._complete()
+
+    async def _diagnose(self, seq: int, silent: list[int], grace: float) -> str:
+        """Follow the waits of a timed-out collective through the store: this rank writes whom it
+        was waiting on under the op's key, then reads what the ranks it waited on wrote, and
+        theirs, for at most ``grace`` seconds. A rank that never writes is not stuck in this op
+        (it never reached it, or died): that is the rank the group waits for. Best effort: a
+        store that does not answer in time leaves the message as it was."""
+        assert self.store is not None
+        me = self.backend.rank
+        prefix = f"aiodist/hang/{self.group_id}/{seq}/"
+        reports: dict[int, list[int]] = {me: silent}
+        loop = asyncio.get_running_loop()
+        end = loop.time() + grace
+        try:
+            async with asyncio.timeout(grace):
+                await self.store.set(prefix + str(me), json.dumps(silent))
+                while True:
+                    missing = self._unreported(reports)
+                    if not missing or loop.time() + 0.02 >= end:
+                        break
+                    for r in missing:
+                        if await self.store.check([prefix + str(r)]):
+                            reports[r] = json.loads(await self.store.get(prefix + str(r)))
+                    if self._unreported(reports):
+                        await asyncio.sleep(0.02)
+        except (TimeoutError, DistError, ValueError) as exc:
+            log.debug("rank %d: diagnosing seq %d of %s: %s", me, seq, self.describe(), exc)
+        chain = ", ".join(f"rank {r} on {w}" for r, w in sorted(reports.items()) if r != me and w)
+        missing = self._unreported(reports)
+        out = f"; waits seen through the store: {chain}" if chain else ""
+        if missing:
+            out += f"; ranks stuck outside this op (never reported being in it): {missing}"
+        return out
+
+    @staticmethod
+    def _unreported(reports: dict[int, list[int]]) -> list[int]:
+        """Ranks reachable through the reported waits that have not reported themselves."""
+        return sorted({r for waits in reports.values() for r in waits} - set(reports))
 
     def _failed(self, op: str, label: str, what: str, work: Work, exc: DistError) -> None:
         try:  # same type, with the op, group and seq in front
