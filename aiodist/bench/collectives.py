@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -461,6 +462,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="for tests: 4 B to 64 KiB, step 16, 3 iterations, 1 warmup")
     p.add_argument("--verbose", action="store_true", help="print progress per size")
     args = p.parse_args(argv)
+    if args.compare == "torch" and importlib.util.find_spec("torch") is None:
+        p.error("--compare torch: torch is not installed")
     if args.quick:
         args.min_bytes, args.max_bytes, args.step, args.iters, args.warmup = 4, 64 << 10, 16, 3, 1
     args.op_list = tuple(o.strip() for o in args.ops.split(",") if o.strip())
