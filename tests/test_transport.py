@@ -547,7 +547,7 @@ async def test_many_ops_in_flight_with_a_small_staging_bound() -> None:
 @pytest.mark.any_loop
 @pytest.mark.parametrize("unix", [True, False])
 async def test_collectives_with_a_late_rank_and_a_tiny_staging_bound(unix: bool) -> None:
-    n, m = 3, 20_000  # 160 KB per float64 array: far over the bound
+    n, m = 3, 5_000  # 40 KB per float64 array: far over the bound
     rng = np.random.default_rng(3)
     async with world(n, limits=FrameLimits(max_staged_bytes=1024), unix=unix) as ts:
         parts = [rng.standard_normal(m) for _ in range(n)]
