@@ -116,9 +116,10 @@ async def test_gloo_over_loopback_sockets(n: int) -> None:
     await run_world(n, fn, backend="gloo", timeout=5)
 
 
-async def test_gloo_a_broken_group_is_aborted_on_the_peers() -> None:
+@pytest.mark.parametrize("backend", ["gloo", "memory"])
+async def test_a_broken_group_is_aborted_on_the_peers(backend: str) -> None:
     """Rank 1 gives up on the group early (its timeout is shorter); its ABORT fails rank 2's
-    pending op on the group at once, not at rank 2's own 30 s timeout."""
+    pending op on the group at once, not at rank 2's own 30 s timeout (both backends)."""
 
     async def fn(rank: int) -> str | None:
         await dist.barrier()  # connects every pair (the transport tells connected peers)
@@ -133,7 +134,7 @@ async def test_gloo_a_broken_group_is_aborted_on_the_peers() -> None:
         assert loop.time() - start < 2.5  # its own 0.3 s timeout, not rank 0's return at 3 s
         return f"{type(info.value).__name__}: {info.value}"
 
-    msgs = await run_world(3, fn, backend="gloo", timeout=10)
+    msgs = await run_world(3, fn, backend=backend, timeout=10)
     assert msgs[1] is not None and msgs[1].startswith("DistTimeoutError") and "seq 0" in msgs[1]
     assert msgs[2] is not None and "rank 1" in msgs[2] and "g (id 1" in msgs[2]
 

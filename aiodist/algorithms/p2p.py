@@ -105,6 +105,18 @@ class LocalWorld:
         self.capacity = capacity
         self._rng = random.Random(seed) if seed is not None else None
         self._channels: dict[tuple[int, int], _Channel] = {}
+        self.aborted: BaseException | None = None
+
+    def abort(self, err: BaseException) -> None:
+        """Fail every send and receive of this op that waits, and every later one, with ``err``."""
+        if self.aborted is None:
+            self.aborted = err
+        for ch in self._channels.values():
+            for fut, _ in ch.posted.values():
+                if not fut.done():
+                    fut.set_exception(err)
+            ch.posted.clear()
+            ch.wake()
 
     def channel(self, src: int, dst: int) -> _Channel:
         ch = self._channels.get((src, dst))
@@ -158,6 +170,8 @@ class LocalP2P:
         ch.used.add(tag)
         await self.world.jitter()
         while True:
+            if self.world.aborted is not None:
+                raise self.world.aborted
             posted = ch.posted.pop(tag, None)
             if posted is not None:
                 fut, nbytes = posted
@@ -185,6 +199,8 @@ class LocalP2P:
         if tag in ch.posted:
             raise ValueError(f"{self._what(peer, self.rank, tag)} received twice at once")
         await self.world.jitter()
+        if self.world.aborted is not None:
+            raise self.world.aborted
         data = ch.staged.pop(tag, None)
         if data is not None:
             ch.wake()  # room for a blocked sender

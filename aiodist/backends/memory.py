@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -46,6 +47,18 @@ class MemoryHub:
         self.joined = 0
         self._open: dict[tuple[int, int, tuple[int, ...]], tuple[LocalWorld, int]] = {}
         self.mailboxes = [Mailbox() for _ in range(world_size)]
+        self._by_group: dict[int, weakref.WeakSet[LocalWorld]] = {}
+        self.aborted: dict[int, str] = {}
+
+    def abort(self, group_id: int, reason: str) -> None:
+        """Fail every pending and later send/receive of ``group_id`` on every rank."""
+        self.aborted.setdefault(group_id, reason)
+        for w in list(self._by_group.get(group_id, ())):
+            w.abort(DistBackendError(reason))
+        for box in self.mailboxes:
+            for r in box.remove_posted(lambda r: r.key[0] == group_id):
+                if not r.fut.done():
+                    r.fut.set_exception(DistBackendError(f"{reason} ({describe_key(r.key)})"))
 
     def channel(self, rank: int, group_id: int, seq: int, global_ranks: Sequence[int]) -> LocalP2P:
         ranks = tuple(global_ranks)
@@ -53,6 +66,9 @@ class MemoryHub:
         world, taken = self._open.get(key, (None, 0))
         if world is None:
             world = LocalWorld(len(ranks), self.capacity)
+            self._by_group.setdefault(group_id, weakref.WeakSet()).add(world)
+            if group_id in self.aborted:
+                world.abort(DistBackendError(self.aborted[group_id]))
         taken += 1
         if taken >= len(ranks):
             self._open.pop(key, None)  # every end is out: the LocalP2Ps keep the world alive
@@ -77,7 +93,12 @@ class MemoryBackend(CommBackend):
             raise ValueError(f"rank {self.rank} opened a channel of group {group_id} it is not a member of ({list(global_ranks)})")
         return self.hub.channel(self.rank, group_id, seq, global_ranks)
 
+    async def abort_group(self, group_id: int, reason: str) -> None:
+        self.hub.abort(group_id, reason)
+
     async def p2p_send(self, group_id: int, dst: int, buf: np.ndarray, tag: int) -> None:
+        if group_id in self.hub.aborted:
+            raise DistBackendError(self.hub.aborted[group_id])
         view = byte_view(buf)
         key = (group_id, P2P_SEQ, tag)
         box = self.hub.mailboxes[dst]
@@ -98,6 +119,8 @@ class MemoryBackend(CommBackend):
             recv.fut.set_result(self.rank)
 
     async def p2p_recv(self, group_id: int, src: int | None, buf: np.ndarray, tag: int) -> int:
+        if group_id in self.hub.aborted:
+            raise DistBackendError(self.hub.aborted[group_id])
         dst = byte_view(buf, writable=True)
         key = (group_id, P2P_SEQ, tag)
         box = self.hub.mailboxes[self.rank]
