@@ -1,7 +1,8 @@
 """Rendezvous: from a URL to ``(store, rank, world_size)``.
 
 Built-in schemes: ``env://`` (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, as torchrun sets
-them), ``tcp://host:port?rank=R&world_size=N`` and ``file:///path?rank=R&world_size=N``.
+them; else Slurm's or MPI's variables, see ``aiodist._schedulers``),
+``tcp://host:port?rank=R&world_size=N`` and ``file:///path?rank=R&world_size=N``.
 More schemes plug in with ``register_rendezvous_handler``. This module is the only place that
 reads the environment for initialisation.
 
@@ -19,6 +20,7 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
+from aiodist._schedulers import resolve_env
 from aiodist._time import TimeoutLike, to_timedelta
 from aiodist.constants import default_pg_timeout
 from aiodist.store.base import Store
@@ -176,12 +178,15 @@ async def _tcp_handler(url: str, timeout: timedelta = default_pg_timeout, **kwar
 
 async def _env_handler(url: str, timeout: timedelta = default_pg_timeout, **kwargs: Any) -> RendezvousResult:
     query = dict(parse_qsl(urlparse(url).query))
-    rank = int(query["rank"]) if "rank" in query else _env_int("RANK")
-    world_size = int(query["world_size"]) if "world_size" in query else _env_int("WORLD_SIZE")
-    master_addr = _env("MASTER_ADDR")
-    master_port = _env_int("MASTER_PORT")
-    store = await create_c10d_store(master_addr, master_port, rank, world_size, timeout, _use_libuv(query))
-    return store, rank, world_size
+    # torchrun's variables, else Slurm's / MPI's (aiodist/_schedulers.py, docs/schedulers.md)
+    found = resolve_env(
+        _query_int(query, "rank", url) if "rank" in query else None,
+        _query_int(query, "world_size", url) if "world_size" in query else None,
+    )
+    if found.scheduler is not None and found.local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(found.local_rank))  # for get_node_local_rank(), as torchrun sets it
+    store = await create_c10d_store(found.master_addr, found.master_port, found.rank, found.world_size, timeout, _use_libuv(query))
+    return store, found.rank, found.world_size
 
 
 async def _file_handler(url: str, timeout: timedelta = default_pg_timeout, **kwargs: Any) -> RendezvousResult:
