@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -55,11 +56,9 @@ def test_aiodist_workers_under_stock_torchrun() -> None:
         _stop(p)
     assert p.returncode == 0, f"torchrun exited {p.returncode}\nstdout: {out}\nstderr: {err}"
     results = {}
-    for line in out.splitlines():
-        line = line.strip()
-        if line.startswith("{"):
-            res = json.loads(line)
-            results[res["rank"]] = res
+    for text in re.findall(r"\{[^{}]*\}", out):  # the workers share torchrun's stdout: find each JSON object
+        res = json.loads(text)
+        results[res["rank"]] = res
     assert sorted(results) == [0, 1], f"stdout: {out}\nstderr: {err}"
     for rank, res in results.items():
         assert res == {"rank": rank, "world_size": 2, "local_rank": rank, "all_reduce": [0.0, 3.0, 6.0, 9.0], "agent_store": True}

@@ -40,7 +40,8 @@ async def main() -> None:
         await dist.barrier()
     finally:
         await dist.destroy_process_group()
-    print(json.dumps(result), flush=True)
+    sys.stdout.write(json.dumps(result) + "\n")  # one write: lines of ranks sharing a pipe stay whole
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
