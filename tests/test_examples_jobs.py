@@ -1,0 +1,160 @@
+"""The examples/ jobs as real multi-process runs under torchrun's environment (tests/helpers/env_job.py
+starts the ranks itself, rank 0 hosting the store), with small sizes and hard timeouts; and the
+training example through the launcher, ``python -m aiodist.run``, once it exists."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers.env_job import ROOT, JobResult, run_env_job
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(120)]
+
+TRAIN = "examples/train_data_parallel.py"
+EPOCH = re.compile(r"^epoch +(\d+) +loss ([\d.]+) +acc ([\d.]+) +test loss ([\d.]+) +test acc ([\d.]+) +([\d.]+) steps/s$", re.M)
+
+
+def ok(result: JobResult) -> JobResult:
+    assert result.ok, result.report()
+    assert result.out(0).rstrip().endswith("OK"), result.report()
+    return result
+
+
+def epochs(out: str) -> list[tuple[float, float, float]]:
+    """(train loss, train accuracy, test accuracy) per epoch, from rank 0's output."""
+    return [(float(m[2]), float(m[3]), float(m[5])) for m in EPOCH.finditer(out)]
+
+
+# ---------------------------------------------------------------- training
+
+
+def test_train_data_parallel_4_ranks_learns_and_ends_identical() -> None:
+    r = ok(run_env_job(TRAIN, 4, ["--epochs", "6", "--samples", "2400"], timeout=90))
+    out = r.out(0)
+    rows = epochs(out)
+    assert len(rows) == 6, out
+    losses = [loss for loss, _, _ in rows]
+    assert losses[-1] < 0.5 * losses[0], out
+    assert sum(b < a for a, b in zip(losses, losses[1:])) >= 4, out  # going down, nearly every epoch
+    assert rows[-1][2] >= 0.9, out
+    assert "4 ranks, 600 samples each (2400 in all)" in out
+    assert "parameters identical on all 4 ranks (sha256 " in out
+    assert re.search(r"\d+ steps in [\d.]+ s \([\d.]+ steps/s\)", out), out
+    assert re.search(r"in 2 gradient buckets: b1\+W1 \(780 B\), b0\+W0 \(768 B\)", out), out
+    assert all(o == "" for o in r.stdouts[1:]), "only rank 0 prints"
+
+
+def test_train_data_parallel_is_deterministic_with_a_seed() -> None:
+    def run(seed: int) -> tuple[list[tuple[float, float, float]], str]:
+        out = ok(run_env_job(TRAIN, 2, ["--epochs", "3", "--samples", "1200", "--seed", str(seed), "--min-accuracy", "0"], timeout=60)).out(
+            0
+        )
+        sha = re.search(r"sha256 ([0-9a-f]{64})", out)
+        assert sha, out
+        return epochs(out), sha[1]
+
+    a, b, c = run(3), run(3), run(4)
+    assert a == b and len(a[0]) == 3
+    assert c[1] != a[1]
+
+
+def test_train_data_parallel_below_the_accuracy_bar_fails_every_rank() -> None:
+    r = run_env_job(TRAIN, 2, ["--epochs", "1", "--samples", "600", "--min-accuracy", "0.9999"], timeout=60)
+    assert r.returncodes == [1, 1] and not r.timed_out, r.report()
+    assert "FAILED: test accuracy" in r.out(0) and "OK" not in r.out(0).split()
+
+
+def test_train_data_parallel_more_buckets_and_layers() -> None:
+    r = ok(
+        run_env_job(
+            TRAIN,
+            3,
+            ["--epochs", "4", "--samples", "1500", "--hidden", "32,32", "--bucket-bytes", "100", "--min-accuracy", "0.5"],
+            timeout=60,
+        )
+    )
+    assert "MLP 2-32-32-3" in r.out(0) and "in 5 gradient buckets: b2+W2 (396 B), b1 (128 B), W1 (4096 B), b0 (128 B), W0 (256 B)" in r.out(
+        0
+    ), r.out(0)
+
+
+# ---------------------------------------------------------------- the short examples
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_p2p_ring(n: int) -> None:
+    out = ok(run_env_job("examples/p2p_ring.py", n, ["--size", "999"], timeout=60)).out(0)
+    assert f"ring all-reduce of 999 float64 over {n} ranks: matches" in out
+    arrival = re.search(r"reports arrived from ranks \[([\d, ]*)\]", out)
+    assert arrival and sorted(int(v) for v in arrival[1].split(",")) == list(range(1, n)), out
+    assert f"rank 0: cells 0..3, ghosts {4 * n - 1} and 4" in out, out
+
+
+def test_object_collectives() -> None:
+    out = ok(run_env_job("examples/object_collectives.py", 3, timeout=60)).out(0)
+    for step in ("broadcast_object_list", "all_gather_object", "scatter_object_list", "recv_object_list (any source)", "gather_object"):
+        assert step in out, out
+    assert "(rank, total word length) = [(0, 4), (1, 11), (2, 24)]" in out
+
+
+def test_device_mesh_2x2() -> None:
+    r = ok(run_env_job("examples/device_mesh_2x2.py", 4, timeout=60))
+    assert "DeviceMesh('cpu', [[0, 1], [2, 3]], mesh_dim_names=('dp', 'tp'))" in r.out(0)
+    assert "rank 0: coordinate (dp=0, tp=0); tp group [0, 1] sums ranks to 1, dp group [0, 2] to 2" in r.out(0)
+    assert "rank 3: coordinate (dp=1, tp=1); tp group [2, 3] sums ranks to 5, dp group [1, 3] to 4" in r.stdouts[3]
+
+
+def test_device_mesh_2x2_refuses_another_world_size() -> None:
+    r = run_env_job("examples/device_mesh_2x2.py", 2, timeout=60)
+    assert r.returncodes == [2, 2] and not r.timed_out, r.report()
+    assert "needs 4 ranks (a 2x2 mesh), got 2" in r.stderrs[0]
+
+
+def test_rpc_service() -> None:
+    out = ok(run_env_job("examples/rpc_service.py", 4, ["--requests", "4"], timeout=60)).out(0)
+    answers = re.findall(r"POST /sum_squares n=(\d+): (\d+) \(right;", out)
+    assert len(answers) == 4, out
+    assert all(int(s) == (int(n) - 1) * int(n) * (2 * int(n) - 1) // 6 for n, s in answers)
+    assert "POST /sum_squares with a bad body: HTTP 400" in out
+    assert len(re.findall(r"/stats: \{'rank': \d, 'served': 4\}", out)) == 4, out
+
+
+# ---------------------------------------------------------------- the harness itself
+
+
+def test_harness_kills_the_rest_when_a_rank_fails(tmp_path: os.PathLike[str]) -> None:
+    script = os.path.join(tmp_path, "one_fails.py")
+    with open(script, "w") as f:
+        f.write("import os, sys, time\nif os.environ['RANK'] == '0':\n    sys.exit(3)\ntime.sleep(60)\n")
+    t0 = time.monotonic()
+    r = run_env_job(script, 2, timeout=30, grace=0.5)
+    assert time.monotonic() - t0 < 10
+    assert r.returncodes[0] == 3 and r.returncodes[1] == -9 and r.killed == [1] and not r.timed_out
+
+
+# ---------------------------------------------------------------- through the launcher
+
+
+@pytest.mark.skipif(importlib.util.find_spec("aiodist.run") is None, reason="the launcher (aiodist/run.py) is not there yet")
+def test_train_data_parallel_under_the_launcher() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_", "TORCHELASTIC_", "PET_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    r = subprocess.run(
+        [sys.executable, "-m", "aiodist.run", "--standalone", "--nproc-per-node", "2", TRAIN, "--epochs", "4", "--samples", "1200"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=ROOT,
+        env=env,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"OK\s*$", r.stdout), r.stdout + r.stderr
+    assert "parameters identical on all 2 ranks" in r.stdout
+    assert "[rank0]: " in r.stdout and "[rank1]" not in r.stdout, r.stdout  # the launcher's line prefix; only rank 0 prints
+    assert len(EPOCH.findall(re.sub(r"^\[rank\d+\]: ?", "", r.stdout, flags=re.M))) == 4, r.stdout
