@@ -104,16 +104,20 @@ class AsyncLoader:
         self.epoch += 1
         return self._iterate(np.random.default_rng([self.seed, self.epoch]))
 
-    async def _produce(self, queue: asyncio.Queue[Batch | None], rng: np.random.Generator) -> None:
-        order = rng.permutation(len(self.x))
-        for i in range(len(self)):
-            idx = order[i * self.batch_size : (i + 1) * self.batch_size]
-            x = self.x[idx] + rng.normal(0.0, self.jitter, (len(idx), self.x.shape[1])).astype(np.float32)  # augmentation
-            await queue.put((x, self.y[idx]))
-        await queue.put(None)
+    async def _produce(self, queue: asyncio.Queue[Batch | Exception | None], rng: np.random.Generator) -> None:
+        try:
+            order = rng.permutation(len(self.x))
+            for i in range(len(self)):
+                idx = order[i * self.batch_size : (i + 1) * self.batch_size]
+                x = self.x[idx] + rng.normal(0.0, self.jitter, (len(idx), self.x.shape[1])).astype(np.float32)  # augmentation
+                await queue.put((x, self.y[idx]))
+        except Exception as exc:  # handed to the consumer, which raises it: a broken loader fails the step, never hangs it
+            await queue.put(exc)
+        else:
+            await queue.put(None)
 
     async def _iterate(self, rng: np.random.Generator) -> AsyncIterator[Batch]:
-        queue: asyncio.Queue[Batch | None] = asyncio.Queue(maxsize=self.prefetch)
+        queue: asyncio.Queue[Batch | Exception | None] = asyncio.Queue(maxsize=self.prefetch)
         producer = asyncio.create_task(self._produce(queue, rng), name="data-loader")
         try:
             while True:
@@ -122,9 +126,10 @@ class AsyncLoader:
                 item = await queue.get()
                 if item is None:
                     self.asked -= 1
-                    break
+                    return
+                if isinstance(item, Exception):
+                    raise RuntimeError("the data loader failed") from item
                 yield item
-            await producer  # re-raises the producer's error, if any
         finally:
             producer.cancel()
 
