@@ -54,6 +54,7 @@ class Service:
         self.rank, self.world = rank, world
         self.served = 0
         self.lock = asyncio.Lock()  # rank 0: one request's collectives at a time
+        self.jobs: set[asyncio.Future[list[Any]]] = set()  # requests' collectives in flight (rank 0)
 
     def share(self, request: dict[str, Any]) -> dict[str, Any]:
         """This rank's part of a request."""
@@ -66,6 +67,10 @@ class Service:
         shares: list[Any] = [None] * self.world
         await dist.all_gather_object(shares, self.share(request))
         return shares
+
+    async def locked_request(self, request: dict[str, Any]) -> list[Any]:
+        async with self.lock:
+            return await self.run_request(request)
 
     async def serve_loop(self) -> None:
         """Ranks other than 0: take requests from rank 0's broadcasts until the stop message."""
@@ -94,8 +99,14 @@ class Service:
         except (ValueError, KeyError, TypeError) as exc:
             return web.json_response({"error": f"expected JSON {{'n': int}}: {exc}"}, status=400)
         t0 = time.perf_counter()
-        async with self.lock:
-            shares = await self.run_request({"op": "sum_squares", "n": n})
+        # Shielded: if the handler is cancelled (a client that hangs up, with aiohttp's
+        # handler_cancellation on), the request's collectives still run to the end on this rank,
+        # as they do on the others; an object collective cut between its two ops would leave
+        # rank 0 out of step with its peers.
+        job = asyncio.ensure_future(self.locked_request({"op": "sum_squares", "n": n}))
+        self.jobs.add(job)
+        job.add_done_callback(self.jobs.discard)
+        shares = await asyncio.shield(job)
         total = sum(s["part"] for s in shares)
         return web.json_response(
             {"n": n, "sum_squares": total, "ranks": len(shares), "parts": shares, "ms": round(1e3 * (time.perf_counter() - t0), 2)}

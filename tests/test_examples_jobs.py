@@ -4,17 +4,22 @@ training example through the launcher, ``python -m aiodist.run``, once it exists
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import re
 import subprocess
 import sys
 import time
+from types import ModuleType
 
+import numpy as np
 import pytest
 from helpers.env_job import ROOT, JobResult, run_env_job
 
-pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(120)]
+from aiodist.testing import run_world
+
+pytestmark = pytest.mark.timeout(120)
 
 TRAIN = "examples/train_data_parallel.py"
 EPOCH = re.compile(r"^epoch +(\d+) +loss ([\d.]+) +acc ([\d.]+) +test loss ([\d.]+) +test acc ([\d.]+) +([\d.]+) steps/s$", re.M)
@@ -34,6 +39,7 @@ def epochs(out: str) -> list[tuple[float, float, float]]:
 # ---------------------------------------------------------------- training
 
 
+@pytest.mark.subprocess
 def test_train_data_parallel_4_ranks_learns_and_ends_identical() -> None:
     r = ok(run_env_job(TRAIN, 4, ["--epochs", "6", "--samples", "2400"], timeout=90))
     out = r.out(0)
@@ -50,6 +56,7 @@ def test_train_data_parallel_4_ranks_learns_and_ends_identical() -> None:
     assert all(o == "" for o in r.stdouts[1:]), "only rank 0 prints"
 
 
+@pytest.mark.subprocess
 def test_train_data_parallel_is_deterministic_with_a_seed() -> None:
     def run(seed: int) -> tuple[list[tuple[float, float, float]], str]:
         out = ok(run_env_job(TRAIN, 2, ["--epochs", "3", "--samples", "1200", "--seed", str(seed), "--min-accuracy", "0"], timeout=60)).out(
@@ -64,12 +71,14 @@ def test_train_data_parallel_is_deterministic_with_a_seed() -> None:
     assert c[1] != a[1]
 
 
+@pytest.mark.subprocess
 def test_train_data_parallel_below_the_accuracy_bar_fails_every_rank() -> None:
     r = run_env_job(TRAIN, 2, ["--epochs", "1", "--samples", "600", "--min-accuracy", "0.9999"], timeout=60)
     assert r.returncodes == [1, 1] and not r.timed_out, r.report()
     assert "FAILED: test accuracy" in r.out(0) and "OK" not in r.out(0).split()
 
 
+@pytest.mark.subprocess
 def test_train_data_parallel_more_buckets_and_layers() -> None:
     r = ok(
         run_env_job(
@@ -87,6 +96,7 @@ def test_train_data_parallel_more_buckets_and_layers() -> None:
 # ---------------------------------------------------------------- the short examples
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("n", [2, 4])
 def test_p2p_ring(n: int) -> None:
     out = ok(run_env_job("examples/p2p_ring.py", n, ["--size", "999"], timeout=60)).out(0)
@@ -96,6 +106,7 @@ def test_p2p_ring(n: int) -> None:
     assert f"rank 0: cells 0..3, ghosts {4 * n - 1} and 4" in out, out
 
 
+@pytest.mark.subprocess
 def test_object_collectives() -> None:
     out = ok(run_env_job("examples/object_collectives.py", 3, timeout=60)).out(0)
     for step in ("broadcast_object_list", "all_gather_object", "scatter_object_list", "recv_object_list (any source)", "gather_object"):
@@ -103,6 +114,7 @@ def test_object_collectives() -> None:
     assert "(rank, total word length) = [(0, 4), (1, 11), (2, 24)]" in out
 
 
+@pytest.mark.subprocess
 def test_device_mesh_2x2() -> None:
     r = ok(run_env_job("examples/device_mesh_2x2.py", 4, timeout=60))
     assert "DeviceMesh('cpu', [[0, 1], [2, 3]], mesh_dim_names=('dp', 'tp'))" in r.out(0)
@@ -110,12 +122,14 @@ def test_device_mesh_2x2() -> None:
     assert "rank 3: coordinate (dp=1, tp=1); tp group [2, 3] sums ranks to 5, dp group [1, 3] to 4" in r.stdouts[3]
 
 
+@pytest.mark.subprocess
 def test_device_mesh_2x2_refuses_another_world_size() -> None:
     r = run_env_job("examples/device_mesh_2x2.py", 2, timeout=60)
     assert r.returncodes == [2, 2] and not r.timed_out, r.report()
     assert "needs 4 ranks (a 2x2 mesh), got 2" in r.stderrs[0]
 
 
+@pytest.mark.subprocess
 def test_rpc_service() -> None:
     out = ok(run_env_job("examples/rpc_service.py", 4, ["--requests", "4"], timeout=60)).out(0)
     answers = re.findall(r"POST /sum_squares n=(\d+): (\d+) \(right;", out)
@@ -128,6 +142,7 @@ def test_rpc_service() -> None:
 # ---------------------------------------------------------------- the harness itself
 
 
+@pytest.mark.subprocess
 def test_harness_kills_the_rest_when_a_rank_fails(tmp_path: os.PathLike[str]) -> None:
     script = os.path.join(tmp_path, "one_fails.py")
     with open(script, "w") as f:
@@ -141,6 +156,7 @@ def test_harness_kills_the_rest_when_a_rank_fails(tmp_path: os.PathLike[str]) ->
 # ---------------------------------------------------------------- through the launcher
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(importlib.util.find_spec("aiodist.run") is None, reason="the launcher (aiodist/run.py) is not there yet")
 def test_train_data_parallel_under_the_launcher() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_", "TORCHELASTIC_", "PET_"))}
@@ -158,3 +174,91 @@ def test_train_data_parallel_under_the_launcher() -> None:
     assert "parameters identical on all 2 ranks" in r.stdout
     assert "[rank0]: " in r.stdout and "[rank1]" not in r.stdout, r.stdout  # the launcher's line prefix; only rank 0 prints
     assert len(EPOCH.findall(re.sub(r"^\[rank\d+\]: ?", "", r.stdout, flags=re.M))) == 4, r.stdout
+
+
+# ---------------------------------------------------------------- the training example's parts, in process
+
+
+def load_train_module() -> ModuleType:
+    if "train_data_parallel" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("train_data_parallel", ROOT / TRAIN)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules["train_data_parallel"]
+
+
+def test_mlp_backward_matches_finite_differences() -> None:
+    t = load_train_module()
+    rng = np.random.default_rng(0)
+    model = t.MLP([2, 5, 4, 3], rng)
+    model.params = [p.astype(np.float64) for p in model.params]
+    x, y = rng.standard_normal((7, 2)), rng.integers(0, 3, 7)
+
+    def mean_loss() -> float:
+        return float(t.MLP.loss(model.forward(x)[0], y)[0] / len(y))
+
+    logits, inputs = model.forward(x)
+    grads = dict(model.backward(inputs, t.MLP.loss(logits, y)[2]))
+    assert sorted(grads) == list(range(6))
+    assert list(dict(model.backward(inputs, t.MLP.loss(logits, y)[2]))) == [5, 4, 3, 2, 1, 0]  # last layer first
+    for i, p in enumerate(model.params):
+        numeric = np.zeros_like(p)
+        for j in np.ndindex(p.shape):
+            old = p[j]
+            p[j] = old + 1e-6
+            up = mean_loss()
+            p[j] = old - 1e-6
+            down = mean_loss()
+            p[j] = old
+            numeric[j] = (up - down) / 2e-6
+        np.testing.assert_allclose(grads[i], numeric, rtol=1e-4, atol=1e-7, err_msg=model.names[i])
+
+
+async def test_async_loader_prefetches_shuffles_and_reports_a_failed_producer() -> None:
+    t = load_train_module()
+    x = np.arange(40, dtype=np.float32).reshape(20, 2)
+    y = np.arange(20)
+    loader = t.AsyncLoader(x, y, 6, seed=1, prefetch=2, jitter=0.0)
+    assert len(loader) == 3
+    epoch1 = [yb.tolist() async for _, yb in loader]
+    epoch2 = [yb async for _, yb in loader]
+    assert [len(b) for b in epoch1] == [6, 6, 6] and len(set(sum(epoch1, []))) == 18
+    assert epoch1 != [b.tolist() for b in epoch2]  # reshuffled every epoch
+    again = t.AsyncLoader(x, y, 6, seed=1, prefetch=2, jitter=0.0)
+    assert [yb.tolist() async for _, yb in again] == epoch1  # seeded
+    slow = t.AsyncLoader(x, y, 2, seed=1, prefetch=3)
+    async for _ in slow:
+        await asyncio.sleep(0.001)  # the producer runs ahead while the step awaits
+    assert slow.asked == 10 and slow.ready >= 9
+
+    class Broken(t.AsyncLoader):  # type: ignore[name-defined,misc]
+        def __len__(self) -> int:
+            raise ValueError("no length")
+
+    with pytest.raises(RuntimeError, match="data loader failed") as info:
+        async for _ in Broken(x, y, 2, seed=1):
+            pass
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+async def test_grad_reducer_buckets_in_backward_order_and_averages() -> None:
+    t = load_train_module()
+    params = [np.zeros((2, 64), np.float32), np.zeros(64, np.float32), np.zeros((64, 3), np.float32), np.zeros(3, np.float32)]
+    layout = [list(b.slots) for b in t.GradReducer(params, 512).buckets]
+    assert layout == [[3, 2], [1, 0]]
+    assert [list(b.slots) for b in t.GradReducer(params, 1).buckets] == [[3], [2], [1], [0]]
+    assert [list(b.slots) for b in t.GradReducer(params, 10**6).buckets] == [[3, 2, 1, 0]]
+
+    async def rank(r: int) -> list[np.ndarray]:
+        reducer = t.GradReducer(params, 512)
+        reducer.start_step()
+        for i in (3, 2, 1, 0):
+            await reducer.ready(i, np.full(params[i].shape, float(r + i), np.float32))
+        return list(await reducer.wait())
+
+    results = await run_world(2, rank)
+    for grads in results:
+        for i, g in enumerate(grads):
+            assert g.shape == params[i].shape and np.all(g == i + 0.5)
