@@ -66,7 +66,7 @@ class Scheduler:
 SCHEDULERS: tuple[Scheduler, ...] = (
     Scheduler("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", ("OMPI_COMM_WORLD_LOCAL_RANK",)),
     Scheduler("MVAPICH2", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", ("MV2_COMM_WORLD_LOCAL_RANK",)),
-    Scheduler("PMI (MPICH / Intel MPI)", "PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID", "PMI_LOCAL_RANK")),
+    Scheduler("MPICH / Intel MPI (PMI)", "PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID", "PMI_LOCAL_RANK")),
     Scheduler("Slurm", "SLURM_PROCID", "SLURM_NTASKS", ("SLURM_LOCALID",)),
 )
 
@@ -231,9 +231,9 @@ class EnvResolution:
     sources: dict[str, str] = field(default_factory=dict)
 
 
-def _schedulers_hint(what: str) -> str:
-    names = ", ".join(f"{getattr(s, what)} ({s.name})" for s in SCHEDULERS)
-    return f"nor a scheduler's: {names}"
+def _no_scheduler() -> str:
+    names = ", ".join(f"{s.rank_var} ({s.name})" for s in SCHEDULERS)
+    return f"and no scheduler was detected either (none of {names} is set)"
 
 
 def resolve_env(rank: int | None = None, world_size: int | None = None, env: Mapping[str, str] | None = None) -> EnvResolution:
@@ -252,9 +252,7 @@ def resolve_env(rank: int | None = None, world_size: int | None = None, env: Map
             sources[key] = torch_var
             return got
         if sched is None:
-            raise ValueError(
-                f"{_PREFIX}environment variable {torch_var} expected, but not set ({_schedulers_hint(sched_attr)} is set either)"
-            )
+            raise ValueError(f"{_PREFIX}environment variable {torch_var} expected, but not set, {_no_scheduler()}")
         var = getattr(sched, sched_attr)
         got = _int_var(env, var)
         if got is None:
@@ -298,7 +296,7 @@ def resolve_env(rank: int | None = None, world_size: int | None = None, env: Map
             )
         elif used_sched == "Slurm":
             derivable = {"MASTER_ADDR": "/".join(_SLURM_NODELIST_VARS), "MASTER_PORT": "SLURM_JOB_ID"}
-            detail = f" (nor {', '.join(derivable[m] for m in missing)} to derive {' and '.join(missing)} from)"
+            detail = f" (and {' nor '.join(derivable[m] for m in missing)} is not set to derive it from)"
         also = f"; also missing: {', '.join(missing[1:])}" if len(missing) > 1 else ""
         raise ValueError(f"{_PREFIX}environment variable {first} expected, but not set{also}{detail}")
     assert addr is not None and port is not None

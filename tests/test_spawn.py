@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -102,11 +103,16 @@ def exit_with(rank: int, code: int) -> None:
 
 
 def _dead(pid: int) -> bool:
+    """Gone, or a zombie (a child re-parented to an init that does not reap)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def _read_results(out_dir: Path) -> list[dict[str, object]]:
@@ -216,3 +222,42 @@ def test_exceptions_pickle_and_arguments_are_checked() -> None:
         spawn(exit_with, nprocs=0)
     with pytest.warns(FutureWarning, match="start_method=spawn"):
         spawn(exit_with, args=(0,), nprocs=1, start_method="fork")
+
+
+ORPHAN_PARENT = """
+import os, signal, sys, time
+sys.path.insert(0, {tests!r})
+sys.path.insert(0, {root!r})
+from pathlib import Path
+from aiodist.multiprocessing import spawn
+import test_spawn
+
+if __name__ == "__main__":
+    ctx = spawn(test_spawn.sleep_then_return, args=({pid_dir!r}, 60.0), nprocs=2, join=False)
+    for r in range(2):
+        test_spawn._wait_for(Path({pid_dir!r}, f"{{r}}.pid"))
+    print(" ".join(map(str, ctx.pids())), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_children_do_not_outlive_a_killed_parent(tmp_path: Path) -> None:
+    tests = Path(__file__).resolve().parent
+    script = tmp_path / "parent.py"
+    script.write_text(ORPHAN_PARENT.format(tests=str(tests), root=str(tests.parent), pid_dir=str(tmp_path)))
+    out, err = tmp_path / "out", tmp_path / "err"
+    with out.open("w") as fo, err.open("w") as fe:  # files, not pipes: orphans holding a pipe would block the wait
+        proc = subprocess.run([sys.executable, str(script)], stdout=fo, stderr=fe, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, err.read_text()
+    pids = [int(p) for p in out.read_text().split()]
+    assert len(pids) == WORLD
+    deadline = time.monotonic() + 20
+    try:
+        while not all(_dead(p) for p in pids):
+            assert time.monotonic() < deadline, f"children {pids} outlived their parent"
+            time.sleep(0.05)
+    finally:
+        for p in pids:
+            if not _dead(p) and int(Path(tmp_path, f"{pids.index(p)}.pid").read_text()) == p:
+                os.kill(p, signal.SIGKILL)  # our own child, if the death signal failed
