@@ -1,0 +1,497 @@
+"""The local agent: start this node's workers, pump their output, watch them, stop them, and
+restart the group when a worker fails (see docs/launcher.md).
+
+Everything runs on one asyncio loop: workers are ``asyncio.create_subprocess_exec`` children,
+each in its own session (process group), so a signal the launcher forwards reaches the worker
+and anything it started, and a terminal's Ctrl-C reaches the launcher alone, which forwards it.
+The stores (rendezvous, and the workers' store of each round) run on their own threads and
+loops (``ServerThread``), so neither a busy output pump nor the workers can stall them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO, Any, TextIO
+
+from aiodist.elastic.errors import ChildFailedError, ProcessFailure
+from aiodist.launcher.rendezvous import AgentRendezvous, Assignment
+
+__all__ = ["SignalException", "WorkerSpec", "LocalAgent", "Std"]
+
+STDERR_TAIL_LINES = 40
+_CHUNK = 1 << 16
+
+
+class Std:
+    """Which standard streams (torch's ``Std``): 0 none, 1 stdout, 2 stderr, 3 both."""
+
+    NONE, OUT, ERR, ALL = 0, 1, 2, 3
+
+    @staticmethod
+    def parse(value: str | int | dict[int, int], nproc: int) -> dict[int, int]:
+        """``"3"``, ``3`` or ``"0:1,1:2"`` (per local rank) -> {local_rank: mask}."""
+        if isinstance(value, dict):
+            return {r: int(value.get(r, 0)) for r in range(nproc)}
+        if isinstance(value, int):
+            return dict.fromkeys(range(nproc), _check_std(value))
+        text = str(value).strip() or "0"
+        if ":" not in text:
+            return dict.fromkeys(range(nproc), _check_std(int(text)))
+        out = dict.fromkeys(range(nproc), 0)
+        for part in text.split(","):
+            r, _, v = part.partition(":")
+            out[int(r)] = _check_std(int(v))
+        return out
+
+
+def _open_log(path: str) -> IO[bytes]:
+    """A worker's log file (closed by ``LocalAgent._drain``)."""
+    return open(path, "wb")  # noqa: SIM115
+
+
+def _check_std(v: int) -> int:
+    if v not in (0, 1, 2, 3):
+        raise ValueError(f"redirects/tee must be 0, 1, 2 or 3, got {v}")
+    return v
+
+
+class SignalException(Exception):
+    """The launcher got SIGINT/SIGTERM (or SIGHUP/SIGQUIT): workers were stopped."""
+
+    def __init__(self, msg: str, sigval: signal.Signals) -> None:
+        super().__init__(msg)
+        self.sigval = sigval
+
+
+@dataclass
+class WorkerSpec:
+    """What to run: ``cmd`` (argv; ``${local_rank}`` is replaced per worker) or ``fn`` (a
+    picklable callable run through ``aiodist.launcher._bootstrap``), and how."""
+
+    role: str
+    nproc: int
+    name: str
+    cmd: list[str] | None = None
+    fn: Callable[..., Any] | None = None
+    fn_args: tuple[Any, ...] = ()
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    stop_timeout: float = 5.0
+    log_dir: str | None = None
+    redirects: dict[int, int] = field(default_factory=dict)
+    tee: dict[int, int] = field(default_factory=dict)
+    local_ranks_filter: set[int] | None = None
+    log_line_prefix_template: str | None = None
+    run_id: str = ""
+    extra_env: dict[str, str] = field(default_factory=dict)
+    exit_barrier_timeout: float = 10.0
+
+
+@dataclass
+class _Worker:
+    local_rank: int
+    rank: int
+    dir: str
+    proc: asyncio.subprocess.Process | None = None
+    rc: int | None = None
+    exit_ns: int = 0
+    signalled: bool = False
+    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
+    pumps: list[asyncio.Task[None]] = field(default_factory=list)
+    files: list[IO[bytes]] = field(default_factory=list)
+
+    @property
+    def error_file(self) -> str:
+        return os.path.join(self.dir, "error.json")
+
+    @property
+    def result_file(self) -> str:
+        return os.path.join(self.dir, "result.pkl")
+
+
+@dataclass
+class _RoundResult:
+    ok: bool
+    failures: dict[int, ProcessFailure] = field(default_factory=dict)
+    remote: dict[str, Any] | None = None
+    return_values: dict[int, Any] = field(default_factory=dict)
+
+
+class LocalAgent:
+    """Runs ``spec`` on this node through the rendezvous ``rdzv`` until success, or until a
+    failure with no restarts left (``ChildFailedError``), or a signal (``SignalException``)."""
+
+    def __init__(self, spec: WorkerSpec, rdzv: AgentRendezvous, log: Any) -> None:
+        self.spec = spec
+        self.rdzv = rdzv
+        self.log = log
+        self.workers: list[_Worker] = []
+        self._wake = asyncio.Event()
+        self._signal: signal.Signals | None = None
+        self._ok = False
+        self._keep_run_dir = spec.log_dir is not None or any(spec.redirects.values()) or any(spec.tee.values())
+        base = spec.log_dir
+        if base is not None:
+            os.makedirs(base, exist_ok=True)
+        self.run_dir = tempfile.mkdtemp(prefix=f"{spec.run_id or 'aiodist'}_", dir=base)
+
+    # -- public ---------------------------------------------------------------------------
+
+    async def run(self) -> dict[int, Any]:
+        loop = asyncio.get_running_loop()
+        installed: list[signal.Signals] = []
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+                try:
+                    loop.add_signal_handler(sig, self._on_signal, sig)
+                    installed.append(sig)
+                except (RuntimeError, ValueError, NotImplementedError):  # not the main thread
+                    break
+            if self._keep_run_dir:
+                self.log.info("worker logs in %s", self.run_dir)
+            return await self._run()
+        finally:
+            await self._stop_workers(signal.SIGTERM)
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+            await self.rdzv.close()
+            if not self._keep_run_dir and self._ok:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self._signal is None:
+            self.log.warning("received %s: stopping the workers", sig.name)
+        self._signal = sig
+        self._wake.set()
+
+    def _check_signal(self) -> None:
+        if self._signal is not None:
+            raise SignalException(f"Process {os.getpid()} got signal: {self._signal.value}", sigval=self._signal)
+
+    # -- the restart loop -----------------------------------------------------------------
+
+    async def _run(self) -> dict[int, Any]:
+        spec = self.spec
+        await self._guard(self.rdzv.start())
+        restarts = 0
+        while True:
+            self._check_signal()
+            a = await self._guard(self.rdzv.join(restarts))
+            if restarts == 0 or a.node_rank == 0:
+                self.log.info(
+                    "round %d: node %d of %d, ranks %d..%d of %d, workers' store at %s:%d",
+                    restarts,
+                    a.node_rank,
+                    a.nnodes,
+                    a.rank_offset,
+                    a.rank_offset + spec.nproc - 1,
+                    a.world_size,
+                    a.master_addr,
+                    a.master_port,
+                )
+            res = await self._run_round(a)
+            if res.ok:
+                await self._finish(a)
+                self._ok = True
+                return res.return_values
+            if restarts < spec.max_restarts:
+                restarts += 1
+                self.log.warning("worker group failed (round %d); restarting (%d/%d)", a.round, restarts, spec.max_restarts)
+                continue
+            await self._finish(a)
+            failures = res.failures
+            if not failures and res.remote is not None:
+                f = ProcessFailure.from_dict(res.remote)
+                failures = {f.rank: f}
+            raise ChildFailedError(spec.name, failures)
+
+    async def _guard(self, coro: Any) -> Any:
+        """Await ``coro`` unless a signal comes first."""
+        task = asyncio.ensure_future(coro)
+        while not task.done():
+            self._wake.clear()
+            waiter = asyncio.ensure_future(self._wake.wait())
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if self._signal is not None and not task.done():
+                task.cancel()
+                try:
+                    await task
+                except BaseException:  # noqa: S110 - cancelled on purpose
+                    pass
+                self._check_signal()
+        return task.result()
+
+    async def _finish(self, a: Assignment) -> None:
+        """Tell the other agents we are leaving; the rendezvous host waits (bounded) for them,
+        so nobody loses the store while it still reads the outcome."""
+        if a.nnodes == 1:
+            return
+        try:
+            await self.rdzv.mark(a.round, "exit")
+            if self.rdzv.is_host:
+                await self.rdzv.wait_marked(a.round, "exit", self.spec.exit_barrier_timeout)
+        except Exception as exc:  # the store went away: nothing left to tell
+            self.log.debug("exit barrier: %s", exc)
+
+    # -- one round --------------------------------------------------------------------------
+
+    async def _run_round(self, a: Assignment) -> _RoundResult:
+        spec = self.spec
+        attempt_dir = os.path.join(self.run_dir, f"attempt_{a.round}")
+        self.workers = [_Worker(i, a.rank_offset + i, os.path.join(attempt_dir, str(i))) for i in range(spec.nproc)]
+        try:
+            for w in self.workers:
+                os.makedirs(w.dir, exist_ok=True)
+                await self._start_worker(w, a)
+        except BaseException:
+            await self._stop_workers(signal.SIGTERM)
+            raise
+        multi = a.nnodes > 1
+        local_done = False
+        remote: dict[str, Any] | None = None
+        try:
+            while True:
+                self._wake.clear()
+                if self._signal is not None:
+                    await self._stop_workers(self._signal)
+                    if multi:
+                        await self._publish_signal(a)
+                    self._check_signal()
+                failed = [w for w in self.workers if w.rc not in (None, 0)]
+                if failed:
+                    await self._stop_workers(signal.SIGTERM)
+                    failures = self._failures()
+                    if multi:
+                        first = min(failures.values(), key=lambda f: (f.timestamp_ns, f.rank))
+                        remote = await self.rdzv.report_failure(a.round, first.to_dict())
+                    return _RoundResult(False, failures, remote)
+                if not local_done and all(w.rc == 0 for w in self.workers):
+                    local_done = True
+                    if not multi:
+                        break
+                    await self.rdzv.mark(a.round, "done")
+                if multi:
+                    remote = await self.rdzv.failure(a.round)
+                    if remote is not None:
+                        if not local_done:
+                            self.log.warning(
+                                "rank %s on %s failed: stopping this node's workers", remote.get("rank"), remote.get("hostname")
+                            )
+                        await self._stop_workers(signal.SIGTERM)
+                        return _RoundResult(False, {}, remote)
+                    if local_done and await self.rdzv.all_marked(a.round, "done"):
+                        break
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), spec.monitor_interval)
+                    except TimeoutError:
+                        pass
+                else:
+                    await self._wake.wait()
+        finally:
+            # Every worker of this round is gone (or being torn down): a new round gets a new store.
+            if not local_done:
+                await self._stop_workers(signal.SIGTERM)
+            await self.rdzv.stop_worker_store()
+        for w in self.workers:
+            await self._drain(w)
+        return _RoundResult(True, return_values={w.rank: self._result(w) for w in self.workers})
+
+    async def _publish_signal(self, a: Assignment) -> None:
+        assert self._signal is not None
+        info = ProcessFailure(local_rank=-1, rank=-1, pid=os.getpid(), exitcode=-int(self._signal), stderr_tail="-")
+        info.message = info.traceback = f"the launcher on this node got {self._signal.name}"
+        try:
+            await asyncio.wait_for(self.rdzv.report_failure(a.round, info.to_dict()), 2.0)
+        except Exception as exc:
+            self.log.debug("could not publish the signal: %s", exc)
+
+    def _result(self, w: _Worker) -> Any:
+        if self.spec.fn is None:
+            return None
+        try:
+            with open(w.result_file, "rb") as f:
+                return pickle.load(f)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            return None
+
+    def _failures(self) -> dict[int, ProcessFailure]:
+        out: dict[int, ProcessFailure] = {}
+        for w in self.workers:
+            if w.rc in (None, 0) or w.signalled:
+                continue
+            assert w.proc is not None and w.rc is not None
+            out[w.rank] = ProcessFailure(
+                local_rank=w.local_rank,
+                rank=w.rank,
+                pid=w.proc.pid,
+                exitcode=w.rc,
+                error_file=w.error_file if os.path.exists(w.error_file) else "",
+                stderr_tail="".join(w.tail),
+                observed_ns=w.exit_ns,
+            )
+        return out
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def _env(self, w: _Worker, a: Assignment) -> dict[str, str]:
+        spec = self.spec
+        env = dict(os.environ)
+        env.update(spec.extra_env)
+        env.update(
+            {
+                "LOCAL_RANK": str(w.local_rank),
+                "RANK": str(w.rank),
+                "GROUP_RANK": str(a.node_rank),
+                "ROLE_RANK": str(w.rank),
+                "ROLE_NAME": spec.role,
+                "LOCAL_WORLD_SIZE": str(spec.nproc),
+                "WORLD_SIZE": str(a.world_size),
+                "GROUP_WORLD_SIZE": str(a.nnodes),
+                "ROLE_WORLD_SIZE": str(a.world_size),
+                "MASTER_ADDR": a.master_addr,
+                "MASTER_PORT": str(a.master_port),
+                "TORCHELASTIC_RESTART_COUNT": str(a.round),
+                "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+                "TORCHELASTIC_RUN_ID": spec.run_id,
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCHELASTIC_ERROR_FILE": w.error_file,
+            }
+        )
+        if spec.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = "1"
+        return env
+
+    def _argv(self, w: _Worker) -> list[str]:
+        spec = self.spec
+        if spec.fn is not None:
+            payload = os.path.join(self.run_dir, "entrypoint.pkl")
+            if not os.path.exists(payload):
+                with open(payload, "wb") as f:
+                    pickle.dump(list(sys.path), f)
+                    pickle.dump({"fn": spec.fn, "args": spec.fn_args}, f)
+            return [sys.executable, "-u", "-m", "aiodist.launcher._bootstrap", payload, w.result_file]
+        assert spec.cmd is not None
+        return [arg.replace("${local_rank}", str(w.local_rank)) for arg in spec.cmd]
+
+    def _prefix(self, w: _Worker) -> bytes:
+        tpl = self.spec.log_line_prefix_template or "[rank${rank}]:"
+        text = tpl.replace("${rank}", str(w.rank)).replace("${local_rank}", str(w.local_rank)).replace("${role_name}", self.spec.role)
+        return text.encode()
+
+    async def _start_worker(self, w: _Worker, a: Assignment) -> None:
+        spec = self.spec
+        argv = self._argv(w)
+        w.proc = await asyncio.create_subprocess_exec(
+            *argv,
+            env=self._env(w, a),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+        show = spec.local_ranks_filter is None or w.local_rank in spec.local_ranks_filter
+        for bit, stream, console in ((Std.OUT, w.proc.stdout, sys.stdout), (Std.ERR, w.proc.stderr, sys.stderr)):
+            assert stream is not None
+            redirected = bool(spec.redirects.get(w.local_rank, 0) & bit)
+            teed = bool(spec.tee.get(w.local_rank, 0) & bit)
+            f: IO[bytes] | None = None
+            if redirected or teed:
+                f = _open_log(os.path.join(w.dir, "stdout.log" if bit == Std.OUT else "stderr.log"))
+                w.files.append(f)
+            to_console = show and (teed or not redirected)
+            w.pumps.append(asyncio.ensure_future(self._pump(w, stream, console if to_console else None, f, bit == Std.ERR)))
+        asyncio.ensure_future(self._watch(w))
+
+    async def _watch(self, w: _Worker) -> None:
+        assert w.proc is not None
+        w.rc = await w.proc.wait()
+        w.exit_ns = time.time_ns()
+        if w.rc != 0 and not w.signalled:
+            # Let the pumps catch up so the stderr tail is complete (bounded).
+            await asyncio.wait(w.pumps, timeout=1.0)
+        self._wake.set()
+
+    async def _pump(self, w: _Worker, stream: asyncio.StreamReader, console: TextIO | None, f: IO[bytes] | None, is_err: bool) -> None:
+        prefix = self._prefix(w) + b" "
+        out = console.buffer if console is not None else None
+        pending = b""
+        while True:
+            chunk = await stream.read(_CHUNK)
+            if not chunk:
+                break
+            if f is not None:
+                f.write(chunk)
+                f.flush()
+            data = pending + chunk
+            *lines, pending = data.split(b"\n")
+            if lines:
+                if is_err:
+                    w.tail.extend(line.decode(errors="replace") + "\n" for line in lines)
+                if out is not None:
+                    out.write(b"".join(prefix + line + b"\n" for line in lines))
+                    out.flush()
+        if pending:
+            if is_err:
+                w.tail.append(pending.decode(errors="replace") + "\n")
+            if out is not None:
+                out.write(prefix + pending + b"\n")
+                out.flush()
+
+    async def _drain(self, w: _Worker) -> None:
+        if w.pumps:
+            done, pending = await asyncio.wait(w.pumps, timeout=2.0)
+            for t in pending:
+                t.cancel()
+            for t in done:
+                if not t.cancelled() and t.exception() is not None:
+                    self.log.debug("output pump of rank %d: %s", w.rank, t.exception())
+            w.pumps = []
+        for f in w.files:
+            f.close()
+        w.files = []
+
+    async def _stop_workers(self, sig: signal.Signals) -> None:
+        """Signal every live worker's process group; SIGKILL what is left after the grace."""
+        live = [w for w in self.workers if w.proc is not None and w.proc.returncode is None]
+        for w in live:
+            w.signalled = True
+            self._killpg(w, sig)
+        deadline = time.monotonic() + self.spec.stop_timeout
+        for w in live:
+            assert w.proc is not None
+            try:
+                await asyncio.wait_for(w.proc.wait(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                self.log.warning("rank %d did not exit %.1f s after %s: SIGKILL", w.rank, self.spec.stop_timeout, sig.name)
+                self._killpg(w, signal.SIGKILL)
+                try:
+                    await asyncio.wait_for(w.proc.wait(), 5.0)
+                except TimeoutError:
+                    self.log.error("rank %d (pid %d) survived SIGKILL", w.rank, w.proc.pid)
+        # The group may hold grandchildren that outlive the worker: they go too.
+        for w in self.workers:
+            if w.proc is not None:
+                self._killpg(w, signal.SIGKILL, quiet=True)
+        for w in self.workers:
+            await self._drain(w)
+
+    def _killpg(self, w: _Worker, sig: signal.Signals, quiet: bool = False) -> None:
+        assert w.proc is not None
+        try:
+            os.killpg(w.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        except PermissionError as exc:
+            if not quiet:
+                self.log.warning("could not signal rank %d: %s", w.rank, exc)

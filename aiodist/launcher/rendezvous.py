@@ -1,0 +1,312 @@
+"""The agents' rendezvous: which nodes take part in a round, in what order, and where the
+workers' store is.
+
+One agent hosts a TCPStore server (the *rendezvous store*) at the endpoint: with the ``static``
+backend the agent of node rank 0, with ``c10d`` the first agent on the endpoint's host that can
+bind its port. Every agent (the host too) is a client of it. Round ``k`` (the restart count)
+lives under ``rdzv/<run_id>/<k>/``:
+
+- ``count``: how many agents joined; ``node/<i>``: agent ``i``'s JSON (nproc, address, host).
+  ``static`` agents take ``i = --node-rank``; ``c10d`` agents take ``i`` in order of arrival.
+- ``final``: the number of nodes of the round, written once (compare-and-set) when ``count``
+  reaches the maximum, or when it reached the minimum and ``last_call_timeout`` passed. An
+  agent still short of the minimum at ``join_timeout`` fails, naming how many nodes arrived.
+- ``master``: ``addr:port`` of the workers' store of the round, hosted by node 0 on a fresh
+  port (so no key of an earlier attempt is seen by the next one).
+- ``failed`` (first failure, JSON), ``done/<i>`` and ``exit/<i>``: how agents agree on the
+  outcome of the round (see ``aiodist.launcher.agent``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aiodist.errors import DistError, DistNetworkError
+from aiodist.store.server import ServerThread, TCPStoreServer
+from aiodist.store.tcp import TCPStore
+
+__all__ = ["RendezvousError", "RendezvousTimeoutError", "NodeInfo", "Assignment", "AgentRendezvous", "parse_endpoint"]
+
+log = logging.getLogger("aiodist.run")
+
+_POLL_S = 0.05
+
+
+class RendezvousError(DistError):
+    """The agents could not agree on a round (a duplicate node rank, a round closed without us)."""
+
+
+class RendezvousTimeoutError(RendezvousError, TimeoutError):
+    """Too few nodes arrived within the join timeout."""
+
+
+def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
+    """``host:port``, ``host``, ``[v6]:port`` -> (host, port)."""
+    endpoint = endpoint.strip()
+    if not endpoint:
+        raise ValueError("empty rendezvous endpoint")
+    if endpoint.startswith("["):
+        host, _, rest = endpoint[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    elif endpoint.count(":") == 1:
+        host, _, port = endpoint.partition(":")
+    else:
+        host, port = endpoint, ""
+    try:
+        p = int(port) if port else default_port
+    except ValueError:
+        raise ValueError(f"port in rendezvous endpoint {endpoint!r} is not an integer") from None
+    if not 0 <= p < 2**16:
+        raise ValueError(f"port in rendezvous endpoint {endpoint!r} is out of range")
+    return host or "localhost", p
+
+
+def is_local_host(host: str) -> bool:
+    """Whether ``host`` names this machine (an address we can bind)."""
+    if host in ("localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, type_, proto, _, addr in infos:
+        try:
+            with socket.socket(family, type_, proto) as s:
+                s.bind((addr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    index: int
+    nproc: int
+    addr: str
+    host: str
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """This agent's place in a round."""
+
+    round: int
+    node_rank: int
+    nodes: tuple[NodeInfo, ...]
+    master_addr: str
+    master_port: int
+
+    @property
+    def nnodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def world_size(self) -> int:
+        return sum(n.nproc for n in self.nodes)
+
+    @property
+    def rank_offset(self) -> int:
+        return sum(n.nproc for n in self.nodes[: self.node_rank])
+
+
+class AgentRendezvous:
+    """One agent's side of the rendezvous (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        backend: str,
+        endpoint: str,
+        run_id: str,
+        min_nodes: int,
+        max_nodes: int,
+        nproc: int,
+        node_rank: int | None,
+        join_timeout: float,
+        last_call_timeout: float,
+        local_addr: str | None,
+    ) -> None:
+        if backend not in ("static", "c10d"):
+            raise ValueError(f"unknown rendezvous backend {backend!r} (aiodist has 'static' and 'c10d')")
+        if not 1 <= min_nodes <= max_nodes:
+            raise ValueError(f"nnodes must satisfy 1 <= MIN <= MAX, got {min_nodes}:{max_nodes}")
+        if backend == "static":
+            if min_nodes != max_nodes:
+                raise ValueError("the static rendezvous needs a fixed --nnodes (MIN:MAX needs --rdzv-backend c10d)")
+            if node_rank is None or not 0 <= node_rank < max_nodes:
+                raise ValueError(f"--node-rank must be in [0, {max_nodes}) with the static rendezvous, got {node_rank}")
+        self.backend = backend
+        self.host, self.port = parse_endpoint(endpoint, 29500 if backend == "static" else 29400)
+        self.run_id = run_id
+        self.min_nodes, self.max_nodes = min_nodes, max_nodes
+        self.nproc = nproc
+        self.node_rank = node_rank
+        self.join_timeout = join_timeout
+        self.last_call_timeout = last_call_timeout
+        self.local_addr = local_addr
+        self.server: ServerThread | None = None
+        self.store: TCPStore | None = None
+        self.worker_server: ServerThread | None = None
+        self.assignment: Assignment | None = None
+
+    # -- connection ---------------------------------------------------------------------
+
+    def key(self, k: int, name: str) -> str:
+        return f"rdzv/{self.run_id}/{k}/{name}"
+
+    @property
+    def is_host(self) -> bool:
+        return self.server is not None
+
+    async def start(self) -> None:
+        """Host the rendezvous store if it is ours to host, then connect to it."""
+        want_host = (self.backend == "static" and self.node_rank == 0) or (self.backend == "c10d" and is_local_host(self.host))
+        if self.port == 0 and not want_host:
+            raise ValueError("a rendezvous endpoint with port 0 can only be hosted by this agent (use it for single-node jobs)")
+        if self.port == 0 and self.max_nodes > 1:
+            raise ValueError("a multi-node job needs a fixed rendezvous port (--master-port or --rdzv-endpoint host:port)")
+        if want_host:
+            try:
+                self.server = await ServerThread(TCPStoreServer(None, self.port)).astart()
+                self.port = self.server.server.port
+                log.info("hosting the rendezvous store on port %d", self.port)
+            except DistNetworkError as exc:
+                cause = exc.__cause__
+                if self.backend == "static" or not (isinstance(cause, OSError) and cause.errno == errno.EADDRINUSE):
+                    raise
+                log.info("rendezvous port %d is taken on this host: joining as a client", self.port)
+        host = "127.0.0.1" if self.server is not None and self.host in ("localhost", "") else self.host
+        try:
+            self.store = await TCPStore(host, self.port, None, False, self.join_timeout, wait_for_workers=False)
+        except (DistError, OSError) as exc:
+            await self.close()
+            raise RendezvousTimeoutError(
+                f"could not reach the rendezvous store at {self.host}:{self.port} within {self.join_timeout:g} s: {exc}"
+            ) from exc
+
+    async def close(self) -> None:
+        await self.stop_worker_store()
+        if self.store is not None:
+            store, self.store = self.store, None
+            await store.close()
+        if self.server is not None:
+            server, self.server = self.server, None
+            await server.astop()
+
+    # -- a round --------------------------------------------------------------------------
+
+    def _advertised_addr(self) -> str:
+        if self.local_addr:
+            return self.local_addr
+        if self.backend == "static" or self.is_host:
+            return "127.0.0.1" if self.host == "localhost" else self.host
+        return socket.getfqdn()
+
+    async def join(self, k: int) -> Assignment:
+        """Join round ``k``; the assignment, once the round is closed and node 0 published the
+        workers' store. Raises ``RendezvousTimeoutError`` naming how many nodes arrived."""
+        assert self.store is not None
+        store = self.store
+        me = json.dumps({"nproc": self.nproc, "addr": self._advertised_addr(), "host": socket.gethostname()})
+        if self.backend == "static":
+            assert self.node_rank is not None
+            idx = self.node_rank
+            got = await store.compare_set(self.key(k, f"node/{idx}"), "", me)
+            if got.decode() != me:
+                raise RendezvousError(f"node rank {idx} joined round {k} twice (another agent has --node-rank {idx})")
+            await store.add(self.key(k, "count"), 1)
+        else:
+            idx = await store.add(self.key(k, "count"), 1) - 1
+            await store.set(self.key(k, f"node/{idx}"), me)
+        final = await self._close_round(k)
+        if idx >= final:
+            raise RendezvousError(f"rendezvous round {k} closed with {final} nodes before this agent joined (arrival {idx + 1})")
+        keys = [self.key(k, f"node/{i}") for i in range(final)]
+        await store.wait(keys, self.join_timeout)
+        nodes = tuple(NodeInfo(index=i, **json.loads(v)) for i, v in enumerate(await store.multi_get(keys)))
+        if idx == 0:
+            await self.stop_worker_store()
+            self.worker_server = await ServerThread(TCPStoreServer(None, 0)).astart()
+            await store.set(self.key(k, "master"), f"{nodes[0].addr}:{self.worker_server.server.port}")
+        await store.wait([self.key(k, "master")], self.join_timeout)
+        maddr, mport = parse_endpoint((await store.get(self.key(k, "master"))).decode(), 0)
+        self.assignment = Assignment(round=k, node_rank=idx, nodes=nodes, master_addr=maddr, master_port=mport)
+        return self.assignment
+
+    async def _close_round(self, k: int) -> int:
+        assert self.store is not None
+        store = self.store
+        start = time.monotonic()
+        deadline = start + self.join_timeout
+        min_at: float | None = None
+        final_key = self.key(k, "final")
+        while True:
+            if await store.check([final_key]):
+                return int(await store.get(final_key))
+            count = await store.add(self.key(k, "count"), 0)
+            now = time.monotonic()
+            if count >= self.min_nodes and min_at is None:
+                min_at = now
+            if count >= self.max_nodes or (min_at is not None and now - min_at >= self.last_call_timeout):
+                return int(await store.compare_set(final_key, "", str(min(count, self.max_nodes))))
+            if now >= deadline:
+                if count >= self.min_nodes:
+                    return int(await store.compare_set(final_key, "", str(min(count, self.max_nodes))))
+                raise RendezvousTimeoutError(await self._shortfall(k, count))
+            await asyncio.sleep(min(_POLL_S * (1 + (now - start)), 0.5, max(0.0, deadline - now)))
+
+    async def _shortfall(self, k: int, count: int) -> str:
+        assert self.store is not None
+        want = f"{self.min_nodes}" if self.min_nodes == self.max_nodes else f"at least {self.min_nodes} (of up to {self.max_nodes})"
+        msg = f"rendezvous timed out after {self.join_timeout:g} s: {count} of {want} nodes arrived"
+        if self.backend == "static":
+            missing = [i for i in range(self.max_nodes) if not await self.store.check([self.key(k, f"node/{i}")])]
+            msg += f" (missing node ranks: {missing})"
+        return msg + f" at {self.host}:{self.port}"
+
+    async def stop_worker_store(self) -> None:
+        if self.worker_server is not None:
+            server, self.worker_server = self.worker_server, None
+            await server.astop()
+
+    # -- agreeing on the outcome ------------------------------------------------------------
+
+    async def report_failure(self, k: int, info: dict[str, Any]) -> dict[str, Any]:
+        """Publish this round's failure; the first one published (maybe another node's)."""
+        assert self.store is not None
+        mine = json.dumps(info)
+        got = await self.store.compare_set(self.key(k, "failed"), "", mine)
+        return dict(json.loads(got))
+
+    async def failure(self, k: int) -> dict[str, Any] | None:
+        assert self.store is not None
+        key = self.key(k, "failed")
+        if await self.store.check([key]):
+            return dict(json.loads(await self.store.get(key)))
+        return None
+
+    async def mark(self, k: int, what: str) -> None:
+        assert self.store is not None and self.assignment is not None
+        await self.store.set(self.key(k, f"{what}/{self.assignment.node_rank}"), "1")
+
+    async def all_marked(self, k: int, what: str) -> bool:
+        assert self.store is not None and self.assignment is not None
+        return await self.store.check([self.key(k, f"{what}/{i}") for i in range(self.assignment.nnodes)])
+
+    async def wait_marked(self, k: int, what: str, timeout: float) -> bool:
+        """Until every node of round ``k`` set ``what/<i>``, at most ``timeout`` s; whether they did."""
+        assert self.store is not None and self.assignment is not None
+        keys = [self.key(k, f"{what}/{i}") for i in range(self.assignment.nnodes)]
+        try:
+            await self.store.wait(keys, timeout)
+        except TimeoutError:
+            return False
+        return True

@@ -1,0 +1,342 @@
+"""The launcher (python -m aiodist.run), launch_agent and the legacy aiodist.launch, with real
+processes. Every launcher runs under a deadline; one that overstays gets SIGTERM (it stops its
+workers), then SIGKILL. Only processes these tests start are ever signalled."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aiodist.elastic.errors import ChildFailedError, ProcessFailure, read_error_file, record
+from aiodist.elastic.utils import get_free_port
+from aiodist.launcher.agent import Std
+from aiodist.run import config_from_args, parse_args, parse_min_max_nnodes
+
+pytestmark = [pytest.mark.subprocess]
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = str(ROOT / "tests" / "helpers" / "launched_worker.py")
+LINE = re.compile(r"^\[rank(\d+)\]: (.*)$")
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra or {})
+    return env
+
+
+def _start(args: list[str], env: dict[str, str] | None = None, module: str = "aiodist.run") -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args], cwd=ROOT, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _finish(p: subprocess.Popen[str], timeout: float) -> tuple[int, str, str]:
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGTERM)  # the launcher stops its workers
+        try:
+            out, err = p.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        pytest.fail(f"launcher overstayed {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
+    return p.returncode, out, err
+
+
+def launch(args: list[str], env: dict[str, str] | None = None, timeout: float = 30, module: str = "aiodist.run") -> tuple[int, str, str]:
+    return _finish(_start(args, env, module), timeout)
+
+
+def rank_lines(text: str) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for line in text.splitlines():
+        m = LINE.match(line)
+        if m:
+            out.setdefault(int(m.group(1)), []).append(m.group(2))
+    return out
+
+
+def json_by_rank(text: str) -> dict[int, dict[str, Any]]:
+    out = {}
+    for r, lines in rank_lines(text).items():
+        for line in lines:
+            if line.startswith("{"):
+                out[r] = json.loads(line)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] != "Z"
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------- single node
+
+
+def test_three_workers_prefixed_output_and_env() -> None:
+    rc, out, err = launch(["--standalone", "--nproc-per-node", "3", WORKER, "ok"])
+    assert rc == 0, err
+    res = json_by_rank(out)
+    assert sorted(res) == [0, 1, 2]
+    ports = set()
+    for r, d in res.items():
+        e = d["env"]
+        assert d["sum"] == 6.0
+        assert e["RANK"] == e["LOCAL_RANK"] == e["ROLE_RANK"] == str(r)
+        assert (e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["ROLE_WORLD_SIZE"]) == ("3", "3", "3")
+        assert (e["GROUP_RANK"], e["GROUP_WORLD_SIZE"], e["ROLE_NAME"]) == ("0", "1", "default")
+        assert (e["TORCHELASTIC_RESTART_COUNT"], e["TORCHELASTIC_MAX_RESTARTS"]) == ("0", "0")
+        assert e["TORCHELASTIC_USE_AGENT_STORE"] == "True" and e["TORCHELASTIC_RUN_ID"]
+        assert e["TORCHELASTIC_ERROR_FILE"].endswith(f"attempt_0/{r}/error.json")
+        assert e["MASTER_ADDR"] == "127.0.0.1" and e["OMP_NUM_THREADS"] == "1"
+        ports.add(e["MASTER_PORT"])
+    assert len(ports) == 1 and int(ports.pop()) > 0
+
+
+def test_rank1_raises_fails_fast_with_root_cause() -> None:
+    start = time.monotonic()
+    rc, out, err = launch(["--standalone", "--nproc-per-node", "3", WORKER, "raise1"])
+    assert rc == 1
+    assert time.monotonic() - start < 15
+    report = err[err.index("Root Cause") :]
+    assert "launched_worker.py FAILED" in err
+    assert "rank      : 1 (local_rank: 1)" in report
+    assert "exitcode  : 1" in report
+    assert 'raise ValueError("rank one exploded")' in report and "ValueError: rank one exploded" in report
+    m = re.search(r"error_file: (\S+)", report)
+    assert m and read_error_file(m.group(1)) is not None
+
+
+def test_no_error_file_reports_stderr_tail_and_exit_code() -> None:
+    rc, out, err = launch(["--nproc-per-node", "2", WORKER, "flaky"])
+    assert rc == 1
+    report = err[err.index("Root Cause") :]
+    assert "exitcode  : 3" in report
+    assert "error_file: <N/A>" in report
+    assert "(no error file; last lines of stderr)" in report and "failing the first attempt" in report
+
+
+def test_max_restarts_recovers_from_a_first_attempt_failure() -> None:
+    rc, out, err = launch(["--nproc_per_node", "2", "--max_restarts", "2", WORKER, "flaky"])
+    assert rc == 0, err
+    res = json_by_rank(out)
+    assert sorted(res) == [0, 1]
+    assert {d["env"]["TORCHELASTIC_RESTART_COUNT"] for d in res.values()} == {"1"}
+    assert {d["env"]["TORCHELASTIC_MAX_RESTARTS"] for d in res.values()} == {"2"}
+    assert all(d["sum"] == 3.0 for d in res.values())
+    assert "restarting (1/2)" in err
+
+
+def test_sigterm_to_launcher_stops_workers_no_orphans() -> None:
+    p = _start(["--nproc-per-node", "2", WORKER, "sleep"])
+    pids: list[int] = []
+    try:
+        assert p.stdout is not None
+        deadline = time.monotonic() + 20
+        while len(pids) < 2 and time.monotonic() < deadline:
+            line = p.stdout.readline()
+            if not line:
+                break
+            m = LINE.match(line.rstrip("\n"))
+            if m:
+                pids.append(json.loads(m.group(2))["pid"])
+        assert len(pids) == 2, "workers did not start"
+        assert all(_alive(pid) for pid in pids)
+        p.send_signal(signal.SIGTERM)
+        rc, _, err = _finish(p, 15)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(5)
+        for pid in pids:  # never leave our own workers behind, even when the test fails
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert rc == 128 + signal.SIGTERM
+    assert "received SIGTERM" in err
+    assert not [pid for pid in pids if _alive(pid)]
+
+
+def test_log_dir_redirects_and_tee(tmp_path: Path) -> None:
+    rc, out, err = launch(["--nproc-per-node", "2", "--log-dir", str(tmp_path), "-r", "1", "-t", "0:2", WORKER, "plain"])
+    assert rc == 0, err
+    assert not json_by_rank(out)  # stdout went to files only
+    assert "[rank0]: err from 0" in err and "[rank1]: err from 1" in err  # rank 0 teed, rank 1 untouched
+    (run_dir,) = tmp_path.iterdir()
+    for r in (0, 1):
+        stdout_log = run_dir / "attempt_0" / str(r) / "stdout.log"
+        assert json.loads(stdout_log.read_text())["env"]["RANK"] == str(r)  # unprefixed in the file
+    assert (run_dir / "attempt_0" / "0" / "stderr.log").read_text() == "err from 0\n"
+    assert not (run_dir / "attempt_0" / "1" / "stderr.log").exists()
+
+
+def test_local_ranks_filter_and_pet_env() -> None:
+    rc, out, err = launch([WORKER, "plain"], env={"PET_NPROC_PER_NODE": "3", "PET_STANDALONE": "1", "PET_LOCAL_RANKS_FILTER": "1,2"})
+    assert rc == 0, err
+    res = json_by_rank(out)
+    assert sorted(res) == [1, 2]
+    assert res[1]["env"]["WORLD_SIZE"] == "3"
+
+
+def test_module_and_no_python(tmp_path: Path) -> None:
+    rc, out, err = launch(["--nproc-per-node", "1", "-m", "json.tool", "--help"])
+    assert rc == 0, err
+    assert any("usage" in line for line in rank_lines(out)[0])
+    rc, out, err = launch(["--nproc-per-node", "2", "--no-python", "sh", "-c", 'echo "r=$RANK n=$WORLD_SIZE"'])
+    assert rc == 0, err
+    assert rank_lines(out) == {0: ["r=0 n=2"], 1: ["r=1 n=2"]}
+    rc, out, err = launch(["--nproc-per-node", "2", "--run-path", WORKER, "legacy"])
+    assert rc == 0, err
+    assert sorted(json_by_rank(out)) == [0, 1]
+
+
+# ---------------------------------------------------------------- several nodes
+
+
+def test_two_nodes_on_localhost() -> None:
+    port = get_free_port()
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    p1 = _start([*common, "--node-rank", "1", WORKER, "ok"])
+    p0 = _start([*common, "--node-rank", "0", WORKER, "ok"])
+    rc0, out0, err0 = _finish(p0, 30)
+    rc1, out1, err1 = _finish(p1, 30)
+    assert (rc0, rc1) == (0, 0), err0 + err1
+    res0, res1 = json_by_rank(out0), json_by_rank(out1)
+    assert sorted(res0) == [0, 1] and sorted(res1) == [2, 3]
+    for r, d in {**res0, **res1}.items():
+        e = d["env"]
+        assert d["sum"] == 10.0
+        assert e["WORLD_SIZE"] == "4" and e["GROUP_WORLD_SIZE"] == "2" and e["LOCAL_WORLD_SIZE"] == "2"
+        assert e["GROUP_RANK"] == str(r // 2) and e["LOCAL_RANK"] == str(r % 2)
+    assert len({d["env"]["MASTER_PORT"] for d in [*res0.values(), *res1.values()]}) == 1
+
+
+def test_missing_node_fails_rendezvous_naming_arrivals() -> None:
+    port = get_free_port()
+    start = time.monotonic()
+    rc, out, err = launch(
+        ["--nnodes", "2", "--node-rank", "0", "--master-port", str(port), "--rdzv-conf", "join_timeout=1", WORKER, "ok"], timeout=20
+    )
+    assert rc == 1
+    assert time.monotonic() - start < 10
+    assert "1 of 2 nodes arrived" in err and "missing node ranks: [1]" in err
+    assert not rank_lines(out)
+
+
+def test_c10d_min_max_proceeds_with_min_nodes() -> None:
+    port = get_free_port()
+    args = ["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "j1"]
+    rc, out, err = launch([*args, "--rdzv-conf", "last_call_timeout=0.3", "--nproc-per-node", "2", WORKER, "ok"])
+    assert rc == 0, err
+    res = json_by_rank(out)
+    assert sorted(res) == [0, 1] and res[0]["env"]["GROUP_WORLD_SIZE"] == "1"
+
+
+# ---------------------------------------------------------------- launch_agent and legacy launch
+
+_AGENT_SCRIPT = """
+import json, sys
+sys.path.insert(0, {helpers!r})
+import launched_worker as w
+from aiodist.launcher import LaunchConfig, launch_agent, ChildFailedError
+cfg = lambda: LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=3, max_restarts=0)
+out = {{"sync": launch_agent(cfg(), w.rank_times, [10]), "async": launch_agent(cfg(), w.async_all_reduce, [0.5])}}
+try:
+    launch_agent(cfg(), w.fail_on_rank1, [])
+except ChildFailedError as e:
+    rank, f = e.get_first_failure()
+    out["failed"] = [rank, f.message]
+print(json.dumps(out))
+"""
+
+
+def test_launch_agent_with_python_callables() -> None:
+    script = _AGENT_SCRIPT.format(helpers=str(ROOT / "tests" / "helpers"))
+    p = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rc, out, err = _finish(p, 40)
+    assert rc == 0, err
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["sync"] == {"0": 0, "1": 10, "2": 20}
+    assert res["async"] == {"0": 3.0, "1": 3.0, "2": 3.0}
+    assert res["failed"] == [1, "RuntimeError: callable failed on rank 1"]
+
+
+@pytest.mark.parametrize("use_env", [False, True])
+def test_legacy_launch(use_env: bool) -> None:
+    args = ["--nproc-per-node", "2", *(["--use-env"] if use_env else []), WORKER, "legacy", "extra"]
+    rc, out, err = launch(args, module="aiodist.launch")
+    assert rc == 0, err
+    assert "aiodist.launch is deprecated" in err and "aiodist-run" in err
+    res = json_by_rank(out)
+    for r in (0, 1):
+        assert res[r]["LOCAL_RANK"] == str(r)
+        assert res[r]["arg"] == (None if use_env else r)
+        assert res[r]["rest"] == ["extra"]
+
+
+# ---------------------------------------------------------------- pieces, in process
+
+
+def test_flag_parsing() -> None:
+    assert parse_min_max_nnodes("3") == (3, 3) and parse_min_max_nnodes("1:4") == (1, 4)
+    with pytest.raises(ValueError):
+        parse_min_max_nnodes("a:b")
+    assert Std.parse("3", 2) == {0: 3, 1: 3}
+    assert Std.parse("0:1,2:3", 3) == {0: 1, 1: 0, 2: 3}
+    with pytest.raises(ValueError):
+        Std.parse("4", 1)
+    with pytest.raises(ValueError, match="--no-python"):
+        config_from_args(parse_args(["-m", "--no-python", "x"]))
+    config, entry, args = config_from_args(parse_args(["--nnodes", "2", "--node-rank", "1", "--master-addr", "h", "train.py", "--lr", "1"]))
+    assert (config.rdzv_endpoint, config.rdzv_configs["rank"], entry) == ("h:29500", 1, sys.executable)
+    assert args == ["-u", "train.py", "--lr", "1"]
+
+
+def test_record_writes_error_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+
+    @record
+    def boom() -> None:
+        raise KeyError("k")
+
+    with pytest.raises(KeyError):
+        boom()
+    data = read_error_file(str(path))
+    assert data is not None and data["message"]["message"] == "KeyError: 'k'"
+    f = ProcessFailure(local_rank=0, rank=0, pid=1, exitcode=1, error_file=str(path))
+    assert "raise KeyError" in f.traceback
+    err = ChildFailedError("job", {0: f})
+    assert "Root Cause" in str(err) and "KeyError" in str(err)
+
+
+async def test_record_async(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+
+    @record
+    async def boom() -> int:
+        raise ValueError("async boom")
+
+    with pytest.raises(ValueError):
+        await boom()
+    data = read_error_file(str(path))
+    assert data is not None and "async boom" in data["message"]["extraInfo"]["py_callstack"]
