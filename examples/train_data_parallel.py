@@ -335,18 +335,18 @@ async def _train(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - t_start
 
     await average_parameters(model.params, None)
-    sums_all: list[str | None] = [None] * world
-    await dist.all_gather_object(sums_all, checksum(model.params))
-    identical = len(set(sums_all)) == 1
+    checksums: list[str | None] = [None] * world
+    await dist.all_gather_object(checksums, checksum(model.params))
+    identical = len(set(checksums)) == 1
     say(
         f"{steps} steps in {elapsed:.2f} s ({steps / elapsed:.1f} steps/s); waited {reducer.wait_s / elapsed:.0%} of the time "
         f"for gradients after backward; {loader.ready}/{loader.asked} batches were prefetched before the step asked"
     )
     say(f"loss {first_loss:.4f} -> {last_loss:.4f}, test accuracy {test_acc:.3f}")
     if identical:
-        say(f"parameters identical on all {world} ranks (sha256 {sums_all[0]})")
+        say(f"parameters identical on all {world} ranks (sha256 {checksums[0]})")
     else:
-        say("parameters DIFFER across ranks: " + ", ".join(f"rank {r}: {s}" for r, s in enumerate(sums_all)))
+        say("parameters DIFFER across ranks: " + ", ".join(f"rank {r}: {s}" for r, s in enumerate(checksums)))
     if not identical or not test_acc >= args.min_accuracy:
         say(f"FAILED: test accuracy {test_acc:.3f} (needed {args.min_accuracy})" if identical else "FAILED")
         return 1
