@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import socket
 import subprocess
 import sys
 import time
@@ -182,18 +184,32 @@ async def test_rendezvous_env_under_slurm_sets_local_rank(monkeypatch: pytest.Mo
 
 def _scheduler_env(kind: str, rank: int, port: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ALL_VARS and not k.startswith(("SLURM_", "OMPI_", "PMI_", "TORCHELASTIC_"))}
-    if kind == "slurm":
+    if kind.startswith("slurm"):
         env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="4242")
     else:
         env.update(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
-    env["MASTER_PORT"] = str(port)
+    if kind == "slurm-derived-port":  # SLURM_JOB_ID chosen so that 10000 + id % 20000 is a free port
+        env["SLURM_JOB_ID"] = str(port - 10000 + 20000 * 12345)
+    else:
+        env["MASTER_PORT"] = str(port)
     return env
 
 
+def _free_port_in_slurm_range() -> int:
+    for candidate in random.sample(range(10000, 30000), 200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", candidate))
+            except OSError:
+                continue
+            return candidate
+    pytest.skip("no free port in 10000-29999")
+
+
 @pytest.mark.subprocess
-@pytest.mark.parametrize("kind", ["slurm", "ompi"])
+@pytest.mark.parametrize("kind", ["slurm", "slurm-derived-port", "ompi"])
 def test_two_ranks_with_only_scheduler_variables(kind: str) -> None:
-    port = get_free_port()
+    port = _free_port_in_slurm_range() if kind == "slurm-derived-port" else get_free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKER)], env=_scheduler_env(kind, rank, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

@@ -261,3 +261,42 @@ def test_children_do_not_outlive_a_killed_parent(tmp_path: Path) -> None:
         for p in pids:
             if not _dead(p) and int(Path(tmp_path, f"{pids.index(p)}.pid").read_text()) == p:
                 os.kill(p, signal.SIGKILL)  # our own child, if the death signal failed
+
+
+INTERRUPTED_PARENT = """
+import os, sys, threading
+sys.path.insert(0, {tests!r})
+sys.path.insert(0, {root!r})
+from pathlib import Path
+from aiodist.multiprocessing import spawn
+import test_spawn
+
+if __name__ == "__main__":
+    try:
+        spawn(test_spawn.sleep_then_return, args=({pid_dir!r}, 60.0), nprocs=2)
+    except KeyboardInterrupt:
+        pids = [int(Path({pid_dir!r}, f"{{r}}.pid").read_text()) for r in range(2)]
+        print("interrupted", *[int(test_spawn._dead(p)) for p in pids], flush=True)
+        sys.exit(0)
+    sys.exit(3)
+"""
+
+
+def test_interrupted_parent_stops_its_children_before_raising(tmp_path: Path) -> None:
+    tests = Path(__file__).resolve().parent
+    script = tmp_path / "parent.py"
+    script.write_text(INTERRUPTED_PARENT.format(tests=str(tests), root=str(tests.parent), pid_dir=str(tmp_path)))
+    out = tmp_path / "out"
+    with out.open("w") as fo:
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=fo, stderr=subprocess.PIPE, text=True)
+        try:
+            for r in range(WORLD):
+                _wait_for(Path(tmp_path, f"{r}.pid"))
+            os.kill(proc.pid, signal.SIGINT)  # the parent only, as a signal from its supervisor would be
+            _, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=10)
+    assert proc.returncode == 0, err
+    assert out.read_text().split() == ["interrupted", "1", "1"]  # both children gone when spawn re-raised
