@@ -22,6 +22,7 @@ from typing import Any
 
 from aiodist.elastic.errors import ChildFailedError
 from aiodist.elastic.utils import get_logger
+from aiodist.errors import DistError
 from aiodist.launcher.agent import SignalException
 from aiodist.launcher.api import LaunchConfig, _cpu_count, launch_agent
 from aiodist.launcher.rendezvous import RendezvousError
@@ -92,7 +93,7 @@ def get_args_parser(prog: str = "aiodist-run") -> ArgumentParser:
     add("rdzv-backend", type=str, default="static", help="rendezvous backend: static (default) or c10d")
     add("rdzv-endpoint", type=str, default="", help="rendezvous store host[:port] (c10d default port 29400)")
     add("rdzv-id", type=str, default="none", help="the job's id (all nodes give the same)")
-    add("rdzv-conf", type=str, default="", help="key=value,... (join_timeout, last_call_timeout)")
+    add("rdzv-conf", type=str, default="", help="key=value,... (join_timeout, last_call_timeout, heartbeat_timeout: seconds)")
     switch("standalone", help="single-node job: a local rendezvous on a free port, no other flags needed")
     add("max-restarts", type=int, default=0, help="restarts of the worker group before the job fails (default 0)")
     add("monitor-interval", type=float, default=0.1, help="seconds between checks of other nodes' state")
@@ -260,6 +261,9 @@ def exit_code(launch: Callable[[], None]) -> int:
         return 128 + int(e.sigval)
     except RendezvousError as e:
         sys.stderr.write(f"aiodist-run: rendezvous failed: {e}\n")
+        return 1
+    except DistError as e:  # the rendezvous store went away (its host died), or would not start
+        sys.stderr.write(f"aiodist-run: {type(e).__name__}: {e}\n")
         return 1
     except ValueError as e:
         sys.stderr.write(f"aiodist-run: error: {e}\n")

@@ -340,3 +340,45 @@ async def test_record_async(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         await boom()
     data = read_error_file(str(path))
     assert data is not None and "async boom" in data["message"]["extraInfo"]["py_callstack"]
+
+
+def test_sigkilled_launcher_leaves_no_workers() -> None:
+    p = _start(["--nproc-per-node", "2", WORKER, "sleep"])
+    pids: list[int] = []
+    try:
+        assert p.stdout is not None
+        deadline = time.monotonic() + 20
+        while len(pids) < 2 and time.monotonic() < deadline:
+            line = p.stdout.readline()
+            if not line:
+                break
+            m = LINE.match(line.rstrip("\n"))
+            if m:
+                pids.append(json.loads(m.group(2))["pid"])
+        assert len(pids) == 2, "workers did not start"
+        p.kill()
+        p.communicate(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in pids if _alive(pid)]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(5)
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_failure_on_one_node_stops_both() -> None:
+    port = get_free_port()
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-port", str(port)]
+    p1 = _start([*common, "--node-rank", "1", WORKER, "raise1"])
+    p0 = _start([*common, "--node-rank", "0", WORKER, "raise1"])
+    rc0, out0, err0 = _finish(p0, 30)
+    rc1, out1, err1 = _finish(p1, 30)
+    assert (rc0, rc1) == (1, 1), err0 + err1
+    report1 = err1[err1.index("Root Cause") :]
+    assert "rank      : 1 (local_rank: 0)" in report1 and "ValueError: rank one exploded" in report1
+    assert "Root Cause" in err0

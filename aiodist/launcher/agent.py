@@ -31,6 +31,21 @@ __all__ = ["SignalException", "WorkerSpec", "LocalAgent", "Std"]
 STDERR_TAIL_LINES = 40
 _CHUNK = 1 << 16
 
+# Workers start through this trampoline on Linux: it asks the kernel for SIGTERM when the
+# launcher dies (PR_SET_PDEATHSIG, kept across exec), checks the launcher did not die before
+# that, then execs the worker (same pid, same session). So even a SIGKILLed launcher leaves no
+# workers behind. (No preexec_fn: the launcher has threads, and preexec_fn is unsafe with them.)
+_TRAMPOLINE = (
+    "import ctypes,os,sys\n"
+    "try:\n"
+    "    ctypes.CDLL(None,use_errno=True).prctl(1,15)\n"
+    "except Exception:\n"
+    "    pass\n"
+    "if os.getppid()!=int(sys.argv[1]):\n"
+    "    os._exit(143)\n"
+    "os.execvp(sys.argv[2],sys.argv[2:])\n"
+)
+
 
 class Std:
     """Which standard streams (torch's ``Std``): 0 none, 1 stdout, 2 stderr, 3 both."""
@@ -275,6 +290,9 @@ class LocalAgent:
                     if multi:
                         first = min(failures.values(), key=lambda f: (f.timestamp_ns, f.rank))
                         remote = await self.rdzv.report_failure(a.round, first.to_dict())
+                        other = ProcessFailure.from_dict(remote)
+                        if other.rank not in failures and other.rank >= 0:
+                            failures[other.rank] = other  # another node's worker failed first
                     return _RoundResult(False, failures, remote)
                 if not local_done and all(w.rc == 0 for w in self.workers):
                     local_done = True
@@ -292,6 +310,11 @@ class LocalAgent:
                         return _RoundResult(False, {}, remote)
                     if local_done and await self.rdzv.all_marked(a.round, "done"):
                         break
+                    silent = await self.rdzv.heartbeat(a.round)
+                    if silent is not None:
+                        remote = await self.rdzv.report_failure(a.round, self._silent_node(a, silent))
+                        await self._stop_workers(signal.SIGTERM)
+                        return _RoundResult(False, {}, remote)
                     try:
                         await asyncio.wait_for(self._wake.wait(), spec.monitor_interval)
                     except TimeoutError:
@@ -306,6 +329,22 @@ class LocalAgent:
         for w in self.workers:
             await self._drain(w)
         return _RoundResult(True, return_values={w.rank: self._result(w) for w in self.workers})
+
+    def _silent_node(self, a: Assignment, node: int) -> dict[str, Any]:
+        n = a.nodes[node]
+        info = ProcessFailure(
+            local_rank=-1,
+            rank=a.rank_offset if node == a.node_rank else sum(x.nproc for x in a.nodes[:node]),
+            pid=0,
+            exitcode=1,
+            stderr_tail="-",
+        )
+        info.hostname = n.host
+        info.message = info.traceback = (
+            f"the agent of node {node} ({n.host}) stopped answering: no heartbeat for {self.rdzv.heartbeat_timeout:g} s"
+        )
+        self.log.warning("%s", info.message)
+        return info.to_dict()
 
     async def _publish_signal(self, a: Assignment) -> None:
         assert self._signal is not None
@@ -392,6 +431,8 @@ class LocalAgent:
     async def _start_worker(self, w: _Worker, a: Assignment) -> None:
         spec = self.spec
         argv = self._argv(w)
+        if sys.platform.startswith("linux"):
+            argv = [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), *argv]
         w.proc = await asyncio.create_subprocess_exec(
             *argv,
             env=self._env(w, a),

@@ -37,6 +37,7 @@ __all__ = [
 
 DEFAULT_JOIN_TIMEOUT_S = 600.0
 DEFAULT_LAST_CALL_TIMEOUT_S = 30.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -46,7 +47,9 @@ class LaunchConfig:
     ``rdzv_endpoint`` is ``host:port`` of the rendezvous store; with the ``static`` backend
     ``rdzv_configs["rank"]`` is this node's rank (as torchrun sets it from ``--node-rank``).
     ``rdzv_configs`` also takes ``join_timeout`` (s, default 600), ``last_call_timeout`` (s,
-    default 30: how long a ``c10d`` round waits for more nodes once MIN arrived). An empty
+    default 30: how long a ``c10d`` round waits for more nodes once MIN arrived),
+    ``heartbeat_timeout`` (s, default 30: a node whose agent is silent that long fails the
+    round). An empty
     ``rdzv_endpoint`` means ``127.0.0.1:0`` (this agent hosts it on a free port; one node only).
     """
 
@@ -140,6 +143,7 @@ def _rendezvous(config: LaunchConfig) -> AgentRendezvous:
         join_timeout=float(conf.get("join_timeout", DEFAULT_JOIN_TIMEOUT_S)),
         last_call_timeout=float(conf.get("last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT_S)),
         local_addr=config.local_addr,
+        heartbeat_timeout=float(conf.get("heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT_S)),
     )
 
 

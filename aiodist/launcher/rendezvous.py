@@ -14,7 +14,8 @@ lives under ``rdzv/<run_id>/<k>/``:
 - ``master``: ``addr:port`` of the workers' store of the round, hosted by node 0 on a fresh
   port (so no key of an earlier attempt is seen by the next one).
 - ``failed`` (first failure, JSON), ``done/<i>`` and ``exit/<i>``: how agents agree on the
-  outcome of the round (see ``aiodist.launcher.agent``).
+  outcome of the round (see ``aiodist.launcher.agent``); ``alive/<i>``: agent ``i``'s
+  heartbeat counter (a node whose counter stands still for ``heartbeat_timeout`` fails the round).
 """
 
 from __future__ import annotations
@@ -133,6 +134,7 @@ class AgentRendezvous:
         join_timeout: float,
         last_call_timeout: float,
         local_addr: str | None,
+        heartbeat_timeout: float = 30.0,
     ) -> None:
         if backend not in ("static", "c10d"):
             raise ValueError(f"unknown rendezvous backend {backend!r} (aiodist has 'static' and 'c10d')")
@@ -152,6 +154,10 @@ class AgentRendezvous:
         self.join_timeout = join_timeout
         self.last_call_timeout = last_call_timeout
         self.local_addr = local_addr
+        self.heartbeat_timeout = heartbeat_timeout
+        self._hb_round = -1
+        self._hb_sent = 0.0
+        self._hb_seen: dict[int, tuple[int, float]] = {}
         self.server: ServerThread | None = None
         self.store: TCPStore | None = None
         self.worker_server: ServerThread | None = None
@@ -310,3 +316,26 @@ class AgentRendezvous:
         except TimeoutError:
             return False
         return True
+
+    async def heartbeat(self, k: int) -> int | None:
+        """Count this agent's heartbeat of round ``k`` (at most every second) and look at the
+        others'; the index of a node whose count has not moved for ``heartbeat_timeout`` s."""
+        assert self.store is not None and self.assignment is not None
+        now = time.monotonic()
+        if self._hb_round != k:
+            self._hb_round, self._hb_sent, self._hb_seen = k, 0.0, {}
+        if now - self._hb_sent < min(1.0, self.heartbeat_timeout / 3):
+            return None
+        self._hb_sent = now
+        me = self.assignment.node_rank
+        await self.store.add(self.key(k, f"alive/{me}"), 1)
+        for i in range(self.assignment.nnodes):
+            if i == me:
+                continue
+            v = await self.store.add(self.key(k, f"alive/{i}"), 0)
+            seen = self._hb_seen.get(i)
+            if seen is None or seen[0] != v:
+                self._hb_seen[i] = (v, now)
+            elif now - seen[1] > self.heartbeat_timeout:
+                return i
+        return None
