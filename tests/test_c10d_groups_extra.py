@@ -4,6 +4,7 @@ get_backend_config, get_node_local_rank."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import numpy as np
@@ -194,11 +195,19 @@ async def test_backend_config_and_node_local_rank(monkeypatch: pytest.MonkeyPatc
     assert await run_world(1, fn, backend="gloo") == ["cpu:gloo"]
     assert await run_world(1, fn, backend="memory") == ["cpu:memory"]
     monkeypatch.delenv("LOCAL_RANK", raising=False)
+    for v in list(os.environ):
+        if v.startswith(("SLURM_", "OMPI_", "PMI_", "MV2_", "MPI_LOCAL")):
+            monkeypatch.delenv(v, raising=False)
     with pytest.raises(RuntimeError, match="LOCAL_RANK"):
         dist.get_node_local_rank()
     assert dist.get_node_local_rank(fallback_rank=3) == 3
     monkeypatch.setenv("LOCAL_RANK", "2")
     assert dist.get_node_local_rank(fallback_rank=3) == 2
+    monkeypatch.delenv("LOCAL_RANK")
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    assert dist.get_node_local_rank() == 1  # a Slurm task, before init
     monkeypatch.setenv("LOCAL_RANK", "x")
     with pytest.raises(ValueError, match="LOCAL_RANK"):
         dist.get_node_local_rank()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 
 import pytest
@@ -21,6 +22,9 @@ ENV_VARS = ["MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "TORCHELASTIC_US
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for v in ENV_VARS:
         monkeypatch.delenv(v, raising=False)
+    for v in list(os.environ):  # a suite run under srun or mpirun must not see its own scheduler
+        if v.startswith(("SLURM_", "OMPI_", "PMI_", "MV2_", "MPI_LOCAL")):
+            monkeypatch.delenv(v, raising=False)
 
 
 async def _close(*stores: aiodist.Store) -> None:

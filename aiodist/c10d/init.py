@@ -417,13 +417,19 @@ def get_backend_config(group: GroupArg = None) -> str:
 
 
 def get_node_local_rank(fallback_rank: int | None = None) -> int:
-    """``LOCAL_RANK`` from the environment (set by launchers), else ``fallback_rank``."""
+    """``LOCAL_RANK`` from the environment (set by launchers), else a scheduler's local rank
+    (``SLURM_LOCALID``, ``OMPI_COMM_WORLD_LOCAL_RANK``, ...), else ``fallback_rank``."""
     value = os.environ.get("LOCAL_RANK")
     if value is not None:
         try:
             return int(value)
         except ValueError:
             raise ValueError(f"LOCAL_RANK must be an int, got {value!r}") from None
+    from aiodist._schedulers import node_local_rank  # Slurm's / MPI's local rank variables
+
+    detected = node_local_rank()
+    if detected is not None:
+        return detected
     if fallback_rank is not None:
         return _int(fallback_rank, "fallback_rank")
     raise RuntimeError(
