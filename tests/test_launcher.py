@@ -379,6 +379,6 @@ def test_failure_on_one_node_stops_both() -> None:
     rc0, out0, err0 = _finish(p0, 30)
     rc1, out1, err1 = _finish(p1, 30)
     assert (rc0, rc1) == (1, 1), err0 + err1
-    report1 = err1[err1.index("Root Cause") :]
-    assert "rank      : 1 (local_rank: 0)" in report1 and "ValueError: rank one exploded" in report1
-    assert "Root Cause" in err0
+    for err in (err0, err1):  # both nodes name the job's first failure: rank 1, on node 1
+        report = err[err.index("Root Cause") :]
+        assert "rank      : 1 (local_rank: 0)" in report and "ValueError: rank one exploded" in report

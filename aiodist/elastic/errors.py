@@ -32,6 +32,7 @@ __all__ = ["record", "ChildFailedError", "ProcessFailure", "write_error_file", "
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 _NOT_AVAILABLE = "<N/A>"
+_COMM_ERRORS = frozenset({"DistNetworkError", "DistBackendError", "DistStoreError", "StoreTimeoutError", "DistTimeoutError"})
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -163,6 +164,12 @@ class ProcessFailure:
                 )
 
     @property
+    def is_comm_error(self) -> bool:
+        """Whether the worker died of a communication error (likely a consequence of another
+        worker's failure): aiodist's DistNetworkError, DistBackendError or DistStoreError."""
+        return self.message.split(":", 1)[0] in _COMM_ERRORS
+
+    @property
     def signal_name(self) -> str:
         return _signal_name(-self.exitcode) if self.exitcode < 0 else ""
 
@@ -199,7 +206,8 @@ class ProcessFailure:
 class ChildFailedError(Exception):
     """Raised by ``launch_agent`` when workers failed and no restarts remain. ``failures`` maps
     global rank to ``ProcessFailure``; the root cause is the one that failed first (by the
-    time in its error file, else when the launcher saw it exit)."""
+    time in its error file, else when the launcher saw it exit), preferring a failure that is
+    not a communication error (see ``get_first_failure``)."""
 
     def __init__(self, name: str, failures: dict[int, ProcessFailure]) -> None:
         if not failures:
@@ -209,7 +217,11 @@ class ChildFailedError(Exception):
         super().__init__(self.format_msg())
 
     def get_first_failure(self) -> tuple[int, ProcessFailure]:
-        rank = min(self.failures, key=lambda r: (self.failures[r].timestamp_ns, r))
+        """The root cause: the earliest failure, communication errors last. A worker that
+        raises often tears down its process group (``finally: destroy_process_group()``)
+        before its exception reaches ``@record``, so its peers' "connection lost" errors can be
+        written first; a failure that is not one of aiodist's communication errors wins."""
+        rank = min(self.failures, key=lambda r: (self.failures[r].is_comm_error, self.failures[r].timestamp_ns, r))
         return rank, self.failures[rank]
 
     def format_msg(self, boarder_delim: str = "=", section_delim: str = "-") -> str:

@@ -29,6 +29,8 @@ from aiodist.launcher.rendezvous import AgentRendezvous, Assignment
 __all__ = ["SignalException", "WorkerSpec", "LocalAgent", "Std"]
 
 STDERR_TAIL_LINES = 40
+FAILURE_SETTLE_S = 0.5  # after a first failure, how long the others may exit on their own
+OUTCOME_SETTLE_S = 3.0  # how long a failed job's agents wait for each other's failure lists
 _CHUNK = 1 << 16
 
 # Workers start through this trampoline on Linux: it asks the kernel for SIGTERM when the
@@ -223,11 +225,19 @@ class LocalAgent:
                 restarts += 1
                 self.log.warning("worker group failed (round %d); restarting (%d/%d)", a.round, restarts, spec.max_restarts)
                 continue
-            await self._finish(a)
-            failures = res.failures
-            if not failures and res.remote is not None:
+            failures = dict(res.failures)
+            if a.nnodes > 1:
+                # Every node's failures, so the root cause is the earliest of the job, not of this node.
+                try:
+                    for d in await self.rdzv.gather_outcomes(a.round, OUTCOME_SETTLE_S):
+                        f = ProcessFailure.from_dict(d)
+                        failures.setdefault(f.rank, f)
+                except Exception as exc:
+                    self.log.debug("could not gather the other nodes' failures: %s", exc)
+            if res.remote is not None:
                 f = ProcessFailure.from_dict(res.remote)
-                failures = {f.rank: f}
+                failures.setdefault(f.rank, f)
+            await self._finish(a)
             raise ChildFailedError(spec.name, failures)
 
     async def _guard(self, coro: Any) -> Any:
@@ -285,14 +295,16 @@ class LocalAgent:
                     self._check_signal()
                 failed = [w for w in self.workers if w.rc not in (None, 0)]
                 if failed:
+                    # The first exit is not always the root cause (a worker that raised may
+                    # still be tearing down while its peers already died of the lost
+                    # connection): a short settle lets failing workers exit on their own.
+                    await self._settle(FAILURE_SETTLE_S)
                     await self._stop_workers(signal.SIGTERM)
                     failures = self._failures()
                     if multi:
                         first = min(failures.values(), key=lambda f: (f.timestamp_ns, f.rank))
                         remote = await self.rdzv.report_failure(a.round, first.to_dict())
-                        other = ProcessFailure.from_dict(remote)
-                        if other.rank not in failures and other.rank >= 0:
-                            failures[other.rank] = other  # another node's worker failed first
+                        await self.rdzv.publish_outcome(a.round, [f.to_dict() for f in failures.values()])
                     return _RoundResult(False, failures, remote)
                 if not local_done and all(w.rc == 0 for w in self.workers):
                     local_done = True
@@ -307,13 +319,16 @@ class LocalAgent:
                                 "rank %s on %s failed: stopping this node's workers", remote.get("rank"), remote.get("hostname")
                             )
                         await self._stop_workers(signal.SIGTERM)
-                        return _RoundResult(False, {}, remote)
+                        mine = self._failures()  # workers that failed on their own before we stopped them
+                        await self.rdzv.publish_outcome(a.round, [f.to_dict() for f in mine.values()])
+                        return _RoundResult(False, mine, remote)
                     if local_done and await self.rdzv.all_marked(a.round, "done"):
                         break
                     silent = await self.rdzv.heartbeat(a.round)
                     if silent is not None:
                         remote = await self.rdzv.report_failure(a.round, self._silent_node(a, silent))
                         await self._stop_workers(signal.SIGTERM)
+                        await self.rdzv.publish_outcome(a.round, [])
                         return _RoundResult(False, {}, remote)
                     try:
                         await asyncio.wait_for(self._wake.wait(), spec.monitor_interval)
@@ -364,10 +379,17 @@ class LocalAgent:
         except (OSError, EOFError, pickle.UnpicklingError):
             return None
 
+    async def _settle(self, seconds: float) -> None:
+        live = [w.proc.wait() for w in self.workers if w.proc is not None and w.proc.returncode is None]
+        if live:
+            await asyncio.wait([asyncio.ensure_future(c) for c in live], timeout=seconds)
+
     def _failures(self) -> dict[int, ProcessFailure]:
+        """Workers that failed on their own: exited non-zero before we signalled them, or
+        wrote an error file (then they failed, even if our signal ended them)."""
         out: dict[int, ProcessFailure] = {}
         for w in self.workers:
-            if w.rc in (None, 0) or w.signalled:
+            if w.rc in (None, 0) or (w.signalled and not os.path.exists(w.error_file)):
                 continue
             assert w.proc is not None and w.rc is not None
             out[w.rank] = ProcessFailure(

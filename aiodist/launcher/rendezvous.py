@@ -15,7 +15,9 @@ lives under ``rdzv/<run_id>/<k>/``:
   port (so no key of an earlier attempt is seen by the next one).
 - ``failed`` (first failure, JSON), ``done/<i>`` and ``exit/<i>``: how agents agree on the
   outcome of the round (see ``aiodist.launcher.agent``); ``alive/<i>``: agent ``i``'s
-  heartbeat counter (a node whose counter stands still for ``heartbeat_timeout`` fails the round).
+  heartbeat counter (a node whose counter stands still for ``heartbeat_timeout`` fails the round);
+  ``outcome/<i>``: the failed workers of node ``i`` (JSON list), so that every node's report
+  names the job's earliest failure.
 """
 
 from __future__ import annotations
@@ -339,3 +341,22 @@ class AgentRendezvous:
             elif now - seen[1] > self.heartbeat_timeout:
                 return i
         return None
+
+    async def publish_outcome(self, k: int, failures: list[dict[str, Any]]) -> None:
+        """This node's failed workers of round ``k`` (maybe none), for the others' reports."""
+        assert self.store is not None and self.assignment is not None
+        await self.store.set(self.key(k, f"outcome/{self.assignment.node_rank}"), json.dumps(failures))
+
+    async def gather_outcomes(self, k: int, timeout: float) -> list[dict[str, Any]]:
+        """Every published failure of round ``k``, waiting (at most ``timeout`` s) for every node."""
+        assert self.store is not None and self.assignment is not None
+        keys = [self.key(k, f"outcome/{i}") for i in range(self.assignment.nnodes)]
+        try:
+            await self.store.wait(keys, timeout)
+        except TimeoutError:
+            pass  # a node that never says: its failures are not in the report
+        out: list[dict[str, Any]] = []
+        for key in keys:
+            if await self.store.check([key]):
+                out.extend(json.loads(await self.store.get(key)))
+        return out
