@@ -382,3 +382,21 @@ def test_failure_on_one_node_stops_both() -> None:
     for err in (err0, err1):  # both nodes name the job's first failure: rank 1, on node 1
         report = err[err.index("Root Cause") :]
         assert "rank      : 1 (local_rank: 0)" in report and "ValueError: rank one exploded" in report
+
+
+def test_c10d_two_agents_and_a_restart_across_nodes() -> None:
+    """Two agents on one host meet through c10d (the first to bind the endpoint hosts it);
+    the first attempt fails on both nodes and both restart into round 1 together."""
+    port = get_free_port()
+    args = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "j2", "--max-restarts", "1"]
+    pa = _start([*args, "--nproc-per-node", "1", WORKER, "flaky"])
+    pb = _start([*args, "--nproc-per-node", "2", WORKER, "flaky"])
+    rca, outa, erra = _finish(pa, 40)
+    rcb, outb, errb = _finish(pb, 40)
+    assert (rca, rcb) == (0, 0), erra + errb
+    res = {**json_by_rank(outa), **json_by_rank(outb)}
+    assert sorted(res) == [0, 1, 2]
+    assert {d["env"]["TORCHELASTIC_RESTART_COUNT"] for d in res.values()} == {"1"}
+    assert {d["env"]["WORLD_SIZE"] for d in res.values()} == {"3"} and all(d["sum"] == 6.0 for d in res.values())
+    local_sizes = sorted(len(json_by_rank(o)) for o in (outa, outb))
+    assert local_sizes == [1, 2]
