@@ -125,6 +125,7 @@ class _Worker:
     signalled: bool = False
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
     pumps: list[asyncio.Task[None]] = field(default_factory=list)
+    watcher: asyncio.Task[None] | None = None
     files: list[IO[bytes]] = field(default_factory=list)
 
     @property
@@ -474,7 +475,7 @@ class LocalAgent:
                 w.files.append(f)
             to_console = show and (teed or not redirected)
             w.pumps.append(asyncio.ensure_future(self._pump(w, stream, console if to_console else None, f, bit == Std.ERR)))
-        asyncio.ensure_future(self._watch(w))
+        w.watcher = asyncio.ensure_future(self._watch(w))
 
     async def _watch(self, w: _Worker) -> None:
         assert w.proc is not None

@@ -223,6 +223,7 @@ class AgentRendezvous:
         workers' store. Raises ``RendezvousTimeoutError`` naming how many nodes arrived."""
         assert self.store is not None
         store = self.store
+        await store.set_timeout(self.join_timeout)
         me = json.dumps({"nproc": self.nproc, "addr": self._advertised_addr(), "host": socket.gethostname()})
         if self.backend == "static":
             assert self.node_rank is not None
@@ -247,6 +248,8 @@ class AgentRendezvous:
         await store.wait([self.key(k, "master")], self.join_timeout)
         maddr, mport = parse_endpoint((await store.get(self.key(k, "master"))).decode(), 0)
         self.assignment = Assignment(round=k, node_rank=idx, nodes=nodes, master_addr=maddr, master_port=mport)
+        # From here on a store that does not answer for a heartbeat timeout is a lost host.
+        await store.set_timeout(min(self.join_timeout, self.heartbeat_timeout))
         return self.assignment
 
     async def _close_round(self, k: int) -> int:
