@@ -150,15 +150,7 @@ def test_sigterm_to_launcher_stops_workers_no_orphans() -> None:
     p = _start(["--nproc-per-node", "2", WORKER, "sleep"])
     pids: list[int] = []
     try:
-        assert p.stdout is not None
-        deadline = time.monotonic() + 20
-        while len(pids) < 2 and time.monotonic() < deadline:
-            line = p.stdout.readline()
-            if not line:
-                break
-            m = LINE.match(line.rstrip("\n"))
-            if m:
-                pids.append(json.loads(m.group(2))["pid"])
+        pids = _worker_pids(p, 2)
         assert len(pids) == 2, "workers did not start"
         assert all(_alive(pid) for pid in pids)
         p.send_signal(signal.SIGTERM)
@@ -346,15 +338,7 @@ def test_sigkilled_launcher_leaves_no_workers() -> None:
     p = _start(["--nproc-per-node", "2", WORKER, "sleep"])
     pids: list[int] = []
     try:
-        assert p.stdout is not None
-        deadline = time.monotonic() + 20
-        while len(pids) < 2 and time.monotonic() < deadline:
-            line = p.stdout.readline()
-            if not line:
-                break
-            m = LINE.match(line.rstrip("\n"))
-            if m:
-                pids.append(json.loads(m.group(2))["pid"])
+        pids = _worker_pids(p, 2)
         assert len(pids) == 2, "workers did not start"
         p.kill()
         p.communicate(timeout=10)
@@ -400,3 +384,65 @@ def test_c10d_two_agents_and_a_restart_across_nodes() -> None:
     assert {d["env"]["WORLD_SIZE"] for d in res.values()} == {"3"} and all(d["sum"] == 6.0 for d in res.values())
     local_sizes = sorted(len(json_by_rank(o)) for o in (outa, outb))
     assert local_sizes == [1, 2]
+
+
+def _worker_pids(p: subprocess.Popen[str], n: int) -> list[int]:
+    assert p.stdout is not None
+    pids: list[int] = []
+    deadline = time.monotonic() + 20
+    while len(pids) < n and time.monotonic() < deadline:
+        line = p.stdout.readline()
+        if not line:
+            break
+        m = LINE.match(line.rstrip("\n"))
+        if m:
+            pids.append(json.loads(m.group(2))["pid"])
+    return pids
+
+
+def test_sigint_is_forwarded_and_exit_status_is_130() -> None:
+    p = _start(["--nproc-per-node", "2", WORKER, "sleep"])
+    pids = _worker_pids(p, 2)
+    try:
+        assert len(pids) == 2
+        p.send_signal(signal.SIGINT)
+        rc, _, err = _finish(p, 15)
+        assert rc == 130
+        assert "KeyboardInterrupt" in err  # the workers got SIGINT, not only SIGKILL
+        assert not [pid for pid in pids if _alive(pid)]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(5)
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_dead_rendezvous_host_ends_the_other_node() -> None:
+    port = get_free_port()
+    common = ["--nnodes", "2", "--master-port", str(port), "--rdzv-conf", "heartbeat_timeout=1.5"]
+    p1 = _start([*common, "--node-rank", "1", WORKER, "sleep"])
+    p0 = _start([*common, "--node-rank", "0", WORKER, "sleep"])
+    pids: list[int] = []
+    try:
+        pids = _worker_pids(p0, 1) + _worker_pids(p1, 1)
+        assert len(pids) == 2
+        p0.kill()  # the host of the rendezvous store dies without a word
+        p0.communicate(timeout=10)
+        start = time.monotonic()
+        rc, _, err = _finish(p1, 20)
+        assert rc == 1 and time.monotonic() - start < 10
+        assert "TCPStore" in err or "rendezvous" in err
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in pids if _alive(pid)]
+    finally:
+        for q in (p0, p1):
+            if q.poll() is None:
+                q.kill()
+                q.wait(5)
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
