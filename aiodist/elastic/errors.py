@@ -135,8 +135,11 @@ class ProcessFailure:
     message: str = ""
     traceback: str = ""
     timestamp_ns: int = 0
+    resolve: bool = field(default=True, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not self.resolve:  # built from another node's description: nothing to read here
+            return
         data = read_error_file(self.error_file) if self.error_file else None
         msg = data.get("message") if data else None
         if isinstance(msg, dict):
@@ -194,13 +197,18 @@ class ProcessFailure:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ProcessFailure:
         """A failure described by another node (its error file is not readable here)."""
-        f = cls(local_rank=int(d["local_rank"]), rank=int(d["rank"]), pid=int(d["pid"]), exitcode=int(d["exitcode"]), stderr_tail="x")
-        f.error_file = str(d.get("error_file", ""))
-        f.hostname = str(d.get("hostname", ""))
-        f.message = str(d.get("message", ""))
-        f.traceback = str(d.get("traceback", ""))
-        f.timestamp_ns = int(d.get("timestamp_ns", 0))
-        return f
+        return cls(
+            local_rank=int(d["local_rank"]),
+            rank=int(d["rank"]),
+            pid=int(d["pid"]),
+            exitcode=int(d["exitcode"]),
+            error_file=str(d.get("error_file", "")),
+            hostname=str(d.get("hostname", "")),
+            message=str(d.get("message", "")),
+            traceback=str(d.get("traceback", "")),
+            timestamp_ns=int(d.get("timestamp_ns", 0)),
+            resolve=False,
+        )
 
 
 class ChildFailedError(Exception):

@@ -175,7 +175,9 @@ class LocalAgent:
                     installed.append(sig)
                 except (RuntimeError, ValueError, NotImplementedError):  # not the main thread
                     break
-            if self._keep_run_dir:
+            if self.spec.log_dir is None and self._keep_run_dir:
+                self.log.warning("--redirects/--tee without --log-dir: worker logs in %s", self.run_dir)
+            elif self._keep_run_dir:
                 self.log.info("worker logs in %s", self.run_dir)
             return await self._run()
         finally:
@@ -348,24 +350,20 @@ class LocalAgent:
 
     def _silent_node(self, a: Assignment, node: int) -> dict[str, Any]:
         n = a.nodes[node]
-        info = ProcessFailure(
-            local_rank=-1,
-            rank=a.rank_offset if node == a.node_rank else sum(x.nproc for x in a.nodes[:node]),
-            pid=0,
-            exitcode=1,
-            stderr_tail="-",
-        )
-        info.hostname = n.host
-        info.message = info.traceback = (
-            f"the agent of node {node} ({n.host}) stopped answering: no heartbeat for {self.rdzv.heartbeat_timeout:g} s"
-        )
-        self.log.warning("%s", info.message)
+        msg = f"the agent of node {node} ({n.host}) stopped answering: no heartbeat for {self.rdzv.heartbeat_timeout:g} s"
+        self.log.warning("%s", msg)
+        first_rank = sum(x.nproc for x in a.nodes[:node])
+        info = ProcessFailure(local_rank=0, rank=first_rank, pid=0, exitcode=1, hostname=n.host, message=msg, traceback=msg, resolve=False)
+        info.timestamp_ns = time.time_ns()
         return info.to_dict()
 
     async def _publish_signal(self, a: Assignment) -> None:
         assert self._signal is not None
-        info = ProcessFailure(local_rank=-1, rank=-1, pid=os.getpid(), exitcode=-int(self._signal), stderr_tail="-")
-        info.message = info.traceback = f"the launcher on this node got {self._signal.name}"
+        msg = f"the launcher on node {a.node_rank} got {self._signal.name}"
+        info = ProcessFailure(
+            local_rank=0, rank=a.rank_offset, pid=os.getpid(), exitcode=-int(self._signal), message=msg, traceback=msg, resolve=False
+        )
+        info.timestamp_ns = time.time_ns()
         try:
             await asyncio.wait_for(self.rdzv.report_failure(a.round, info.to_dict()), 2.0)
         except Exception as exc:
