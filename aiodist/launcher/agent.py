@@ -71,6 +71,28 @@ class Std:
         return out
 
 
+def _console_writer(console: TextIO | None) -> Callable[[bytes], bool] | None:
+    """A function writing bytes to ``console`` (its binary buffer, or decoded text when it has
+    none, e.g. a replaced ``sys.stdout``); it answers False once the console is gone."""
+    if console is None:
+        return None
+    target = console
+
+    def write(data: bytes) -> bool:
+        try:
+            buf = getattr(target, "buffer", None)
+            if buf is not None:
+                buf.write(data)
+            else:
+                target.write(data.decode(errors="replace"))
+            target.flush()
+        except (OSError, ValueError):  # closed pipe or file: keep draining the worker, print nothing
+            return False
+        return True
+
+    return write
+
+
 def _open_log(path: str) -> IO[bytes]:
     """A worker's log file (closed by ``LocalAgent._drain``)."""
     return open(path, "wb")  # noqa: SIM115
@@ -485,30 +507,37 @@ class LocalAgent:
         self._wake.set()
 
     async def _pump(self, w: _Worker, stream: asyncio.StreamReader, console: TextIO | None, f: IO[bytes] | None, is_err: bool) -> None:
+        """Copy one stream of a worker: raw into its log file, whole lines with the prefix to
+        the console, stderr lines into the tail. Always reads to EOF (a worker must never block
+        on a full pipe), whatever happens to the console or the file."""
         prefix = self._prefix(w) + b" "
-        out = console.buffer if console is not None else None
+        write = _console_writer(console)
         pending = b""
         while True:
             chunk = await stream.read(_CHUNK)
             if not chunk:
                 break
             if f is not None:
-                f.write(chunk)
-                f.flush()
-            data = pending + chunk
-            *lines, pending = data.split(b"\n")
+                try:
+                    f.write(chunk)
+                    f.flush()
+                except (OSError, ValueError) as exc:
+                    self.log.warning("rank %d: cannot write its log file any more: %s", w.rank, exc)
+                    f = None
+            *lines, pending = (pending + chunk).split(b"\n")
+            if len(pending) > _CHUNK:  # a very long line (or \r progress bars): pass it on in pieces
+                lines.append(pending)
+                pending = b""
             if lines:
                 if is_err:
                     w.tail.extend(line.decode(errors="replace") + "\n" for line in lines)
-                if out is not None:
-                    out.write(b"".join(prefix + line + b"\n" for line in lines))
-                    out.flush()
+                if write is not None and not write(b"".join(prefix + line + b"\n" for line in lines)):
+                    write = None
         if pending:
             if is_err:
                 w.tail.append(pending.decode(errors="replace") + "\n")
-            if out is not None:
-                out.write(prefix + pending + b"\n")
-                out.flush()
+            if write is not None:
+                write(prefix + pending + b"\n")
 
     async def _drain(self, w: _Worker) -> None:
         if w.pumps:
