@@ -446,3 +446,12 @@ def test_dead_rendezvous_host_ends_the_other_node() -> None:
         for pid in pids:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_long_lines_pass_whole_and_in_pieces() -> None:
+    code = 'print("x" * 200000); print("end")'
+    rc, out, err = launch(["--nproc-per-node", "2", "--no-python", sys.executable, "-c", code])
+    assert rc == 0, err
+    for lines in rank_lines(out).values():
+        assert lines[-1] == "end" and "" not in lines
+        assert sum(len(line) for line in lines[:-1]) == 200000

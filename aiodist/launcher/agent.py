@@ -513,6 +513,7 @@ class LocalAgent:
         prefix = self._prefix(w) + b" "
         write = _console_writer(console)
         pending = b""
+        cut = False
         while True:
             chunk = await stream.read(_CHUNK)
             if not chunk:
@@ -525,9 +526,13 @@ class LocalAgent:
                     self.log.warning("rank %d: cannot write its log file any more: %s", w.rank, exc)
                     f = None
             *lines, pending = (pending + chunk).split(b"\n")
+            if cut and lines and not lines[0]:
+                del lines[0]  # the newline that ends a line already passed on in pieces
+            cut = False
             if len(pending) > _CHUNK:  # a very long line (or \r progress bars): pass it on in pieces
                 lines.append(pending)
                 pending = b""
+                cut = True
             if lines:
                 if is_err:
                     w.tail.extend(line.decode(errors="replace") + "\n" for line in lines)
