@@ -1,6 +1,6 @@
 """aiodist: the torch.distributed communication API, asyncio-native. Re-exports only."""
 
-from aiodist import collective_utils, model_averaging, multiprocessing
+from aiodist import collective_utils, elastic, model_averaging, multiprocessing
 from aiodist.c10d import (
     NON_GROUP_MEMBER,
     SHRINK_ABORT,
@@ -85,6 +85,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "collective_utils",
+    "elastic",
     "model_averaging",
     "multiprocessing",
     "broadcast_object_list",

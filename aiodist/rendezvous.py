@@ -69,7 +69,9 @@ def register_rendezvous_handler(scheme: str, handler: Handler) -> None:
     registry.register(scheme, handler)
 
 
-async def rendezvous(url: str, rank: int = -1, world_size: int = -1, timeout: TimeoutLike = default_pg_timeout, **kwargs: Any) -> RendezvousResult:
+async def rendezvous(
+    url: str, rank: int = -1, world_size: int = -1, timeout: TimeoutLike = default_pg_timeout, **kwargs: Any
+) -> RendezvousResult:
     """Run the handler for ``url``'s scheme and return ``(store, rank, world_size)``.
 
     ``rank``/``world_size`` given here are added to the URL's query; giving them both here and
@@ -139,7 +141,9 @@ def _env_int(name: str) -> int:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"Error initializing aiodist using env:// rendezvous: environment variable {name} must be an integer, got {value!r}") from None
+        raise ValueError(
+            f"Error initializing aiodist using env:// rendezvous: environment variable {name} must be an integer, got {value!r}"
+        ) from None
 
 
 def _use_libuv(query: dict[str, str]) -> bool:
@@ -147,9 +151,7 @@ def _use_libuv(query: dict[str, str]) -> bool:
     return raw not in ("0", "false", "False")
 
 
-async def create_c10d_store(
-    hostname: str, port: int, rank: int, world_size: int, timeout: TimeoutLike, use_libuv: bool = True
-) -> Store:
+async def create_c10d_store(hostname: str, port: int, rank: int, world_size: int, timeout: TimeoutLike, use_libuv: bool = True) -> Store:
     """The job's TCPStore, as torch 2.13 makes it: rank 0 hosts it (shared by every store of
     this process on that port), the others connect. Under an agent that already hosts the store
     (``TORCHELASTIC_USE_AGENT_STORE=True``, as torchrun sets) every rank is a client; torch adds

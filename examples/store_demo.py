@@ -78,7 +78,16 @@ async def coordinator(workers: int, tasks: int, port: int, timeout: float) -> in
     say(me, f"TCPStore server listening on port {store.port}; starting {workers} worker process(es)")
     procs = [
         await asyncio.create_subprocess_exec(
-            sys.executable, __file__, "--worker", str(r), "--port", str(store.port), "--world-size", str(world_size), "--timeout", str(timeout)
+            sys.executable,
+            __file__,
+            "--worker",
+            str(r),
+            "--port",
+            str(store.port),
+            "--world-size",
+            str(world_size),
+            "--timeout",
+            str(timeout),
         )
         for r in range(1, workers + 1)
     ]

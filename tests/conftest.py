@@ -51,7 +51,9 @@ _PLAIN_LOOP: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": as
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "any_loop: run this async test on every event loop of tests/conftest.py LOOP_FACTORIES (asyncio in debug mode, uvloop)")
+    config.addinivalue_line(
+        "markers", "any_loop: run this async test on every event loop of tests/conftest.py LOOP_FACTORIES (asyncio in debug mode, uvloop)"
+    )
 
 
 def _wants_any_loop(item: pytest.Item) -> bool:
@@ -111,4 +113,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
     counter = config.stash.get(_COUNTER, None)
     if counter is not None and counter.failed_the_session:
-        terminalreporter.write_line("no test passed (all skipped, xfailed or deselected): exit status 5, see tests/conftest.py", red=True, bold=True)
+        terminalreporter.write_line(
+            "no test passed (all skipped, xfailed or deselected): exit status 5, see tests/conftest.py", red=True, bold=True
+        )

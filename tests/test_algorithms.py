@@ -42,7 +42,15 @@ HUGE = 1 << 62
 # Every latency-bound schedule / every bandwidth-bound one, the latter in tiny pieces (so even
 # small arrays travel as many pipelined messages) / all_reduce's middle path.
 SMALL = Thresholds(HUGE, HUGE, HUGE, HUGE, HUGE, HUGE, 1 << 20)
-LARGE = Thresholds(broadcast_tree_max=-1, allreduce_rd_max=-1, allreduce_ring_min=0, allgather_bruck_max=-1, reduce_scatter_direct_max=-1, alltoall_burst_max=-1, pipeline_piece=24)
+LARGE = Thresholds(
+    broadcast_tree_max=-1,
+    allreduce_rd_max=-1,
+    allreduce_ring_min=0,
+    allgather_bruck_max=-1,
+    reduce_scatter_direct_max=-1,
+    alltoall_burst_max=-1,
+    pipeline_piece=24,
+)
 MIDDLE = Thresholds(allreduce_rd_max=-1, allreduce_ring_min=HUGE, pipeline_piece=24)
 PATHS = {"small": SMALL, "large": LARGE}
 ALLREDUCE_PATHS = {"rd": SMALL, "halving": MIDDLE, "ring": LARGE}
@@ -56,7 +64,9 @@ def minimum(d: np.ndarray, s: np.ndarray) -> None:
     np.minimum(d, s, out=d)
 
 
-async def run(n: int, fn: Callable[[LocalP2P], Coroutine[Any, Any, Any]], *, capacity: int = 4, seed: int | None = None, timeout: float = 10) -> tuple[list[LocalP2P], list[Any]]:
+async def run(
+    n: int, fn: Callable[[LocalP2P], Coroutine[Any, Any, Any]], *, capacity: int = 4, seed: int | None = None, timeout: float = 10
+) -> tuple[list[LocalP2P], list[Any]]:
     """Run ``fn`` on every rank of a fresh world; then nothing may be left unmatched."""
     ws = local_world(n, capacity=capacity, seed=seed)
     async with asyncio.timeout(timeout):
@@ -146,6 +156,7 @@ async def test_all_gather_uneven(n: int, path: str) -> None:
     for dtype in DTYPES:
         sz = sizes(rng, n)
         mine = [data(rng, sz[r], dtype) for r in range(n)]
+
         # half the ranks gather into views of one buffer (all_gather_into_tensor), half into separate arrays
         def outs_for(r: int) -> list[np.ndarray]:
             if r % 2:
@@ -387,7 +398,15 @@ async def test_several_ops_in_flight_at_once() -> None:
 async def test_no_deadlock_on_a_transport_that_holds_nothing(capacity: int) -> None:
     # capacity 0: a send completes only once its receive is posted (a rendezvous); pieces of 8
     # bytes make every pipelined schedule send many messages down each channel
-    tiny = Thresholds(broadcast_tree_max=-1, allreduce_rd_max=-1, allreduce_ring_min=0, allgather_bruck_max=-1, reduce_scatter_direct_max=-1, alltoall_burst_max=-1, pipeline_piece=8)
+    tiny = Thresholds(
+        broadcast_tree_max=-1,
+        allreduce_rd_max=-1,
+        allreduce_ring_min=0,
+        allgather_bruck_max=-1,
+        reduce_scatter_direct_max=-1,
+        alltoall_burst_max=-1,
+        pipeline_piece=8,
+    )
     middle = Thresholds(allreduce_rd_max=-1, allreduce_ring_min=HUGE, pipeline_piece=8)
     for n in (2, 3, 5, 8):
         m = 3 * n + 2
@@ -555,7 +574,14 @@ async def test_local_p2p_cancelled_receive_leaves_nothing_behind() -> None:
 
 def test_thresholds_from_env() -> None:
     assert thr.from_env({}) == Thresholds()
-    t = thr.from_env({"AIODIST_ALGO_ALLREDUCE_RD_MAX": "32K", "AIODIST_ALGO_PIPELINE_PIECE": "1MiB", "AIODIST_ALGO_BROADCAST_TREE_MAX": " 100 ", "PATH": "/bin"})
+    t = thr.from_env(
+        {
+            "AIODIST_ALGO_ALLREDUCE_RD_MAX": "32K",
+            "AIODIST_ALGO_PIPELINE_PIECE": "1MiB",
+            "AIODIST_ALGO_BROADCAST_TREE_MAX": " 100 ",
+            "PATH": "/bin",
+        }
+    )
     assert (t.allreduce_rd_max, t.pipeline_piece, t.broadcast_tree_max) == (32 << 10, 1 << 20, 100)
     assert t.allreduce_ring_min == Thresholds().allreduce_ring_min
     with pytest.raises(ValueError, match="AIODIST_ALGO_ALLREDUCE_RD_MAX"):

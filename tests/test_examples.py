@@ -18,7 +18,9 @@ pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(180)]
 def test_store_demo_runs_and_checks_its_totals() -> None:
     r = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "store_demo.py"), "--workers", "3", "--tasks", "9"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
@@ -32,7 +34,10 @@ def test_store_demo_fails_cleanly_when_a_worker_dies(tmp_path: pathlib.Path) -> 
     """A worker that cannot join (no such port) fails the job with a message, not a hang."""
     r = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "store_demo.py"), "--worker", "1", "--port", "1", "--world-size", "2", "--timeout", "1"],
-        capture_output=True, text=True, timeout=120, env={"PATH": "", "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "", "PYTHONPATH": str(ROOT)},
     )
     assert r.returncode != 0
     assert "DistNetworkError" in r.stderr and "127.0.0.1:1" in r.stderr
@@ -42,7 +47,10 @@ def test_store_benchmark_smoke(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "bench.json"
     r = subprocess.run(
         [sys.executable, "-m", "aiodist.bench", "store", "--ops", "50", "--repeat", "1", "--clients", "1,2", "--json", str(out)],
-        capture_output=True, text=True, timeout=150, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=ROOT,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads(out.read_text())

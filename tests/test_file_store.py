@@ -401,7 +401,24 @@ async def test_differential_against_hashstore(tmp_path: Path) -> None:
     def op() -> tuple[str, tuple[object, ...]]:
         k = rng.choice(keys)
         v = rng.choice(["", "x", "12", "-3", "hello", "7"])
-        name = rng.choice(["set", "add", "compare_set", "append", "delete_key", "check", "num_keys", "list_keys", "multi_set", "queue_push", "queue_pop", "queue_len", "get", "wait"])
+        name = rng.choice(
+            [
+                "set",
+                "add",
+                "compare_set",
+                "append",
+                "delete_key",
+                "check",
+                "num_keys",
+                "list_keys",
+                "multi_set",
+                "queue_push",
+                "queue_pop",
+                "queue_len",
+                "get",
+                "wait",
+            ]
+        )
         if name in ("set", "append", "queue_push"):
             return name, (k, v)
         if name == "add":
@@ -542,7 +559,16 @@ async def test_three_processes(tmp_path: Path) -> None:
     world, n_add, n_items = 3, 200, 60
     procs = [
         await asyncio.create_subprocess_exec(
-            sys.executable, "-c", CHILD, p, str(rank), str(n_add), str(n_items), str(world), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+            sys.executable,
+            "-c",
+            CHILD,
+            p,
+            str(rank),
+            str(n_add),
+            str(n_items),
+            str(world),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
         )
         for rank in range(world)
     ]

@@ -494,7 +494,9 @@ async def test_kit_uses_a_fresh_store_per_check_and_closes_it() -> None:
         made.append(Counted())
         return made[-1]
 
-    await check_store(make, skip={"get_missing_times_out", "wait_timeout_arg", "multi_get_timeout", "queue_pop_timeout", "barrier_timeout", "set_timeout"})
+    await check_store(
+        make, skip={"get_missing_times_out", "wait_timeout_arg", "multi_get_timeout", "queue_pop_timeout", "barrier_timeout", "set_timeout"}
+    )
     assert len(made) == len(STORE_CHECKS) - 6
     assert len({id(s) for s in made}) == len(made)
     assert all(s in closed for s in made)

@@ -119,6 +119,7 @@ def test_binomial_tree_covers_every_rank_once(n: int) -> None:
                 assert trees[c].parent == r
             if r != root:
                 assert r in trees[t.parent].children  # type: ignore[index]
+
         # reduce: each rank folds its children's subtrees in order; disjoint unions reach the root
         def subtree(r: int, trees: list[sch.Tree] = trees) -> frozenset[int]:
             acc = frozenset({r})
@@ -286,4 +287,3 @@ def test_dissemination_barrier_hears_from_everyone(n: int) -> None:
             assert rounds[to][k][1] == r
             heard[to] = heard[to] | snap[r]
     assert all(h == frozenset(range(n)) for h in heard)
-

@@ -126,7 +126,6 @@ async def good(server: TCPStoreServer) -> AsyncIterator[TCPStore]:
         await c.close()
 
 
-
 # -- bad input closes that connection only -------------------------------------------------------
 
 _rng = random.Random(1234)

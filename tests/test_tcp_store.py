@@ -32,7 +32,6 @@ HOST = "127.0.0.1"
 SLACK_S = 1.5  # how late (beyond its timeout) a call may report on a busy 2-core box
 
 
-
 def refused_port() -> tuple[socket.socket, int]:
     """A port on which nothing listens, kept that way by holding it bound (not listening)."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -52,7 +52,6 @@ async def in_thread(fn: Callable[[], T], deadline_s: float = 20.0) -> T:
     return await asyncio.wait_for(asyncio.to_thread(fn), deadline_s)
 
 
-
 def torch_client(port: int, timeout_s: float = 30.0, **kw: Any) -> Any:
     return dist.TCPStore(HOST, port, is_master=False, timeout=td(timeout_s), **kw)
 

@@ -43,7 +43,15 @@ pytestmark = pytest.mark.timeout(60)
 
 HUGE = 1 << 62
 SMALL = Thresholds(HUGE, HUGE, HUGE, HUGE, HUGE, HUGE, 1 << 20)
-LARGE = Thresholds(broadcast_tree_max=-1, allreduce_rd_max=-1, allreduce_ring_min=0, allgather_bruck_max=-1, reduce_scatter_direct_max=-1, alltoall_burst_max=-1, pipeline_piece=64)
+LARGE = Thresholds(
+    broadcast_tree_max=-1,
+    allreduce_rd_max=-1,
+    allreduce_ring_min=0,
+    allgather_bruck_max=-1,
+    reduce_scatter_direct_max=-1,
+    alltoall_burst_max=-1,
+    pipeline_piece=64,
+)
 MIDDLE = Thresholds(allreduce_rd_max=-1, allreduce_ring_min=HUGE, pipeline_piece=64)
 
 
@@ -89,7 +97,9 @@ async def test_all_pairs_exchange_dtypes_and_sizes(n: int) -> None:
     cases = [(np.float32, 0), (np.float64, 1), (np.int8, 1000), (np.complex128, 33), (np.bool_, 17), (np.float16, 5000), (np.uint64, 3)]
     async with world(n) as ts:
         for k, (dtype, size) in enumerate(cases):
-            src: dict[tuple[int, int], np.ndarray] = {(i, j): (rng.standard_normal(size) * 100).astype(dtype) for i in range(n) for j in range(n) if i != j}
+            src: dict[tuple[int, int], np.ndarray] = {
+                (i, j): (rng.standard_normal(size) * 100).astype(dtype) for i in range(n) for j in range(n) if i != j
+            }
             dst = {ij: np.zeros_like(a) for ij, a in src.items()}
 
             async def rank(t: Transport) -> None:
@@ -185,7 +195,9 @@ async def test_any_source_receive() -> None:
         async def root() -> set[int]:
             return {await ts[0].recv(None, g, group=1, seq=2, tag=3) for g in got}
 
-        srcs, *_ = await together(root(), ts[1].send(0, np.full(4, 1), group=1, seq=2, tag=3), ts[2].send(0, np.full(4, 2), group=1, seq=2, tag=3))
+        srcs, *_ = await together(
+            root(), ts[1].send(0, np.full(4, 1), group=1, seq=2, tag=3), ts[2].send(0, np.full(4, 2), group=1, seq=2, tag=3)
+        )
         assert srcs == {1, 2}
         assert sorted(int(g[0]) for g in got) == [1, 2]
         for g in got:
@@ -372,7 +384,9 @@ async def test_simultaneous_dials_both_work() -> None:
     async with world(2) as ts:
         await together(ts[0].connect(), ts[1].connect())
         a, b = np.zeros(5), np.zeros(5)
-        await together(ts[0].send(1, np.ones(5), tag=1), ts[1].send(0, np.ones(5) * 2, tag=1), ts[1].recv(0, a, tag=1), ts[0].recv(1, b, tag=1))
+        await together(
+            ts[0].send(1, np.ones(5), tag=1), ts[1].send(0, np.ones(5) * 2, tag=1), ts[1].recv(0, a, tag=1), ts[0].recv(1, b, tag=1)
+        )
         assert (a == 1).all() and (b == 2).all()
         for t in ts:
             conns = t.stats()["connections"]

@@ -69,12 +69,24 @@ def test_header_layout_golden() -> None:
 
 def test_golden_decode() -> None:
     dec = FrameDecoder()
-    stream = GOLDEN_HELLO + GOLDEN_HELLO_PAYLOAD + GOLDEN_DATA.replace(b"\x03\0\0\0", b"\x01\0\0\0") + b"hello" + GOLDEN_GOODBYE.replace(b"\x10", b"\x01")
+    stream = (
+        GOLDEN_HELLO
+        + GOLDEN_HELLO_PAYLOAD
+        + GOLDEN_DATA.replace(b"\x03\0\0\0", b"\x01\0\0\0")
+        + b"hello"
+        + GOLDEN_GOODBYE.replace(b"\x10", b"\x01")
+    )
     evs = dec.feed(stream)
-    assert evs == [HelloReceived(FrameHeader(FrameKind.HELLO, 0, 0, 0, 1, 13), HELLO1), HeaderReceived(FrameHeader(FrameKind.DATA, 1, 2, -1, 1, 5))]
+    assert evs == [
+        HelloReceived(FrameHeader(FrameKind.HELLO, 0, 0, 0, 1, 13), HELLO1),
+        HeaderReceived(FrameHeader(FrameKind.DATA, 1, 2, -1, 1, 5)),
+    ]
     target = bytearray(5)
     evs = dec.set_target(target)
-    assert evs == [PayloadReceived(FrameHeader(FrameKind.DATA, 1, 2, -1, 1, 5), None), GoodbyeReceived(FrameHeader(FrameKind.GOODBYE, 0, 0, 0, 1, 0))]
+    assert evs == [
+        PayloadReceived(FrameHeader(FrameKind.DATA, 1, 2, -1, 1, 5), None),
+        GoodbyeReceived(FrameHeader(FrameKind.GOODBYE, 0, 0, 0, 1, 0)),
+    ]
     assert target == b"hello"
     assert dec.hello == HELLO1 and dec.state is DecoderState.CLOSED
     dec.eof_received()
@@ -141,7 +153,12 @@ class Owner:
             h = f.header
             if h.kind is FrameKind.DATA and h.length:
                 expected.append((HeaderReceived, h))
-            kind_event = {FrameKind.HELLO: HelloReceived, FrameKind.DATA: PayloadReceived, FrameKind.ABORT: AbortReceived, FrameKind.GOODBYE: GoodbyeReceived}
+            kind_event = {
+                FrameKind.HELLO: HelloReceived,
+                FrameKind.DATA: PayloadReceived,
+                FrameKind.ABORT: AbortReceived,
+                FrameKind.GOODBYE: GoodbyeReceived,
+            }
             expected.append((kind_event[h.kind], h))
         assert [(type(e), e.header) for e in self.log] == expected
         for ev in self.log:
@@ -208,7 +225,9 @@ read_aheads = st.sampled_from([HEADER_SIZE, HEADER_SIZE + 1, 57, 100, 1000, 64 *
 
 @settings(max_examples=150, deadline=None)
 @given(frame_specs, st.booleans(), st.integers(0, 2**32), read_aheads, st.lists(st.integers(1, 6000), min_size=1, max_size=10))
-def test_random_frames_feed_any_chunking(specs: list[tuple[str, int, bool]], goodbye: bool, seed: int, read_ahead: int, cuts: list[int]) -> None:
+def test_random_frames_feed_any_chunking(
+    specs: list[tuple[str, int, bool]], goodbye: bool, seed: int, read_ahead: int, cuts: list[int]
+) -> None:
     rng = random.Random(seed)
     frames = make_frames(rng, specs, goodbye)
     stream = b"".join(f.bytes() for f in frames)
@@ -227,7 +246,9 @@ def test_random_frames_feed_any_chunking(specs: list[tuple[str, int, bool]], goo
 
 @settings(max_examples=150, deadline=None)
 @given(frame_specs, st.booleans(), st.integers(0, 2**32), read_aheads, st.lists(st.integers(1, 6000), min_size=1, max_size=10))
-def test_random_frames_buffered_protocol_loop(specs: list[tuple[str, int, bool]], goodbye: bool, seed: int, read_ahead: int, recv_sizes: list[int]) -> None:
+def test_random_frames_buffered_protocol_loop(
+    specs: list[tuple[str, int, bool]], goodbye: bool, seed: int, read_ahead: int, recv_sizes: list[int]
+) -> None:
     rng = random.Random(seed)
     frames = make_frames(rng, specs, goodbye)
     stream = b"".join(f.bytes() for f in frames)
@@ -239,7 +260,9 @@ def test_random_frames_buffered_protocol_loop(specs: list[tuple[str, int, bool]]
 
 
 def fixed_frames() -> list[Frame]:
-    return make_frames(random.Random(7), [("data", 5, True), ("data", 0, True), ("abort", 9, True), ("data", 3, False), ("data", 70, True)], goodbye=True)
+    return make_frames(
+        random.Random(7), [("data", 5, True), ("data", 0, True), ("abort", 9, True), ("data", 3, False), ("data", 70, True)], goodbye=True
+    )
 
 
 def test_split_at_every_byte_offset() -> None:

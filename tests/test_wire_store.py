@@ -205,7 +205,9 @@ requests = st.one_of(
     st.builds(lambda ks: Request(Op.CHECK, tuple(ks)), st.lists(keys, max_size=5)),
     st.builds(lambda ks: Request(Op.WAIT, tuple(ks)), st.lists(keys, max_size=5)),
     st.builds(lambda ks: Request(Op.MULTI_GET, tuple(ks)), st.lists(keys, max_size=5)),
-    st.builds(lambda kv: Request(Op.MULTI_SET, tuple(k for k, _ in kv), tuple(v for _, v in kv)), st.lists(st.tuples(keys, values), max_size=5)),
+    st.builds(
+        lambda kv: Request(Op.MULTI_SET, tuple(k for k, _ in kv), tuple(v for _, v in kv)), st.lists(st.tuples(keys, values), max_size=5)
+    ),
     st.builds(lambda k, a, b: Request(Op.COMPARE_SET, (k,), (a, b)), keys, values, values),
     st.builds(lambda n: Request(Op.PING, number=n), st.integers(0, 2**32 - 1)),
     st.sampled_from([Request(Op.GETNUMKEYS), Request(Op.LIST), Request(Op.CANCEL_WAIT)]),

@@ -293,7 +293,16 @@ class FileStore(Store):
         if not task.cancelled():
             task.exception()  # retrieved: the caller raises its own CancelledError
 
-    def _txn(self, body: Callable[[int | None], T], write: bool, *, cancel: threading.Event, register: bool = True, create: bool = True, fast: Callable[[], tuple[bool, T]] | None = None) -> T:
+    def _txn(
+        self,
+        body: Callable[[int | None], T],
+        write: bool,
+        *,
+        cancel: threading.Event,
+        register: bool = True,
+        create: bool = True,
+        fast: Callable[[], tuple[bool, T]] | None = None,
+    ) -> T:
         """In a worker thread: lock the file (exclusively to ``write``), read what is new,
         register this object if needed, and return ``body(fd)``. ``fast``, when the file has
         not changed since the last read, may answer from the cache without locking."""
@@ -372,7 +381,9 @@ class FileStore(Store):
                 if cancel.is_set():
                     raise _Abandoned
                 if time.monotonic() >= deadline:
-                    raise StoreTimeoutError(f"{self._describe()}: timed out waiting for the lock of {self._path} (another process holds it)")
+                    raise StoreTimeoutError(
+                        f"{self._describe()}: timed out waiting for the lock of {self._path} (another process holds it)"
+                    )
                 time.sleep(delay)
                 delay = min(delay * 2, 0.005)
             if os.fstat(fd).st_nlink == 0:
@@ -671,7 +682,9 @@ class FileStore(Store):
                 if fd is not None:  # None: the file is gone, every user has closed
                     self._commit(fd, _rec(_QPUSH_FRONT, k, v))
 
-            back = asyncio.ensure_future(asyncio.to_thread(self._txn, requeue, True, cancel=threading.Event(), register=False, create=False))
+            back = asyncio.ensure_future(
+                asyncio.to_thread(self._txn, requeue, True, cancel=threading.Event(), register=False, create=False)
+            )
             await self._finish(back)
 
         return await self._run(run, undo=put_back)

@@ -69,7 +69,9 @@ class HashStore(Store):
             raise DistStoreError(f"HashStore: add({key!r}, {n}): {exc}") from None
 
     async def compare_set(self, key: str, expected_value: ValueLike, desired_value: ValueLike) -> bytes:
-        return self._state.compare_set(_b(check_key(key)), to_value(expected_value, "expected_value"), to_value(desired_value, "desired_value"))
+        return self._state.compare_set(
+            _b(check_key(key)), to_value(expected_value, "expected_value"), to_value(desired_value, "desired_value")
+        )
 
     async def wait(self, keys: Sequence[str], timeout: TimeoutLike | None = None) -> None:
         ks = check_keys(keys)

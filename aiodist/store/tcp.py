@@ -467,7 +467,9 @@ class TCPStore(Store):
         """VALIDATE, then a PING with a random nonce: (the echo, the nonce)."""
         nonce = int.from_bytes(os.urandom(4), "little")
         try:
-            (got,) = await conn.send(encode(Op.VALIDATE, number=0x3C85F7CE) + encode(Op.PING, number=nonce), _U32, max(0.001, deadline - time.monotonic()))
+            (got,) = await conn.send(
+                encode(Op.VALIDATE, number=0x3C85F7CE) + encode(Op.PING, number=nonce), _U32, max(0.001, deadline - time.monotonic())
+            )
         except BaseException:  # lost, or cancelled mid-handshake: do not leak the socket
             conn.close()
             raise
@@ -576,7 +578,9 @@ class TCPStore(Store):
             if conn is not None:
                 conn.close()
             missing = await self._missing(keys)
-            raise store_timeout(self._describe(), what, missing or [k[1:].decode(errors="replace") for k in keys], time.monotonic() - start) from None
+            raise store_timeout(
+                self._describe(), what, missing or [k[1:].decode(errors="replace") for k in keys], time.monotonic() - start
+            ) from None
         except _Lost as exc:
             conn.close()  # type: ignore[union-attr]
             raise DistStoreError(f"{self._describe()}: {what}: the waiter connection broke: {exc}") from None
@@ -716,4 +720,3 @@ class TCPStore(Store):
         t = time.perf_counter()
         await self._request(encode(Op.PING, number=1), _U32, "ping")
         return time.perf_counter() - t
-

@@ -146,7 +146,9 @@ async def _expect_timeout(aw: Awaitable[Any], what: str, key: str, at_least: flo
         result = await aw
     except StoreTimeoutError as exc:
         took = time.monotonic() - start
-        assert isinstance(exc, DistStoreError) and isinstance(exc, TimeoutError), f"{what}: {type(exc).__name__} must be a DistStoreError and a TimeoutError"
+        assert isinstance(exc, DistStoreError) and isinstance(exc, TimeoutError), (
+            f"{what}: {type(exc).__name__} must be a DistStoreError and a TimeoutError"
+        )
         assert key in str(exc), f"{what}: timeout message does not name {key!r}: {exc}"
         assert took >= at_least, f"{what}: timed out after {took:.3f} s, sooner than {at_least:.3f} s"
         assert took <= at_most, f"{what}: timed out after {took:.3f} s, later than {at_most:.3f} s"
@@ -280,10 +282,18 @@ async def check_compare_set_missing_key(store: Store) -> None:
 @_check
 async def check_compare_set_present_key(store: Store) -> None:
     await store.set("kit/key", "first_value")
-    _eq(await store.compare_set("kit/key", "first_value", "second_value"), b"second_value", 'compare_set("kit/key", "first_value", "second_value")')
+    _eq(
+        await store.compare_set("kit/key", "first_value", "second_value"),
+        b"second_value",
+        'compare_set("kit/key", "first_value", "second_value")',
+    )
     _eq(await store.get("kit/key"), b"second_value", 'get("kit/key")')
     # A mismatch returns the current value and changes nothing.
-    _eq(await store.compare_set("kit/key", "first_value", "third_value"), b"second_value", 'compare_set("kit/key", "first_value", "third_value")')
+    _eq(
+        await store.compare_set("kit/key", "first_value", "third_value"),
+        b"second_value",
+        'compare_set("kit/key", "first_value", "third_value")',
+    )
     _eq(await store.get("kit/key"), b"second_value", 'get("kit/key")')
     # An empty expected value does not match a present non-empty value.
     _eq(await store.compare_set("kit/key", "", "fourth_value"), b"second_value", 'compare_set("kit/key", "", "fourth_value")')
@@ -407,7 +417,11 @@ async def check_multi_set_multi_get(store: Store) -> None:
     _eq(await store.get("kit/first_key"), b"po", 'get("kit/first_key")')
     _eq(await store.get("kit/second_key"), b"tato", 'get("kit/second_key")')
     _eq(await store.multi_get(["kit/first_key", "kit/second_key"]), [b"po", b"tato"], 'multi_get(["kit/first_key", "kit/second_key"])')
-    _eq(await store.multi_get(["kit/second_key", "kit/first_key", "kit/second_key"]), [b"tato", b"po", b"tato"], 'multi_get(["kit/second_key", "kit/first_key", "kit/second_key"])')
+    _eq(
+        await store.multi_get(["kit/second_key", "kit/first_key", "kit/second_key"]),
+        [b"tato", b"po", b"tato"],
+        'multi_get(["kit/second_key", "kit/first_key", "kit/second_key"])',
+    )
     _eq(await store.multi_get([]), [], "multi_get([])")
     await store.multi_set([], [])
     await store.multi_set(["kit/first_key"], ["new"])
@@ -528,7 +542,9 @@ async def check_barrier_timeout(store: Store) -> None:
     t = _timeout_s(store)
     await _expect_timeout(store.barrier("kit/lonely", 2), "barrier (default timeout)", "kit/lonely", 0.8 * t, t + _SLACK_S + t)
     short = t / 4
-    await _expect_timeout(store.barrier("kit/lonely2", 2, timedelta(seconds=short)), "barrier(timeout=short)", "kit/lonely2", 0.8 * short, 0.9 * t)
+    await _expect_timeout(
+        store.barrier("kit/lonely2", 2, timedelta(seconds=short)), "barrier(timeout=short)", "kit/lonely2", 0.8 * short, 0.9 * t
+    )
 
 
 @_check

@@ -69,7 +69,9 @@ _DIAL_GRACE = 0.05  # seconds a waiting receive gives its peer to connect before
 class Transport:
     """Rank-to-rank data for one process of a job. Make one with ``await Transport.start(...)``."""
 
-    def __init__(self, store: Store, rank: int, world_size: int, token: bytes, timeout: float, limits: FrameLimits, unix: bool, host: str | None) -> None:
+    def __init__(
+        self, store: Store, rank: int, world_size: int, token: bytes, timeout: float, limits: FrameLimits, unix: bool, host: str | None
+    ) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
@@ -184,7 +186,9 @@ class Transport:
                     conn = await self._in_line(dst)
                 await conn.send_frame(header, view, group)  # writes in this step, before any suspension
         except TimeoutError:
-            raise DistTimeoutError(f"rank {self.rank}: send to rank {dst} ({describe_key(key)}, {view.nbytes} bytes) did not complete in {self.timeout:g} s") from None
+            raise DistTimeoutError(
+                f"rank {self.rank}: send to rank {dst} ({describe_key(key)}, {view.nbytes} bytes) did not complete in {self.timeout:g} s"
+            ) from None
         except DistNetworkError as exc:
             raise DistNetworkError(f"{exc} (during a send to rank {dst}, {describe_key(key)})") from exc
         if group in self._aborted:
@@ -500,7 +504,9 @@ class Transport:
     def _size_mismatch(self, recv: PostedRecv, header: FrameHeader) -> None:
         if not recv.fut.done():
             recv.fut.set_exception(
-                ValueError(f"rank {self.rank}: message from rank {header.source} ({describe_key(recv.key)}) is {header.length} bytes, the receive buffer {recv.dst.nbytes}")
+                ValueError(
+                    f"rank {self.rank}: message from rank {header.source} ({describe_key(recv.key)}) is {header.length} bytes, the receive buffer {recv.dst.nbytes}"
+                )
             )
 
     def _room_freed(self) -> None:
@@ -536,7 +542,11 @@ class Transport:
     def _complete_copy(self, recv: PostedRecv, data: memoryview, src: int) -> None:
         if recv.dst.nbytes != data.nbytes:
             if not recv.fut.done():
-                recv.fut.set_exception(ValueError(f"rank {self.rank}: message from rank {src} ({describe_key(recv.key)}) is {data.nbytes} bytes, the receive buffer {recv.dst.nbytes}"))
+                recv.fut.set_exception(
+                    ValueError(
+                        f"rank {self.rank}: message from rank {src} ({describe_key(recv.key)}) is {data.nbytes} bytes, the receive buffer {recv.dst.nbytes}"
+                    )
+                )
             return
         if data.nbytes:
             recv.dst[:] = np.frombuffer(data, np.uint8)
@@ -546,7 +556,9 @@ class Transport:
     def _consume(self, m: StagedMessage, dst: np.ndarray, key: Key) -> int:
         try:
             if m.data.nbytes != dst.nbytes:
-                raise ValueError(f"rank {self.rank}: message from rank {m.src} ({describe_key(key)}) is {m.data.nbytes} bytes, the receive buffer {dst.nbytes}")
+                raise ValueError(
+                    f"rank {self.rank}: message from rank {m.src} ({describe_key(key)}) is {m.data.nbytes} bytes, the receive buffer {dst.nbytes}"
+                )
             if dst.nbytes:
                 dst[:] = np.frombuffer(m.data, np.uint8)
             return m.src

@@ -520,7 +520,11 @@ class FrameDecoder:
             raise LocalProtocolError(f"eof_received() while {_describe(self._header)} waits for set_target(): set its target first")
         if st is _PAYLOAD:
             assert self._header is not None
-            raise self._fail(RemoteProtocolError(f"connection closed {self._got} of {self._header.length} bytes into the payload of {_describe(self._header)}"))
+            raise self._fail(
+                RemoteProtocolError(
+                    f"connection closed {self._got} of {self._header.length} bytes into the payload of {_describe(self._header)}"
+                )
+            )
         if st is _HEADER_ST and self._end > self._pos:
             raise self._fail(RemoteProtocolError(f"connection closed {self._end - self._pos} bytes into a {HEADER_SIZE}-byte frame header"))
 
@@ -580,7 +584,9 @@ class FrameDecoder:
             if kind is _DATA:
                 if length > lim.max_payload_bytes:
                     raise self._fail(
-                        RemoteProtocolError(f"{_describe(header)}: payload over the limit of {lim.max_payload_bytes} bytes (FrameLimits.max_payload_bytes)")
+                        RemoteProtocolError(
+                            f"{_describe(header)}: payload over the limit of {lim.max_payload_bytes} bytes (FrameLimits.max_payload_bytes)"
+                        )
                     )
                 if not length:
                     events.append(PayloadReceived(header, memoryview(bytearray())))
@@ -595,10 +601,18 @@ class FrameDecoder:
                 if self._hello is not None:
                     raise self._fail(RemoteProtocolError(f"second HELLO on the connection of rank {self._peer}"))
                 if length > lim.max_hello_bytes:
-                    raise self._fail(RemoteProtocolError(f"{_describe(header)}: over the limit of {lim.max_hello_bytes} bytes (FrameLimits.max_hello_bytes)"))
+                    raise self._fail(
+                        RemoteProtocolError(
+                            f"{_describe(header)}: over the limit of {lim.max_hello_bytes} bytes (FrameLimits.max_hello_bytes)"
+                        )
+                    )
             elif kind is _ABORT:
                 if length > lim.max_control_bytes:
-                    raise self._fail(RemoteProtocolError(f"{_describe(header)}: over the limit of {lim.max_control_bytes} bytes (FrameLimits.max_control_bytes)"))
+                    raise self._fail(
+                        RemoteProtocolError(
+                            f"{_describe(header)}: over the limit of {lim.max_control_bytes} bytes (FrameLimits.max_control_bytes)"
+                        )
+                    )
             elif length:
                 raise self._fail(RemoteProtocolError(f"{_describe(header)}: GOODBYE carries no payload"))
             self._header = header
