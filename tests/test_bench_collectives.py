@@ -95,6 +95,9 @@ def test_no_name_runs_collectives(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bench_main.importlib, "import_module", lambda name: seen.append(name) or Fake)
     assert bench_main.main([]) == 0
     assert seen == ["aiodist.bench.collectives", []]
+    seen.clear()
+    assert bench_main.main(["--compare", "torch", "--nproc", "4"]) == 0  # options first: still collectives
+    assert seen == ["aiodist.bench.collectives", ["--compare", "torch", "--nproc", "4"]]
 
 
 def test_help_lists_both_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,7 +20,7 @@ def usage() -> str:
     lines = [
         "usage: python -m aiodist.bench NAME [options]",
         "       python -m aiodist.bench NAME --help",
-        f"       python -m aiodist.bench            (runs {DEFAULT!r} with its defaults)",
+        f"       python -m aiodist.bench [options]  (runs {DEFAULT!r}: e.g. --compare torch)",
         "",
         "benchmarks:",
         *(f"  {name.ljust(width)}  {about}" for name, (_, about) in BENCHMARKS.items()),
@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     if args and args[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
-    name, rest = (args[0], args[1:]) if args else (DEFAULT, [])
+    # no name, or options first (``python -m aiodist.bench --compare torch``): the default benchmark
+    name, rest = (args[0], args[1:]) if args and not args[0].startswith("-") else (DEFAULT, args)
     if name not in BENCHMARKS:
         print(f"unknown benchmark {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
