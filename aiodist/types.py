@@ -53,12 +53,14 @@ import numbers
 import operator
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
 import numpy as np
 
 __all__ = [
+    "combiner",
     "ReduceOp",
     "RedOpType",
     "ReduceOpLike",
@@ -295,6 +297,8 @@ _UFUNCS: Final[dict[ReduceOp.RedOpType, np.ufunc]] = {
 }
 
 _NUMPY_DTYPES: Final[dict[str, np.dtype[Any]]] = {n: np.dtype(n) for n in DTYPES if n != "bfloat16"}
+#: native numpy dtypes -> their logical names (dtype_name's fast path)
+_NAME_OF_DTYPE: Final[dict[np.dtype[Any], str]] = {d: n for n, d in _NUMPY_DTYPES.items()}
 _UNSUPPORTED_HINT = "supported: " + ", ".join(DTYPES)
 
 
@@ -303,6 +307,12 @@ def dtype_name(dtype: object) -> str:
     ``TypeError`` if aiodist does not handle it."""
     if dtype is None:
         raise TypeError("not a dtype: None")
+    if type(dtype) is str and dtype in DTYPES:  # the hot path: a logical name already
+        return dtype
+    if isinstance(dtype, np.dtype):
+        cached = _NAME_OF_DTYPE.get(dtype)
+        if cached is not None:
+            return cached
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
         name = dtype.removeprefix("torch.")
     elif type(dtype).__module__.startswith("torch"):
@@ -570,6 +580,35 @@ def reduce_into(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any], op: Reduce
             _complex_multiply_into(dst, src)
         else:
             ufunc(dst, src, out=dst)
+
+
+def combiner(op: ReduceOpLike, dtype: str) -> Callable[[np.ndarray[Any, Any], np.ndarray[Any, Any]], None]:
+    """``reduce_into`` for one (op, logical dtype), checked once: the returned function does only
+    the elementwise work (the collectives call it once per received piece)."""
+    kind = _kind(op)
+    name = dtype_name(dtype)
+    check_reduce(kind, name)
+    if name == "bfloat16" or (kind is ReduceOp.RedOpType.PRODUCT and np.dtype(name).kind == "c"):
+
+        def slow(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
+            reduce_into(dst, src, kind, dtype=name)
+
+        return slow
+    ufunc = _UFUNCS[kind]
+    if np.dtype(name).kind in "biu":  # integer and bool ufuncs raise no floating-point warnings
+
+        def exact(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
+            _check_pair(dst, src)
+            ufunc(dst, src, out=dst)
+
+        return exact
+
+    def floating(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
+        _check_pair(dst, src)
+        with np.errstate(all="ignore"):
+            ufunc(dst, src, out=dst)
+
+    return floating
 
 
 def _complex_multiply_into(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:

@@ -629,3 +629,21 @@ async def test_argument_errors() -> None:
                 await big.send(0, np.zeros(11, np.uint8))
             finally:
                 await big.close()
+
+
+async def test_send_nowait_only_sends_what_needs_no_wait() -> None:
+    async with world(2) as (a, b):
+        x = np.arange(4, dtype=np.float64)
+        assert a.send_nowait(1, x, tag=1) is False  # not connected yet: nothing sent
+        assert a.send_nowait(0, x, tag=1) is False  # to self: use send
+        await a.connect()
+        assert a.send_nowait(1, x, tag=2) is True  # in the kernel already
+        assert a.send_nowait(1, np.zeros(1 << 17), tag=3) is False  # too big to try
+        got = np.empty(4)
+        assert await b.recv(0, got, tag=2) == 0
+        np.testing.assert_array_equal(got, x)
+        with pytest.raises(ValueError, match="not a rank|out of range|rank"):
+            a.send_nowait(7, x, tag=1)
+        await a.abort(5, "test")
+        with pytest.raises(DistBackendError):
+            a.send_nowait(1, x, group=5, tag=1)

@@ -115,6 +115,22 @@ async def _all(*aws: Coroutine[Any, Any, None]) -> None:
         raise first from (eg if len(eg.exceptions) > 1 else None)
 
 
+async def _exchange(p2p: P2P, to: int, out: np.ndarray, into: np.ndarray, tag: int, frm: int | None = None) -> None:
+    """Send ``out`` to ``to`` and receive ``into`` from ``frm`` (default: ``to``), concurrently.
+    A P2P with ``send_nowait`` (the socket transport's channel) may do the send at once, when the
+    bytes go straight into the kernel: then the receive is simply awaited, without a task (the
+    latency-bound schedules' common case)."""
+    src = to if frm is None else frm
+    nowait = getattr(p2p, "send_nowait", None)
+    sent = False if nowait is None else nowait(to, out, tag)
+    if sent is False:
+        await _all(p2p.send(to, out, tag), p2p.recv(src, into, tag))
+        return
+    await p2p.recv(src, into, tag)
+    if sent is not True:
+        await sent  # written, still draining: the caller may change ``out`` only after this
+
+
 class _Send(NamedTuple):
     peer: int
     buf: np.ndarray
@@ -389,7 +405,7 @@ async def _recursive_doubling(p2p: P2P, buf: np.ndarray, combine: Combine, f: sc
     for k, vpeer in enumerate(sch.rd_partners(f.vrank, f.pof2)):
         peer = sch.real_rank(vpeer, p2p.size)
         tag = _tag(_PH_STEPS + k, 0)
-        await _all(p2p.send(peer, cur, tag), p2p.recv(peer, other, tag))
+        await _exchange(p2p, peer, cur, other, tag)
         if f.vrank < vpeer:
             combine(cur, other)
         else:  # the partner's value goes first: combine into the received copy and keep that
@@ -596,4 +612,4 @@ async def barrier(p2p: P2P) -> None:
     empty messages (round k: to rank + 2**k, from rank - 2**k), for any size."""
     token, sink = np.empty(0, np.uint8), np.empty(0, np.uint8)
     for k, (to, frm) in enumerate(sch.dissemination_rounds(p2p.rank, p2p.size)):
-        await _all(p2p.send(to, token, k), p2p.recv(frm, sink, k))
+        await _exchange(p2p, to, token, sink, k, frm)

@@ -28,7 +28,7 @@ from aiodist.c10d._args import buf, bufs, check_async_op, group_root, same_dtype
 from aiodist.c10d.init import GroupArg, resolve_group
 from aiodist.c10d.work import Work
 from aiodist.errors import DistTimeoutError
-from aiodist.types import Buffer, ReduceOp, ReduceOpLike, check_reduce, finalize, premultiply, reduce_into, to_reduce_op
+from aiodist.types import Buffer, ReduceOp, ReduceOpLike, combiner, finalize, premultiply, to_reduce_op
 
 __all__ = [
     "broadcast",
@@ -51,6 +51,17 @@ __all__ = [
 ]
 
 _PREMUL = ReduceOp.RedOpType.PREMUL_SUM
+_AVG = ReduceOp.RedOpType.AVG
+
+
+def _premultiply(buf: np.ndarray, rop: ReduceOp, *, dtype: str) -> None:
+    if rop.op is _PREMUL:  # a no-op for every other op: skip its checks on the hot path
+        premultiply(buf, rop, dtype=dtype)
+
+
+def _finalize(buf: np.ndarray, rop: ReduceOp, n: int, *, dtype: str) -> None:
+    if rop.op is _AVG:
+        finalize(buf, rop, n, dtype=dtype)
 
 
 async def _finish(work: Work, async_op: bool) -> Work | None:
@@ -62,13 +73,7 @@ async def _finish(work: Work, async_op: bool) -> Work | None:
 
 def _reduction(op: object, b: Buffer) -> tuple[ReduceOp, Callable[[np.ndarray, np.ndarray], None]]:
     rop = to_reduce_op(op)
-    check_reduce(rop, b.dtype_name)
-    name = b.dtype_name
-
-    def combine(dst: np.ndarray, src: np.ndarray) -> None:
-        reduce_into(dst, src, rop, dtype=name)
-
-    return rop, combine
+    return rop, combiner(rop, b.dtype_name)  # checks the pair once, here, before anything is sent
 
 
 def _same_size(a: Buffer, size: int, what: str) -> None:
@@ -109,9 +114,9 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
     flat, name, n, th = b.flat, b.dtype_name, pg.size(), pg.thresholds
 
     async def body(p2p: P2P) -> None:
-        premultiply(flat, rop, dtype=name)
+        _premultiply(flat, rop, dtype=name)
         await alg.all_reduce(p2p, flat, combine, thresholds=th)
-        finalize(flat, rop, n, dtype=name)
+        _finalize(flat, rop, n, dtype=name)
 
     return await _finish(pg.issue("all_reduce", body, [tensor]), asy)
 
@@ -135,10 +140,10 @@ async def reduce(
 
     async def body(p2p: P2P) -> None:
         mine = flat if is_root or rop.op is not _PREMUL else flat.copy()
-        premultiply(mine, rop, dtype=name)
+        _premultiply(mine, rop, dtype=name)
         await alg.reduce(p2p, mine, root, combine, thresholds=th)
         if is_root:
-            finalize(mine, rop, n, dtype=name)
+            _finalize(mine, rop, n, dtype=name)
 
     return await _finish(pg.issue("reduce", body, [tensor]), asy)
 
@@ -300,9 +305,9 @@ def _issue_reduce_scatter(pg: Any, name: str, out: Buffer, parts: list[np.ndarra
         if rop.op is _PREMUL:
             mine = [p.copy() for p in parts]
             for p in mine:
-                premultiply(p, rop, dtype=dtype)
+                _premultiply(p, rop, dtype=dtype)
         await alg.reduce_scatter(p2p, out.flat, mine, combine, thresholds=th)
-        finalize(out.flat, rop, n, dtype=dtype)
+        _finalize(out.flat, rop, n, dtype=dtype)
 
     work: Work = pg.issue(name, body, [output])
     return work
@@ -422,9 +427,9 @@ async def all_reduce_coalesced(
 
     async def body(p2p: P2P) -> None:
         joined = np.concatenate(flats)
-        premultiply(joined, rop, dtype=name)
+        _premultiply(joined, rop, dtype=name)
         await alg.all_reduce(p2p, joined, combine, thresholds=th)
-        finalize(joined, rop, n, dtype=name)
+        _finalize(joined, rop, n, dtype=name)
         at = 0
         for f in flats:
             np.copyto(f, joined[at : at + f.size])

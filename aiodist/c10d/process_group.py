@@ -57,6 +57,14 @@ class _Tracked:
     async def recv(self, peer: int, buf: np.ndarray, tag: int) -> None:
         await self._track(self.waiting_recv, peer, self.inner.recv(peer, buf, tag))
 
+    def send_nowait(self, peer: int, buf: np.ndarray, tag: int) -> bool | asyncio.Future[None]:
+        """The inner P2P's ``send_nowait`` where it has one (False: use ``send``)."""
+        nowait = getattr(self.inner, "send_nowait", None)
+        if nowait is None:
+            return False
+        sent: bool | asyncio.Future[None] = nowait(peer, buf, tag)
+        return sent
+
     def describe_waiting(self) -> str:
         """The timeout message's tail: whom this op was still waiting on."""
         out = ""
@@ -104,6 +112,7 @@ class ProcessGroup:
         self.timeout_s = timeout_s
         self.group_name = name or str(group_id)
         self.group_desc = desc or ("default_pg" if group_id == 0 else f"group {group_id}")
+        self._described: tuple[str, str] | None = None
         self.thresholds: Thresholds = current()  # read once per group, the same on every rank
         self.seq = 0
         self.store: Store | None = store  # the World's store: used to explain a timeout
@@ -119,7 +128,10 @@ class ProcessGroup:
         return f"<ProcessGroup {self.describe()} rank {self._rank}/{len(self.ranks)}>"
 
     def describe(self) -> str:
-        return f"{self.group_desc} (id {self.group_id}, ranks {list(self.ranks)})"
+        d = self._described
+        if d is None or d[0] != self.group_desc:  # group_desc is settable; the rest is fixed
+            d = self._described = (self.group_desc, f"{self.group_desc} (id {self.group_id}, ranks {list(self.ranks)})")
+        return d[1]
 
     # -- torch's ProcessGroup queries -----------------------------------------------------------
 

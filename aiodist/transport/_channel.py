@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -54,6 +55,11 @@ class Channel:
 
     async def send(self, peer: int, buf: np.ndarray, tag: int) -> None:
         await self.transport.send(self._global(peer, tag), buf, group=self.group_id, seq=self.seq, tag=tag)
+
+    def send_nowait(self, peer: int, buf: np.ndarray, tag: int) -> bool | asyncio.Future[None]:
+        """Send now where it can be done without waiting (see ``Transport.send_nowait``): False
+        (nothing sent), True (sent), or a future to await before changing ``buf``."""
+        return self.transport.send_nowait(self._global(peer, tag), buf, group=self.group_id, seq=self.seq, tag=tag)
 
     async def recv(self, peer: int, buf: np.ndarray, tag: int) -> None:
         await self.transport.recv(self._global(peer, tag), buf, group=self.group_id, seq=self.seq, tag=tag)

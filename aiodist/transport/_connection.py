@@ -268,8 +268,20 @@ class Connection(asyncio.BufferedProtocol):
 
     # -- writing ---------------------------------------------------------------------------
 
+    def can_write_now(self) -> bool:
+        """Open, not paused, and nothing buffered: a small frame written now goes to the kernel."""
+        tr = self.transport
+        return self._error is None and tr is not None and not self._paused and not tr.is_closing() and tr.get_write_buffer_size() == 0
+
     async def send_frame(self, header: FrameHeader, payload: object | None, group: int | None) -> None:
         """Write one frame; return once all of it is in the kernel (see the module docstring)."""
+        fut = self.write_frame(header, payload, group)
+        if fut is not None:
+            await fut
+
+    def write_frame(self, header: FrameHeader, payload: object | None, group: int | None) -> asyncio.Future[None] | None:
+        """Write one frame now; None when all of it is already in the kernel, else a future that
+        resolves once it is (``send_frame`` without the coroutine, for the send fast path)."""
         if self._error is not None:
             raise self._error
         tr = self.transport
@@ -283,10 +295,10 @@ class Connection(asyncio.BufferedProtocol):
             tr.write(part)
         self.bytes_out += HEADER_SIZE + header.length
         if tr.get_write_buffer_size() == 0 and not self._paused:
-            return
-        fut = asyncio.get_running_loop().create_future()
+            return None
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._drain.append((group, fut))
-        await fut
+        return fut
 
     def fail_sends(self, group: int, err: BaseException) -> None:
         """Fail the sends of ``group`` waiting for the write buffer (their bytes may still go)."""

@@ -63,7 +63,13 @@ __all__ = ["Transport"]
 log = logging.getLogger("aiodist.transport")
 
 _CLOSE_WAIT = 2.0  # seconds close() waits for connections to finish closing
-_DIAL_GRACE = 0.05  # seconds a waiting receive gives its peer to connect before dialing it
+_DIAL_GRACE = 0.05
+_NOWAIT_MAX_BYTES = 64 * 1024  # send_nowait only tries messages this small (the kernel takes them at once)
+
+
+def _retrieve(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # seconds a waiting receive gives its peer to connect before dialing it
 
 
 class Transport:
@@ -89,7 +95,10 @@ class Transport:
         self._dialing: dict[int, asyncio.Task[Connection]] = {}
         self._watching: dict[int, asyncio.Task[None]] = {}
         self._order: dict[int, asyncio.Lock] = {}  # per peer: sends waiting for the connection, in call order
-        self._queued: dict[int, int] = {}  # per peer: how many sends wait in that line
+        self._queued: dict[int, int] = {}
+        self._lingering: set[asyncio.Future[None]] = (
+            set()
+        )  # send_nowait writes still draining  # per peer: how many sends wait in that line
         self.staged_total = 0  # messages ever staged (came before their receive)
         self._dead: dict[int, DistNetworkError] = {}
         self._aborted: dict[int, str] = {}
@@ -179,12 +188,24 @@ class Transport:
             self._deliver_self(key, view)
             return
         header = FrameHeader(FrameKind.DATA, group, seq, tag, self.rank, view.nbytes)
+        conn = self._send_conn.get(dst)
+        if conn is not None and not self._queued.get(dst):
+            # the fast path: connected and nobody waiting in line; most small sends end here,
+            # written straight into the kernel without arming a deadline
+            drained = self._write(conn, header, view, key, dst)
+            if drained is None:
+                return
+        else:
+            drained = None
         try:
             async with asyncio.timeout(self.timeout):
-                conn = self._send_conn.get(dst)
-                if conn is None or self._queued.get(dst):
-                    conn = await self._in_line(dst)
-                await conn.send_frame(header, view, group)  # writes in this step, before any suspension
+                if drained is not None:
+                    await drained
+                else:
+                    conn = self._send_conn.get(dst)
+                    if conn is None or self._queued.get(dst):
+                        conn = await self._in_line(dst)
+                    await conn.send_frame(header, view, group)  # writes in this step, before any suspension
         except TimeoutError:
             raise DistTimeoutError(
                 f"rank {self.rank}: send to rank {dst} ({describe_key(key)}, {view.nbytes} bytes) did not complete in {self.timeout:g} s"
@@ -193,6 +214,36 @@ class Transport:
             raise DistNetworkError(f"{exc} (during a send to rank {dst}, {describe_key(key)})") from exc
         if group in self._aborted:
             raise self._abort_error(key)
+
+    def _write(self, conn: Connection, header: FrameHeader, view: np.ndarray, key: Key, dst: int) -> asyncio.Future[None] | None:
+        try:
+            drained = conn.write_frame(header, view, key[0])
+        except DistNetworkError as exc:
+            raise DistNetworkError(f"{exc} (during a send to rank {dst}, {describe_key(key)})") from exc
+        if drained is None and key[0] in self._aborted:
+            raise self._abort_error(key)
+        return drained
+
+    def send_nowait(self, dst: int, buf: np.ndarray, *, group: int = 0, seq: int = 0, tag: int = 0) -> bool | asyncio.Future[None]:
+        """``send`` without waiting, where it can be done: False (nothing sent) when ``send`` would
+        have to wait for a connection or for earlier sends in line; True when the bytes are in the
+        kernel; a future when they were written but the kernel did not take them all at once: the
+        caller must await it before changing ``buf``."""
+        view = byte_view(buf)
+        self._check_peer(dst)
+        key = (group, seq, tag)
+        self._check_usable(key, dst)
+        if dst == self.rank or view.nbytes > min(self.limits.max_payload_bytes, _NOWAIT_MAX_BYTES):
+            return False
+        conn = self._send_conn.get(dst)
+        if conn is None or self._queued.get(dst) or not conn.can_write_now():
+            return False
+        header = FrameHeader(FrameKind.DATA, group, seq, tag, self.rank, view.nbytes)
+        drained = self._write(conn, header, view, key, dst)
+        if drained is None:
+            return True
+        drained.add_done_callback(_retrieve)  # awaited by the caller, unless its receive failed first
+        return drained
 
     async def recv(self, src: int | None, buf: np.ndarray, *, group: int = 0, seq: int = 0, tag: int = 0) -> int:
         """Receive message ``(group, seq, tag)`` from global rank ``src`` (None: from any rank)
