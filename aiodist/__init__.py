@@ -1,6 +1,6 @@
 """aiodist: the torch.distributed communication API, asyncio-native. Re-exports only."""
 
-from aiodist import collective_utils, elastic, model_averaging, multiprocessing
+from aiodist import collective_utils, debug, elastic, model_averaging, multiprocessing
 from aiodist.c10d import (
     NON_GROUP_MEMBER,
     SHRINK_ABORT,
@@ -67,6 +67,7 @@ from aiodist.c10d import (
     split_group,
     use_world,
 )
+from aiodist.debug import DebugLevel, get_debug_level, record_comm, set_debug_level, set_debug_level_from_env
 from aiodist.device_mesh import DeviceMesh, init_device_mesh
 from aiodist.errors import (
     DistBackendError,
@@ -85,6 +86,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "collective_utils",
+    "debug",
+    "DebugLevel",
+    "get_debug_level",
+    "record_comm",
+    "set_debug_level",
+    "set_debug_level_from_env",
     "elastic",
     "model_averaging",
     "multiprocessing",

@@ -54,6 +54,24 @@ _PREMUL = ReduceOp.RedOpType.PREMUL_SUM
 _AVG = ReduceOp.RedOpType.AVG
 
 
+_NO_META: dict[str, Any] = {"same": {}}
+
+
+def _t(b: Buffer) -> str:
+    """A tensor as the flight recorder and the desync check show it: ``float32[10, 2]``."""
+    return f"{b.dtype_name}{list(b.shape)}"
+
+
+def _opname(rop: ReduceOp) -> str:
+    return rop.op.name if rop.op is not _PREMUL else f"PREMUL_SUM({rop.factor})"
+
+
+def _meta(local: dict[str, Any] | None = None, **same: Any) -> dict[str, Any]:
+    """An op's description (ProcessGroup.issue's ``meta``): ``same`` is what every rank must agree
+    on (DETAIL compares it), ``local`` what may differ (uneven sizes): both are recorded."""
+    return {"same": same} if local is None else {"same": same, "local": local}
+
+
 def _premultiply(buf: np.ndarray, rop: ReduceOp, *, dtype: str) -> None:
     if rop.op is _PREMUL:  # a no-op for every other op: skip its checks on the hot path
         premultiply(buf, rop, dtype=dtype)
@@ -102,7 +120,7 @@ async def broadcast(
     async def body(p2p: P2P) -> None:
         await alg.broadcast(p2p, flat, root, thresholds=th)
 
-    return await _finish(pg.issue("broadcast", body, [tensor]), asy)
+    return await _finish(pg.issue("broadcast", body, [tensor], meta=_meta(tensor=_t(b), root=pg.ranks[root])), asy)
 
 
 async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False) -> Work | None:
@@ -118,7 +136,7 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
         await alg.all_reduce(p2p, flat, combine, thresholds=th)
         _finalize(flat, rop, n, dtype=name)
 
-    return await _finish(pg.issue("all_reduce", body, [tensor]), asy)
+    return await _finish(pg.issue("all_reduce", body, [tensor], meta=_meta(tensor=_t(b), op=_opname(rop))), asy)
 
 
 async def reduce(
@@ -145,7 +163,7 @@ async def reduce(
         if is_root:
             _finalize(mine, rop, n, dtype=name)
 
-    return await _finish(pg.issue("reduce", body, [tensor]), asy)
+    return await _finish(pg.issue("reduce", body, [tensor], meta=_meta(tensor=_t(b), op=_opname(rop), root=pg.ranks[root])), asy)
 
 
 # -- all_gather / gather / scatter -------------------------------------------------------------
@@ -164,7 +182,7 @@ async def all_gather(tensor_list: Sequence[Any], tensor: Any, group: GroupArg = 
     async def body(p2p: P2P) -> None:
         await alg.all_gather(p2p, flats, mine, thresholds=th)
 
-    return await _finish(pg.issue("all_gather", body, list(tensor_list)), asy)
+    return await _finish(pg.issue("all_gather", body, list(tensor_list), meta=_meta(dtype=inp.dtype_name, local={"input": _t(inp)})), asy)
 
 
 async def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: GroupArg = None, async_op: bool = False) -> Work | None:
@@ -190,7 +208,7 @@ async def _all_gather_one(op: str, output_tensor: Any, input_tensor: Any, group:
     async def body(p2p: P2P) -> None:
         await alg.all_gather(p2p, chunks, mine, thresholds=th)
 
-    return await _finish(pg.issue(op, body, [output_tensor]), asy)
+    return await _finish(pg.issue(op, body, [output_tensor], meta=_meta(output=_t(out), input=_t(inp))), asy)
 
 
 async def gather(
@@ -221,7 +239,10 @@ async def gather(
     async def body(p2p: P2P) -> None:
         await alg.gather(p2p, flats, mine, root)
 
-    return await _finish(pg.issue("gather", body, list(gather_list or [])), asy)
+    return await _finish(
+        pg.issue("gather", body, list(gather_list or []), meta=_meta(dtype=inp.dtype_name, root=pg.ranks[root], local={"input": _t(inp)})),
+        asy,
+    )
 
 
 async def scatter(
@@ -252,7 +273,9 @@ async def scatter(
     async def body(p2p: P2P) -> None:
         await alg.scatter(p2p, mine, flats, root)
 
-    return await _finish(pg.issue("scatter", body, [tensor]), asy)
+    return await _finish(
+        pg.issue("scatter", body, [tensor], meta=_meta(dtype=out.dtype_name, root=pg.ranks[root], local={"output": _t(out)})), asy
+    )
 
 
 # -- reduce_scatter / all_to_all / barrier -----------------------------------------------------
@@ -309,7 +332,7 @@ def _issue_reduce_scatter(pg: Any, name: str, out: Buffer, parts: list[np.ndarra
         await alg.reduce_scatter(p2p, out.flat, mine, combine, thresholds=th)
         _finalize(out.flat, rop, n, dtype=dtype)
 
-    work: Work = pg.issue(name, body, [output])
+    work: Work = pg.issue(name, body, [output], meta=_meta(output=_t(out), op=_opname(rop)))
     return work
 
 
@@ -385,7 +408,7 @@ def _issue_all_to_all(pg: Any, name: str, outs: list[np.ndarray], ins: list[np.n
     async def body(p2p: P2P) -> None:
         await alg.all_to_all(p2p, outs, ins, thresholds=th)
 
-    work: Work = pg.issue(name, body, outputs)
+    work: Work = pg.issue(name, body, outputs, meta=_meta(dtype=str(ins[0].dtype) if ins else "?"))
     return work
 
 
@@ -397,7 +420,7 @@ async def barrier(group: GroupArg = None, async_op: bool = False, device_ids: An
     async def body(p2p: P2P) -> None:
         await alg.barrier(p2p)
 
-    return await _finish(pg.issue("barrier", body, []), asy)
+    return await _finish(pg.issue("barrier", body, [], meta=_NO_META), asy)
 
 
 # -- coalesced ops ----------------------------------------------------------------------------
@@ -435,7 +458,7 @@ async def all_reduce_coalesced(
             np.copyto(f, joined[at : at + f.size])
             at += f.size
 
-    return await _finish(pg.issue("all_reduce_coalesced", body, list(ts)), asy)
+    return await _finish(pg.issue("all_reduce_coalesced", body, list(ts), meta=_meta(tensors=[_t(b) for b in bs], op=_opname(rop))), asy)
 
 
 def _is_torch_tensor(obj: object) -> bool:
@@ -488,7 +511,12 @@ async def all_gather_coalesced(
                 np.copyto(dst, chunks[r][at : at + dst.size])
                 at += dst.size
 
-    return await _finish(pg.issue("all_gather_coalesced", body, [list(row) for row in lists]), asy)
+    return await _finish(
+        pg.issue(
+            "all_gather_coalesced", body, [list(row) for row in lists], meta=_meta(count=len(ins), local={"inputs": [_t(b) for b in ins]})
+        ),
+        asy,
+    )
 
 
 # -- monitored_barrier --------------------------------------------------------------------------
@@ -538,4 +566,4 @@ async def monitored_barrier(group: GroupArg = None, timeout: TimeoutLike | None 
     # rank 0 decides at ``seconds``; the others wait a little longer, so that rank 0's verdict
     # (which names the late ranks) reaches them before their own deadline fires
     limit = seconds * 1.1 + 0.1 if pg.rank() == 0 else seconds * 1.25 + 0.5
-    await pg.issue("monitored_barrier", body, [], timeout_s=limit)
+    await pg.issue("monitored_barrier", body, [], timeout_s=limit, meta=_NO_META)

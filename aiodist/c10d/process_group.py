@@ -18,8 +18,10 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
@@ -30,6 +32,8 @@ from aiodist.algorithms.p2p import P2P
 from aiodist.algorithms.thresholds import Thresholds, current
 from aiodist.backends.base import CommBackend
 from aiodist.c10d.work import Work
+from aiodist.debug.levels import DebugLevel, get_debug_level
+from aiodist.debug.recorder import Entry, FlightRecorder, dump_on_timeout
 from aiodist.errors import DistBackendError, DistError, DistTimeoutError
 from aiodist.store.base import Store
 
@@ -89,6 +93,28 @@ class _Tracked:
         counter[peer] -= 1
 
 
+def _finished(entry: Entry, work: Work) -> None:
+    entry.t_done = time.time()
+    if entry.state == "timed out":
+        return
+    exc = work.exception()
+    if exc is None:
+        entry.state = "completed"
+    else:
+        entry.state, entry.error = "failed", str(exc)
+
+
+def _checked_body(pg: ProcessGroup, op: str, seq: int, meta: dict[str, Any] | None, body: Body) -> Body:
+    """DETAIL: the op's body, preceded by a comparison of the call across the group's ranks."""
+    from aiodist.debug.desync import check_fingerprint
+
+    async def checked(p2p: P2P) -> None:
+        await check_fingerprint(p2p, pg, op, seq, meta)
+        await body(p2p)
+
+    return checked
+
+
 class ProcessGroup:
     """A group of ranks. Made by ``init_process_group`` / ``new_group``, never directly."""
 
@@ -113,6 +139,11 @@ class ProcessGroup:
         self.group_name = name or str(group_id)
         self.group_desc = desc or ("default_pg" if group_id == 0 else f"group {group_id}")
         self._described: tuple[str, str] | None = None
+        self.recorder = FlightRecorder()
+        level = get_debug_level()
+        self.detail = level >= DebugLevel.DETAIL  # read once: a group keeps the level it was made at
+        if level >= DebugLevel.INFO:
+            log.info("rank %d: made %s, backend %s, timeout %g s", backend.rank, self.describe(), backend_name, timeout_s)
         self.thresholds: Thresholds = current()  # read once per group, the same on every rank
         self.seq = 0
         self.store: Store | None = store  # the World's store: used to explain a timeout
@@ -165,13 +196,16 @@ class ProcessGroup:
         if self.broken is not None:
             raise DistBackendError(f"{self.describe()} is unusable: {self.broken}; destroy it and create a new group")
 
-    def issue(self, op: str, body: Body, outputs: list[Any], *, timeout_s: float | None = None) -> Work:
+    def issue(self, op: str, body: Body, outputs: list[Any], *, timeout_s: float | None = None, meta: dict[str, Any] | None = None) -> Work:
         """Take the next sequence number, open the channel and start the op (no suspension).
-        ``timeout_s`` replaces the group's timeout for this op (monitored_barrier's own)."""
+        ``timeout_s`` replaces the group's timeout for this op (monitored_barrier's own).
+        ``meta`` describes the call for the flight recorder and DETAIL's desync check: its
+        ``"same"`` dict holds what every rank must agree on (dtype, shape, root, reduce op)."""
         self.check_usable()
         seq = self.seq
         self.seq += 1
-        return self._start(op, seq, self.ranks, body, outputs, None, timeout_s)
+        entry = self.recorder.issued(op, seq, "collective", meta, with_stack=self.detail)
+        return self._start(op, seq, self.ranks, body, outputs, None, timeout_s, entry, meta)
 
     def issue_p2p(
         self,
@@ -193,7 +227,8 @@ class ProcessGroup:
         ops = PeerOps(self.backend, self.group_id, self.ranks)
         work = Work(op, self.describe(), n, outputs, source_rank=-1 if receive else None)
         work.label = f"p2p seq {n}"
-        return self._launch(op, f"p2p seq {n} (tag {tag}, peers {list(peers)})", n, ops, body, work)
+        entry = self.recorder.issued(op, n, "p2p", {"tag": tag, "peers": list(peers)}, with_stack=self.detail)
+        return self._launch(op, f"p2p seq {n} (tag {tag}, peers {list(peers)})", n, ops, body, work, None, entry)
 
     def _start(
         self,
@@ -204,10 +239,14 @@ class ProcessGroup:
         outputs: list[Any],
         source_rank: int | None,
         timeout_s: float | None = None,
+        entry: Entry | None = None,
+        meta: dict[str, Any] | None = None,
     ) -> Work:
         p2p = _Tracked(self.backend.channel(self.group_id, seq, ranks), ranks)
         work = Work(op, self.describe(), seq, outputs, source_rank=source_rank)
-        return self._launch(op, f"seq {seq}", seq, p2p, body, work, timeout_s)
+        if self.detail:  # compare the call across ranks before running it (aiodist.debug.desync)
+            body = _checked_body(self, op, seq, meta, body)
+        return self._launch(op, f"seq {seq}", seq, p2p, body, work, timeout_s, entry)
 
     def _launch(
         self,
@@ -218,18 +257,30 @@ class ProcessGroup:
         body: Callable[[Any], Coroutine[Any, Any, None]],
         work: Work,
         timeout_s: float | None = None,
+        entry: Entry | None = None,
     ) -> Work:
         limit = self.timeout_s if timeout_s is None else timeout_s
         task = asyncio.get_running_loop().create_task(
-            self._run(op, label, tracker, body, work, limit), name=f"aiodist {op} {self.group_desc} {label}"
+            self._run(op, label, tracker, body, work, limit, entry), name=f"aiodist {op} {self.group_desc} {label}"
         )
         self._pending[task] = work
         task.add_done_callback(self._pending.pop)  # type: ignore[arg-type]
+        if entry is not None:
+            work.add_done_callback(functools.partial(_finished, entry))
         return work
 
     async def _run(
-        self, op: str, label: str, tracker: Any, body: Callable[[Any], Coroutine[Any, Any, None]], work: Work, limit: float
+        self,
+        op: str,
+        label: str,
+        tracker: Any,
+        body: Callable[[Any], Coroutine[Any, Any, None]],
+        work: Work,
+        limit: float,
+        entry: Entry | None = None,
     ) -> None:
+        if entry is not None:
+            entry.state, entry.t_started = "started", time.time()
         what = f"{op} on {self.describe()}, {label}"
         # a collective keeps the last part of its time to find out, through the store, which
         # rank the wait is really stuck on (see _diagnose)
@@ -250,6 +301,12 @@ class ProcessGroup:
             err: DistError = DistTimeoutError(msg)
             if isinstance(exc, DistError):  # the backend's own deadline came first: keep its words
                 err.__cause__ = exc
+            if entry is not None:
+                entry.state, entry.error = "timed out", msg
+            try:
+                dump_on_timeout()  # AIODIST_FR_DUMP_ON_TIMEOUT=1
+            except OSError as dump_err:
+                log.warning("rank %d: could not dump the flight recorder: %s", self.backend.rank, dump_err)
             work._fail(err)
             self._break(msg, err)
             return

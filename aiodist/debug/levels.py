@@ -1,0 +1,51 @@
+"""Debug levels: ``DebugLevel`` OFF / INFO / DETAIL, read from ``AIODIST_DEBUG`` (or torch's
+``TORCH_DISTRIBUTED_DEBUG``, an alias). The level is process-wide, as torch's is; groups read it
+when they are made (so a level set later applies to groups made later)."""
+
+from __future__ import annotations
+
+import enum
+import os
+
+__all__ = ["DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env"]
+
+
+class DebugLevel(enum.IntEnum):
+    OFF = 0
+    INFO = 1
+    DETAIL = 2
+
+
+_level = DebugLevel.OFF
+
+
+def _parse(value: str, var: str) -> DebugLevel:
+    try:
+        return DebugLevel[value.strip().upper()]
+    except KeyError:
+        raise ValueError(f"{var}={value!r}: expected OFF, INFO or DETAIL") from None
+
+
+def get_debug_level() -> DebugLevel:
+    return _level
+
+
+def set_debug_level(level: DebugLevel | str | int) -> None:
+    global _level
+    if isinstance(level, str):
+        _level = _parse(level, "debug level")
+    else:
+        _level = DebugLevel(level)
+
+
+def set_debug_level_from_env() -> None:
+    """``AIODIST_DEBUG``, else ``TORCH_DISTRIBUTED_DEBUG``, else OFF."""
+    for var in ("AIODIST_DEBUG", "TORCH_DISTRIBUTED_DEBUG"):
+        value = os.environ.get(var)
+        if value:
+            set_debug_level(_parse(value, var))
+            return
+    set_debug_level(DebugLevel.OFF)
+
+
+set_debug_level_from_env()
