@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -25,10 +26,13 @@ from aiodist.c10d.backend_registry import Backend, create_backend, is_backend_av
 from aiodist.c10d.process_group import ProcessGroup
 from aiodist.c10d.world import NON_GROUP_MEMBER, current_world, default_group
 from aiodist.constants import default_pg_timeout
+from aiodist.debug.levels import DebugLevel, get_debug_level
 from aiodist.errors import DistBackendError, DistTimeoutError
 from aiodist.rendezvous import rendezvous
 from aiodist.store.base import Store
 from aiodist.store.prefix import PrefixStore
+
+log = logging.getLogger("aiodist.c10d.init")
 
 __all__ = [
     "init_process_group",
@@ -189,6 +193,26 @@ async def init_process_group(
     pg = ProcessGroup(comm, str(name), 0, range(world_size), td.total_seconds(), name=group_name or "0", desc="default_pg", store=store)
     world.groups[0] = pg
     world.default_pg = pg
+    if get_debug_level() >= DebugLevel.INFO:
+        log.info(
+            "rank %d: init_process_group: backend %s, world size %d, timeout %g s, %s, transport: %s",
+            rank,
+            name,
+            world_size,
+            td.total_seconds(),
+            f"rendezvous {init_method or 'env://'}" if owned is not None else f"store {type(store).__name__}",
+            _transport_desc(comm),
+        )
+
+
+def _transport_desc(comm: Any) -> str:
+    """What the backend listens on, for the INFO log: the socket transport's TCP address and
+    whether it has an abstract Unix socket (peers on the same host use it), or the backend's kind."""
+    address = getattr(getattr(comm, "transport", None), "address", None)
+    if address is None:
+        return f"in-process ({type(comm).__name__})"
+    unix = "Unix socket for same-host peers, " if getattr(address, "unix", None) else ""
+    return f"{unix}TCP {address.host}:{address.port} for the others"
 
 
 def is_initialized() -> bool:

@@ -142,6 +142,8 @@ class ProcessGroup:
         self.recorder = FlightRecorder()
         level = get_debug_level()
         self.detail = level >= DebugLevel.DETAIL  # read once: a group keeps the level it was made at
+        # INFO: per-op-name tallies for the summary logged when the group ends (None at OFF: no cost)
+        self._op_stats: dict[str, list[float]] | None = {} if level >= DebugLevel.INFO else None
         if level >= DebugLevel.INFO:
             log.info("rank %d: made %s, backend %s, timeout %g s", backend.rank, self.describe(), backend_name, timeout_s)
         self.thresholds: Thresholds = current()  # read once per group, the same on every rank
@@ -267,7 +269,39 @@ class ProcessGroup:
         task.add_done_callback(self._pending.pop)  # type: ignore[arg-type]
         if entry is not None:
             work.add_done_callback(functools.partial(_finished, entry))
+        if self._op_stats is not None:
+            work.add_done_callback(functools.partial(self._tally, op, time.perf_counter()))
         return work
+
+    def _tally(self, op: str, t0: float, work: Work) -> None:
+        """INFO: count the op (completed / failed) and its time from issue to end."""
+        assert self._op_stats is not None
+        row = self._op_stats.setdefault(op, [0, 0, 0.0])
+        row[0 if not work.cancelled() and work.exception() is None else 1] += 1
+        row[2] += time.perf_counter() - t0
+
+    def _log_summary(self) -> None:
+        """INFO: one line at the end of the group's life: ops completed / failed by name, and
+        their total time (issue to end, summed over ops; concurrent ops overlap)."""
+        stats = self._op_stats
+        if stats is None:
+            return
+        self._op_stats = None  # once
+        done = sum(int(r[0]) for r in stats.values())
+        failed = sum(int(r[1]) for r in stats.values())
+        total = sum(r[2] for r in stats.values())
+        parts = ", ".join(
+            f"{op} {int(r[0])}" + (f" (+{int(r[1])} failed)" if r[1] else "") + f" {r[2] * 1e3:.1f} ms" for op, r in sorted(stats.items())
+        )
+        log.info(
+            "rank %d: %s ends: %d ops completed, %d failed, %.1f ms in ops%s",
+            self.backend.rank,
+            self.describe(),
+            done,
+            failed,
+            total * 1e3,
+            f": {parts}" if parts else "",
+        )
 
     async def _run(
         self,
@@ -412,3 +446,4 @@ class ProcessGroup:
                 w.exception()  # torn down on purpose: not an error nobody looked at
         if tasks:
             await asyncio.wait(tasks)
+        self._log_summary()

@@ -55,21 +55,34 @@ def _decode(buf: np.ndarray) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"op": "?", "seq": -1, "same": {}}
 
 
+def _sides(ranks: list[int], values: list[str], verb: str) -> str:
+    """``rank 0 has X, rank 1 has Y``; ranks that agree are listed together (``ranks [0, 2] has
+    X`` reads badly, so the verb is given in both numbers: "has"/"have", "called"/"called")."""
+    groups: dict[str, list[int]] = {}
+    for r, v in zip(ranks, values, strict=True):
+        groups.setdefault(v, []).append(r)
+    if len(groups) == len(values):
+        return ", ".join(f"rank {r} {verb} {v}" for r, v in zip(ranks, values, strict=True))
+    plural = {"has": "have"}.get(verb, verb)
+    return ", ".join(f"rank {rs[0]} {verb} {v}" if len(rs) == 1 else f"ranks {rs} {plural} {v}" for v, rs in groups.items())
+
+
 def describe_mismatch(fps: list[dict[str, Any]], ranks: list[int], desc: str) -> str | None:
     """The message for fingerprints that disagree (None when they all agree); ``ranks`` are the
-    global ranks of the fingerprints' senders."""
+    global ranks of the fingerprints' senders. Ranks that agree with each other are grouped
+    (``ranks [0, 1, 2] called all_reduce, rank 3 called broadcast``)."""
     ops = [(fp.get("op"), fp.get("seq")) for fp in fps]
     if len(set(ops)) > 1:
         seq = fps[0].get("seq")
-        parts = [f"rank {r} called {op} (seq {s})" if s != seq else f"rank {r} called {op}" for r, (op, s) in zip(ranks, ops, strict=True)]
-        return f"seq {seq} on group '{desc}': " + ", ".join(parts)
+        values = [f"{op} (seq {s})" if s != seq else str(op) for op, s in ops]
+        return f"seq {seq} on group '{desc}': " + _sides(ranks, values, "called")
     op, seq = ops[0]
     keys = sorted({k for fp in fps for k in fp.get("same", {})})
     for k in keys:
         values = [fp.get("same", {}).get(k) for fp in fps]
         if len({json.dumps(v, sort_keys=True, default=str) for v in values}) > 1:
-            parts = [f"rank {r} has {k} {v}" for r, v in zip(ranks, values, strict=True)]
-            return f"{op} seq {seq} on group '{desc}': " + ", ".join(parts)
+            shown = [f"{k} {v}" for v in values]
+            return f"{op} seq {seq} on group '{desc}': " + _sides(ranks, shown, "has")
     return None
 
 
