@@ -37,21 +37,12 @@ from aiodist.algorithms import thresholds as thr
 
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17]
 DTYPES = [np.float64, np.float32, np.int64]
-HUGE = 1 << 62
 
 # Every latency-bound schedule / every bandwidth-bound one, the latter in tiny pieces (so even
 # small arrays travel as many pipelined messages) / all_reduce's middle path.
-SMALL = Thresholds(HUGE, HUGE, HUGE, HUGE, HUGE, HUGE, 1 << 20)
-LARGE = Thresholds(
-    broadcast_tree_max=-1,
-    allreduce_rd_max=-1,
-    allreduce_ring_min=0,
-    allgather_bruck_max=-1,
-    reduce_scatter_direct_max=-1,
-    alltoall_burst_max=-1,
-    pipeline_piece=24,
-)
-MIDDLE = Thresholds(allreduce_rd_max=-1, allreduce_ring_min=HUGE, pipeline_piece=24)
+SMALL = Thresholds.latency_bound()
+LARGE = Thresholds.bandwidth_bound(24)
+MIDDLE = Thresholds.halving(24)
 PATHS = {"small": SMALL, "large": LARGE}
 ALLREDUCE_PATHS = {"rd": SMALL, "halving": MIDDLE, "ring": LARGE}
 
@@ -398,16 +389,8 @@ async def test_several_ops_in_flight_at_once() -> None:
 async def test_no_deadlock_on_a_transport_that_holds_nothing(capacity: int) -> None:
     # capacity 0: a send completes only once its receive is posted (a rendezvous); pieces of 8
     # bytes make every pipelined schedule send many messages down each channel
-    tiny = Thresholds(
-        broadcast_tree_max=-1,
-        allreduce_rd_max=-1,
-        allreduce_ring_min=0,
-        allgather_bruck_max=-1,
-        reduce_scatter_direct_max=-1,
-        alltoall_burst_max=-1,
-        pipeline_piece=8,
-    )
-    middle = Thresholds(allreduce_rd_max=-1, allreduce_ring_min=HUGE, pipeline_piece=8)
+    tiny = Thresholds.bandwidth_bound(8)
+    middle = Thresholds.halving(8)
     for n in (2, 3, 5, 8):
         m = 3 * n + 2
         xs = [np.arange(m, dtype=np.float64) + r for r in range(n)]

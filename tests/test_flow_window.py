@@ -19,7 +19,7 @@ from aiodist.transport import Transport
 
 PIECE = 2 * _AHEAD_MIN_BYTES  # bytes: the schedules split evenly, so pieces come out a little under this
 HUGE = 1 << 62
-RING = Thresholds(
+RING = Thresholds(  # as bandwidth_bound(PIECE), but all_to_all keeps its default (burst for small totals)
     broadcast_tree_max=-1,
     allreduce_rd_max=-1,
     allreduce_ring_min=0,
@@ -27,7 +27,7 @@ RING = Thresholds(
     reduce_scatter_direct_max=-1,
     pipeline_piece=PIECE,
 )
-HALVING = Thresholds(allreduce_rd_max=-1, allreduce_ring_min=HUGE, pipeline_piece=PIECE)
+HALVING = Thresholds.halving(PIECE)
 TREE = Thresholds(broadcast_tree_max=HUGE, pipeline_piece=PIECE)
 M = 5 * PIECE // 4 * 3 + 7  # float32 elements: several pieces per chunk, uneven
 

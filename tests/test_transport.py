@@ -41,18 +41,9 @@ from aiodist.wire.frame import FrameHeader, FrameKind
 
 pytestmark = pytest.mark.timeout(60)
 
-HUGE = 1 << 62
-SMALL = Thresholds(HUGE, HUGE, HUGE, HUGE, HUGE, HUGE, 1 << 20)
-LARGE = Thresholds(
-    broadcast_tree_max=-1,
-    allreduce_rd_max=-1,
-    allreduce_ring_min=0,
-    allgather_bruck_max=-1,
-    reduce_scatter_direct_max=-1,
-    alltoall_burst_max=-1,
-    pipeline_piece=64,
-)
-MIDDLE = Thresholds(allreduce_rd_max=-1, allreduce_ring_min=HUGE, pipeline_piece=64)
+SMALL = Thresholds.latency_bound()
+LARGE = Thresholds.bandwidth_bound(64)
+MIDDLE = Thresholds.halving(64)
 
 
 async def start(n: int, store: Store | None = None, *, token: str = "job", timeout: float = 10, **kw: Any) -> list[Transport]:

@@ -69,6 +69,23 @@ class Thresholds:
         if self.pipeline_piece < 1:
             raise ValueError(f"pipeline_piece must be at least 1 byte, got {self.pipeline_piece}")
 
+    @classmethod
+    def latency_bound(cls, pipeline_piece: int = 1 * MiB) -> Thresholds:
+        """Every op on its small-message schedule, whatever the size (for tests and benchmarks)."""
+        huge = 1 << 62
+        return cls(huge, huge, huge, huge, huge, huge, pipeline_piece)
+
+    @classmethod
+    def bandwidth_bound(cls, pipeline_piece: int) -> Thresholds:
+        """Every op on its pipelined (ring, chain, pairwise) schedule, in pieces of
+        ``pipeline_piece`` bytes, whatever the size."""
+        return cls(-1, -1, 0, -1, -1, -1, pipeline_piece)
+
+    @classmethod
+    def halving(cls, pipeline_piece: int) -> Thresholds:
+        """all_reduce on recursive halving/doubling at every size; the others as by default."""
+        return cls(allreduce_rd_max=-1, allreduce_ring_min=1 << 62, pipeline_piece=pipeline_piece)
+
     def piece_elems(self, itemsize: int) -> int:
         """Pipelining piece in elements of ``itemsize`` bytes (at least one)."""
         return max(1, self.pipeline_piece // max(1, itemsize))

@@ -28,7 +28,7 @@ from aiodist.algorithms.p2p import LocalP2P, LocalWorld, byte_view
 from aiodist.backends.base import P2P_SEQ, CommBackend
 from aiodist.errors import DistBackendError
 from aiodist.store.base import Store
-from aiodist.transport._mailbox import Mailbox, PostedRecv, StagedMessage, describe_key
+from aiodist.transport._mailbox import Mailbox, PostedRecv, StagedMessage, consume, describe_key
 
 __all__ = ["MemoryBackend", "MemoryHub", "create_memory_backend"]
 
@@ -126,12 +126,7 @@ class MemoryBackend(CommBackend):
         box = self.hub.mailboxes[self.rank]
         m = box.take_staged(key, src)
         if m is not None:
-            if m.data.nbytes != dst.nbytes:
-                raise ValueError(
-                    f"rank {self.rank}: message from rank {m.src} ({describe_key(key)}) is {m.data.nbytes} bytes, the receive buffer {dst.nbytes}"
-                )
-            dst[:] = np.frombuffer(m.data, np.uint8)
-            return m.src
+            return consume(m, dst, key, self.rank)
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         recv = PostedRecv(key, src, dst, fut)
         box.post(recv)

@@ -56,6 +56,21 @@ class StagedMessage:
     release: Callable[[int], None] = field(default=lambda n: None)
 
 
+def consume(m: StagedMessage, dst: np.ndarray, key: Key, rank: int) -> int:
+    """Copy staged message ``m`` into receive buffer ``dst`` (flat uint8) and release its bytes;
+    returns its source. ``ValueError`` (naming ``rank``, the receiver) when the sizes differ."""
+    try:
+        if m.data.nbytes != dst.nbytes:
+            raise ValueError(
+                f"rank {rank}: message from rank {m.src} ({describe_key(key)}) is {m.data.nbytes} bytes, the receive buffer {dst.nbytes}"
+            )
+        if dst.nbytes:
+            dst[:] = np.frombuffer(m.data, np.uint8)
+        return m.src
+    finally:
+        m.release(m.data.nbytes)
+
+
 class Mailbox:
     """Posted receives and staged messages of one transport."""
 

@@ -55,7 +55,7 @@ from aiodist.store.base import Store
 from aiodist.transport._address import PeerAddress, address_key, host_id, listen_tcp, unix_name
 from aiodist.transport._channel import Channel
 from aiodist.transport._connection import Connection
-from aiodist.transport._mailbox import Key, Mailbox, PostedRecv, StagedMessage, describe_key
+from aiodist.transport._mailbox import Key, Mailbox, PostedRecv, StagedMessage, consume, describe_key
 from aiodist.wire.frame import FrameHeader, FrameKind, FrameLimits, Hello, abort_frame
 
 __all__ = ["Transport"]
@@ -605,16 +605,7 @@ class Transport:
             recv.fut.set_result(src)
 
     def _consume(self, m: StagedMessage, dst: np.ndarray, key: Key) -> int:
-        try:
-            if m.data.nbytes != dst.nbytes:
-                raise ValueError(
-                    f"rank {self.rank}: message from rank {m.src} ({describe_key(key)}) is {m.data.nbytes} bytes, the receive buffer {dst.nbytes}"
-                )
-            if dst.nbytes:
-                dst[:] = np.frombuffer(m.data, np.uint8)
-            return m.src
-        finally:
-            m.release(m.data.nbytes)
+        return consume(m, dst, key, self.rank)
 
     def _deliver_self(self, key: Key, view: np.ndarray) -> None:
         recv = self._mailbox.match(key, self.rank)
