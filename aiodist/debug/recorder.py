@@ -10,14 +10,17 @@ JSON-able dict; ``AIODIST_FR_DUMP_ON_TIMEOUT=1`` dumps automatically when an op 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import json
+import linecache
 import os
+import sys
 import time
-import traceback
 from collections import deque
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 __all__ = [
@@ -28,12 +31,49 @@ __all__ = [
     "dump_flight_recorder",
     "buffer_size",
     "FORMAT_VERSION",
+    "user_stack",
 ]
 
 FORMAT_VERSION = 1
 _DEFAULT_SIZE = 2000
 
 _COMM_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("aiodist_record_comm", default=None)
+
+
+_AIODIST_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_ASYNCIO_DIR = os.path.dirname(os.path.abspath(asyncio.__file__)) + os.sep
+STACK_LIMIT = 16
+
+
+def user_stack(limit: int = STACK_LIMIT, frame: FrameType | None = None) -> list[str]:
+    """The issuing coroutine's chain of user frames, outermost first, as
+    ``"file:line in func: source"``: aiodist's own frames (the API call, issue, the recorder) are
+    dropped, and the walk stops at asyncio's (the task's step, the loop), which are the same for
+    every op. A coroutine's frame links to the coroutine that awaits it, so this is the await
+    chain of the issuing task, down from its outermost coroutine."""
+    f = sys._getframe(1) if frame is None else frame
+    out: list[str] = []
+    while f is not None and len(out) < limit:
+        name = f.f_code.co_filename
+        if name.startswith(_ASYNCIO_DIR):
+            break  # the task boundary: the rest is the event loop
+        if not name.startswith(_AIODIST_DIR):
+            line = linecache.getline(name, f.f_lineno).strip()
+            out.append(f"{name}:{f.f_lineno} in {f.f_code.co_name}" + (f": {line}" if line else ""))
+        f = f.f_back
+    task = asyncio.current_task() if _running_loop() else None
+    if task is not None:
+        out.append(f"task {task.get_name()!r}")
+    out.reverse()
+    return out
+
+
+def _running_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def buffer_size() -> int:
@@ -116,7 +156,7 @@ class FlightRecorder:
     def issued(self, op: str, seq: int, kind: str, meta: dict[str, Any] | None, *, with_stack: bool = False) -> Entry | None:
         if not self.size:
             return None
-        stack = traceback.format_stack(limit=12)[:-3] if with_stack else None
+        stack = user_stack() if with_stack else None
         e = Entry(self.recorded, op, seq, kind, meta, stack)
         self.recorded += 1
         self.entries.append(e)
@@ -145,6 +185,7 @@ def dump_flight_recorder(path: str | os.PathLike[str] | None = None) -> dict[str
                 "ranks": list(g.ranks),
                 "group_rank": g.rank(),
                 "seq": g.seq,
+                "p2p_seq": g.p2p_seq,
                 "completed": g.completed,
                 "broken": g.broken,
                 "timeout_s": g.timeout_s,
