@@ -51,7 +51,7 @@ def user_stack(limit: int = STACK_LIMIT, frame: FrameType | None = None) -> list
     dropped, and the walk stops at asyncio's (the task's step, the loop), which are the same for
     every op. A coroutine's frame links to the coroutine that awaits it, so this is the await
     chain of the issuing task, down from its outermost coroutine."""
-    f = sys._getframe(1) if frame is None else frame
+    f: FrameType | None = sys._getframe(1) if frame is None else frame
     out: list[str] = []
     while f is not None and len(out) < limit:
         name = f.f_code.co_filename
