@@ -5,6 +5,7 @@ group's timeout, with each side in the message (docs/debugging.md)."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 import aiodist as dist
-from aiodist.debug import DebugLevel, desync, get_debug_level, set_debug_level, set_debug_level_from_env
+from aiodist.debug import DebugLevel, desync, get_debug_level, logs, set_debug_level, set_debug_level_from_env
 from aiodist.testing.world import run_world
 
 PG_TIMEOUT = 30.0  # the group's timeout: a mismatch must be caught far sooner
@@ -214,3 +215,81 @@ async def test_info_logs_group_life(caplog: pytest.LogCaptureFixture) -> None:
     text = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith("aiodist"))
     assert "made default_pg" in text
     assert "all_reduce 3" in text and "broadcast 1" in text, text
+
+
+# -- logging: AIODIST_LOG_LEVEL / TORCH_CPP_LOG_LEVEL and torch's matrix --------------------------
+
+
+@pytest.fixture
+def aiodist_logger(monkeypatch: pytest.MonkeyPatch) -> Iterator[logging.Logger]:
+    logger = logging.getLogger("aiodist")
+    level, handlers = logger.level, list(logger.handlers)
+    for var in logs.LOG_LEVEL_VARS:
+        monkeypatch.delenv(var, raising=False)
+    yield logger
+    for var in logs.LOG_LEVEL_VARS:
+        os.environ.pop(var, None)  # (monkeypatch restores them after this)
+    logs.configure_logging(None)  # forget the applied level before the debug level is restored
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
+
+
+@pytest.mark.parametrize(
+    ("log_level", "debug", "want"),
+    [
+        ("ERROR", "DETAIL", logging.ERROR),
+        ("WARNING", "INFO", logging.WARNING),
+        ("INFO", "OFF", logging.INFO),
+        ("INFO", "INFO", logging.DEBUG),
+        ("INFO", "DETAIL", logs.TRACE),
+        ("FATAL", "OFF", logging.CRITICAL),
+        ("debug", "OFF", logging.DEBUG),
+    ],
+)
+def test_log_level_matrix(log_level: str, debug: str, want: int, aiodist_logger: logging.Logger, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert logs.effective_log_level(log_level, DebugLevel[debug]) == want
+    set_debug_level(debug)
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", log_level)  # torch's name is an alias
+    assert logs.configure_logging() == want
+    assert aiodist_logger.level == want
+    assert logging.getLogger("aiodist.c10d").getEffectiveLevel() == want  # the whole tree
+
+
+def test_log_level_env(aiodist_logger: logging.Logger, monkeypatch: pytest.MonkeyPatch) -> None:
+    aiodist_logger.setLevel(logging.NOTSET)
+    set_debug_level("OFF")
+    assert logs.configure_logging() is None  # nothing set: left alone
+    assert aiodist_logger.level == logging.NOTSET
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "ERROR")
+    monkeypatch.setenv("AIODIST_LOG_LEVEL", "INFO")  # aiodist's own name wins
+    assert logs.configure_logging() == logging.INFO
+    set_debug_level("DETAIL")  # the matrix follows the debug level
+    assert aiodist_logger.level == logs.TRACE
+    set_debug_level("INFO")
+    assert aiodist_logger.level == logging.DEBUG
+    monkeypatch.setenv("AIODIST_LOG_LEVEL", "chatty")
+    with pytest.raises(ValueError, match="AIODIST_LOG_LEVEL='chatty'"):
+        logs.configure_logging()
+
+
+def test_bad_log_level_at_import_warns(monkeypatch: pytest.MonkeyPatch, aiodist_logger: logging.Logger) -> None:
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "bogus")
+    with pytest.warns(RuntimeWarning, match="TORCH_CPP_LOG_LEVEL='bogus'"):
+        logs.configure_logging_at_import()
+
+
+async def test_detail_and_info_trace_logs(caplog: pytest.LogCaptureFixture, aiodist_logger: logging.Logger) -> None:
+    set_debug_level("DETAIL")
+    logs.configure_logging("INFO")  # + DETAIL: trace
+    assert aiodist_logger.level == logs.TRACE
+
+    async def fn(rank: int) -> None:
+        await dist.all_reduce(_f32(2))
+
+    with caplog.at_level(logs.TRACE, logger="aiodist"):
+        await run_world(2, fn, pg_timeout=PG_TIMEOUT)
+    by_level = {(r.levelname, r.name) for r in caplog.records}
+    assert ("TRACE", "aiodist.debug.desync") in by_level
+    assert ("DEBUG", "aiodist.c10d") in by_level  # the per-op line of an INFO (or DETAIL) group
+    assert ("INFO", "aiodist.c10d.init") in by_level
+    assert all(r.name.startswith("aiodist.") for r in caplog.records if r.name.startswith("aiodist"))

@@ -275,10 +275,23 @@ class ProcessGroup:
 
     def _tally(self, op: str, t0: float, work: Work) -> None:
         """INFO: count the op (completed / failed) and its time from issue to end."""
-        assert self._op_stats is not None
+        if self._op_stats is None:  # ended during the group's shutdown, after its summary
+            return
         row = self._op_stats.setdefault(op, [0, 0, 0.0])
-        row[0 if not work.cancelled() and work.exception() is None else 1] += 1
-        row[2] += time.perf_counter() - t0
+        ok = not work.cancelled() and work.exception() is None
+        row[0 if ok else 1] += 1
+        took = time.perf_counter() - t0
+        row[2] += took
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "rank %d: %s on %s, %s: %s in %.3f ms",
+                self.backend.rank,
+                op,
+                self.group_desc,
+                work.label,
+                "completed" if ok else "failed",
+                took * 1e3,
+            )
 
     def _log_summary(self) -> None:
         """INFO: one line at the end of the group's life: ops completed / failed by name, and

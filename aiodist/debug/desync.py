@@ -13,6 +13,7 @@ reserved tag, so no other op's messages can be taken by mistake.
 from __future__ import annotations
 
 import json
+import logging
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,7 +24,10 @@ from aiodist.errors import DistBackendError
 if TYPE_CHECKING:
     from aiodist.c10d.process_group import ProcessGroup
 
-__all__ = ["check_fingerprint", "DesyncError", "FINGERPRINT_BYTES", "FINGERPRINT_TAG"]
+__all__ = ["check_fingerprint", "describe_mismatch", "DesyncError", "FINGERPRINT_BYTES", "FINGERPRINT_TAG"]
+
+log = logging.getLogger("aiodist.debug.desync")
+_TRACE = 5  # aiodist.debug.logs.TRACE
 
 FINGERPRINT_BYTES = 2048
 FINGERPRINT_TAG = TAG_LIMIT - 1  # the schedules' tags stay far below
@@ -105,3 +109,5 @@ async def check_fingerprint(p2p: P2P, pg: ProcessGroup, op: str, seq: int, meta:
     msg = describe_mismatch(fps, list(pg.ranks), pg.group_desc)
     if msg is not None:
         raise DesyncError(f"desync detected (AIODIST_DEBUG=DETAIL): {msg}")
+    if log.isEnabledFor(_TRACE):
+        log.log(_TRACE, "rank %d: %s seq %d on group '%s': %d ranks agree on %s", pg.backend.rank, op, seq, pg.group_desc, n, mine["same"])

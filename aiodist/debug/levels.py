@@ -31,11 +31,20 @@ def get_debug_level() -> DebugLevel:
 
 
 def set_debug_level(level: DebugLevel | str | int) -> None:
+    """Set the process-wide debug level (a ``DebugLevel``, its name, or 0-2); groups made from now
+    on use it, groups that exist keep theirs. A bad value is a ``ValueError``. The ``aiodist``
+    loggers' level follows where it was set from ``AIODIST_LOG_LEVEL`` (aiodist.debug.logs)."""
     global _level
     if isinstance(level, str):
         _level = _parse(level, "debug level")
     else:
-        _level = DebugLevel(level)
+        try:
+            _level = DebugLevel(level)
+        except ValueError:
+            raise ValueError(f"debug level {level!r}: expected OFF, INFO or DETAIL (0, 1, 2)") from None
+    from aiodist.debug import logs  # the log level depends on the debug level (torch's matrix)
+
+    logs._refresh()
 
 
 def set_debug_level_from_env() -> None:
@@ -49,3 +58,12 @@ def set_debug_level_from_env() -> None:
 
 
 set_debug_level_from_env()
+
+
+def _configure_logging() -> None:
+    from aiodist.debug.logs import configure_logging_at_import
+
+    configure_logging_at_import()
+
+
+_configure_logging()  # AIODIST_LOG_LEVEL / TORCH_CPP_LOG_LEVEL, with the level just read
