@@ -1,0 +1,345 @@
+"""The debug server's handlers: each one knows how to take one kind of snapshot of a rank (its
+``dump``), how to combine the ranks' snapshots on the frontend (``aggregate``) and how to show
+them (``html``). The built-ins: ``health``, ``stacks``, ``fr_trace`` (flight recorders plus the
+analyzer's verdict) and ``tcpstore`` (the store's keys and value sizes, read once, on rank 0).
+
+A handler's ``dump`` runs inside the rank's World (``aiodist.c10d.world.current_world()`` is that
+rank's), on the rank's own event loop; it must be quick and must not wait on other ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import linecache
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from aiodist.c10d.world import current_world
+from aiodist.debug.analyze import analyze, format_report
+
+__all__ = ["DebugHandler", "HealthHandler", "StacksHandler", "FlightRecorderHandler", "StoreHandler", "default_handlers", "task_stack"]
+
+#: a task stack walks at most this many awaits
+_MAX_DEPTH = 64
+#: the store handler lists at most this many keys
+MAX_KEYS = 2000
+
+
+def _esc(x: object) -> str:
+    return html.escape(str(x), quote=True)
+
+
+class DebugHandler:
+    """A pluggable piece of the debug server.
+
+    ``name`` names the handler, its frontend route (``/<name>``) and its periodic dump file
+    (``<name>_rank<N>.json`` in ``dump_dir``). ``scope`` is ``"rank"`` (``dump`` runs on every
+    rank's worker and the frontend gathers them) or ``"job"`` (``dump`` runs once, on rank 0: for
+    what every rank would see alike, such as the store). Override ``dump`` (required), and
+    optionally ``aggregate`` and ``html``.
+    """
+
+    name: str = ""
+    title: str = ""
+    scope: str = "rank"
+
+    def routes(self) -> list[str]:
+        """The frontend paths that show this handler (``?format=json`` gives JSON)."""
+        return [f"/{self.name}"]
+
+    async def dump(self) -> Any:
+        """This rank's snapshot, JSON-able."""
+        raise NotImplementedError
+
+    def dump_filename(self, rank: int) -> str:
+        return f"{self.name}_rank{rank}.json"
+
+    def aggregate(self, per_rank: dict[int, Any]) -> dict[str, Any]:
+        """Extra fields computed from every answering rank's dump (frontend side)."""
+        return {}
+
+    def html(self, per_rank: dict[int, Any], extra: dict[str, Any]) -> str:
+        """The body of the handler's HTML page (escaped by the handler)."""
+        parts = []
+        for r in sorted(per_rank):
+            import json
+
+            parts.append(f"<h2>rank {r}</h2><pre>{_esc(json.dumps(per_rank[r], indent=1, default=str))}</pre>")
+        return "\n".join(parts)
+
+
+class HealthHandler(DebugHandler):
+    name = "health"
+    title = "Health"
+
+    def __init__(self) -> None:
+        self.started = time.time()
+
+    async def dump(self) -> Any:
+        w = current_world()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await asyncio.sleep(0)
+        lag = loop.time() - t0
+        groups = [g.stats() for g in w.groups.values()]
+        return {
+            "rank": w.rank,
+            "world_size": w.world_size,
+            "backend": w.backend_name,
+            "pid": os.getpid(),
+            "host": os.uname().nodename,
+            "time": time.time(),
+            "uptime_s": time.time() - self.started,
+            "loop_turn_ms": lag * 1000,
+            "tasks": len(asyncio.all_tasks()),
+            "threads": threading.active_count(),
+            "pending_ops": sum(g["pending"] for g in groups),
+            "broken_groups": [g["desc"] for g in groups if g["broken"]],
+            "groups": groups,
+        }
+
+    def html(self, per_rank: dict[int, Any], extra: dict[str, Any]) -> str:
+        rows = []
+        for r in sorted(per_rank):
+            d = per_rank[r]
+            broken = ", ".join(d["broken_groups"]) or "-"
+            rows.append(
+                f"<tr><td>{r}</td><td>{_esc(d['host'])}</td><td>{d['pid']}</td><td>{_esc(d['backend'])}</td>"
+                f"<td>{d['pending_ops']}</td><td>{len(d['groups'])}</td><td>{d['tasks']}</td><td>{d['threads']}</td>"
+                f"<td>{d['loop_turn_ms']:.2f}</td><td>{d['uptime_s']:.0f}</td><td>{_esc(broken)}</td></tr>"
+            )
+        return (
+            "<table><tr><th>rank</th><th>host</th><th>pid</th><th>backend</th><th>pending ops</th><th>groups</th>"
+            "<th>tasks</th><th>threads</th><th>loop turn (ms)</th><th>uptime (s)</th><th>broken groups</th></tr>"
+            + "".join(rows)
+            + "</table>"
+        )
+
+
+def task_stack(task: asyncio.Task[Any]) -> list[dict[str, Any]]:
+    """Where ``task`` is suspended: the chain of awaits from its coroutine down to the innermost
+    one (outermost first), as file/line/function/code."""
+    frames: list[dict[str, Any]] = []
+    coro: Any = task.get_coro()
+    for _ in range(_MAX_DEPTH):
+        if coro is None:
+            break
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) or getattr(coro, "ag_frame", None)
+        if frame is not None:
+            code = frame.f_code
+            frames.append(
+                {
+                    "file": code.co_filename,
+                    "line": frame.f_lineno,
+                    "function": code.co_name,
+                    "code": linecache.getline(code.co_filename, frame.f_lineno).strip(),
+                }
+            )
+        nxt = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None) or getattr(coro, "ag_await", None)
+        if nxt is not None and not any(hasattr(nxt, a) for a in ("cr_frame", "gi_frame", "ag_frame")):
+            frames.append({"file": "", "line": 0, "function": "", "code": f"awaiting {nxt!r}"[:300]})
+            break
+        coro = nxt
+    return frames
+
+
+def _task_world(task: asyncio.Task[Any]) -> Any:
+    get_context = getattr(task, "get_context", None)  # Python 3.12+
+    if get_context is None:
+        return None
+    from aiodist.c10d import world as world_mod
+
+    return get_context().get(world_mod._CURRENT, world_mod._PROCESS_WORLD)
+
+
+class StacksHandler(DebugHandler):
+    """Every asyncio task's stack (the awaits it is suspended in) and every thread's stack."""
+
+    name = "stacks"
+    title = "Stacks"
+
+    async def dump(self) -> Any:
+        w = current_world()
+        me = asyncio.current_task()
+        op_tasks = {t: g.describe() for g in w.groups.values() for t in list(g._pending)}
+        tasks = []
+        filtered = hasattr(asyncio.Task, "get_context")
+        for t in asyncio.all_tasks():
+            if t is me or t.done():
+                continue
+            if filtered and t not in op_tasks and _task_world(t) is not w:
+                continue
+            tasks.append({"name": t.get_name(), "op_of_group": op_tasks.get(t), "coro": repr(t.get_coro())[:200], "stack": task_stack(t)})
+        tasks.sort(key=lambda x: (x["op_of_group"] is None, x["name"]))
+        names = {th.ident: th.name for th in threading.enumerate()}
+        threads = []
+        for ident, frame in sys._current_frames().items():
+            stack = [
+                {"file": fs.filename, "line": fs.lineno, "function": fs.name, "code": (fs.line or "").strip()}
+                for fs in traceback.extract_stack(frame, limit=_MAX_DEPTH)
+            ]
+            threads.append({"name": names.get(ident, f"thread {ident}"), "ident": ident, "stack": stack})
+        return {
+            "rank": w.rank,
+            "pid": os.getpid(),
+            "tasks_of_this_rank_only": filtered,
+            "tasks": tasks,
+            "threads": threads,
+        }
+
+    def html(self, per_rank: dict[int, Any], extra: dict[str, Any]) -> str:
+        out = []
+        for r in sorted(per_rank):
+            d = per_rank[r]
+            scope = "" if d["tasks_of_this_rank_only"] else " (every task of the process: Python < 3.12 cannot tell the ranks' tasks apart)"
+            out.append(
+                f"<h2 id='rank{r}'>rank {r} (pid {d['pid']}): {len(d['tasks'])} tasks{_esc(scope)}, {len(d['threads'])} threads</h2>"
+            )
+            for t in d["tasks"]:
+                tag = f" <span class='tag'>op of {_esc(t['op_of_group'])}</span>" if t["op_of_group"] else ""
+                out.append(
+                    f"<details open><summary>task {_esc(t['name'])}{tag}</summary><pre>{_esc(_fmt_stack(t['stack']))}</pre></details>"
+                )
+            for th in d["threads"]:
+                out.append(f"<details><summary>thread {_esc(th['name'])}</summary><pre>{_esc(_fmt_stack(th['stack']))}</pre></details>")
+        return "\n".join(out)
+
+
+def _fmt_stack(stack: list[dict[str, Any]]) -> str:
+    lines = []
+    for f in stack:
+        if f["file"]:
+            lines.append(f'File "{f["file"]}", line {f["line"]}, in {f["function"]}')
+            if f["code"]:
+                lines.append(f"    {f['code']}")
+        else:
+            lines.append(f["code"])
+    return "\n".join(lines)
+
+
+class FlightRecorderHandler(DebugHandler):
+    """Every rank's flight recorders (``dump_flight_recorder``'s format) and the analysis."""
+
+    name = "fr_trace"
+    title = "Flight recorders"
+
+    def __init__(self, tail: int | None = None) -> None:
+        self.tail = tail  # keep only the last ``tail`` entries per group (None: all)
+
+    async def dump(self) -> Any:
+        from aiodist.debug.recorder import dump_flight_recorder
+
+        d = dump_flight_recorder()
+        if self.tail is not None:
+            for g in d["groups"]:
+                g["entries"] = g["entries"][-self.tail :]
+        return d
+
+    def dump_filename(self, rank: int) -> str:
+        return f"aiodist_fr_rank{rank}.json"  # what python -m aiodist.debug.analyze DIR reads
+
+    def aggregate(self, per_rank: dict[int, Any]) -> dict[str, Any]:
+        if not per_rank:
+            return {"analysis": None, "report": "no rank answered"}
+        result = analyze([per_rank[r] for r in sorted(per_rank)])
+        return {"analysis": result, "report": format_report(result)}
+
+    def html(self, per_rank: dict[int, Any], extra: dict[str, Any]) -> str:
+        out = []
+        result = extra.get("analysis")
+        if result is not None:
+            cls = "ok" if result["ok"] else "bad"
+            out.append(f"<h2>Analysis</h2><pre class='{cls}' id='analysis'>{_esc(extra['report'])}</pre>")
+        for r in sorted(per_rank):
+            d = per_rank[r]
+            out.append(f"<h2>rank {r}</h2>")
+            for g in d["groups"]:
+                rows = []
+                for e in reversed(g["entries"][-200:]):
+                    dur = f"{e['duration_s'] * 1000:.2f} ms" if e.get("duration_s") is not None else ""
+                    cls = (
+                        ""
+                        if e["state"] == "completed"
+                        else " class='pending'"
+                        if e["state"] in ("issued", "started")
+                        else " class='failed'"
+                    )
+                    same = (e.get("meta") or {}).get("same") or {}
+                    rows.append(
+                        f"<tr{cls}><td>{e['seq']}</td><td>{_esc(e['kind'])}</td><td>{_esc(e['op'])}</td><td>{_esc(e.get('record_comm') or '')}</td>"
+                        f"<td>{_esc(', '.join(f'{k}={v}' for k, v in same.items()))}</td><td>{_esc(e['state'])}</td><td>{dur}</td><td>{_esc(e.get('error') or '')}</td></tr>"
+                    )
+                shown = "" if len(g["entries"]) <= 200 else " (newest 200 shown)"
+                out.append(
+                    f"<h3>group '{_esc(g['desc'])}' (id {g['group_id']}, ranks {g['ranks']}): {g['seq']} issued, {g['completed']} completed{shown}</h3>"
+                    "<table><tr><th>seq</th><th>kind</th><th>op</th><th>record_comm</th><th>must match</th><th>state</th><th>duration</th><th>error</th></tr>"
+                    + "".join(rows)
+                    + "</table>"
+                )
+        return "\n".join(out)
+
+
+class StoreHandler(DebugHandler):
+    """The World's store: its keys and the size of each value (read on rank 0 only)."""
+
+    name = "tcpstore"
+    title = "Store"
+    scope = "job"
+
+    def __init__(self, timeout: float = 5.0) -> None:
+        self.timeout = timeout
+
+    async def dump(self) -> Any:
+        store = current_world().store
+        if store is None:
+            return {"store": None, "keys": [], "error": "this World has no store"}
+        out: dict[str, Any] = {"store": store.stats(), "keys": [], "error": None, "truncated": False}
+        try:
+            async with asyncio.timeout(self.timeout):
+                keys = sorted(await store.list_keys())
+        except (TimeoutError, NotImplementedError, OSError) as exc:
+            out["error"] = f"list_keys failed: {type(exc).__name__}: {exc}"
+            return out
+        except Exception as exc:  # a store's own error (DistStoreError): say so, do not fail the page
+            out["error"] = f"list_keys failed: {type(exc).__name__}: {exc}"
+            return out
+        if len(keys) > MAX_KEYS:
+            keys, out["truncated"] = keys[:MAX_KEYS], True
+        values: list[bytes | None]
+        try:
+            async with asyncio.timeout(self.timeout / 2):
+                values = list(await store.multi_get(keys)) if keys else []
+        except Exception:  # a key deleted since list_keys: read them one by one, each bounded
+            values = []
+            for k in keys:
+                try:
+                    async with asyncio.timeout(0.2):
+                        values.append(await store.get(k) if await store.check([k]) else None)
+                except Exception:
+                    values.append(None)
+        for k, v in zip(keys, values, strict=True):
+            preview = None if v is None else v[:64].decode("utf-8", "replace")
+            out["keys"].append({"key": k, "size": None if v is None else len(v), "preview": preview})
+        return out
+
+    def html(self, per_rank: dict[int, Any], extra: dict[str, Any]) -> str:
+        d = next(iter(per_rank.values()), None)
+        if d is None:
+            return "<p>no answer</p>"
+        head = f"<p>{len(d['keys'])} keys{' (truncated)' if d.get('truncated') else ''}; store: {_esc(d['store'])}</p>"
+        if d.get("error"):
+            head += f"<p class='bad'>{_esc(d['error'])}</p>"
+        rows = "".join(
+            f"<tr><td>{_esc(k['key'])}</td><td>{'' if k['size'] is None else k['size']}</td><td><code>{_esc(k['preview'] or '')}</code></td></tr>"
+            for k in d["keys"]
+        )
+        return head + f"<table><tr><th>key</th><th>bytes</th><th>value (first 64 bytes)</th></tr>{rows}</table>"
+
+
+def default_handlers() -> list[DebugHandler]:
+    return [HealthHandler(), StacksHandler(), FlightRecorderHandler(), StoreHandler()]

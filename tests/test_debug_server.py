@@ -1,0 +1,236 @@
+"""The debug HTTP server on a 2-rank job (run_world, gloo) where rank 1 never issues the
+all_reduce rank 0 is waiting in: every route as HTML and JSON, PARTIAL answers, periodic dumps,
+a custom handler."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from aiohttp import ClientSession, ClientTimeout
+
+import aiodist as dist
+from aiodist.c10d.world import current_world
+from aiodist.debug.analyze import analyze
+from aiodist.debug.handlers import DebugHandler, default_handlers
+from aiodist.debug.server import WORKER_KEY, debug_server, frontend_url, start_debug_server, stop_debug_server, worker_url
+from aiodist.testing import run_world
+
+Probe = Callable[[str, ClientSession], Awaitable[Any]]
+
+
+async def stuck_job(probe: Probe, **server_kw: Any) -> Any:
+    """Rank 0 is in all_reduce seq 1 (async_op) while rank 1 waits on an event instead of
+    issuing it; ``probe(frontend_url, session)`` runs on rank 0 meanwhile; then rank 1 catches up
+    and the job ends cleanly. Returns what probe returned."""
+    release = asyncio.Event()
+    out: dict[str, Any] = {}
+    kw = {"port": 0, "fetch_timeout": 5.0, **server_kw}
+
+    async def fn(rank: int) -> None:
+        t = np.ones(4, dtype=np.float32)
+        await dist.all_reduce(t)  # seq 0 on both ranks
+        server = await start_debug_server(**kw)
+        assert server.worker_url is not None and worker_url() == server.worker_url
+        try:
+            if rank == 0:
+                work = await dist.all_reduce(t, async_op=True)  # seq 1: rank 1 is not coming yet
+                assert work is not None
+                await asyncio.sleep(0.05)
+                url = frontend_url()
+                assert url is not None and url.startswith("http://127.0.0.1:")
+                try:
+                    async with ClientSession(timeout=ClientTimeout(total=20)) as s:
+                        out["result"] = await probe(url, s)
+                finally:
+                    release.set()
+                await work.wait()
+            else:
+                assert frontend_url() is None
+                await release.wait()
+                await dist.all_reduce(t)
+            np.testing.assert_array_equal(t, np.full(4, 4, dtype=np.float32))
+        finally:
+            await stop_debug_server()
+        assert debug_server() is None
+
+    await run_world(2, fn, backend="gloo", timeout=30)
+    return out.get("result")
+
+
+async def get(s: ClientSession, url: str) -> tuple[int, str]:
+    async with s.get(url) as r:
+        return r.status, await r.text()
+
+
+async def get_json(s: ClientSession, url: str) -> Any:
+    async with s.get(url, params={"format": "json"}) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+async def test_routes_name_the_stuck_rank() -> None:
+    async def probe(url: str, s: ClientSession) -> dict[str, Any]:
+        pages = {}
+        for route in ["/", "/stacks", "/fr_trace", "/tcpstore", "/health"]:
+            status, text = await get(s, url + route)
+            assert status == 200, (route, text)
+            assert "<html>" in text and "OK: 2/2 ranks responded" in text or route == "/tcpstore", (route, text[:500])
+            pages[route] = (text, await get_json(s, url + route))
+        return pages
+
+    pages = await stuck_job(probe)
+
+    html, index = pages["/"]
+    assert index["stuck_ranks"] == [1]
+    assert index["summary"] == "OK: 2/2 ranks responded" and not index["partial"]
+    row0, row1 = index["rows"]
+    assert row0["class"] == "waiting" and "all_reduce seq 1 of group 'default_pg'" in row0["where"]
+    assert "waiting on rank 1 in seq 1 (all_reduce)" in row0["why"]
+    assert row1["class"] == "stuck" and row1["state"] == "stuck"
+    assert "never issued seq 1 (all_reduce) of group 'default_pg' that rank 0 is waiting in" in row1["why"]
+    assert "last finished all_reduce seq 0" in row1["where"]
+    assert "Stuck: rank 1" in html and "<tr class='stuck' id='rank1'>" in html
+    assert "rank 1 never issued seq 1 (all_reduce) of group &#x27;default_pg&#x27;" in html
+
+    html, fr = pages["/fr_trace"]
+    assert fr["responded"] == [0, 1] and fr["missing"] == {}
+    assert fr["analysis"]["ok"] is False
+    assert fr["analysis"]["problems"][0].startswith("rank 1 never issued seq 1 (all_reduce) of group 'default_pg'; rank 0 is waiting in it")
+    assert fr["ranks"]["0"]["groups"][0]["entries"][-1]["state"] == "started"
+    assert [e["seq"] for e in fr["ranks"]["1"]["groups"][0]["entries"]] == [0]
+    assert "PROBLEM FOUND" in html and "rank 1 never issued seq 1" in html
+
+    html, stacks = pages["/stacks"]
+    tasks0 = stacks["ranks"]["0"]["tasks"]
+    op_tasks = [t for t in tasks0 if t["op_of_group"]]
+    assert op_tasks and "all_reduce" in op_tasks[0]["name"]
+    assert any("fn" == f["function"] for t in stacks["ranks"]["1"]["tasks"] for f in t["stack"])  # rank 1 waits in fn
+    assert any(th["name"] == "MainThread" for th in stacks["ranks"]["0"]["threads"])
+    assert "test_debug_server.py" in html and "release.wait()" in html
+
+    html, store = pages["/tcpstore"]
+    keys = {k["key"]: k for k in store["ranks"]["0"]["keys"]}
+    for r in (0, 1):
+        k = keys[WORKER_KEY.format(rank=r)]
+        assert k["preview"].startswith("http://127.0.0.1:") and k["size"] == len(k["preview"])
+    assert WORKER_KEY.format(rank=1) in html
+
+    html, health = pages["/health"]
+    assert health["ranks"]["0"]["pending_ops"] == 1 and health["ranks"]["1"]["pending_ops"] == 0
+    assert health["ranks"]["1"]["pid"] == os.getpid()
+
+
+async def test_partial_when_a_worker_is_gone_or_hangs() -> None:
+    unblock, stopped = asyncio.Event(), asyncio.Event()
+
+    class Slow(DebugHandler):
+        name = "slow"
+
+        async def dump(self) -> Any:
+            if current_world().rank == 1:
+                await asyncio.wait_for(unblock.wait(), 10)  # not within the fetch timeout
+            return {"rank": current_world().rank}
+
+    async def fn(rank: int) -> dict[str, Any]:
+        await start_debug_server(port=0, fetch_timeout=0.5, handlers=[*default_handlers(), Slow()])
+        out: dict[str, Any] = {}
+        if rank == 0:
+            url = frontend_url()
+            assert url is not None
+            async with ClientSession(timeout=ClientTimeout(total=10)) as s:
+                out["slow"] = await get_json(s, url + "/slow")
+                out["slow_html"] = (await get(s, url + "/slow"))[1]
+                unblock.set()
+                await asyncio.wait_for(stopped.wait(), 5)
+                out["health"] = await get_json(s, url + "/health")
+                out["index"] = await get_json(s, url + "/")
+                out["index_html"] = (await get(s, url + "/"))[1]
+        else:
+            await asyncio.wait_for(unblock.wait(), 10)
+            await stop_debug_server()  # rank 1's worker is gone (and its store key with it)
+            stopped.set()
+        await dist.barrier()
+        await stop_debug_server()
+        return out
+
+    out = (await run_world(2, fn, backend="gloo", timeout=30))[0]
+    slow = out["slow"]
+    assert slow["partial"] and slow["responded"] == [0] and list(slow["missing"]) == ["1"]
+    assert slow["summary"].startswith("PARTIAL: 1/2 ranks responded; missing ranks [1] (rank 1: ")
+    assert "took longer than 0.5 s" in slow["missing"]["1"] or "no answer within 0.5 s" in slow["missing"]["1"]
+    assert "PARTIAL: 1/2 ranks responded" in out["slow_html"] and "banner bad" in out["slow_html"]
+    h = out["health"]
+    assert h["partial"] and "never registered in the store" in h["missing"]["1"]
+    idx = out["index"]
+    assert idx["rows"][1]["state"] == "no answer" and idx["stuck_ranks"] == [1]
+    assert "PARTIAL: 1/2 ranks responded" in out["index_html"]
+
+
+async def test_periodic_dumps_and_custom_handler(tmp_path: Any) -> None:
+    class Queue(DebugHandler):
+        name = "queue"
+        title = "Work queue"
+
+        async def dump(self) -> Any:
+            return {"rank": current_world().rank, "depth": 3 + current_world().rank}
+
+        def aggregate(self, per_rank: dict[int, Any]) -> dict[str, Any]:
+            return {"total_depth": sum(d["depth"] for d in per_rank.values())}
+
+        def html(self, per_rank: dict[int, Any], extra: dict[str, Any]) -> str:
+            return f"<p id='total'>total depth {extra['total_depth']}</p>"
+
+    handlers = [*default_handlers(), Queue()]
+
+    async def probe(url: str, s: ClientSession) -> Any:
+        q = await get_json(s, url + "/queue")
+        status, text = await get(s, url + "/queue")
+        assert status == 200 and "total depth 7" in text and "Work queue" in text
+        status, _ = await get(s, url + "/nope")
+        assert status == 404
+        for _ in range(100):  # the dump task writes every 0.1 s
+            if all(
+                os.path.exists(tmp_path / f)
+                for f in ("aiodist_fr_rank0.json", "aiodist_fr_rank1.json", "queue_rank1.json", "tcpstore_rank0.json")
+            ):
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.25)  # let both ranks write the state of seq 1 at least once
+        return q
+
+    q = await stuck_job(probe, handlers=handlers, dump_dir=tmp_path, dump_interval=0.1, enabled_dumps={"fr_trace", "queue", "tcpstore"})
+    assert q["total_depth"] == 7 and q["ranks"]["1"] == {"rank": 1, "depth": 4}
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["aiodist_fr_rank0.json", "aiodist_fr_rank1.json", "queue_rank0.json", "queue_rank1.json", "tcpstore_rank0.json"]
+    # the fr dumps are what the analyzer reads; the last ones may show the job after it caught up
+    dumps = [json.loads((tmp_path / f"aiodist_fr_rank{r}.json").read_text()) for r in (0, 1)]
+    assert [d["rank"] for d in dumps] == [0, 1]
+    assert analyze(dumps)["world_size"] == 2
+
+
+async def test_argument_errors_and_restart() -> None:
+    async def fn(rank: int) -> None:
+        with pytest.raises(ValueError, match="enabled_dumps names unknown handlers"):
+            await start_debug_server(port=0, enabled_dumps={"nope"})
+        with pytest.raises(ValueError, match="duplicate"):
+            await start_debug_server(port=0, handlers=[*default_handlers(), *default_handlers()])
+        assert debug_server() is None
+        s = await start_debug_server(port=0)
+        with pytest.raises(RuntimeError, match="already runs"):
+            await start_debug_server(port=0)
+        store = current_world().store
+        assert store is not None
+        assert (await store.get(WORKER_KEY.format(rank=rank))).decode() == s.worker_url
+        await stop_debug_server()
+        await stop_debug_server()  # idempotent
+        assert not await store.check([WORKER_KEY.format(rank=rank)])
+
+    await run_world(2, fn, backend="gloo", timeout=20)
+    with pytest.raises(RuntimeError, match="init_process_group first"):
+        await start_debug_server(port=0)
