@@ -95,6 +95,8 @@ async def test_routes_name_the_stuck_rank() -> None:
     assert row1["class"] == "stuck" and row1["state"] == "stuck"
     assert "never issued seq 1 (all_reduce) of group 'default_pg' that rank 0 is waiting in" in row1["why"]
     assert "last finished all_reduce seq 0" in row1["where"]
+    assert row0["issued"] == [{"group": "default_pg", "issued": 2, "behind": False}]
+    assert row1["issued"] == [{"group": "default_pg", "issued": 1, "behind": True}]
     assert "Stuck: rank 1" in html and "<tr class='stuck' id='rank1'>" in html
     assert "rank 1 never issued seq 1 (all_reduce) of group &#x27;default_pg&#x27;" in html
 

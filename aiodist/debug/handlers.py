@@ -196,10 +196,11 @@ class StacksHandler(DebugHandler):
         out = []
         for r in sorted(per_rank):
             d = per_rank[r]
-            scope = "" if d["tasks_of_this_rank_only"] else " (every task of the process: Python < 3.12 cannot tell the ranks' tasks apart)"
-            out.append(
-                f"<h2 id='rank{r}'>rank {r} (pid {d['pid']}): {len(d['tasks'])} tasks{_esc(scope)}, {len(d['threads'])} threads</h2>"
-            )
+            out.append(f"<h2 id='rank{r}'>rank {r} (pid {d['pid']}): {len(d['tasks'])} tasks, {len(d['threads'])} threads</h2>")
+            if not d["tasks_of_this_rank_only"]:
+                out.append(
+                    "<p class='small'>Every task of the process (Python &lt; 3.12 cannot tell apart the tasks of ranks that share a process); the rank's own ops come first.</p>"
+                )
             for t in d["tasks"]:
                 tag = f" <span class='tag'>op of {_esc(t['op_of_group'])}</span>" if t["op_of_group"] else ""
                 out.append(

@@ -72,6 +72,7 @@ pre.ok{background:#e6f6e6}
 .state{font-weight:700}
 .tag{background:#dde;padding:0 4px;border-radius:3px;font-size:12px}
 .small{color:#666;font-size:12px}
+td.nw{white-space:nowrap}
 """
 
 
@@ -394,10 +395,15 @@ def index_view(per_rank: dict[int, Any], missing: dict[int, str], world_size: in
                 for r in p["failed_ranks"]:
                     blame.setdefault(r, []).append(f"seq {p['seq']} ({p['op']}) of group '{g['desc']}' failed: {p['error']}")
     positions = {p["rank"]: p for p in (analysis["rank_positions"] if analysis else [])}
+    issued: dict[int, dict[str, int]] = {}  # rank -> group desc -> collectives issued
+    for g in analysis["groups"] if analysis else []:
+        for r, n in g["issued"].items():
+            issued.setdefault(int(r), {})[g["desc"]] = n
+    newest = {desc: max(by[desc] for by in issued.values() if desc in by) for by in issued.values() for desc in by}
     rows = []
     for r in range(world_size):
         if r in missing:
-            rows.append({"rank": r, "state": "no answer", "class": "stuck", "where": "", "age_s": None, "why": missing[r]})
+            rows.append({"rank": r, "state": "no answer", "class": "stuck", "where": "", "age_s": None, "issued": [], "why": missing[r]})
             continue
         pos = positions.get(r)
         where, age, state, cls = "", None, "idle", "ok"
@@ -419,7 +425,8 @@ def index_view(per_rank: dict[int, Any], missing: dict[int, str], world_size: in
             why = blame[r] + why
         elif why:
             state, cls = "waiting", "waiting"
-        rows.append({"rank": r, "state": state, "class": cls, "where": where, "age_s": age, "why": "; ".join(why)})
+        seqs = [{"group": desc, "issued": n, "behind": n < newest[desc]} for desc, n in sorted(issued.get(r, {}).items())]
+        rows.append({"rank": r, "state": state, "class": cls, "where": where, "age_s": age, "issued": seqs, "why": "; ".join(why)})
     stuck = [row["rank"] for row in rows if row["class"] == "stuck"]
     return {"rows": rows, "stuck_ranks": stuck, "analysis": analysis}
 
@@ -428,9 +435,10 @@ def _index_html(view: dict[str, Any]) -> str:
     rows = []
     for row in view["rows"]:
         age = "" if row["age_s"] is None else f"{row['age_s']:.1f} s"
+        seqs = "<br>".join(f"{_esc(s['group'])}: {s['issued']}" + (" <b>(behind)</b>" if s["behind"] else "") for s in row["issued"])
         rows.append(
             f"<tr class='{row['class']}' id='rank{row['rank']}'><td>{row['rank']}</td><td class='state'>{_esc(row['state'].upper())}</td>"
-            f"<td>{_esc(row['where'])}</td><td>{age}</td><td>{_esc(row['why'])}</td></tr>"
+            f"<td>{_esc(row['where'])}</td><td class='nw'>{age}</td><td class='nw'>{seqs}</td><td>{_esc(row['why'])}</td></tr>"
         )
     out = []
     if view["stuck_ranks"]:
@@ -440,7 +448,7 @@ def _index_html(view: dict[str, Any]) -> str:
     else:
         out.append("<div class='banner ok' id='stuck'>No stuck rank</div>")
     out.append(
-        "<table id='ranks'><tr><th>rank</th><th>state</th><th>op it is in / last finished</th><th>for</th><th>why</th></tr>"
+        "<table id='ranks'><tr><th>rank</th><th>state</th><th>op it is in / last finished</th><th>for</th><th>ops issued</th><th>why</th></tr>"
         + "".join(rows)
         + "</table>"
     )
