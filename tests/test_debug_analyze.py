@@ -124,7 +124,7 @@ async def test_real_job_rank_never_issues_seq_7(tmp_path: Path, capsys: pytest.C
 
     assert main([str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    assert out.startswith("PROBLEM FOUND: 4/4 rank dumps, 1 groups")
+    assert out.startswith("PROBLEM FOUND: 4/4 rank dumps, 1 group")
     assert "! rank 2 never issued seq 7 (all_reduce) of group 'default_pg'; ranks [0, 1, 3] are waiting in it" in out
     assert "rank 2: idle; last finished all_reduce seq 6 of group 'default_pg' (completed)" in out
     assert "rank 0: in all_reduce seq 7 of group 'default_pg' (started, for " in out
@@ -170,7 +170,7 @@ def test_consistent_dumps_exit_0(tmp_path: Path, capsys: pytest.CaptureFixture[s
     (tmp_path / "other.json").write_text("not a dump, not read")
     assert main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("CONSISTENT: 2/2 rank dumps, 1 groups")
+    assert out.startswith("CONSISTENT: 2/2 rank dumps, 1 group")
     assert "group 'default_pg': 2 ranks agree on seqs 0..2; seq 2 (all_reduce) is still running (rank 0: started, rank 1: started)" in out
     assert main([str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ok"] is True

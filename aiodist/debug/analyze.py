@@ -288,7 +288,9 @@ def format_report(result: dict[str, Any]) -> str:
     """The analysis as text a person reads first thing after a hang."""
     lines = []
     head = "CONSISTENT" if result["ok"] else f"PROBLEM{'S' if len(result['problems']) > 1 else ''} FOUND"
-    lines.append(f"{head}: {len(result['ranks'])}/{result['world_size']} rank dumps, {len(result['groups'])} groups")
+    lines.append(
+        f"{head}: {len(result['ranks'])}/{result['world_size']} rank dumps, {len(result['groups'])} group{'' if len(result['groups']) == 1 else 's'}"
+    )
     for p in result["problems"]:
         lines.append(f"  ! {p}")
     lines.append("")
