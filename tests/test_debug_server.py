@@ -76,12 +76,15 @@ async def get_json(s: ClientSession, url: str) -> Any:
 
 async def test_routes_name_the_stuck_rank() -> None:
     async def probe(url: str, s: ClientSession) -> dict[str, Any]:
-        pages = {}
+        pages: dict[str, Any] = {}
         for route in ["/", "/stacks", "/fr_trace", "/tcpstore", "/health"]:
             status, text = await get(s, url + route)
             assert status == 200, (route, text)
             assert "<html>" in text and "OK: 2/2 ranks responded" in text or route == "/tcpstore", (route, text[:500])
             pages[route] = (text, await get_json(s, url + route))
+        store = current_world().store
+        assert store is not None
+        pages["urls"] = [(await store.get(WORKER_KEY.format(rank=r))).decode() for r in (0, 1)]
         return pages
 
     pages = await stuck_job(probe)
@@ -120,8 +123,8 @@ async def test_routes_name_the_stuck_rank() -> None:
     keys = {k["key"]: k for k in store["ranks"]["0"]["keys"]}
     for r in (0, 1):
         k = keys[WORKER_KEY.format(rank=r)]
-        assert k["preview"].startswith("http://127.0.0.1:") and k["size"] == len(k["preview"])
-    assert WORKER_KEY.format(rank=1) in html
+        assert k["preview"] is None and k["size"] == len(pages["urls"][r])  # sizes, not values
+    assert WORKER_KEY.format(rank=1) in html and "first 64 bytes" not in html
 
     html, health = pages["/health"]
     assert health["ranks"]["0"]["pending_ops"] == 1 and health["ranks"]["1"]["pending_ops"] == 0
@@ -236,3 +239,61 @@ async def test_argument_errors_and_restart() -> None:
     await run_world(2, fn, backend="gloo", timeout=20)
     with pytest.raises(RuntimeError, match="init_process_group first"):
         await start_debug_server(port=0)
+
+
+async def test_store_values_only_when_asked() -> None:
+    from aiodist.debug.handlers import StoreHandler
+
+    async def fn(rank: int) -> Any:
+        store = current_world().store
+        assert store is not None
+        await store.set("visible/key", b"hello world")
+        with_values = await StoreHandler(show_values=True).dump()
+        without = await StoreHandler().dump()
+        return with_values, without
+
+    with_values, without = (await run_world(1, fn, backend="gloo", timeout=20))[0]
+    assert {"key": "visible/key", "size": 11, "preview": "hello world"} in with_values["keys"]
+    assert {"key": "visible/key", "size": 11, "preview": None} in without["keys"]
+
+
+async def test_page_when_rank_1_waits_in_another_group() -> None:
+    """Rank 0 in all_reduce seq 1 of the default group, rank 1 in a barrier on group 'side' that
+    rank 0 never entered: a cross-group deadlock; the page shows where each one is and blames
+    both."""
+    both_in = asyncio.Barrier(2)
+
+    async def fn(rank: int) -> Any:
+        t = np.ones(4, dtype=np.float32)
+        await dist.all_reduce(t)
+        side = await dist.new_group([0, 1], group_desc="side")
+        await start_debug_server(port=0, fetch_timeout=5)
+        if rank == 0:
+            work = await dist.all_reduce(t, async_op=True)
+        else:
+            work = await dist.barrier(group=side, async_op=True)
+        assert work is not None
+        await asyncio.wait_for(both_in.wait(), 10)
+        out = None
+        if rank == 0:
+            url = frontend_url()
+            assert url is not None
+            async with ClientSession(timeout=ClientTimeout(total=20)) as s:
+                out = await get_json(s, url + "/")
+            await dist.barrier(group=side)  # untangle: rank 0 enters the barrier, then rank 1 the all_reduce
+        else:
+            await work.wait()
+            await dist.all_reduce(t)
+        await both_in.wait()
+        if rank == 0:
+            await work.wait()
+        await stop_debug_server()
+        return out
+
+    index = (await run_world(2, fn, backend="gloo", timeout=30))[0]
+    assert index["stuck_ranks"] == [0, 1]
+    row0, row1 = index["rows"]
+    assert row0["where"].startswith("all_reduce seq 1 of group 'default_pg'")
+    assert row1["where"].startswith("barrier seq 0 of group 'side'")
+    assert "never issued seq 0 (barrier) of group 'side' that rank 1 is waiting in" in row0["why"]
+    assert "never issued seq 1 (all_reduce) of group 'default_pg' that rank 0 is waiting in" in row1["why"]

@@ -286,14 +286,17 @@ class FlightRecorderHandler(DebugHandler):
 
 
 class StoreHandler(DebugHandler):
-    """The World's store: its keys and the size of each value (read on rank 0 only)."""
+    """The World's store: its keys and the size of each value (read on rank 0 only). Values are
+    not shown (the store holds the backend's connection token) unless ``show_values`` is set: then
+    the first 64 bytes of each."""
 
     name = "tcpstore"
     title = "Store"
     scope = "job"
 
-    def __init__(self, timeout: float = 5.0) -> None:
+    def __init__(self, timeout: float = 5.0, show_values: bool = False) -> None:
         self.timeout = timeout
+        self.show_values = show_values
 
     async def dump(self) -> Any:
         store = current_world().store
@@ -324,7 +327,7 @@ class StoreHandler(DebugHandler):
                 except Exception:
                     values.append(None)
         for k, v in zip(keys, values, strict=True):
-            preview = None if v is None else v[:64].decode("utf-8", "replace")
+            preview = None if v is None or not self.show_values else v[:64].decode("utf-8", "replace")
             out["keys"].append({"key": k, "size": None if v is None else len(v), "preview": preview})
         return out
 
@@ -335,11 +338,15 @@ class StoreHandler(DebugHandler):
         head = f"<p>{len(d['keys'])} keys{' (truncated)' if d.get('truncated') else ''}; store: {_esc(d['store'])}</p>"
         if d.get("error"):
             head += f"<p class='bad'>{_esc(d['error'])}</p>"
+        shown = self.show_values
         rows = "".join(
-            f"<tr><td>{_esc(k['key'])}</td><td>{'' if k['size'] is None else k['size']}</td><td><code>{_esc(k['preview'] or '')}</code></td></tr>"
+            f"<tr><td>{_esc(k['key'])}</td><td>{'' if k['size'] is None else k['size']}</td>"
+            + (f"<td><code>{_esc(k['preview'] or '')}</code></td>" if shown else "")
+            + "</tr>"
             for k in d["keys"]
         )
-        return head + f"<table><tr><th>key</th><th>bytes</th><th>value (first 64 bytes)</th></tr>{rows}</table>"
+        value = "<th>value (first 64 bytes)</th>" if shown else ""
+        return head + f"<table><tr><th>key</th><th>bytes</th>{value}</tr>{rows}</table>"
 
 
 def default_handlers() -> list[DebugHandler]:
