@@ -259,3 +259,19 @@ def test_module_cli(tmp_path: Path) -> None:
         "rank 1 never issued seq 2 (all_reduce) of group 'default_pg'; rank 0 is waiting in it (for up to 18.0 s); rank 1's last op is seq 1 (all_reduce, completed)"
         in proc.stdout
     )
+
+
+def test_index_view_rows_from_hand_made_dumps() -> None:
+    """The page's rows: an op older than STUCK_AFTER_S on every rank is WAITING on all (no one
+    to blame); a rank that did not answer is NO ANSWER and counts as stuck."""
+    from aiodist.debug.server import STUCK_AFTER_S, index_view
+
+    now = 100.0 + 1 + STUCK_AFTER_S + 5  # seq 1 started at t=101
+    dumps = {r: dump(r, [entry(0), entry(1, state="started")], world_size=3, now=now) for r in (0, 1)}
+    view = index_view(dumps, {2: "no answer within 5 s"}, 3)
+    assert [row["state"] for row in view["rows"]] == ["waiting", "waiting", "no answer"]
+    assert view["stuck_ranks"] == [2]
+    assert view["rows"][0]["age_s"] == pytest.approx(STUCK_AFTER_S + 5)
+    assert view["rows"][2]["why"] == "no answer within 5 s"
+    fresh = {r: dump(r, [entry(0), entry(1, state="started")], now=101.5) for r in (0, 1)}
+    assert [row["state"] for row in index_view(fresh, {}, 2)["rows"]] == ["in op", "in op"]

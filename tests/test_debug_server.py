@@ -82,6 +82,8 @@ async def test_routes_name_the_stuck_rank() -> None:
             assert status == 200, (route, text)
             assert "<html>" in text and "OK: 2/2 ranks responded" in text or route == "/tcpstore", (route, text[:500])
             pages[route] = (text, await get_json(s, url + route))
+        status, text = await get(s, url + "/?refresh=5")
+        assert status == 200 and "<meta http-equiv='refresh' content='5'>" in text
         store = current_world().store
         assert store is not None
         pages["urls"] = [(await store.get(WORKER_KEY.format(rank=r))).decode() for r in (0, 1)]
