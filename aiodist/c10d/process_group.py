@@ -32,6 +32,7 @@ from aiodist.algorithms.p2p import P2P
 from aiodist.algorithms.thresholds import Thresholds, current
 from aiodist.backends.base import CommBackend
 from aiodist.c10d.work import Work
+from aiodist.debug import recorder as fr
 from aiodist.debug.levels import DebugLevel, get_debug_level
 from aiodist.debug.recorder import Entry, FlightRecorder, dump_on_timeout
 from aiodist.errors import DistBackendError, DistError, DistTimeoutError
@@ -91,17 +92,6 @@ class _Tracked:
             counter[peer] -= 1
             raise
         counter[peer] -= 1
-
-
-def _finished(entry: Entry, work: Work) -> None:
-    entry.t_done = time.time()
-    if entry.state == "timed out":
-        return
-    exc = work.exception()
-    if exc is None:
-        entry.state = "completed"
-    else:
-        entry.state, entry.error = "failed", str(exc)
 
 
 def _checked_body(pg: ProcessGroup, op: str, seq: int, meta: dict[str, Any] | None, body: Body) -> Body:
@@ -266,19 +256,28 @@ class ProcessGroup:
             self._run(op, label, tracker, body, work, limit, entry), name=f"aiodist {op} {self.group_desc} {label}"
         )
         self._pending[task] = work
-        task.add_done_callback(self._pending.pop)  # type: ignore[arg-type]
-        if entry is not None:
-            work.add_done_callback(functools.partial(_finished, entry))
-        if self._op_stats is not None:
-            work.add_done_callback(functools.partial(self._tally, op, time.perf_counter()))
+        if entry is None and self._op_stats is None:
+            task.add_done_callback(self._pending.pop)  # type: ignore[arg-type]
+        else:  # one callback does all (each one is a loop callback per op: the cost at OFF)
+            t0 = time.perf_counter() if self._op_stats is not None else 0.0
+            task.add_done_callback(functools.partial(self._task_done, op, work, entry, t0))
         return work
+
+    def _task_done(self, op: str, work: Work, entry: Entry | None, t0: float, task: asyncio.Task[None]) -> None:
+        """An op's task ended (its Work is resolved by then, whichever way it ended): forget it,
+        close its flight recorder entry, and count it for INFO's summary."""
+        self._pending.pop(task, None)
+        if entry is not None:
+            fr.finished(entry, work)
+        if self._op_stats is not None:
+            self._tally(op, t0, work)
 
     def _tally(self, op: str, t0: float, work: Work) -> None:
         """INFO: count the op (completed / failed) and its time from issue to end."""
         if self._op_stats is None:  # ended during the group's shutdown, after its summary
             return
         row = self._op_stats.setdefault(op, [0, 0, 0.0])
-        ok = not work.cancelled() and work.exception() is None
+        ok = work.done() and not work.cancelled() and work.exception() is None
         row[0 if ok else 1] += 1
         took = time.perf_counter() - t0
         row[2] += took
@@ -327,7 +326,8 @@ class ProcessGroup:
         entry: Entry | None = None,
     ) -> None:
         if entry is not None:
-            entry.state, entry.t_started = "started", time.time()
+            entry[fr.STATE] = "started"
+            entry[fr.T_STARTED] = time.time()
         what = f"{op} on {self.describe()}, {label}"
         # a collective keeps the last part of its time to find out, through the store, which
         # rank the wait is really stuck on (see _diagnose)
@@ -349,7 +349,8 @@ class ProcessGroup:
             if isinstance(exc, DistError):  # the backend's own deadline came first: keep its words
                 err.__cause__ = exc
             if entry is not None:
-                entry.state, entry.error = "timed out", msg
+                entry[fr.STATE] = "timed out"
+                entry[fr.ERROR] = msg
             try:
                 dump_on_timeout()  # AIODIST_FR_DUMP_ON_TIMEOUT=1
             except OSError as dump_err:
