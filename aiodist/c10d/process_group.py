@@ -32,7 +32,6 @@ from aiodist.algorithms.p2p import P2P
 from aiodist.algorithms.thresholds import Thresholds, current
 from aiodist.backends.base import CommBackend
 from aiodist.c10d.work import Work
-from aiodist.debug import recorder as fr
 from aiodist.debug.levels import DebugLevel, get_debug_level
 from aiodist.debug.recorder import Entry, FlightRecorder, dump_on_timeout
 from aiodist.errors import DistBackendError, DistError, DistTimeoutError
@@ -268,7 +267,7 @@ class ProcessGroup:
         close its flight recorder entry, and count it for INFO's summary."""
         self._pending.pop(task, None)
         if entry is not None:
-            fr.finished(entry, work)
+            self.recorder.finished(entry, work)
         if self._op_stats is not None:
             self._tally(op, t0, work)
 
@@ -326,8 +325,7 @@ class ProcessGroup:
         entry: Entry | None = None,
     ) -> None:
         if entry is not None:
-            entry[fr.STATE] = "started"
-            entry[fr.T_STARTED] = time.time()
+            self.recorder.started(entry)
         what = f"{op} on {self.describe()}, {label}"
         # a collective keeps the last part of its time to find out, through the store, which
         # rank the wait is really stuck on (see _diagnose)
@@ -349,8 +347,7 @@ class ProcessGroup:
             if isinstance(exc, DistError):  # the backend's own deadline came first: keep its words
                 err.__cause__ = exc
             if entry is not None:
-                entry[fr.STATE] = "timed out"
-                entry[fr.ERROR] = msg
+                self.recorder.timed_out(entry, msg)
             try:
                 dump_on_timeout()  # AIODIST_FR_DUMP_ON_TIMEOUT=1
             except OSError as dump_err:

@@ -103,83 +103,161 @@ def current_comm_name() -> str | None:
     return _COMM_NAME.get()
 
 
-# An entry is a list (one BUILD_LIST per op, the cheapest record Python makes; the fields are
-# set by index): id, op, record_comm name, seq, kind, meta, state, and the times.
-Entry: TypeAlias = list[Any]  # [id, op, name, seq, kind, meta, state, t_issued, t_started, t_done, error, stack]
-ID, OP, NAME, SEQ, KIND, META, STATE, T_ISSUED, T_STARTED, T_DONE, ERROR, STACK = range(12)
+# How entries are kept, and why. A recorder is on by default (OFF included), so it must cost
+# next to nothing per op. Python's cyclic GC is the trap: containers kept for thousands of ops (an
+# object per entry, the call's meta dict) are promoted to the oldest generation and bring on full
+# collections of the whole heap; while a ring of such objects filled, a 2-process 1-float
+# all_reduce loop measured ~20 us more per op (~95 us). So nothing an entry keeps is tracked by
+# the GC: what is known at issue is one tuple of strings and numbers, the meta dict frozen into
+# one flat tuple (CPython untracks such tuples at their first collection), and what changes
+# (state, times, error) sits in parallel lists of atomic values, slot i = id % size. An op
+# refers to its entry by id (an int); a slot since reused for a newer op is left alone. What is
+# left is the per-op code itself, ~4 us per op on that loop (docs/debugging.md).
+Entry: TypeAlias = int  # an entry's id: its number among the ops this recorder has seen
+_ID, _OP, _NAME, _SEQ, _KIND, _T_ISSUED = range(6)
+_LIST, _DICT = "\0list", "\0dict"  # markers in a frozen meta (no real key holds a NUL)
 
 
-def entry_json(e: Entry) -> dict[str, Any]:
-    t_started, t_done = e[T_STARTED], e[T_DONE]
-    return {
-        "id": e[ID],
-        "op": e[OP],
-        "record_comm": e[NAME],
-        "seq": e[SEQ],
-        "kind": e[KIND],
-        "meta": e[META] or {},
-        "state": e[STATE],
-        "time_issued": e[T_ISSUED],
-        "time_started": t_started,
-        "time_done": t_done,
-        "duration_s": None if t_done is None or t_started is None else t_done - t_started,
-        "error": e[ERROR],
-        "stack": e[STACK],
-    }
+def _freeze(meta: dict[str, Any] | None) -> tuple[Any, ...] | None:
+    """``meta`` as one flat tuple of (key, subkey, value) triples: a tuple of strings and
+    numbers only, which the GC stops tracking at its first collection (a nested one would take
+    one collection per level)."""
+    if not meta:
+        return None
+    out: list[Any] = []
+    for k, v in meta.items():
+        if type(v) is dict:
+            if not v:
+                out += (k, _DICT, None)
+            for kk, vv in v.items():
+                out += (k, kk, tuple(vv) if type(vv) is list else vv)
+        elif type(v) is list:
+            out += (k, _LIST, tuple(v))
+        else:
+            out += (k, None, v)
+    return tuple(out)
 
 
-def finished(e: Entry, work: Any) -> None:
-    """The op of entry ``e`` ended: completed, or failed with its Work's error (an entry already
-    marked "timed out" keeps that state)."""
-    e[T_DONE] = time.time()
-    if e[STATE] == "timed out" or not work.done():
-        return
-    exc = None if work.cancelled() else work.exception()
-    if exc is None and not work.cancelled():
-        e[STATE] = "completed"
-    else:
-        e[STATE], e[ERROR] = "failed", str(exc) if exc is not None else "cancelled"
+def _thaw(frozen: tuple[Any, ...] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if not frozen:
+        return out
+    for j in range(0, len(frozen), 3):
+        k, sub, v = frozen[j : j + 3]
+        if sub is None:
+            out[k] = v
+        elif sub == _LIST:
+            out[k] = list(v)
+        else:
+            d = out.setdefault(k, {})
+            if sub != _DICT:
+                d[sub] = list(v) if type(v) is tuple else v
+    return out
 
 
 class FlightRecorder:
-    """The last ``size`` ops of one group on this rank: a ring of entries (see ``Entry``).
-
-    Measured on a 1-float all_reduce between 2 processes (~95 us), the recorder's whole cost is
-    a few microseconds per op; AIODIST_FR_BUFFER_SIZE=0 removes it (docs/debugging.md)."""
+    """The last ``size`` ops of one group on this rank (a ring; see the comment above)."""
 
     def __init__(self, size: int | None = None) -> None:
         self.size = buffer_size() if size is None else size
-        self._ring: list[Entry] = []
         self.recorded = 0
+        self._fixed: list[tuple[Any, ...]] = []  # (id, op, name, seq, kind, t_issued)
+        self._meta: list[tuple[Any, ...] | None] = []  # _freeze(meta)
+        self._stack: list[tuple[str, ...] | None] = []  # DETAIL
+        self._state: list[str] = []
+        self._t_started: list[float | None] = []
+        self._t_done: list[float | None] = []
+        self._error: list[str | None] = []
 
     @property
     def enabled(self) -> bool:
         return self.size > 0
 
-    @property
-    def entries(self) -> list[Entry]:
-        """The entries held, oldest first."""
-        if len(self._ring) < self.size or not self.size:
-            return list(self._ring)
-        i = self.recorded % self.size
-        return self._ring[i:] + self._ring[:i]
-
     def issued(self, op: str, seq: int, kind: str, meta: dict[str, Any] | None, *, with_stack: bool = False) -> Entry | None:
+        """Record an op as issued; its entry's id (None when the recorder is off)."""
         size = self.size
         if not size:
             return None
         n = self.recorded
         self.recorded = n + 1
-        e = [n, op, _COMM_NAME.get(), seq, kind, meta, "issued", time.time(), None, None, None, user_stack() if with_stack else None]
-        ring = self._ring
+        fixed = (n, op, _COMM_NAME.get(), seq, kind, time.time())
+        frozen = _freeze(meta)
+        stack = tuple(user_stack()) if with_stack else None
         if n < size:
-            ring.append(e)
+            self._fixed.append(fixed)
+            self._meta.append(frozen)
+            self._stack.append(stack)
+            self._state.append("issued")
+            self._t_started.append(None)
+            self._t_done.append(None)
+            self._error.append(None)
         else:
-            ring[n % size] = e
-        return e
+            i = n % size
+            self._fixed[i] = fixed
+            self._meta[i] = frozen
+            self._stack[i] = stack
+            self._state[i] = "issued"
+            self._t_started[i] = self._t_done[i] = self._error[i] = None
+        return n
+
+    def _slot(self, n: Entry) -> int | None:
+        i = n % self.size
+        return i if self._fixed[i][_ID] == n else None  # None: the slot holds a newer op now
+
+    def started(self, n: Entry) -> None:
+        i = n % self.size
+        if self._fixed[i][_ID] == n:
+            self._state[i] = "started"
+            self._t_started[i] = time.time()
+
+    def timed_out(self, n: Entry, msg: str) -> None:
+        i = self._slot(n)
+        if i is not None:
+            self._state[i], self._error[i] = "timed out", msg
+
+    def finished(self, n: Entry, work: Any) -> None:
+        """The op ended: completed, or failed with its Work's error ("timed out" stays)."""
+        i = n % self.size
+        if self._fixed[i][_ID] != n:
+            return
+        self._t_done[i] = time.time()
+        if self._state[i] == "timed out" or not work.done():
+            return
+        exc = None if work.cancelled() else work.exception()
+        if exc is None and not work.cancelled():
+            self._state[i] = "completed"
+        else:
+            self._state[i], self._error[i] = "failed", str(exc) if exc is not None else "cancelled"
+
+    def _order(self) -> list[int]:
+        held = len(self._fixed)
+        if held < self.size or not self.size:
+            return list(range(held))
+        start = self.recorded % self.size
+        return [*range(start, held), *range(start)]
+
+    def entry_json(self, i: int) -> dict[str, Any]:
+        f, stack = self._fixed[i], self._stack[i]
+        t_started, t_done = self._t_started[i], self._t_done[i]
+        return {
+            "id": f[_ID],
+            "op": f[_OP],
+            "record_comm": f[_NAME],
+            "seq": f[_SEQ],
+            "kind": f[_KIND],
+            "meta": _thaw(self._meta[i]),
+            "state": self._state[i],
+            "time_issued": f[_T_ISSUED],
+            "time_started": t_started,
+            "time_done": t_done,
+            "duration_s": None if t_done is None or t_started is None else t_done - t_started,
+            "error": self._error[i],
+            "stack": None if stack is None else list(stack),
+        }
 
     def to_json(self) -> list[dict[str, Any]]:
-        return [entry_json(e) for e in self.entries]
+        """The entries held, oldest first, as dump_flight_recorder writes them."""
+        return [self.entry_json(i) for i in self._order()]
 
 
 def dump_flight_recorder(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
