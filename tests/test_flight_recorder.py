@@ -224,3 +224,22 @@ async def test_dump_to_file_and_directory(tmp_path: Path) -> None:
         assert set(groups) == {"default_pg", "pair"}
         assert [e["op"] for e in groups["pair"]["entries"]] == ["all_reduce"]
         assert groups["pair"]["ranks"] == [0, 1] and groups["pair"]["seq"] == 1
+
+
+async def test_a_reused_slot_is_left_to_its_new_op() -> None:
+    """An op still running when the ring wraps past it does not touch the newer op's entry."""
+    fr = FlightRecorder(1)
+    old = fr.issued("all_reduce", 0, "collective", {"same": {"op": "SUM"}})
+    new = fr.issued("broadcast", 1, "collective", {"same": {"root": 0}})
+    assert old is not None and new is not None
+    failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    failed.set_exception(RuntimeError("boom"))
+    fr.started(old)
+    fr.timed_out(old, "late")
+    fr.finished(old, failed)
+    (e,) = fr.to_json()
+    assert (e["id"], e["op"], e["state"], e["error"], e["meta"]) == (1, "broadcast", "issued", None, {"same": {"root": 0}})
+    fr.started(new)
+    fr.finished(new, failed)
+    (e,) = fr.to_json()
+    assert (e["state"], e["error"]) == ("failed", "boom")

@@ -10,7 +10,8 @@ Each configuration runs as a fresh 2-process job (``--ranks``) over the socket b
 - ``DETAIL``: ``AIODIST_DEBUG=DETAIL`` (a fingerprint exchange before every collective, and the
   issuing stack in the recorder)
 
-Every rank warms up, meets the others at a barrier, then times ``--iters`` all_reduces of
+Every rank warms up (``--warmup``, by default past the recorder's 2000 entries: its steady
+state), meets the others at a barrier, then times ``--iters`` all_reduces of
 ``--floats`` float32 values with ``time.perf_counter``; a job's figure is the slowest rank's
 mean time per op. The configurations run in turn, ``--repeats`` rounds (so a noisy neighbour
 hits them alike), and the table shows each one's median with its ratio to ``OFF, no FR``.
@@ -45,11 +46,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m aiodist.bench debug", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--iters", type=int, default=2000, help="timed all_reduces per job (default 2000)")
-    p.add_argument("--warmup", type=int, default=200, help="untimed all_reduces first (default 200)")
+    p.add_argument("--iters", type=int, default=5000, help="timed all_reduces per job (default 5000)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2200,
+        help="untimed all_reduces first (default 2200: past the flight recorder's 2000, so its ring is full, its steady state)",
+    )
     p.add_argument("--floats", type=int, default=1, help="float32 values per all_reduce (default 1)")
     p.add_argument("--ranks", type=int, default=2, help="processes per job (default 2)")
-    p.add_argument("--repeats", type=int, default=3, help="rounds over the configurations (default 3)")
+    p.add_argument("--repeats", type=int, default=5, help="rounds over the configurations (default 5)")
     p.add_argument("--backend", default="gloo", help="backend (default gloo: the socket transport)")
     p.add_argument("--json", help="also write the raw numbers here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
