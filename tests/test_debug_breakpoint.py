@@ -178,3 +178,16 @@ async def test_bad_arguments() -> None:
             await breakpoint(rank="0")  # type: ignore[arg-type]
 
     await run_world(2, fn)
+
+
+async def test_skip_counts_per_rank_in_one_process() -> None:
+    """Ranks sharing a process (run_world) each count their own calls for ``skip``."""
+    out = io.StringIO()
+
+    async def fn(rank: int) -> int:
+        for i in range(3):
+            await breakpoint(rank=0, skip=2, stdin=io.StringIO(f"p {i}\nc\n"), stdout=out)
+        return rank
+
+    assert await run_world(2, fn) == [0, 1]
+    assert out.getvalue().count("!!! ATTENTION !!!") == 1 and "(Pdb rank 0) 2\n" in out.getvalue()

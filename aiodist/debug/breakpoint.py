@@ -29,7 +29,7 @@ from typing import IO
 __all__ = ["breakpoint", "STDIN_ENV"]
 
 STDIN_ENV = "AIODIST_BREAKPOINT_STDIN"
-_calls: Counter[tuple[str, int]] = Counter()  # call site -> calls so far (for ``skip``)
+_calls: Counter[tuple[int, str, int]] = Counter()  # (World, call site) -> calls so far (``skip``)
 
 
 class _DistributedPdb(pdb.Pdb):
@@ -87,7 +87,7 @@ async def breakpoint(
         raise ValueError(f"breakpoint: rank {rank} is out of range for world_size {world.world_size}")
     if skip:
         caller = sys._getframe(1)
-        site = (caller.f_code.co_filename, caller.f_lineno)
+        site = (id(world), caller.f_code.co_filename, caller.f_lineno)  # per World: ranks may share a process
         _calls[site] += 1
         if _calls[site] <= skip:
             return
