@@ -255,21 +255,17 @@ class ProcessGroup:
             self._run(op, label, tracker, body, work, limit, entry), name=f"aiodist {op} {self.group_desc} {label}"
         )
         self._pending[task] = work
-        if entry is None and self._op_stats is None:
+        if self._op_stats is None:  # (the flight recorder's entry is closed by _run itself)
             task.add_done_callback(self._pending.pop)  # type: ignore[arg-type]
-        else:  # one callback does all (each one is a loop callback per op: the cost at OFF)
-            t0 = time.perf_counter() if self._op_stats is not None else 0.0
-            task.add_done_callback(functools.partial(self._task_done, op, work, entry, t0))
+        else:  # INFO: one callback also counts the op (each callback is a loop callback per op)
+            task.add_done_callback(functools.partial(self._task_done, op, work, time.perf_counter()))
         return work
 
-    def _task_done(self, op: str, work: Work, entry: Entry | None, t0: float, task: asyncio.Task[None]) -> None:
-        """An op's task ended (its Work is resolved by then, whichever way it ended): forget it,
-        close its flight recorder entry, and count it for INFO's summary."""
+    def _task_done(self, op: str, work: Work, t0: float, task: asyncio.Task[None]) -> None:
+        """INFO: an op's task ended (its Work is resolved by then, whichever way it ended):
+        forget it and count it for the group's summary."""
         self._pending.pop(task, None)
-        if entry is not None:
-            self.recorder.finished(entry, work)
-        if self._op_stats is not None:
-            self._tally(op, t0, work)
+        self._tally(op, t0, work)
 
     def _tally(self, op: str, t0: float, work: Work) -> None:
         """INFO: count the op (completed / failed) and its time from issue to end."""
@@ -367,6 +363,9 @@ class ProcessGroup:
             work._fail(wrapped)
             self._break(f"{op} {label} failed: {exc}", wrapped)
             return
+        finally:  # every way out: the Work is failed by now, or the op completed (just below)
+            if entry is not None:
+                self.recorder.ended(entry, work)
         self.completed += 1
         work._complete()
 

@@ -215,6 +215,19 @@ class FlightRecorder:
         if i is not None:
             self._state[i], self._error[i] = "timed out", msg
 
+    def ended(self, n: Entry, work: Any) -> None:
+        """The op's task is leaving: its Work failed (recorded as failed, with the error), or it
+        is about to complete (the Work is not resolved yet: completed). "timed out" stays."""
+        i = n % self.size
+        if self._fixed[i][_ID] != n:
+            return
+        self._t_done[i] = time.time()
+        if not work.done():
+            if self._state[i] != "timed out":
+                self._state[i] = "completed"
+            return
+        self.finished(n, work)
+
     def finished(self, n: Entry, work: Any) -> None:
         """The op ended: completed, or failed with its Work's error ("timed out" stays)."""
         i = n % self.size
