@@ -1,7 +1,8 @@
 """The flight recorder: every group keeps a ring buffer of its last N ops (N from
 ``AIODIST_FR_BUFFER_SIZE``, default 2000; 0 turns it off) with the op's name (or the
 ``record_comm`` name around it), sequence number, shapes/dtypes/root/reduce op, state
-(issued, started, completed, failed) and timestamps; at DETAIL also the issuing coroutine's stack.
+(issued, started, completed, failed, timed out) and timestamps; at DETAIL also the issuing
+coroutine's stack (its user frames: see ``user_stack``). Format and costs: docs/debugging.md.
 
 ``dump_flight_recorder(path=None)`` returns (and writes, given a path) one rank's recorders as a
 JSON-able dict; ``AIODIST_FR_DUMP_ON_TIMEOUT=1`` dumps automatically when an op times out, into
