@@ -67,7 +67,7 @@ from aiodist.c10d import (
     split_group,
     use_world,
 )
-from aiodist.debug import DebugLevel, get_debug_level, record_comm, set_debug_level, set_debug_level_from_env
+from aiodist.debug import DebugLevel, breakpoint, get_debug_level, record_comm, set_debug_level, set_debug_level_from_env
 from aiodist.device_mesh import DeviceMesh, init_device_mesh
 from aiodist.errors import (
     DistBackendError,
@@ -88,6 +88,7 @@ __all__ = [
     "collective_utils",
     "debug",
     "DebugLevel",
+    "breakpoint",
     "get_debug_level",
     "record_comm",
     "set_debug_level",
