@@ -558,7 +558,7 @@ async def monitored_barrier(group: GroupArg = None, timeout: TimeoutLike | None 
         if late:
             ms = round(seconds * 1000)
             who = f"Ranks {[ranks[r] for r in late]}" if wait_all_ranks else f"Rank {ranks[late[0]]}"
-            err = DistTimeoutError(f"{who} failed to pass monitoredBarrier in {ms} ms")
+            err = DistTimeoutError(f"{who} failed to pass monitored_barrier in {ms} ms")
             err.verdict = True  # type: ignore[attr-defined]  # the group reports it as is
             raise err
         await asyncio.gather(*(p2p.send(r, token, _RELEASE) for r in range(1, p)))
