@@ -448,6 +448,39 @@ def test_dead_rendezvous_host_ends_the_other_node() -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_long_lines_reach_a_slow_console_whole() -> None:
+    """A console that reads slowly (a pipe to a busy reader) loses nothing: Python's buffered
+    writer once dropped whole 64 KiB pieces here (the launcher now loops on os.write)."""
+    code = 'print("x" * 200000); print("end")'
+    p = subprocess.Popen(
+        [sys.executable, "-m", "aiodist.run", "--nproc-per-node", "2", "--no-python", sys.executable, "-c", code],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    assert p.stdout is not None
+    data = b""
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            chunk = p.stdout.read1(4096)  # type: ignore[attr-defined]
+            if not chunk:
+                break
+            data += chunk
+            time.sleep(0.001)
+        assert p.wait(timeout=30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    by_rank = rank_lines(data.decode())
+    assert sorted(by_rank) == [0, 1]
+    for lines in by_rank.values():
+        assert lines[-1] == "end"
+        assert sum(len(line) for line in lines[:-1]) == 200000
+
+
 def test_long_lines_pass_whole_and_in_pieces() -> None:
     code = 'print("x" * 200000); print("end")'
     rc, out, err = launch(["--nproc-per-node", "2", "--no-python", sys.executable, "-c", code])

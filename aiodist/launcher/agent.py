@@ -14,6 +14,7 @@ import asyncio
 import collections
 import os
 import pickle
+import select
 import shutil
 import signal
 import sys
@@ -72,25 +73,46 @@ class Std:
 
 
 def _console_writer(console: TextIO | None) -> Callable[[bytes], bool] | None:
-    """A function writing bytes to ``console`` (its binary buffer, or decoded text when it has
-    none, e.g. a replaced ``sys.stdout``); it answers False once the console is gone."""
+    """A function writing bytes to ``console``; it answers False once the console is gone.
+
+    With a real file descriptor the bytes go out through ``os.write`` in a loop until all are
+    written: Python's buffered writer lost whole pieces of long lines when a slow reader on a
+    pipe met the launcher's signal handling (partial writes), and a descriptor someone made
+    non-blocking is waited on instead of dropping data. Without one (a replaced ``sys.stdout``)
+    the decoded text is written."""
     if console is None:
         return None
     target = console
+    try:
+        fd: int | None = target.fileno()
+    except (OSError, ValueError, AttributeError):
+        fd = None
 
-    def write(data: bytes) -> bool:
+    def write_fd(data: bytes) -> bool:
+        assert fd is not None
         try:
-            buf = getattr(target, "buffer", None)
-            if buf is not None:
-                buf.write(data)
-            else:
-                target.write(data.decode(errors="replace"))
-            target.flush()
+            target.flush()  # whatever the launcher itself printed first
+            view = memoryview(data)
+            while view:
+                try:
+                    n = os.write(fd, view)
+                except BlockingIOError:
+                    select.select([], [fd], [], 1.0)
+                    continue
+                view = view[n:]
         except (OSError, ValueError):  # closed pipe or file: keep draining the worker, print nothing
             return False
         return True
 
-    return write
+    def write_text(data: bytes) -> bool:
+        try:
+            target.write(data.decode(errors="replace"))
+            target.flush()
+        except (OSError, ValueError):
+            return False
+        return True
+
+    return write_fd if fd is not None else write_text
 
 
 def _open_log(path: str) -> IO[bytes]:
