@@ -28,7 +28,7 @@ from aiodist.algorithms.p2p import LocalP2P, LocalWorld, byte_view
 from aiodist.backends.base import P2P_SEQ, CommBackend
 from aiodist.errors import DistBackendError
 from aiodist.store.base import Store
-from aiodist.transport._mailbox import Mailbox, PostedRecv, StagedMessage, consume, describe_key
+from aiodist.transport._mailbox import Mailbox, PostedRecv, StagedMessage, consume, describe_key, fill
 
 __all__ = ["MemoryBackend", "MemoryHub", "create_memory_backend"]
 
@@ -106,17 +106,7 @@ class MemoryBackend(CommBackend):
         if recv is None:
             box.stage(key, StagedMessage(self.rank, memoryview(view.tobytes())))
             return
-        if recv.dst.nbytes != view.nbytes:
-            if not recv.fut.done():
-                recv.fut.set_exception(
-                    ValueError(
-                        f"rank {dst}: message from rank {self.rank} ({describe_key(key)}) is {view.nbytes} bytes, the receive buffer {recv.dst.nbytes}"
-                    )
-                )
-            return
-        recv.dst[:] = view
-        if not recv.fut.done():
-            recv.fut.set_result(self.rank)
+        fill(recv, view, self.rank, dst)
 
     async def p2p_recv(self, group_id: int, src: int | None, buf: np.ndarray, tag: int) -> int:
         if group_id in self.hub.aborted:

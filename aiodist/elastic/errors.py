@@ -77,6 +77,14 @@ def read_error_file(path: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def _failed(e: BaseException) -> None:
+    """What ``record`` does with an exception leaving the main function: a clean ``SystemExit``
+    (code None or 0) is not a failure; anything else is written to the error file."""
+    if isinstance(e, SystemExit) and e.code in (None, 0):
+        return
+    write_error_file(e)
+
+
 def record(fn: F, error_handler: object = None) -> F:
     """Decorate a worker's main function: an uncaught exception is written to
     ``TORCHELASTIC_ERROR_FILE`` and re-raised. Works on plain and ``async def`` functions
@@ -87,12 +95,8 @@ def record(fn: F, error_handler: object = None) -> F:
         async def awrapper(*args: Any, **kwargs: Any) -> Any:
             try:
                 return await fn(*args, **kwargs)
-            except SystemExit as e:
-                if e.code not in (None, 0):
-                    write_error_file(e)
-                raise
             except BaseException as e:
-                write_error_file(e)
+                _failed(e)
                 raise
 
         return cast(F, awrapper)
@@ -101,12 +105,8 @@ def record(fn: F, error_handler: object = None) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except SystemExit as e:
-            if e.code not in (None, 0):
-                write_error_file(e)
-            raise
         except BaseException as e:
-            write_error_file(e)
+            _failed(e)
             raise
 
     return cast(F, wrapper)

@@ -56,6 +56,24 @@ class StagedMessage:
     release: Callable[[int], None] = field(default=lambda n: None)
 
 
+def fill(recv: PostedRecv, data: memoryview | np.ndarray, src: int, rank: int) -> None:
+    """Complete posted receive ``recv`` with message ``data`` from ``src`` (a copy into its buffer),
+    or fail it with ``ValueError`` (naming ``rank``, the receiver) when the sizes differ."""
+    nbytes = data.nbytes
+    if recv.dst.nbytes != nbytes:
+        if not recv.fut.done():
+            recv.fut.set_exception(
+                ValueError(
+                    f"rank {rank}: message from rank {src} ({describe_key(recv.key)}) is {nbytes} bytes, the receive buffer {recv.dst.nbytes}"
+                )
+            )
+        return
+    if nbytes:
+        recv.dst[:] = np.frombuffer(data, np.uint8)
+    if not recv.fut.done():
+        recv.fut.set_result(src)
+
+
 def consume(m: StagedMessage, dst: np.ndarray, key: Key, rank: int) -> int:
     """Copy staged message ``m`` into receive buffer ``dst`` (flat uint8) and release its bytes;
     returns its source. ``ValueError`` (naming ``rank``, the receiver) when the sizes differ."""

@@ -55,7 +55,7 @@ from aiodist.store.base import Store
 from aiodist.transport._address import PeerAddress, address_key, host_id, listen_tcp, unix_name
 from aiodist.transport._channel import Channel
 from aiodist.transport._connection import Connection
-from aiodist.transport._mailbox import Key, Mailbox, PostedRecv, StagedMessage, consume, describe_key
+from aiodist.transport._mailbox import Key, Mailbox, PostedRecv, StagedMessage, consume, describe_key, fill
 from aiodist.wire.frame import FrameHeader, FrameKind, FrameLimits, Hello, abort_frame
 
 __all__ = ["Transport"]
@@ -591,18 +591,7 @@ class Transport:
         self._mailbox.stage(key, StagedMessage(header.source, data, release))
 
     def _complete_copy(self, recv: PostedRecv, data: memoryview, src: int) -> None:
-        if recv.dst.nbytes != data.nbytes:
-            if not recv.fut.done():
-                recv.fut.set_exception(
-                    ValueError(
-                        f"rank {self.rank}: message from rank {src} ({describe_key(recv.key)}) is {data.nbytes} bytes, the receive buffer {recv.dst.nbytes}"
-                    )
-                )
-            return
-        if data.nbytes:
-            recv.dst[:] = np.frombuffer(data, np.uint8)
-        if not recv.fut.done():
-            recv.fut.set_result(src)
+        fill(recv, data, src, self.rank)
 
     def _consume(self, m: StagedMessage, dst: np.ndarray, key: Key) -> int:
         return consume(m, dst, key, self.rank)
