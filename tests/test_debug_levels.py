@@ -293,3 +293,28 @@ async def test_detail_and_info_trace_logs(caplog: pytest.LogCaptureFixture, aiod
     assert ("DEBUG", "aiodist.c10d") in by_level  # the per-op line of an INFO (or DETAIL) group
     assert ("INFO", "aiodist.c10d.init") in by_level
     assert all(r.name.startswith("aiodist.") for r in caplog.records if r.name.startswith("aiodist"))
+
+
+@pytest.mark.parametrize("backend", ["memory", "gloo"])
+async def test_detail_long_calls_agree_and_differences_past_the_shown_part_are_caught(backend: str) -> None:
+    """A call whose description is longer than a fingerprint message (all_reduce_coalesced of 200
+    tensors) is compared through its digest: equal calls pass, a difference in tensor 190 fails."""
+    set_debug_level("DETAIL")
+    try:
+
+        async def fn(rank: int) -> str:
+            same = [np.ones(4, np.float32) for _ in range(200)]
+            await dist.all_reduce_coalesced(same)
+            assert (same[0] == 2).all()
+            other = [np.ones(4, np.float32) for _ in range(200)]
+            if rank == 1:
+                other[190] = np.ones(5, np.float32)
+            with pytest.raises(dist.DistError) as ei:
+                await dist.all_reduce_coalesced(other)
+            return str(ei.value)
+
+        msgs = await run_world(2, fn, backend=backend, timeout=20)
+    finally:
+        set_debug_level("OFF")
+    for m in msgs:
+        assert "desync detected" in m and "all_reduce_coalesced seq 1" in m and "rank 0 has" in m and "rank 1 has" in m

@@ -213,3 +213,28 @@ async def test_sends_issued_as_the_connection_comes_up_do_not_overtake() -> None
             assert [b[0] for b in bufs] == [float(i) for i in range(2 * k)]
 
     await run_world(2, fn, backend="gloo", timeout=20)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_message_for_a_cancelled_receive_goes_to_the_next_one(backend: str) -> None:
+    """A receive cancelled just before its message comes must not swallow it: the message goes
+    to the next matching receive (the backends' matching table skips receives already done).
+    The message comes in the same step as the cancel, before the receive's task can withdraw."""
+
+    async def fn(rank: int) -> list[float]:
+        pg = dist.group.WORLD
+        assert pg is not None
+        lost = np.zeros(1)
+        first = asyncio.ensure_future(pg.backend.p2p_recv(pg.group_id, 0, lost, 9))
+        await asyncio.sleep(0)  # posted
+        first.cancel()  # its future is done now; the task withdraws it only when it runs next
+        await pg.backend.p2p_send(pg.group_id, 0, np.array([42.0]), 9)  # to self, matched at once
+        got = np.empty(1)
+        async with asyncio.timeout(5):
+            await pg.backend.p2p_recv(pg.group_id, 0, got, 9)
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert lost[0] == 0.0
+        return got.tolist()
+
+    assert await run_world(1, fn, backend=backend, timeout=20) == [[42.0]]

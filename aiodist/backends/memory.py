@@ -56,6 +56,7 @@ class MemoryHub:
         for w in list(self._by_group.get(group_id, ())):
             w.abort(DistBackendError(reason))
         for box in self.mailboxes:
+            box.drop_staged(lambda k, m: k[0] == group_id)
             for r in box.remove_posted(lambda r: r.key[0] == group_id):
                 if not r.fut.done():
                     r.fut.set_exception(DistBackendError(f"{reason} ({describe_key(r.key)})"))

@@ -67,6 +67,9 @@ class _Tracked:
         if nowait is None:
             return False
         sent: bool | asyncio.Future[None] = nowait(peer, buf, tag)
+        if isinstance(sent, asyncio.Future) and not sent.done():  # written, still draining: a wait on the peer
+            self.waiting_send[peer] += 1
+            sent.add_done_callback(lambda _: self.waiting_send.subtract([peer]))
         return sent
 
     def describe_waiting(self) -> str:
@@ -272,7 +275,7 @@ class ProcessGroup:
         if self._op_stats is None:  # ended during the group's shutdown, after its summary
             return
         row = self._op_stats.setdefault(op, [0, 0, 0.0])
-        ok = work.done() and not work.cancelled() and work.exception() is None
+        ok = work.is_success_unseen()
         row[0 if ok else 1] += 1
         took = time.perf_counter() - t0
         row[2] += took

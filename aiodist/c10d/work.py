@@ -81,6 +81,11 @@ class Work(asyncio.Future[list[Any]]):
         """True once the op has finished, successfully or not."""
         return self.done()
 
+    def is_success_unseen(self) -> bool:
+        """``is_success()`` without marking a failure as retrieved (asyncio still warns about a
+        failed Work nobody awaited)."""
+        return self.done() and not self.cancelled() and getattr(self, "_exception", None) is None
+
     def is_success(self) -> bool:
         """True once the op has finished without an error."""
         return self.done() and self.exception() is None

@@ -12,6 +12,7 @@ reserved tag, so no other op's messages can be taken by mistake.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from typing import TYPE_CHECKING, Any
@@ -38,12 +39,24 @@ class DesyncError(DistBackendError):
     arguments) at the same sequence number."""
 
 
+_SHOWN = 200  # characters of one value the message shows (the digest compares all of it)
+
+
+def fingerprint(op: str, seq: int, same: dict[str, Any]) -> dict[str, Any]:
+    """What a rank sends: the op, the seq, a digest of everything that must match (compared), and
+    each value cut to ``_SHOWN`` characters (shown in the message)."""
+    full = json.dumps(same, sort_keys=True, default=str)
+    shown = {}
+    for k, v in same.items():
+        text = json.dumps(v, sort_keys=True, default=str)
+        shown[k] = v if len(text) <= _SHOWN else text[:_SHOWN] + "..."
+    return {"op": op, "seq": seq, "digest": hashlib.blake2b(full.encode(), digest_size=16).hexdigest(), "same": shown}
+
+
 def _encode(fp: dict[str, Any]) -> np.ndarray:
     raw = json.dumps(fp, sort_keys=True, default=str).encode()
-    if len(raw) > FINGERPRINT_BYTES - 4:  # keep what must match; drop the rest
-        raw = json.dumps({"op": fp["op"], "seq": fp["seq"], "same": fp.get("same", {})}, sort_keys=True, default=str).encode()[
-            : FINGERPRINT_BYTES - 4
-        ]
+    if len(raw) > FINGERPRINT_BYTES - 4:  # too many values to show: the digest still compares them
+        raw = json.dumps({"op": fp["op"], "seq": fp["seq"], "digest": fp.get("digest"), "same": {}}, sort_keys=True, default=str).encode()
     out = np.zeros(FINGERPRINT_BYTES, np.uint8)
     out[:4] = np.frombuffer(len(raw).to_bytes(4, "little"), np.uint8)
     out[4 : 4 + len(raw)] = np.frombuffer(raw, np.uint8)
@@ -81,13 +94,19 @@ def describe_mismatch(fps: list[dict[str, Any]], ranks: list[int], desc: str) ->
         values = [f"{op} (seq {s})" if s != seq else str(op) for op, s in ops]
         return f"seq {seq} on group '{desc}': " + _sides(ranks, values, "called")
     op, seq = ops[0]
+    digests = {fp.get("digest") for fp in fps}
+    if len(digests) == 1 and None not in digests:
+        return None
     keys = sorted({k for fp in fps for k in fp.get("same", {})})
     for k in keys:
         values = [fp.get("same", {}).get(k) for fp in fps]
         if len({json.dumps(v, sort_keys=True, default=str) for v in values}) > 1:
             shown = [f"{k} {v}" for v in values]
             return f"{op} seq {seq} on group '{desc}': " + _sides(ranks, shown, "has")
-    return None
+    if None in digests:
+        return None  # fingerprints without digests (hand-made) that agree on every shown value
+    shown_digests = [f"arguments digest {str(fp.get('digest'))[:12]}" for fp in fps]  # they differ past what can be shown
+    return f"{op} seq {seq} on group '{desc}': " + _sides(ranks, shown_digests, "has")
 
 
 async def check_fingerprint(p2p: P2P, pg: ProcessGroup, op: str, seq: int, meta: dict[str, Any] | None) -> None:
@@ -98,7 +117,7 @@ async def check_fingerprint(p2p: P2P, pg: ProcessGroup, op: str, seq: int, meta:
     n, me = p2p.size, p2p.rank
     if n == 1:
         return
-    mine = {"op": op, "seq": seq, "same": (meta or {}).get("same", {})}
+    mine = fingerprint(op, seq, (meta or {}).get("same", {}))
     out = _encode(mine)
     bufs = [out if r == me else np.empty(FINGERPRINT_BYTES, np.uint8) for r in range(n)]
     await _all(

@@ -133,12 +133,20 @@ class Mailbox:
         lst = self._posted.get(key)
         if not lst:
             return None
-        for i, r in enumerate(lst):
+        i = 0
+        while i < len(lst):
+            r = lst[i]
+            if r.fut.done():  # cancelled or failed, not yet withdrawn: never give it a message
+                del lst[i]
+                continue
             if r.accepts(src):
                 del lst[i]
                 if not lst:
                     del self._posted[key]
                 return r
+            i += 1
+        if not lst:
+            del self._posted[key]
         return None
 
     def stage(self, key: Key, msg: StagedMessage) -> None:

@@ -63,13 +63,13 @@ __all__ = ["Transport"]
 log = logging.getLogger("aiodist.transport")
 
 _CLOSE_WAIT = 2.0  # seconds close() waits for connections to finish closing
-_DIAL_GRACE = 0.05
+_DIAL_GRACE = 0.05  # seconds a waiting receive gives its peer to connect before dialing it
 _NOWAIT_MAX_BYTES = 64 * 1024  # send_nowait only tries messages this small (the kernel takes them at once)
 
 
 def _retrieve(fut: asyncio.Future[None]) -> None:
     if not fut.cancelled():
-        fut.exception()  # seconds a waiting receive gives its peer to connect before dialing it
+        fut.exception()  # a send_nowait write whose caller's receive failed first: seen, not logged
 
 
 class Transport:
@@ -95,10 +95,7 @@ class Transport:
         self._dialing: dict[int, asyncio.Task[Connection]] = {}
         self._watching: dict[int, asyncio.Task[None]] = {}
         self._order: dict[int, asyncio.Lock] = {}  # per peer: sends waiting for the connection, in call order
-        self._queued: dict[int, int] = {}
-        self._lingering: set[asyncio.Future[None]] = (
-            set()
-        )  # send_nowait writes still draining  # per peer: how many sends wait in that line
+        self._queued: dict[int, int] = {}  # per peer: how many sends wait in that line
         self.staged_total = 0  # messages ever staged (came before their receive)
         self._dead: dict[int, DistNetworkError] = {}
         self._aborted: dict[int, str] = {}
