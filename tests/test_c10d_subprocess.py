@@ -6,15 +6,14 @@ child is bounded; children still running when a test ends are killed (by pid, ou
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.rank_procs import run_ranks
 
 from aiodist.elastic.utils import get_free_port
 
@@ -30,31 +29,17 @@ SLACK_S = 5.0  # a loaded 2-core box
 def run_job(mode: str, how: str) -> list[dict[str, Any]]:
     """Start N workers, wait for all of them (bounded), return their JSON results in rank order."""
     port = get_free_port()
-    procs: list[subprocess.Popen[str]] = []
-    try:
-        for rank in range(N):
-            env = dict(os.environ)
-            if how == "env":
-                env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(N))
-                args = [mode, "env"]
-            else:
-                args = [mode, f"tcp://127.0.0.1:{port}", str(rank), str(N)]
-            procs.append(
-                subprocess.Popen([sys.executable, str(WORKER), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            )
-        deadline = time.monotonic() + WAIT_S
-        outs = []
-        for p in procs:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outs.append((p.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate(timeout=10)
-    for rank, (code, out, err) in enumerate(outs):
-        assert code == 0, f"rank {rank} exited {code}\nstdout: {out}\nstderr: {err}"
-    return [json.loads(out.strip().splitlines()[-1]) for _, out, _ in outs]
+    argvs, envs = [], []
+    for rank in range(N):
+        env = dict(os.environ)
+        if how == "env":
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(N))
+            args = [mode, "env"]
+        else:
+            args = [mode, f"tcp://127.0.0.1:{port}", str(rank), str(N)]
+        argvs.append([sys.executable, str(WORKER), *args])
+        envs.append(env)
+    return run_ranks(argvs, envs, WAIT_S)
 
 
 @pytest.mark.parametrize("how", ["tcp", "env"])

@@ -1,10 +1,12 @@
-"""Tier 3: the example that README runs as its main job, and a smoke run of the benchmark,
+"""Tier 3: the store demo, README's API-in-brief job under the launcher, and a smoke run of the benchmark,
 as real processes with hard timeouts."""
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -64,3 +66,23 @@ def test_bench_help_lists_benchmarks() -> None:
     # without arguments it runs the collectives benchmark (tests/test_bench_collectives.py)
     r = subprocess.run([sys.executable, "-m", "aiodist.bench", "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert "store" in r.stdout and "collectives" in r.stdout
+
+
+def test_readme_api_snippet_runs_under_the_launcher(tmp_path: pathlib.Path) -> None:
+    """README's "API in brief" job, exactly as printed there, under aiodist-run with 3 ranks."""
+    readme = (ROOT / "README.md").read_text()
+    m = re.search(r"## API in brief\n\n```python\n(.*?)```", readme, re.S)
+    assert m is not None, "README lost its API-in-brief job"
+    job = tmp_path / "job.py"
+    job.write_text(m.group(1) + "\nprint('snippet done', flush=True)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run(
+        [sys.executable, "-m", "aiodist.run", "--standalone", "--nproc-per-node", "3", str(job)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(line for line in r.stdout.splitlines() if line.endswith("snippet done")) == [f"[rank{i}]: snippet done" for i in range(3)]

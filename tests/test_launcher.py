@@ -77,6 +77,16 @@ def json_by_rank(text: str) -> dict[int, dict[str, Any]]:
     return out
 
 
+def _reap(p: subprocess.Popen[Any], pids: list[int]) -> None:
+    """Kill our launcher ``p`` if it still runs, and any of our workers ``pids`` still alive."""
+    if p.poll() is None:
+        p.kill()
+        p.wait(5)
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -156,12 +166,7 @@ def test_sigterm_to_launcher_stops_workers_no_orphans() -> None:
         p.send_signal(signal.SIGTERM)
         rc, _, err = _finish(p, 15)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(5)
-        for pid in pids:  # never leave our own workers behind, even when the test fails
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        _reap(p, pids)  # never leave our own launcher or workers behind, even when the test fails
     assert rc == 128 + signal.SIGTERM
     assert "received SIGTERM" in err
     assert not [pid for pid in pids if _alive(pid)]
@@ -347,12 +352,7 @@ def test_sigkilled_launcher_leaves_no_workers() -> None:
             time.sleep(0.05)
         assert not [pid for pid in pids if _alive(pid)]
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(5)
-        for pid in pids:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        _reap(p, pids)
 
 
 def test_failure_on_one_node_stops_both() -> None:
@@ -411,12 +411,7 @@ def test_sigint_is_forwarded_and_exit_status_is_130() -> None:
         assert "KeyboardInterrupt" in err  # the workers got SIGINT, not only SIGKILL
         assert not [pid for pid in pids if _alive(pid)]
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(5)
-        for pid in pids:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        _reap(p, pids)
 
 
 def test_dead_rendezvous_host_ends_the_other_node() -> None:

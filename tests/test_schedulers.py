@@ -6,17 +6,15 @@ MPI's) variables and do an all_reduce (tests/helpers/env_rank_worker.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.rank_procs import run_ranks
 
 import aiodist
 from aiodist._schedulers import SCHEDULERS, detect_scheduler, expand_hostlist, node_local_rank, resolve_env, slurm_master_port
@@ -210,24 +208,6 @@ def _free_port_in_slurm_range() -> int:
 @pytest.mark.parametrize("kind", ["slurm", "slurm-derived-port", "ompi"])
 def test_two_ranks_with_only_scheduler_variables(kind: str) -> None:
     port = _free_port_in_slurm_range() if kind == "slurm-derived-port" else get_free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER)], env=_scheduler_env(kind, rank, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for rank in range(2)
-    ]
-    outs = []
-    try:
-        deadline = time.monotonic() + 40
-        for p in procs:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outs.append((p.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate(timeout=10)
-    for rank, (code, out, err) in enumerate(outs):
-        assert code == 0, f"rank {rank} exited {code}\nstdout: {out}\nstderr: {err}"
-        res = json.loads(out.strip().splitlines()[-1])
+    results = run_ranks([[sys.executable, str(WORKER)]] * 2, [_scheduler_env(kind, rank, port) for rank in range(2)], 40)
+    for rank, res in enumerate(results):
         assert res == {"rank": rank, "world_size": 2, "local_rank": rank, "all_reduce": [0.0, 3.0, 6.0, 9.0], "agent_store": False}

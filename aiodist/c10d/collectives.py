@@ -211,6 +211,23 @@ async def _all_gather_one(op: str, output_tensor: Any, input_tensor: Any, group:
     return await _finish(pg.issue(op, body, [output_tensor], meta=_meta(output=_t(out), input=_t(inp))), asy)
 
 
+def _root_list(
+    pg: Any, root: int, tensors: Sequence[Any] | None, own: Buffer, op: str, name: str, role: str, *, writable: bool
+) -> list[np.ndarray] | None:
+    """gather's ``gather_list`` / scatter's ``scatter_list``: on the root, one tensor per rank of
+    ``own``'s dtype, the root's own the size of ``own``; elsewhere absent (None or empty), as in torch."""
+    if pg.rank() != root:
+        if tensors:
+            raise ValueError(f"{op}: {name} must NOT be specified on non-{role} ranks")
+        return None
+    if tensors is None:
+        raise ValueError(f"{op}: {name} must be specified on the {role} rank")
+    items = bufs(tensors, f"{op} {name}", pg.size(), writable=writable)
+    same_dtype(items, own, f"{op} {name}")
+    _same_size(items[root], own.flat.size, f"{op} {name}[{root}] (the {role}'s own slot)")
+    return [b.flat for b in items]
+
+
 async def gather(
     tensor: Any,
     gather_list: Sequence[Any] | None = None,
@@ -224,16 +241,7 @@ async def gather(
     asy = check_async_op(async_op)
     root = group_root(pg, "gather", "dst", dst, group_dst, default_global=0 if group_dst is None else None)
     inp = buf(tensor, "gather tensor", writable=False)
-    flats: list[np.ndarray] | None = None
-    if pg.rank() == root:
-        if gather_list is None:
-            raise ValueError("gather: gather_list must be specified on the destination rank")
-        outs = bufs(gather_list, "gather gather_list", pg.size(), writable=True)
-        same_dtype(outs, inp, "gather gather_list")
-        _same_size(outs[root], inp.flat.size, f"gather gather_list[{root}] (the destination's own slot)")
-        flats = [o.flat for o in outs]
-    elif gather_list:
-        raise ValueError("gather: gather_list must NOT be specified on non-destination ranks")
+    flats = _root_list(pg, root, gather_list, inp, "gather", "gather_list", "destination", writable=True)
     mine = inp.flat
 
     async def body(p2p: P2P) -> None:
@@ -258,16 +266,7 @@ async def scatter(
     asy = check_async_op(async_op)
     root = group_root(pg, "scatter", "src", src, group_src, default_global=0 if group_src is None else None)
     out = buf(tensor, "scatter tensor", writable=True)
-    flats: list[np.ndarray] | None = None
-    if pg.rank() == root:
-        if scatter_list is None:
-            raise ValueError("scatter: scatter_list must be specified on the source rank")
-        ins = bufs(scatter_list, "scatter scatter_list", pg.size(), writable=False)
-        same_dtype(ins, out, "scatter scatter_list")
-        _same_size(ins[root], out.flat.size, f"scatter scatter_list[{root}] (the source's own part)")
-        flats = [i.flat for i in ins]
-    elif scatter_list:
-        raise ValueError("scatter: scatter_list must NOT be specified on non-source ranks")
+    flats = _root_list(pg, root, scatter_list, out, "scatter", "scatter_list", "source", writable=False)
     mine = out.flat
 
     async def body(p2p: P2P) -> None:
