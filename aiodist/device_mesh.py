@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from aiodist.c10d.backend_registry import Backend, is_backend_available
+from aiodist.c10d.backend_registry import Backend, is_backend_available, parse_backend_config
 from aiodist.c10d.init import (
-    _canonical,
+    _serves,
     destroy_process_group,
     init_process_group,
     is_initialized,
@@ -144,7 +144,7 @@ def _world_backend_for(device_type: str) -> str | None:
                 "init_device_mesh('cuda', ...): backend 'nccl' is not available (import aiodist_cuda, which registers it, "
                 "on a machine with a GPU); use device_type='cpu' for the CPU backends"
             )
-        return Backend.NCCL
+        return "cpu:gloo,cuda:nccl"
     try:
         return Backend.default_device_backend_map[device_type]
     except KeyError:
@@ -152,8 +152,7 @@ def _world_backend_for(device_type: str) -> str | None:
 
 
 def _check_backend_serves(backend_name: str, device_type: str) -> None:
-    b = _canonical(backend_name)
-    devices = Backend.backend_capability.get(b, Backend.backend_capability.get(backend_name, []))
+    devices = list(parse_backend_config(Backend(backend_name)))
     if device_type not in devices:
         raise DistBackendError(
             f"the default group's backend {backend_name!r} does not serve device type {device_type!r} (it serves {devices}); "
@@ -234,7 +233,7 @@ class DeviceMesh:
             raise ValueError(f"mesh rank {max(self._flat)} is out of range for world size {world.world_size}")
         for dim, (backend, _options) in enumerate(self._backend_override):
             # new_group would refuse it too, but only after the earlier dimensions' groups were made
-            if backend is not None and _canonical(backend) != _canonical(world.backend_name):
+            if backend is not None and not _serves(backend, world.backend_name):
                 raise DistBackendError(
                     f"backend_override for mesh dimension {dim}: backend {backend!r} differs from the default group's "
                     f"{world.backend_name!r}; one backend per World is supported"

@@ -25,6 +25,7 @@ from aiodist._time import TimeoutLike, to_seconds
 from aiodist.algorithms import collectives as alg
 from aiodist.algorithms.p2p import P2P, byte_view
 from aiodist.c10d._args import buf, bufs, check_async_op, group_root, same_dtype
+from aiodist.c10d._device import device_backend, issue_on_device
 from aiodist.c10d.init import GroupArg, resolve_group
 from aiodist.c10d.work import Work
 from aiodist.errors import DistTimeoutError
@@ -114,6 +115,8 @@ async def broadcast(
     pg = resolve_group(group, what="broadcast")
     asy = check_async_op(async_op)
     root = group_root(pg, "broadcast", "src", src, group_src)
+    if (dev := device_backend(pg, tensor, "broadcast tensor")) is not None:
+        return await issue_on_device(dev, pg, "broadcast", {"tensor": tensor, "root": root}, asy)
     b = buf(tensor, "broadcast tensor", writable=pg.rank() != root)
     flat, th = b.flat, pg.thresholds
 
@@ -127,6 +130,8 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
     """Reduce ``tensor`` across the group, in place; the same bits on every rank."""
     pg = resolve_group(group, what="all_reduce")
     asy = check_async_op(async_op)
+    if (dev := device_backend(pg, tensor, "all_reduce tensor")) is not None:
+        return await issue_on_device(dev, pg, "all_reduce", {"tensor": tensor, "op": op}, asy)
     b = buf(tensor, "all_reduce tensor", writable=True)
     rop, combine = _reduction(op, b)
     flat, name, n, th = b.flat, b.dtype_name, pg.size(), pg.thresholds
@@ -151,6 +156,8 @@ async def reduce(
     pg = resolve_group(group, what="reduce")
     asy = check_async_op(async_op)
     root = group_root(pg, "reduce", "dst", dst, group_dst)
+    if (dev := device_backend(pg, tensor, "reduce tensor")) is not None:
+        return await issue_on_device(dev, pg, "reduce", {"tensor": tensor, "op": op, "root": root}, asy)
     is_root = pg.rank() == root
     b = buf(tensor, "reduce tensor", writable=is_root)
     rop, combine = _reduction(op, b)
@@ -173,6 +180,8 @@ async def all_gather(tensor_list: Sequence[Any], tensor: Any, group: GroupArg = 
     """Every rank's ``tensor`` into ``tensor_list[that rank]`` on every rank (sizes may differ per rank)."""
     pg = resolve_group(group, what="all_gather")
     asy = check_async_op(async_op)
+    if (dev := device_backend(pg, tensor, "all_gather tensor")) is not None:
+        return await issue_on_device(dev, pg, "all_gather", {"tensor_list": tensor_list, "tensor": tensor}, asy)
     inp = buf(tensor, "all_gather tensor", writable=False)
     outs = bufs(tensor_list, "all_gather tensor_list", pg.size(), writable=True)
     same_dtype(outs, inp, "all_gather tensor_list")
@@ -198,6 +207,8 @@ async def all_gather_single(output_tensor: Any, input_tensor: Any, group: GroupA
 async def _all_gather_one(op: str, output_tensor: Any, input_tensor: Any, group: GroupArg, async_op: bool) -> Work | None:
     pg = resolve_group(group, what=op)
     asy = check_async_op(async_op)
+    if (dev := device_backend(pg, input_tensor, f"{op} input_tensor")) is not None:
+        return await issue_on_device(dev, pg, op, {"output_tensor": output_tensor, "input_tensor": input_tensor}, asy)
     out = buf(output_tensor, f"{op} output_tensor", writable=True)
     inp = buf(input_tensor, f"{op} input_tensor", writable=False)
     same_dtype([out], inp, f"{op} output_tensor")
@@ -240,6 +251,8 @@ async def gather(
     pg = resolve_group(group, what="gather")
     asy = check_async_op(async_op)
     root = group_root(pg, "gather", "dst", dst, group_dst, default_global=0 if group_dst is None else None)
+    if (dev := device_backend(pg, tensor, "gather tensor")) is not None:
+        return await issue_on_device(dev, pg, "gather", {"tensor": tensor, "gather_list": gather_list, "root": root}, asy)
     inp = buf(tensor, "gather tensor", writable=False)
     flats = _root_list(pg, root, gather_list, inp, "gather", "gather_list", "destination", writable=True)
     mine = inp.flat
@@ -265,6 +278,8 @@ async def scatter(
     pg = resolve_group(group, what="scatter")
     asy = check_async_op(async_op)
     root = group_root(pg, "scatter", "src", src, group_src, default_global=0 if group_src is None else None)
+    if (dev := device_backend(pg, tensor, "scatter tensor")) is not None:
+        return await issue_on_device(dev, pg, "scatter", {"tensor": tensor, "scatter_list": scatter_list, "root": root}, asy)
     out = buf(tensor, "scatter tensor", writable=True)
     flats = _root_list(pg, root, scatter_list, out, "scatter", "scatter_list", "source", writable=False)
     mine = out.flat
@@ -286,6 +301,8 @@ async def reduce_scatter(
     """``output`` of rank r = the reduction over every rank of its ``input_list[r]``."""
     pg = resolve_group(group, what="reduce_scatter")
     asy = check_async_op(async_op)
+    if (dev := device_backend(pg, output, "reduce_scatter output")) is not None:
+        return await issue_on_device(dev, pg, "reduce_scatter", {"output": output, "input_list": input_list, "op": op}, asy)
     out = buf(output, "reduce_scatter output", writable=True)
     ins = bufs(input_list, "reduce_scatter input_list", pg.size(), writable=False)
     same_dtype(ins, out, "reduce_scatter input_list")
@@ -311,6 +328,8 @@ async def reduce_scatter_single(
 async def _reduce_scatter_one(name: str, output: Any, input: Any, op: ReduceOpLike, group: GroupArg, async_op: bool) -> Work | None:
     pg = resolve_group(group, what=name)
     asy = check_async_op(async_op)
+    if (dev := device_backend(pg, output, f"{name} output")) is not None:
+        return await issue_on_device(dev, pg, name, {"output": output, "input": input, "op": op}, asy)
     out = buf(output, f"{name} output", writable=True)
     inp = buf(input, f"{name} input", writable=False)
     same_dtype([inp], out, f"{name} input")
@@ -341,6 +360,9 @@ async def all_to_all(
     """``input_tensor_list[j]`` of rank i into ``output_tensor_list[i]`` of rank j (sizes may differ)."""
     pg = resolve_group(group, what="all_to_all")
     asy = check_async_op(async_op)
+    if (dev := device_backend(pg, input_tensor_list, "all_to_all input_tensor_list")) is not None:
+        args = {"output_tensor_list": output_tensor_list, "input_tensor_list": input_tensor_list}
+        return await issue_on_device(dev, pg, "all_to_all", args, asy)
     ins = bufs(input_tensor_list, "all_to_all input_tensor_list", pg.size(), writable=False)
     outs = bufs(output_tensor_list, "all_to_all output_tensor_list", pg.size(), writable=True)
     same_dtype(ins, ins[0], "all_to_all input_tensor_list")
@@ -385,6 +407,9 @@ async def all_to_all_single(
     concatenate what arrives into ``output`` (``output_split_sizes`` or equally)."""
     pg = resolve_group(group, what="all_to_all_single")
     asy = check_async_op(async_op)
+    if (dev := device_backend(pg, input, "all_to_all_single input")) is not None:
+        args = {"output": output, "input": input, "output_split_sizes": output_split_sizes, "input_split_sizes": input_split_sizes}
+        return await issue_on_device(dev, pg, "all_to_all_single", args, asy)
     out = buf(output, "all_to_all_single output", writable=True)
     inp = buf(input, "all_to_all_single input", writable=False)
     same_dtype([out], inp, "all_to_all_single output")
@@ -415,6 +440,8 @@ async def barrier(group: GroupArg = None, async_op: bool = False, device_ids: An
     """Return once every rank of the group has entered (``device_ids`` is ignored on CPU)."""
     pg = resolve_group(group, what="barrier")
     asy = check_async_op(async_op)
+    if pg.host_refusal is not None and pg.devices:  # no CPU backend ("nccl" alone): a device barrier
+        return await issue_on_device(next(iter(pg.devices.values())), pg, "barrier", {"device_ids": device_ids}, asy)
 
     async def body(p2p: P2P) -> None:
         await alg.barrier(p2p)
@@ -441,6 +468,8 @@ async def all_reduce_coalesced(
     identical on every rank)."""
     pg = resolve_group(group, what="all_reduce_coalesced")
     asy = check_async_op(async_op)
+    if (dev := device_backend(pg, tensors, "all_reduce_coalesced tensors")) is not None:
+        return await issue_on_device(dev, pg, "all_reduce_coalesced", {"tensors": tensors, "op": op}, asy)
     ts = [tensors] if isinstance(tensors, np.ndarray) or _is_torch_tensor(tensors) else _list(tensors, "all_reduce_coalesced tensors")
     bs = [buf(t, f"all_reduce_coalesced tensors[{i}]", writable=True) for i, t in enumerate(ts)]
     same_dtype(bs, bs[0], "all_reduce_coalesced tensors")
@@ -473,6 +502,9 @@ async def all_gather_coalesced(
     have different dtypes (each output's dtype must be its input's); one message per peer."""
     pg = resolve_group(group, what="all_gather_coalesced")
     asy = check_async_op(async_op)
+    if (dev := device_backend(pg, input_tensor_list, "all_gather_coalesced input_tensor_list")) is not None:
+        args = {"output_tensor_lists": output_tensor_lists, "input_tensor_list": input_tensor_list}
+        return await issue_on_device(dev, pg, "all_gather_coalesced", args, asy)
     ins = [
         buf(t, f"all_gather_coalesced input_tensor_list[{i}]", writable=False)
         for i, t in enumerate(_list(input_tensor_list, "all_gather_coalesced input_tensor_list"))

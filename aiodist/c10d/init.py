@@ -10,6 +10,11 @@ Decisions (see docs/c10d.md):
 - ``new_group`` does not communicate: the channel factory multiplexes by group id, so there is
   nothing to connect. Non-members get ``GroupMember.NON_GROUP_MEMBER``.
 - A sub-group uses the default group's backend; asking for another backend is refused.
+- Backends per device (torch's ``"cpu:gloo,cuda:nccl"``): the World has one CPU backend (the
+  channel factory) and one ``DeviceBackend`` per device type; every op goes to the backend of
+  the device its arrays live on (``aiodist.c10d._device``). ``backend=None`` is
+  ``"cpu:gloo,cuda:nccl"`` where NCCL is available (or ``device_id`` is a CUDA device), else
+  ``"gloo"``. A config without a CPU backend (``"nccl"``) refuses CPU arrays, as torch does.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from aiodist._time import TimeoutLike, to_seconds, to_timedelta
-from aiodist.c10d.backend_registry import Backend, create_backend, is_backend_available, is_nccl_available
+from aiodist.backends.base import CommBackend
+from aiodist.backends.device import DeviceBackend
+from aiodist.c10d.backend_registry import Backend, create_backend, is_backend_available, is_nccl_available, parse_backend_config
 from aiodist.c10d.process_group import ProcessGroup
 from aiodist.c10d.world import NON_GROUP_MEMBER, current_world, default_group
 from aiodist.constants import default_pg_timeout
@@ -153,7 +160,8 @@ async def init_process_group(
     if store is not None and init_method is not None:
         raise ValueError("Cannot specify both init_method and store.")
     td = default_pg_timeout if timeout is None else to_timedelta(timeout)
-    name = Backend(backend) if backend is not None else Backend(get_default_backend_for_device(device_id or "cpu"))
+    name = Backend(backend if backend is not None else _default_backend(device_id))
+    config = parse_backend_config(name)
     owned: Store | None = None
     if store is not None:
         if not isinstance(store, Store):
@@ -169,30 +177,36 @@ async def init_process_group(
         if owned is not None:
             await owned.close()
         raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
+    made: list[CommBackend | DeviceBackend] = []
     try:
-        comm = await create_backend(name, store, rank, world_size, td, pg_options)
-    except BaseException:
-        if owned is not None:
-            await owned.close()
-        raise
-    if device_id is not None:  # torch's eager init: connect to every peer now, not on first use
-        try:
-            async with asyncio.timeout(td.total_seconds()):
-                await comm.connect()
-        except BaseException as exc:
-            await comm.close()
-            if owned is not None:
-                await owned.close()
-            if isinstance(exc, TimeoutError) and not isinstance(exc, DistTimeoutError):
+        comm, devices = await _create_backends(config, store, rank, world_size, td, pg_options, made)
+        if device_id is not None:  # torch's eager init: connect to every peer now, not on first use
+            try:
+                async with asyncio.timeout(td.total_seconds()):
+                    await comm.connect()
+            except TimeoutError as exc:
+                if isinstance(exc, DistTimeoutError):
+                    raise
                 raise DistTimeoutError(
                     f"init_process_group: rank {rank} could not connect to every peer within {td.total_seconds():g} s (device_id given: eager connections)"
                 ) from None
-            raise
+    except BaseException:
+        for b in reversed(made):
+            await b.close()
+        if owned is not None:
+            await owned.close()
+        raise
     world.rank, world.world_size = rank, world_size
     world.backend, world.backend_name, world.store, world.owned_store = comm, str(name), store, owned
-    pg = ProcessGroup(comm, str(name), 0, range(world_size), td.total_seconds(), name=group_name or "0", desc="default_pg", store=store)
+    world.backend_config = config
+    world.devices = devices
+    world.host_refusal = None if "cpu" in config or not isinstance(comm, _Hostless) else comm.refusal
+    pg = _make_group(world, 0, range(world_size), td.total_seconds(), name=group_name or "0", desc="default_pg")
     world.groups[0] = pg
     world.default_pg = pg
+    if device_id is not None:  # eager device communicators too (torch's device_id contract)
+        for dev in set(devices.values()):
+            await dev.connect(pg)
     if get_debug_level() >= DebugLevel.INFO:
         log.info(
             "rank %d: init_process_group: backend %s, world size %d, timeout %g s, %s, transport: %s",
@@ -203,6 +217,82 @@ async def init_process_group(
             f"rendezvous {init_method or 'env://'}" if owned is not None else f"store {type(store).__name__}",
             _transport_desc(comm),
         )
+
+
+def _default_backend(device_id: Any) -> str:
+    """torch's choice for ``backend=None``: CPU and CUDA where the device or NCCL says so."""
+    if device_id is not None:
+        kind = device_id if isinstance(device_id, str) else getattr(device_id, "type", None)
+        if isinstance(device_id, int) and not isinstance(device_id, bool):
+            kind = "cuda"
+        if isinstance(kind, str) and kind.split(":")[0] == "cuda":
+            return "cpu:gloo,cuda:nccl"
+        return get_default_backend_for_device(device_id)
+    return "cpu:gloo,cuda:nccl" if is_nccl_available() else "gloo"
+
+
+class _Hostless(CommBackend):
+    """The CPU side of a World without a CPU backend (``"nccl"`` alone): refuses CPU arrays."""
+
+    name = "none"
+
+    def __init__(self, rank: int, world_size: int, config: dict[str, str]) -> None:
+        super().__init__(rank, world_size)
+        spec = ",".join(f"{d}:{n}" for d, n in config.items())
+        self.refusal = (
+            f"No backend type associated with device type cpu (the group's backends: {spec}); "
+            f"pass CPU and device backends, e.g. init_process_group('cpu:gloo,{spec}')"
+        )
+
+    def channel(self, group_id: int, seq: int, global_ranks: Sequence[int]) -> Any:
+        raise DistBackendError(self.refusal)
+
+
+async def _create_backends(
+    config: dict[str, str], store: Store, rank: int, world_size: int, td: Any, pg_options: Any, made: list[Any]
+) -> tuple[CommBackend, dict[str, Any]]:
+    """The World's CPU backend and its device backends, one per distinct backend name."""
+    by_name: dict[str, CommBackend | DeviceBackend] = {}
+    comm: CommBackend | None = None
+    devices: dict[str, Any] = {}
+    host_names = [config["cpu"]] if "cpu" in config else []
+    for device, bname in config.items():  # "cuda:gloo": the CPU backend takes them (staged)
+        caps = Backend.backend_capability.get(_canonical(bname), Backend.backend_capability.get(bname, []))
+        if device != "cpu" and device not in caps:
+            host_names.append(bname)
+    if len({_canonical(n) for n in host_names}) > 1:
+        raise ValueError(f"backend config {config}: one CPU backend per World, got {sorted(set(host_names))}")
+    for device, bname in config.items():
+        if bname not in by_name:
+            made_one = await create_backend(bname, store, rank, world_size, td, pg_options)
+            made.append(made_one)
+            by_name[bname] = made_one
+        b = by_name[bname]
+        if isinstance(b, DeviceBackend):
+            if device == "cpu":
+                raise ValueError(f"backend {bname!r} is a device backend; it cannot serve CPU arrays (use e.g. 'cpu:gloo,{device}:{bname}')")
+            devices[device] = b
+        elif comm is None or comm is b:
+            comm = b
+    if comm is None:
+        comm = _Hostless(rank, world_size, config)
+    return comm, devices
+
+
+def _make_group(world: Any, gid: int, members: Sequence[int], seconds: float, *, name: str, desc: str) -> ProcessGroup:
+    assert world.backend is not None
+    return ProcessGroup(
+        world.backend,
+        world.backend_name,
+        gid,
+        members,
+        seconds,
+        name=name,
+        desc=desc,
+        store=world.store,
+        devices=world.devices,
+        host_refusal=world.host_refusal,
+    )
 
 
 def _transport_desc(comm: Any) -> str:
@@ -228,8 +318,10 @@ async def destroy_process_group(group: GroupArg = None) -> None:
     if pg is world.default_pg:
         for g in list(world.groups.values()):
             await g.shutdown("the group was destroyed")
-        backend, owned = world.backend, world.owned_store
+        backend, owned, devices = world.backend, world.owned_store, list(dict.fromkeys(world.devices.values()))
         world.reset()
+        for dev in devices:
+            await dev.close()
         if backend is not None:
             await backend.close()
         if owned is not None:  # rank 0's server stops here, as torch's does when its store goes
@@ -244,7 +336,16 @@ async def destroy_process_group(group: GroupArg = None) -> None:
 
 def _canonical(name: str) -> str:
     b = Backend(name)
+    if ":" in b:  # a per-device config: its parts, aliases resolved, in device order
+        return ",".join(f"{d}:{_canonical(n)}" for d, n in sorted(parse_backend_config(b).items()))
     return Backend.aliases.get(b, b)
+
+
+def _serves(asked: str, have: str) -> bool:
+    """Whether the World's backends (``have``) are those ``asked`` names, device by device."""
+    want = {d: _canonical(n) for d, n in parse_backend_config(Backend(asked)).items()}
+    got = {d: _canonical(n) for d, n in parse_backend_config(Backend(have)).items()}
+    return all(got.get(d) == n for d, n in want.items())
 
 
 def _local_group_id(ranks: tuple[int, ...], occurrence: int) -> int:
@@ -282,7 +383,7 @@ async def new_group(
         raise ValueError("new_group: ranks is empty")
     if sort_ranks:
         members.sort()
-    if backend is not None and _canonical(backend) != _canonical(world.backend_name):
+    if backend is not None and not _serves(backend, world.backend_name):
         raise DistBackendError(
             f"new_group: backend {backend!r} differs from the default group's {world.backend_name!r}; one backend per World is supported"
         )
@@ -303,10 +404,7 @@ async def new_group(
         raise DistBackendError(
             f"new_group: group id {gid} is already in use on this rank (a hash collision of use_local_synchronization ids)"
         )
-    assert world.backend is not None
-    pg = ProcessGroup(
-        world.backend, world.backend_name, gid, members, seconds, name=str(gid), desc=group_desc or f"group {gid}", store=world.store
-    )
+    pg = _make_group(world, gid, members, seconds, name=str(gid), desc=group_desc or f"group {gid}")
     world.groups[gid] = pg
     return pg
 
@@ -357,7 +455,7 @@ async def split_group(
             if r in seen:
                 raise ValueError(f"split_group: group rank {r} is in more than one split (or twice in one)")
             seen.add(r)
-    if backend is not None and _canonical(backend.split(":")[-1]) != _canonical(parent.backend_name):
+    if backend is not None and not _serves(backend, parent.backend_name):
         raise DistBackendError(f"split_group: backend {backend!r} is not the parent's {parent.backend_name!r}")
     count = parent.splits
     parent.splits += 1
@@ -368,17 +466,7 @@ async def split_group(
     members = [parent.ranks[r] for r in sorted(mine)]
     gid = _derived_id(world, "split", parent.group_id, count, tuple(members))
     seconds = parent.timeout_s if timeout is None else to_seconds(timeout)
-    assert world.backend is not None
-    pg = ProcessGroup(
-        world.backend,
-        world.backend_name,
-        gid,
-        members,
-        seconds,
-        name=str(gid),
-        desc=group_desc or f"split {count} of {parent.group_desc}",
-        store=world.store,
-    )
+    pg = _make_group(world, gid, members, seconds, name=str(gid), desc=group_desc or f"split {count} of {parent.group_desc}")
     world.groups[gid] = pg
     return pg
 
@@ -421,10 +509,7 @@ async def shrink_group(
     pg.shrinks += 1
     members = [g for i, g in enumerate(pg.ranks) if i not in set(excl)]
     gid = _derived_id(world, "shrink", pg.group_id, count, tuple(members))
-    assert world.backend is not None
-    new = ProcessGroup(
-        world.backend, world.backend_name, gid, members, pg.timeout_s, name=str(gid), desc=f"{pg.group_desc} shrunk", store=world.store
-    )
+    new = _make_group(world, gid, members, pg.timeout_s, name=str(gid), desc=f"{pg.group_desc} shrunk")
     world.groups[gid] = new
     return new
 
@@ -435,9 +520,7 @@ async def shrink_group(
 def get_backend_config(group: GroupArg = None) -> str:
     """The group's backend per device, as torch writes it: ``"cpu:gloo"``."""
     pg = resolve_group(group, what="get_backend_config")
-    name = Backend(pg.backend_name)
-    devices = Backend.backend_capability.get(Backend.aliases.get(name, name), Backend.backend_capability.get(name, ["cpu"]))
-    return ",".join(f"{d}:{name}" for d in devices)
+    return ",".join(f"{d}:{n}" for d, n in parse_backend_config(Backend(pg.backend_name)).items())
 
 
 def get_node_local_rank(fallback_rank: int | None = None) -> int:

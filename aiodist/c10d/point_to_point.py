@@ -22,6 +22,7 @@ import numpy as np
 
 from aiodist.backends.base import CommBackend
 from aiodist.c10d._args import buf, group_root
+from aiodist.c10d._device import device_backend
 from aiodist.c10d.init import GroupArg, resolve_group
 from aiodist.c10d.process_group import ProcessGroup
 from aiodist.c10d.work import Work
@@ -78,12 +79,32 @@ def _tag(tag: object, op: str) -> int:
 
 
 class _Checked:
-    """One validated p2p op, ready to issue (validation of a whole batch comes before any issue)."""
+    """One validated p2p op, ready to issue (validation of a whole batch comes before any issue).
+    ``dev`` is set for arrays in device memory: the op goes to that device backend instead."""
 
-    __slots__ = ("op", "pg", "tensor", "flat", "peer", "tag", "sending")
+    __slots__ = ("op", "pg", "tensor", "flat", "peer", "tag", "sending", "dev")
 
-    def __init__(self, op: str, pg: ProcessGroup, tensor: Any, flat: np.ndarray, peer: int | None, tag: int, sending: bool) -> None:
+    def __init__(
+        self, op: str, pg: ProcessGroup, tensor: Any, flat: Any, peer: int | None, tag: int, sending: bool, dev: Any = None
+    ) -> None:
         self.op, self.pg, self.tensor, self.flat, self.peer, self.tag, self.sending = op, pg, tensor, flat, peer, tag, sending
+        self.dev = dev
+
+    def device_args(self) -> dict[str, Any]:
+        pg, peer = self.pg, self.peer
+        return {
+            "tensor": self.tensor,
+            "peer": None if peer is None else pg.ranks.index(peer),  # the group rank
+            "tag": self.tag,
+            "sending": self.sending,
+            "op": self.op,
+        }
+
+    async def start(self) -> Work:
+        if self.dev is None:
+            return self.issue()
+        works: list[Work] = await self.dev.issue(self.pg, "p2p", {"ops": [self.device_args()]})
+        return works[0]
 
     def issue(self) -> Work:
         pg, flat, tag, peer = self.pg, self.flat, self.tag, self.peer
@@ -120,6 +141,10 @@ def _check(
                 f"{op}: invalid destination rank {peer}: it is this rank (a blocking send to oneself would never return; use isend and irecv)"
             )
     t = _tag(tag, op)
+    dev = device_backend(pg, tensor, f"{op} tensor")
+    if dev is not None:  # the device backend checks the array itself
+        pg.check_usable()
+        return _Checked(op, pg, tensor, None, peer, t, sending, dev)
     b = buf(tensor, f"{op} tensor", writable=not sending)
     pg.check_usable()
     return _Checked(op, pg, tensor, b.flat, peer, t, sending)
@@ -128,25 +153,25 @@ def _check(
 async def send(tensor: Any, dst: int | None = None, group: GroupArg = None, tag: int = 0, group_dst: int | None = None) -> None:
     """Send ``tensor`` to ``dst`` (global rank) or ``group_dst``; returns once the bytes are
     handed to the transport (the tensor may then change)."""
-    await _check("send", tensor, dst, group, tag, group_dst, True, blocking=True).issue()
+    await (await _check("send", tensor, dst, group, tag, group_dst, True, blocking=True).start())
 
 
 async def recv(tensor: Any, src: int | None = None, group: GroupArg = None, tag: int = 0, group_src: int | None = None) -> int:
     """Receive into ``tensor`` from ``src`` (global rank), ``group_src``, or any rank of the group
     (both None); returns the sender's global rank."""
-    work = _check("recv", tensor, src, group, tag, group_src, False, blocking=True).issue()
+    work = await _check("recv", tensor, src, group, tag, group_src, False, blocking=True).start()
     await work
     return work.source_rank()
 
 
 async def isend(tensor: Any, dst: int | None = None, group: GroupArg = None, tag: int = 0, group_dst: int | None = None) -> Work:
     """Issue a send and return its Work (``tensor`` must not change until it completes)."""
-    return _check("isend", tensor, dst, group, tag, group_dst, True, blocking=False).issue()
+    return await _check("isend", tensor, dst, group, tag, group_dst, True, blocking=False).start()
 
 
 async def irecv(tensor: Any, src: int | None = None, group: GroupArg = None, tag: int = 0, group_src: int | None = None) -> Work:
     """Issue a receive and return its Work; ``work.source_rank()`` is the sender once it completes."""
-    return _check("irecv", tensor, src, group, tag, group_src, False, blocking=False).issue()
+    return await _check("irecv", tensor, src, group, tag, group_src, False, blocking=False).start()
 
 
 class P2POp:
@@ -194,4 +219,11 @@ async def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
     groups = {id(c.pg) for c in checked}
     if len(groups) > 1:
         raise ValueError("batch_isend_irecv: all ops of a batch must use the same group")
+    devs = {id(c.dev) for c in checked}
+    if len(devs) > 1:
+        raise ValueError("batch_isend_irecv: all tensors of a batch must live on one device type (host or device memory, not both)")
+    dev = checked[0].dev
+    if dev is not None:  # one grouped device call (NCCL's group semantics: every op in flight at once)
+        works: list[Work] = await dev.issue(checked[0].pg, "p2p", {"ops": [c.device_args() for c in checked]})
+        return works
     return [c.issue() for c in checked]

@@ -18,6 +18,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import json
 import logging
@@ -72,10 +73,16 @@ class _Tracked:
             sent.add_done_callback(lambda _: self.waiting_send.subtract([peer]))
         return sent
 
+    diagnose = True  # a timeout follows the waits through the store (ProcessGroup._diagnose)
+
+    def silent(self) -> list[int]:
+        """The global ranks a receive of this op was still waiting on."""
+        return sorted(self.ranks[p] for p, n in self.waiting_recv.items() if n > 0)
+
     def describe_waiting(self) -> str:
         """The timeout message's tail: whom this op was still waiting on."""
         out = ""
-        silent = sorted(self.ranks[p] for p, n in self.waiting_recv.items() if n > 0)
+        silent = self.silent()
         unsent = sorted(self.ranks[p] for p, n in self.waiting_send.items() if n > 0)
         if silent:
             out += f"; ranks not heard from: {silent}"
@@ -94,6 +101,38 @@ class _Tracked:
             counter[peer] -= 1
             raise
         counter[peer] -= 1
+
+
+class _DeviceTracker:
+    """A device op's stand-in for ``_Tracked``: the device library does not say which peer it
+    waits on, so a timed-out collective reports waiting on every other rank and lets the store
+    (``ProcessGroup._diagnose``) find the ranks that never reached the op."""
+
+    def __init__(self, pg: ProcessGroup, waiting: Callable[[], str] | None, *, diagnose: bool) -> None:
+        self._pg = pg
+        self._waiting = waiting
+        self.diagnose = diagnose
+
+    def silent(self) -> list[int]:
+        me = self._pg.backend.rank
+        return [r for r in self._pg.ranks if r != me]
+
+    def describe_waiting(self) -> str:
+        return self._waiting() if self._waiting is not None else "; the device op had not completed"
+
+
+#: set by a stager around the issue of a CPU op on host copies of device arrays: an object with
+#: ``async copy_in()`` (the host copies are ready) and ``async copy_out()`` (results written back)
+_STAGING: contextvars.ContextVar[Any] = contextvars.ContextVar("aiodist_staging", default=None)
+
+
+def _staged_body(staging: Any, body: Body) -> Body:
+    async def staged(p2p: P2P) -> None:
+        await staging.copy_in()
+        await body(p2p)
+        await staging.copy_out()
+
+    return staged
 
 
 def _checked_body(pg: ProcessGroup, op: str, seq: int, meta: dict[str, Any] | None, body: Body) -> Body:
@@ -121,9 +160,16 @@ class ProcessGroup:
         name: str = "",
         desc: str = "",
         store: Store | None = None,
+        devices: dict[str, Any] | None = None,
+        host_refusal: str | None = None,
     ) -> None:
         self.backend = backend
         self.backend_name = backend_name
+        # device type -> DeviceBackend (aiodist.backends.device), shared with the World; the
+        # World's stagers serve device arrays the group has no backend for
+        self.devices: dict[str, Any] = devices if devices is not None else {}
+        # set when the World has no CPU backend ("nccl" alone): why CPU arrays are refused
+        self.host_refusal = host_refusal
         self.group_id = group_id
         self.ranks: tuple[int, ...] = tuple(global_ranks)
         self._rank = self.ranks.index(backend.rank)
@@ -190,16 +236,54 @@ class ProcessGroup:
         if self.broken is not None:
             raise DistBackendError(f"{self.describe()} is unusable: {self.broken}; destroy it and create a new group")
 
+    def _check_host(self, op: str) -> None:
+        if self.host_refusal is not None:
+            raise DistBackendError(f"{op} on {self.describe()}: {self.host_refusal}")
+
     def issue(self, op: str, body: Body, outputs: list[Any], *, timeout_s: float | None = None, meta: dict[str, Any] | None = None) -> Work:
         """Take the next sequence number, open the channel and start the op (no suspension).
         ``timeout_s`` replaces the group's timeout for this op (monitored_barrier's own).
         ``meta`` describes the call for the flight recorder and DETAIL's desync check: its
         ``"same"`` dict holds what every rank must agree on (dtype, shape, root, reduce op)."""
         self.check_usable()
+        if self.host_refusal is not None:
+            self._check_host(op)
         seq = self.seq
         self.seq += 1
         entry = self.recorder.issued(op, seq, "collective", meta, with_stack=self.detail)
+        staging = _STAGING.get()
+        if staging is not None:  # host copies of device arrays: copy in before, copy back after
+            body = _staged_body(staging, body)
         return self._start(op, seq, self.ranks, body, outputs, None, timeout_s, entry, meta)
+
+    def issue_device(
+        self,
+        op: str,
+        body: Callable[[], Coroutine[Any, Any, None]],
+        make_work: Callable[[str, str, int], Work],
+        *,
+        meta: dict[str, Any] | None = None,
+        waiting: Callable[[], str] | None = None,
+        p2p: bool = False,
+    ) -> Work:
+        """Start an op of a device backend (``aiodist.backends.device``): the group's next
+        sequence number (its p2p counter for point-to-point ops), a flight-recorder entry, the
+        group's timeout and failure rules. ``make_work(op, group_desc, seq)`` makes its Work;
+        ``body()`` runs it; ``waiting()`` tells a timeout message what the op was waiting on."""
+        self.check_usable()
+        if p2p:
+            n = self.p2p_seq
+            self.p2p_seq += 1
+            label = f"p2p seq {n}"
+        else:
+            n = self.seq
+            self.seq += 1
+            label = f"seq {n}"
+        entry = self.recorder.issued(op, n, "p2p" if p2p else "collective", meta, with_stack=self.detail)
+        work = make_work(op, self.describe(), n)
+        work.label = label
+        tracker = _DeviceTracker(self, waiting, diagnose=not p2p)
+        return self._launch(op, label, n, tracker, lambda _t: body(), work, None, entry)
 
     def issue_p2p(
         self,
@@ -216,11 +300,16 @@ class ProcessGroup:
         from aiodist.c10d.point_to_point import PeerOps  # the body's view of the backend
 
         self.check_usable()
+        if self.host_refusal is not None:
+            self._check_host(op)
         n = self.p2p_seq
         self.p2p_seq += 1
         ops = PeerOps(self.backend, self.group_id, self.ranks)
         work = Work(op, self.describe(), n, outputs, source_rank=-1 if receive else None)
         work.label = f"p2p seq {n}"
+        staging = _STAGING.get()
+        if staging is not None:
+            body = _staged_body(staging, body)
         entry = self.recorder.issued(op, n, "p2p", {"tag": tag, "peers": list(peers)}, with_stack=self.detail)
         return self._launch(op, f"p2p seq {n} (tag {tag}, peers {list(peers)})", n, ops, body, work, None, entry)
 
@@ -328,7 +417,7 @@ class ProcessGroup:
         what = f"{op} on {self.describe()}, {label}"
         # a collective keeps the last part of its time to find out, through the store, which
         # rank the wait is really stuck on (see _diagnose)
-        diagnose = self.store is not None and isinstance(tracker, _Tracked) and len(self.ranks) > 2
+        diagnose = self.store is not None and getattr(tracker, "diagnose", False) and len(self.ranks) > 2
         grace = min(max(limit * 0.1, 0.05), 5.0) if diagnose else 0.0
         try:
             async with asyncio.timeout(limit - grace):
@@ -341,7 +430,7 @@ class ProcessGroup:
             waiting = tracker.describe_waiting()
             msg += waiting or "; it was not waiting on any peer (the group was still running it)"
             if diagnose:
-                msg += await self._diagnose(work.seq, sorted(self.ranks[p] for p, n in tracker.waiting_recv.items() if n > 0), grace)
+                msg += await self._diagnose(work.seq, tracker.silent(), grace)
             err: DistError = DistTimeoutError(msg)
             if isinstance(exc, DistError):  # the backend's own deadline came first: keep its words
                 err.__cause__ = exc
@@ -424,6 +513,11 @@ class ProcessGroup:
     def _break(self, reason: str, cause: BaseException | None = None, *, tell_peers: bool = True) -> None:
         if self.broken is None:
             self.broken = reason
+            for dev in set(self.devices.values()):  # e.g. abort the group's NCCL communicator
+                try:
+                    dev.abort_group(self.group_id, reason)
+                except Exception as exc:  # best effort, like telling the peers
+                    log.warning("rank %d: aborting %s on %s: %s", self.backend.rank, self.describe(), getattr(dev, "name", dev), exc)
             if tell_peers:  # an op failed here: let the peers' pending ops on this group fail now
                 t = asyncio.get_running_loop().create_task(self._tell_peers(reason), name=f"aiodist abort {self.group_desc}")
                 self._aborting.add(t)

@@ -34,6 +34,12 @@ class World:
         self.world_size = -1
         self.backend: CommBackend | None = None
         self.backend_name = ""
+        # device type -> backend name, as init_process_group was asked ("cpu:gloo,cuda:nccl")
+        self.backend_config: dict[str, str] = {}
+        # device type -> DeviceBackend (aiodist.backends.device): "cuda" -> aiodist_cuda's NCCL
+        self.devices: dict[str, Any] = {}
+        # why CPU arrays are refused when the World has no CPU backend ("nccl" alone), else None
+        self.host_refusal: str | None = None
         self.store: Store | None = None
         # the store rendezvous made for init_process_group (not a user's store=): closed on destroy
         self.owned_store: Store | None = None
@@ -52,6 +58,9 @@ class World:
         self.rank = self.world_size = -1
         self.backend = None
         self.backend_name = ""
+        self.backend_config = {}
+        self.devices = {}
+        self.host_refusal = None
         self.store = None
         self.owned_store = None
         self.created.clear()
