@@ -48,8 +48,9 @@ class DeviceBackend(abc.ABC):
         """Check ``args``, issue ``op`` on group ``pg`` (sequence number taken before the first
         suspension) and return its ``Work``. Unknown ops: ``DistBackendError`` naming the op."""
 
-    async def connect(self, pg: Any) -> None:  # noqa: B027 - optional
-        """Make ``pg``'s communicator now (``init_process_group(device_id=...)``'s eager mode)."""
+    async def connect(self, pg: Any, device_id: Any = None) -> None:  # noqa: B027 - optional
+        """Make ``pg``'s communicator now, on ``device_id`` where given
+        (``init_process_group(device_id=...)``'s eager mode)."""
 
     def abort_group(self, group_id: int, reason: str) -> None:  # noqa: B027 - optional
         """``group_id`` broke on this rank (an op failed or timed out): abort what the backend

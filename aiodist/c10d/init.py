@@ -205,8 +205,8 @@ async def init_process_group(
     world.groups[0] = pg
     world.default_pg = pg
     if device_id is not None:  # eager device communicators too (torch's device_id contract)
-        for dev in set(devices.values()):
-            await dev.connect(pg)
+        for dev in dict.fromkeys(devices.values()):
+            await dev.connect(pg, device_id)
     if get_debug_level() >= DebugLevel.INFO:
         log.info(
             "rank %d: init_process_group: backend %s, world size %d, timeout %g s, %s, transport: %s",
@@ -270,7 +270,9 @@ async def _create_backends(
         b = by_name[bname]
         if isinstance(b, DeviceBackend):
             if device == "cpu":
-                raise ValueError(f"backend {bname!r} is a device backend; it cannot serve CPU arrays (use e.g. 'cpu:gloo,{device}:{bname}')")
+                raise ValueError(
+                    f"backend {bname!r} is a device backend; it cannot serve CPU arrays (use e.g. 'cpu:gloo,{device}:{bname}')"
+                )
             devices[device] = b
         elif comm is None or comm is b:
             comm = b
