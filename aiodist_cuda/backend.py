@@ -234,6 +234,7 @@ class _Comm:
         # ops handed to the launcher and ops it has launched: each written by one thread only
         self.submitted = 0
         self.launched = 0
+        self.pending: set[OpRecord] = set()  # submitted, not yet ended on the GPU (read on the loop)
         with self.cupy.cuda.Device(device):
             priority = -100 if backend.high_priority else 0  # clamped by CUDA to the device's range
             self.stream = self.cupy.cuda.Stream(non_blocking=True, priority=priority)
@@ -264,6 +265,9 @@ class _Comm:
             keys = [f"{key}uid"] + [f"{key}dev/{r}" for r in range(self.size)]
             await store.wait(keys, self.timeout_s)
             got = await store.multi_get(keys)
+            if await store.add(f"{key}read", 1) == self.size:  # the last reader clears the keys, so a
+                for k in [*keys, f"{key}read"]:  # World made later on the same store starts afresh
+                    await store.delete_key(k)
             self._check_devices([v.decode() for v in got[1:]], pg)
             raw = got[0]
             if len(raw) != 128:
@@ -339,6 +343,8 @@ class _Comm:
     def submit(self, rec: OpRecord) -> None:
         """Queue ``rec`` for the launcher, or launch it here (``AIODIST_CUDA_LAUNCH=loop``) when
         the communicator exists and nothing is queued before it."""
+        self.pending.add(rec)
+        rec.on_end = self.pending.discard
         if self.backend.launch_on_loop and self.comm is not None and self.launched == self.submitted and self.lock.acquire(blocking=False):
             try:  # nothing queued before it (checked again under the lock): launch it here, in order
                 if self.launched == self.submitted:
@@ -417,7 +423,10 @@ class _Comm:
             log.warning("ncclCommAbort: %s", exc)
 
     async def close(self) -> None:
-        """Destroy the communicator once its ops are done (on the launcher's thread of work)."""
+        """Destroy the communicator (its ops have all ended), or abort it where an op is still in
+        flight or the communicator was never made (ncclCommDestroy would wait for them)."""
+        if self.aborted is None and (self.pending or self.comm is None):
+            self.abort("the group was destroyed with ops in flight" if self.pending else "the group was destroyed")
         if self.aborted is None:
             self.aborted = "the group was destroyed"
             self._launch_q.put(None)
@@ -429,7 +438,7 @@ class _Comm:
         self._exchange_task.cancel()
 
     def _finish(self, comm: Any) -> None:
-        self._launcher.join(self.timeout_s)
+        self._launcher.join(5.0)  # nothing is in flight: it ends at once
         try:
             with self.cupy.cuda.Device(self.device):
                 self.stream.synchronize()

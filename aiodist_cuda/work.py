@@ -28,7 +28,7 @@ __all__ = ["CudaWork", "OpRecord"]
 class OpRecord:
     """One GPU op as the launcher thread and the loop share it."""
 
-    __slots__ = ("launch", "ready", "done_event", "enqueued", "future", "keep", "what", "device_id", "timeout_s")
+    __slots__ = ("launch", "ready", "done_event", "enqueued", "future", "keep", "what", "device_id", "timeout_s", "on_end")
 
     def __init__(self, launch: Any, ready: Any, keep: list[Any], what: str, device_id: int, timeout_s: float) -> None:
         self.launch = launch  # launch(comm, stream): the NCCL calls (runs on the launcher thread)
@@ -40,17 +40,24 @@ class OpRecord:
         self.what = what
         self.device_id = device_id
         self.timeout_s = timeout_s
+        self.on_end: Any = None  # called on the loop when the op has ended on the GPU (or failed)
+
+    def _ended(self) -> None:
+        self.keep = []
+        if self.on_end is not None:
+            self.on_end(self)
+            self.on_end = None
 
     def resolve(self) -> None:
         """On the loop: the GPU finished the op."""
-        self.keep = []
+        self._ended()
         fut = self.future
         if fut is not None and not fut.done():
             fut.set_result(None)
 
     def fail(self, exc: BaseException) -> None:
         """On the loop: the op could not be enqueued or failed."""
-        self.keep = []
+        self._ended()
         fut = self.future
         if fut is not None and not fut.done():
             fut.set_exception(exc)

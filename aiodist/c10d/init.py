@@ -205,8 +205,17 @@ async def init_process_group(
     world.groups[0] = pg
     world.default_pg = pg
     if device_id is not None:  # eager device communicators too (torch's device_id contract)
-        for dev in dict.fromkeys(devices.values()):
-            await dev.connect(pg, device_id)
+        try:
+            async with asyncio.timeout(td.total_seconds()):
+                for dev in dict.fromkeys(devices.values()):
+                    await dev.connect(pg, device_id)
+        except BaseException as exc:
+            await destroy_process_group()
+            if isinstance(exc, TimeoutError) and not isinstance(exc, DistTimeoutError):
+                raise DistTimeoutError(
+                    f"init_process_group: rank {rank}'s device communicators were not made within {td.total_seconds():g} s (device_id given: eager init)"
+                ) from None
+            raise
     if get_debug_level() >= DebugLevel.INFO:
         log.info(
             "rank %d: init_process_group: backend %s, world size %d, timeout %g s, %s, transport: %s",
