@@ -112,7 +112,7 @@ BAD = [
     ("cpu:nccl", "does not serve device 'cpu'"),
     ("cpu:fakegpu", "does not serve device 'cpu'"),
     ("xpu:nccl", "does not serve device 'xpu'"),
-    ("cdua:nccl", "does not serve device 'cdua'"),  # unknown device, a device backend
+    ("cdua:nccl", "unknown device type 'cdua'"),  # unknown device, a device backend
     ("cpu:", "'device:backend'"),
     (":gloo", "'device:backend'"),
     ("cpu:gloo:aio", "'device:backend'"),
@@ -135,13 +135,11 @@ def test_parse_backend_config_empty(spec: str) -> None:
         parse_backend_config(spec)
 
 
-# BUG (aiodist/c10d/backend_registry.py, parse_backend_config): its docstring promises
-# "ValueError on an unknown device", but a device no backend serves is accepted whenever the
-# backend is a CPU one ("staged"), so a typo such as "cdua:gloo" passes silently and its arrays
-# are never routed anywhere. This test fails until unknown device types are refused.
+# A device no backend knows is refused even with a CPU backend ("staged"): a typo such as
+# "cdua:gloo" must not pass silently with its arrays routed nowhere.
 @pytest.mark.parametrize("spec", ["cpu:gloo,cdua:gloo", "tpu:memory"])
 def test_parse_backend_config_refuses_unknown_device_with_a_cpu_backend(spec: str) -> None:
-    with pytest.raises(ValueError, match="device"):
+    with pytest.raises(ValueError, match="unknown device type"):
         parse_backend_config(spec)
 
 

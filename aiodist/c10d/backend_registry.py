@@ -166,6 +166,9 @@ def parse_backend_config(spec: str) -> dict[str, str]:
             raise ValueError(f"invalid backend config {spec!r}: each part must be 'device:backend', e.g. 'cpu:gloo,cuda:nccl'")
         if device in out:
             raise ValueError(f"invalid backend config {spec!r}: device {device!r} is named twice")
+        known = {"cpu"} | set(Backend.default_device_backend_map) | {d for ds in Backend.backend_capability.values() for d in ds}
+        if device not in known:
+            raise ValueError(f"invalid backend config {spec!r}: unknown device type {device!r} (known: {sorted(known)})")
         b = Backend(name)
         serves = Backend.backend_capability.get(Backend.aliases.get(b, b), Backend.backend_capability.get(b, []))
         staged = device != "cpu" and "cpu" in serves  # a CPU backend takes device arrays through the host
