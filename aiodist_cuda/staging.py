@@ -50,12 +50,12 @@ _ROOT_NAME = {"broadcast": "group_src", "reduce": "group_dst", "gather": "group_
 class _Staging:
     """One op's host twins: copies in at issue, awaited by ``copy_in``; ``copy_out`` writes back."""
 
-    def __init__(self, cupy: Any, device: int) -> None:
+    def __init__(self, cupy: Any, device: int, stream: Any) -> None:
         self.cupy = cupy
         self.device = device
         self.pairs: list[tuple[Any, Any, bool]] = []  # (device array, pinned host twin, written)
+        self.stream = stream
         with cupy.cuda.Device(device):
-            self.stream = cupy.cuda.Stream(non_blocking=True)
             ready = cupy.cuda.Event(disable_timing=True)
             ready.record(cupy.cuda.get_current_stream())
             self.stream.wait_event(ready)
@@ -103,6 +103,14 @@ class CudaStager(DeviceBackend):
         super().__init__(world.rank, world.world_size)
         self.cupy, _ = _cupy.load()
         self.ops = 0
+        self._streams: dict[int, Any] = {}  # one staging stream per device (copies run in issue order)
+
+    def _staging(self, device: int) -> _Staging:
+        stream = self._streams.get(device)
+        if stream is None:
+            with self.cupy.cuda.Device(device):
+                stream = self._streams[device] = self.cupy.cuda.Stream(non_blocking=True)
+        return _Staging(self.cupy, device, stream)
 
     def _map(self, value: Any, st: _Staging, written: bool) -> Any:
         if isinstance(value, self.cupy.ndarray) or hasattr(type(value), "__cuda_array_interface__"):
@@ -133,7 +141,7 @@ class CudaStager(DeviceBackend):
             raise DistBackendError(f"{op}: nothing to stage")
         if op == "p2p":
             return await self._issue_p2p(pg, args["ops"], device)
-        st = _Staging(self.cupy, device)
+        st = self._staging(device)
         outputs = _OUTPUTS.get(op)
         if outputs is None:
             raise DistBackendError(f"{op} cannot be staged through the host")
@@ -155,7 +163,7 @@ class CudaStager(DeviceBackend):
         the CPU backend every op of a batch is in flight at once either way)."""
         works = []
         for o in ops:
-            st = _Staging(self.cupy, device)
+            st = self._staging(device)
             host = st.twin(o["tensor"], not o["sending"])
             st.start()
             fn = point_to_point.isend if o["sending"] else point_to_point.irecv
