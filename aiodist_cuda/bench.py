@@ -1,7 +1,8 @@
 """``python -m aiodist_cuda.bench``: what awaiting an NCCL op through aiodist costs, on one GPU.
 
 For every launch/completion mode (``AIODIST_CUDA_LAUNCH`` x ``AIODIST_CUDA_COMPLETION``, and
-``AIODIST_CUDA_SPIN``), in a fresh 1-rank World ("cpu:gloo,cuda:nccl"):
+``AIODIST_CUDA_SPIN``), each in its own process under a hard timeout (``--mode-timeout``: a mode
+that hangs is recorded and killed, and the others still run), in a 1-rank World ("cpu:gloo,cuda:nccl"):
 
 - responsiveness: a ticker task sleeping 0.5 ms records the longest gap between its wake-ups
   while a 1 GiB float32 all_reduce is awaited (the first one, which also makes the
@@ -16,7 +17,8 @@ At one rank NCCL's in-place all_reduce moves no data, so the 256 MiB "bandwidth"
 the time of a call that does next to nothing: it shows the per-op cost at that size, and the
 raw and aiodist figures are comparable; link bandwidth needs two ranks (tests/gpu/multiproc.py).
 
-A table on stdout; ``--json PATH`` writes the figures. Exits 2 (printing why) where NCCL cannot run.
+A table on stdout; ``--json PATH`` gets the figures, rewritten after every mode. Exits 0 when
+every mode ran, 1 when one failed, 2 (printing why) where NCCL cannot run.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,6 +51,7 @@ MODES: list[tuple[str, str, str]] = [
 SIZES = [4, 256 << 20]  # bytes
 TICK_S = 0.0005
 GIB = 1 << 30
+_BIG = [GIB]  # bytes of the array awaited while the ticker runs (--big)
 _ENV = ("AIODIST_CUDA_LAUNCH", "AIODIST_CUDA_COMPLETION", "AIODIST_CUDA_SPIN")
 
 
@@ -156,7 +161,7 @@ async def _round(cp: Any, quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     # responsiveness: an idle baseline, the first 1 GiB op (makes the communicator), warm ones
     _, idle = await _with_ticker(lambda: asyncio.sleep(0.3))
-    big = cp.ones(GIB // 4, dtype=cp.float32)
+    big = cp.ones(_BIG[0] // 4, dtype=cp.float32)
     cp.cuda.Device().synchronize()
     first_s, first = await _with_ticker(lambda: dist.all_reduce(big))
 
@@ -167,9 +172,10 @@ async def _round(cp: Any, quick: bool) -> dict[str, Any]:
 
     warm_s, warm = await _with_ticker(warm_ops)
     out["responsiveness"] = {
+        "bytes": _BIG[0],
         "idle": _gap_stats(idle),
-        "first_1GiB": {**_gap_stats(first), "op_ms": round(first_s * 1e3, 3)},
-        "warm_1GiB": {**_gap_stats(warm), "ops": 3 if quick else 10, "total_ms": round(warm_s * 1e3, 3)},
+        "first_op": {**_gap_stats(first), "op_ms": round(first_s * 1e3, 3)},
+        "warm_ops": {**_gap_stats(warm), "ops": 3 if quick else 10, "total_ms": round(warm_s * 1e3, 3)},
     }
     # overhead: await dist.all_reduce(x), one at a time
     per: dict[str, Any] = {}
@@ -190,7 +196,8 @@ async def _round(cp: Any, quick: bool) -> dict[str, Any]:
     return out
 
 
-def run_mode(cp: Any, raw: Raw, launch: str, completion: str, spin: str, quick: bool) -> dict[str, Any]:
+def run_mode(cp: Any, raw: Raw, launch: str, completion: str, spin: str, quick: bool, timeout_s: float = 60.0) -> dict[str, Any]:
+    """One mode's figures (in this process): the raw call, then a 1-rank World in that mode."""
     from aiodist.testing import run_world
 
     result: dict[str, Any] = {"launch": launch, "completion": completion, "spin": bool(spin)}
@@ -206,10 +213,15 @@ def run_mode(cp: Any, raw: Raw, launch: str, completion: str, spin: str, quick: 
         return await _round(cp, quick)
 
     async def go() -> dict[str, Any]:
-        return (await run_world(1, rank_fn, backend="cpu:gloo,cuda:nccl", timeout=120, pg_timeout=60))[0]
+        return (await run_world(1, rank_fn, backend="cpu:gloo,cuda:nccl", timeout=timeout_s, pg_timeout=timeout_s))[0]
 
-    with mode_env(launch, completion, spin):
-        got = asyncio.run(go())
+    try:
+        with mode_env(launch, completion, spin):
+            got = asyncio.run(go())
+    except Exception as exc:  # the raw figures are still worth having
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["raw_us"] = {k: round(statistics.median(v) * 1e6, 2) for k, v in raw_times.items()}
+        return result
     result["responsiveness"] = got["responsiveness"]
     result["backend_stats"] = got["stats"]
     sizes = {}
@@ -231,10 +243,10 @@ def run_mode(cp: Any, raw: Raw, launch: str, completion: str, spin: str, quick: 
     resp = result["responsiveness"]
     small, large = sizes[str(SIZES[0])], sizes[str(SIZES[-1])]
     result["goals"] = {  # the issue's: <= 10 µs per op over the raw call, the raw bandwidth, no loop stall over 1 ms
-        "overhead_4B_us": small["overhead_us"],
-        "overhead_256MiB_us": large["overhead_us"],
-        "bandwidth_ratio_256MiB": round(large["aiodist_GBps"] / large["raw_GBps"], 3) if large["raw_GBps"] else None,
-        "max_gap_ms_awaiting": max(resp["first_1GiB"].get("max_gap_ms", 0.0), resp["warm_1GiB"].get("max_gap_ms", 0.0)),
+        "overhead_small_us": small["overhead_us"],
+        "overhead_large_us": large["overhead_us"],
+        "bandwidth_ratio_large": round(large["aiodist_GBps"] / large["raw_GBps"], 3) if large["raw_GBps"] else None,
+        "max_gap_ms_awaiting": max(resp["first_op"].get("max_gap_ms", 0.0), resp["warm_ops"].get("max_gap_ms", 0.0)),
         "max_gap_ms_idle": resp["idle"].get("max_gap_ms"),
     }
     cp.get_default_memory_pool().free_all_blocks()
@@ -260,10 +272,11 @@ def table(report: dict[str, Any]) -> str:
     for m in report["modes"]:
         name = mode_name(m["launch"], m["completion"], "1" if m["spin"] else "")
         if "error" in m:
-            rows.append(f"{name:<40} error: {m['error']}")
+            raw = f" (raw µs: {m['raw_us']})" if "raw_us" in m else ""
+            rows.append(f"{name:<40} error: {m['error'][:300]}{raw}")
             continue
         resp = m["responsiveness"]
-        gaps = f"{resp['idle'].get('max_gap_ms')} / {resp['first_1GiB'].get('max_gap_ms')} / {resp['warm_1GiB'].get('max_gap_ms')}"
+        gaps = f"{resp['idle'].get('max_gap_ms')} / {resp['first_op'].get('max_gap_ms')} / {resp['warm_ops'].get('max_gap_ms')}"
         for i, s in enumerate(m["sizes"].values()):
             size = "4 B" if s["bytes"] < 1024 else f"{s['bytes'] >> 20} MiB"
             rows.append(
@@ -271,6 +284,53 @@ def table(report: dict[str, Any]) -> str:
                 f"{s['raw_GBps']:>9.4g} {s['aiodist_GBps']:>9.4g}  {gaps if i == 0 else ''}"
             )
     return "\n".join(rows)
+
+
+def _child(mode: str, quick: bool, json_path: str, timeout_s: float) -> int:
+    """One mode, in this (child) process: its figures as JSON at ``json_path``."""
+    import cupy as cp
+    from cupy.cuda import nccl
+
+    launch, completion, spin = mode.split(",")
+    raw = Raw(cp, nccl)
+    try:
+        result = run_mode(cp, raw, launch, completion, spin, quick, timeout_s)
+    finally:
+        raw.close()
+    with open(json_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def _spawn(mode: tuple[str, str, str], quick: bool, timeout_s: float) -> dict[str, Any]:
+    """Run one mode in a child process under a hard timeout: a mode that hangs (or crashes the
+    process) is recorded, and the others still run."""
+    launch, completion, spin = mode
+    failed: dict[str, Any] = {"launch": launch, "completion": completion, "spin": bool(spin)}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "mode.json")
+        argv = [sys.executable, "-m", "aiodist_cuda.bench", "--child", ",".join(mode), "--json", path, "--mode-timeout", str(timeout_s)]
+        argv += ["--sizes", ",".join(map(str, SIZES)), "--big", str(_BIG[0])]
+        if quick:
+            argv.append("--quick")
+        env = dict(os.environ)
+        env.update(AIODIST_CUDA_LAUNCH=launch, AIODIST_CUDA_COMPLETION=completion)
+        if spin:
+            env["AIODIST_CUDA_SPIN"] = spin
+        else:
+            env.pop("AIODIST_CUDA_SPIN", None)
+        try:
+            proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s + 15)
+        except subprocess.TimeoutExpired as exc:  # subprocess.run killed it
+            err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+            failed["error"] = f"timed out after {timeout_s + 15:g} s (killed); stderr: {err[-1500:]}"
+            return failed
+        if proc.returncode != 0 or not os.path.exists(path):
+            failed["error"] = f"exit {proc.returncode}; stderr: {proc.stderr[-1500:]}"
+            return failed
+        with open(path) as f:
+            got: dict[str, Any] = json.load(f)
+        return got
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,7 +341,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
     ap.add_argument("--modes", default="all", help="'all' or 'default' (launch=thread completion=thread only)")
     ap.add_argument("--budget", type=float, default=80.0, help="seconds; modes left when it is spent are skipped")
+    ap.add_argument("--mode-timeout", type=float, default=25.0, help="seconds one mode may take (its process is killed after)")
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="message sizes in bytes (multiples of 4), comma-separated")
+    ap.add_argument("--big", type=int, default=GIB, help="bytes of the array awaited while the ticker runs")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # "launch,completion,spin": one mode, here
     args = ap.parse_args(argv)
+    SIZES[:] = [int(x) for x in args.sizes.split(",")]
+    _BIG[0] = args.big
     if not aiodist_cuda.is_available():
         why = aiodist_cuda.unavailable_reason()
         print(f"aiodist_cuda.bench: NCCL cannot run here: {why}", file=sys.stderr)
@@ -289,8 +355,9 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump({"skipped": why}, f)
         return 2
+    if args.child is not None:
+        return _child(args.child, args.quick, args.json, args.mode_timeout)
     import cupy as cp
-    from cupy.cuda import nccl
 
     t0 = time.monotonic()
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
@@ -303,29 +370,20 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "modes": [],
     }
-    raw = Raw(cp, nccl)
     modes = MODES if args.modes == "all" else MODES[:1]
-    try:
-        for launch, completion, spin in modes:
-            if time.monotonic() - t0 > args.budget:
-                report["modes"].append(
-                    {"launch": launch, "completion": completion, "spin": bool(spin), "error": "skipped: time budget spent"}
-                )
-                continue
-            print(f"-- {mode_name(launch, completion, spin)}", file=sys.stderr, flush=True)
-            try:
-                report["modes"].append(run_mode(cp, raw, launch, completion, spin, args.quick))
-            except Exception as exc:  # one mode failing is a figure too; the others still run
-                report["modes"].append(
-                    {"launch": launch, "completion": completion, "spin": bool(spin), "error": f"{type(exc).__name__}: {exc}"}
-                )
-    finally:
-        raw.close()
-    report["seconds"] = round(time.monotonic() - t0, 2)
+    for mode in modes:
+        launch, completion, spin = mode
+        if time.monotonic() - t0 > args.budget:
+            report["modes"].append({"launch": launch, "completion": completion, "spin": bool(spin), "error": "skipped: time budget spent"})
+            continue
+        print(f"-- {mode_name(*mode)}", file=sys.stderr, flush=True)
+        report["modes"].append(_spawn(mode, args.quick, args.mode_timeout))
+        print(table({"modes": report["modes"][-1:]}).split("\n", 1)[1], file=sys.stderr, flush=True)
+        report["seconds"] = round(time.monotonic() - t0, 2)
+        if args.json:  # after every mode: a run cut short still leaves the figures so far
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
     print(table(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
     return 0 if all("error" not in m for m in report["modes"]) else 1
 
 

@@ -94,7 +94,7 @@ fi
 
 # -- 3+4. loop responsiveness and per-op overhead ------------------------------------------------------
 if want 3; then
-    timeout -k 10 80 python3 -m aiodist_cuda.bench --budget 50 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+    timeout -k 10 80 python3 -m aiodist_cuda.bench --budget 50 --mode-timeout 20 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
     rc=${PIPESTATUS[0]}
     record "3 bench (responsiveness, overhead)" "$rc" "$([ "$rc" -eq 124 ] && echo timed out)"
 fi
