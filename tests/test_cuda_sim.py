@@ -10,6 +10,7 @@ NCCL_MULTI_RANK_GPU_ENABLE=1 (the ranks of run_world share one "GPU")."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 import time
 from collections.abc import Iterator
@@ -21,12 +22,16 @@ from helpers import fake_cupy
 
 import aiodist as dist
 import aiodist_cuda
+from aiodist.c10d.world import World, set_world
 from aiodist.errors import DistBackendError, DistTimeoutError
+from aiodist.store import HashStore
 from aiodist.testing import run_world
 
 MIXED = ["cpu:gloo,cuda:nccl", "cpu:memory,cuda:nccl"]
 GLOO = "cpu:gloo,cuda:nccl"
 R = dist.ReduceOp
+
+pytestmark = pytest.mark.any_loop  # asyncio in debug mode catches loop calls from the backend's threads; and uvloop
 
 
 @pytest.fixture
@@ -438,6 +443,27 @@ async def test_many_ops_in_flight_and_cpu_ops_interleaved(sim: fake_cupy.Install
     await run_world(n, fn, backend=GLOO, timeout=10)
 
 
+async def test_ops_follow_the_callers_stream_and_keep_their_arrays(sim: fake_cupy.Installed) -> None:
+    """The op waits for work queued before it on the caller's stream (a slow write of its input),
+    and its arrays stay alive until the GPU is done although the caller dropped them."""
+    cp = sim.cupy
+
+    async def fn(rank: int) -> None:
+        stream = cp.cuda.get_current_stream()
+        x = cp.empty(3, dtype=cp.float64)
+        outs = [cp.empty(2, dtype=cp.int32) for _ in range(2)]
+        w2 = await dist.all_gather(outs, dev(sim, [rank, 1], "int32"), async_op=True)  # its input: dropped here
+        stream.enqueue(lambda: time.sleep(0.05), "a slow kernel")  # simulator API: busy stream work
+        x.set(np.full(3, rank + 1.0), stream=stream)  # asynchronous: after the slow kernel
+        w = await dist.all_reduce(x, async_op=True)
+        await w
+        assert x.get().tolist() == [3.0] * 3
+        await w2
+        assert [o.get().tolist() for o in outs] == [[0, 1], [1, 1]]
+
+    await run_world(2, fn, backend=GLOO, timeout=10)
+
+
 async def test_sub_groups_get_their_own_communicator(sim: fake_cupy.Installed) -> None:
     async def fn(rank: int) -> None:
         sub = await dist.new_group([0, 2])
@@ -596,6 +622,34 @@ async def test_one_rank_per_device_needs_no_knob(monkeypatch: pytest.MonkeyPatch
     assert not inst.sim.unexpected
 
 
+async def test_eager_communicator_with_device_id_and_high_priority_stream(sim: fake_cupy.Installed) -> None:
+    """init_process_group(device_id=...) makes the communicator at init (run_world passes no
+    device_id, so the ranks are started here the way it does)."""
+    store = HashStore()
+
+    async def rank_main(rank: int) -> tuple[int, list[float], int | None]:
+        opts = aiodist_cuda.NcclOptions(is_high_priority_stream=True)
+        await dist.init_process_group(GLOO, store=store, rank=rank, world_size=2, device_id=0, pg_options=opts)
+        try:
+            made = sim.sim.calls["ncclCommInitRank"]  # both ranks joined during init
+            x = dev(sim, [rank + 1.0])
+            await dist.all_reduce(x)
+            priority = dist.current_world().devices["cuda"].comms[0].stream.priority
+            return made, x.get().tolist(), priority
+        finally:
+            await dist.destroy_process_group()
+
+    loop = asyncio.get_running_loop()
+    tasks = []
+    for r in range(2):
+        ctx = contextvars.copy_context()
+        ctx.run(set_world, World(f"rank {r}"))
+        tasks.append(loop.create_task(rank_main(r), context=ctx))
+    async with asyncio.timeout(10):
+        got = await asyncio.gather(*tasks)
+    assert got == [(2, [3.0], -100), (2, [3.0], -100)]
+
+
 # -- knobs --------------------------------------------------------------------------------------------------
 
 
@@ -653,6 +707,42 @@ async def test_staging_on_a_cpu_only_world(sim: fake_cupy.Installed, backend: st
 
     await run_world(2, fn, backend=backend, timeout=10)
     assert sim.sim.calls["ncclCommInitRank"] == 0 and sim.sim.calls.get("allReduce", 0) == 0
+
+
+@pytest.mark.parametrize("n", [1, 3])
+async def test_staging_runs_every_op_kind(sim: fake_cupy.Installed, n: int) -> None:
+    cp = sim.cupy
+
+    async def fn(rank: int) -> None:
+        x = dev(sim, [rank, 1], "int64")
+        await dist.broadcast(x, src=n - 1)
+        assert x.get().tolist() == [n - 1, 1]
+        y = dev(sim, [rank + 1.0])
+        await dist.reduce(y, dst=0, op=R.PRODUCT)
+        if rank == 0:
+            assert y.get().tolist() == [float(np.prod(np.arange(1, n + 1)))]
+        out = cp.empty(2, dtype=cp.float32)
+        await dist.reduce_scatter(out, [dev(sim, [rank, j], "float32") for j in range(n)])
+        assert out.get().tolist() == [sum(range(n)), n * rank]
+        big = cp.empty(2 * n, dtype=cp.int32)
+        await dist.all_gather_into_tensor(big, dev(sim, [rank, -rank], "int32"))
+        assert big.get().tolist() == [v for r in range(n) for v in (r, -r)]
+        a2a = cp.empty(n, dtype=cp.int64)
+        await dist.all_to_all_single(a2a, dev(sim, np.arange(n) + 10 * rank, "int64"))
+        assert a2a.get().tolist() == [10 * r + rank for r in range(n)]
+        lst = [cp.empty(1, dtype=cp.int64) for _ in range(n)] if rank == 0 else None
+        await dist.gather(dev(sim, [rank], "int64"), lst, dst=0)
+        if lst is not None:
+            assert [o.get().tolist() for o in lst] == [[r] for r in range(n)]
+        sc = cp.empty(1, dtype=cp.int64)
+        await dist.scatter(sc, [dev(sim, [5 * r], "int64") for r in range(n)] if rank == 0 else None, src=0)
+        assert sc.get().tolist() == [5 * rank]
+        ts = [dev(sim, [1.0]), dev(sim, [rank, 2.0])]
+        await dist.all_reduce_coalesced(ts)
+        assert ts[0].get().tolist() == [n] and ts[1].get().tolist() == [sum(range(n)), 2.0 * n]
+
+    await run_world(n, fn, backend="gloo", timeout=10)
+    assert sim.sim.calls["ncclCommInitRank"] == 0
 
 
 # -- teardown -------------------------------------------------------------------------------------------------

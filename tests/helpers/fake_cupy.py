@@ -555,7 +555,14 @@ def _runtime_module() -> types.ModuleType:
             if size and (s.lookup(ptr, size) or ("host", -1))[0] not in kinds:
                 raise CUDARuntimeError(1, f"memcpyAsync {what} {ptr:#x} ({size} bytes) is not {'/'.join(kinds)} memory")
         s.calls["memcpyAsync"] += 1
-        s.stream_of(stream).enqueue(lambda: ctypes.memmove(dst, src, size), "memcpyAsync")
+
+        def copy() -> None:
+            for ptr, kinds in ((dst, dkinds), (src, skinds)):  # still alive when the copy runs
+                if size and (s.lookup(ptr, size) or ("host", -1))[0] not in kinds:
+                    raise CUDARuntimeError(700, f"memcpyAsync: {ptr:#x} was freed before the copy ran")
+            ctypes.memmove(dst, src, size)
+
+        s.stream_of(stream).enqueue(copy, "memcpyAsync")
 
     rt.getDevice = getDevice  # type: ignore[attr-defined]
     rt.getDeviceCount = getDeviceCount  # type: ignore[attr-defined]
@@ -571,6 +578,7 @@ def _view(ptr: int, count: int, dtype: int) -> np.ndarray:
     dt = np.dtype(_NCCL_NP[dtype])
     if count == 0:
         return np.empty(0, dtype=dt)
+    sim().check_ptr(ptr, count * dt.itemsize, ("device",), "a kernel (the array was freed while the op ran?)")
     buf = (ctypes.c_char * (count * dt.itemsize)).from_address(ptr)
     return np.frombuffer(buf, dtype=dt)
 
