@@ -80,7 +80,7 @@ export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 
 # -- 1. the GPU test suite --------------------------------------------------------------------------
 if want 1; then
-    timeout -k 10 150 python3 -m pytest -m cuda tests/gpu -q -rfEs -p no:cacheprovider --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.log"
+    timeout -k 10 150 python3 -m pytest -m cuda tests/gpu -v -rfEs --durations=8 -p no:cacheprovider --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.log"
     rc=${PIPESTATUS[0]}
     record "1 pytest -m cuda tests/gpu" "$rc" "$([ "$rc" -eq 124 ] && echo timed out)"
 fi

@@ -149,7 +149,8 @@ async def rank_main(rank: int) -> dict[str, Any]:
                 await step()
             out["steps"][name] = f"ok {time.monotonic() - t:.3f}s"
         except BaseException as exc:  # noqa: BLE001 - recorded; a later step would only hang
-            out["steps"][name] = f"{type(exc).__name__}: {exc}"
+            why = str(exc) or (f"no answer within {STEP_S:g} s" if isinstance(exc, TimeoutError) else "")
+            out["steps"][name] = f"{type(exc).__name__}: {why}"
             ok = False
             break
     out["ok"] = ok

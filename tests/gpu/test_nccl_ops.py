@@ -118,13 +118,14 @@ async def started(call: Awaitable[Work | None]) -> Work:
     return work
 
 
-async def one_rank(fn: Callable[[], Awaitable[Any]], backend: str = MIXED, timeout: float = 90) -> Any:
-    """``fn()`` on rank 0 of a 1-rank World of ``backend`` (made and destroyed around it)."""
+async def one_rank(fn: Callable[[], Awaitable[Any]], backend: str = MIXED, timeout: float = 40) -> Any:
+    """``fn()`` on rank 0 of a 1-rank World of ``backend`` (made and destroyed around it); a hang
+    fails within ``timeout`` with the stacks of what was pending (pytest-timeout is the backstop)."""
 
     async def rank_fn(rank: int) -> Any:
         return await fn()
 
-    return (await run_world(1, rank_fn, backend=backend, timeout=timeout, pg_timeout=60))[0]
+    return (await run_world(1, rank_fn, backend=backend, timeout=timeout, pg_timeout=30))[0]
 
 
 # -- coverage -------------------------------------------------------------------------------------
