@@ -68,6 +68,8 @@ class NcclOptions:
 def nccl_error(exc: BaseException, what: str) -> DistBackendError:
     """An NCCL (or CUDA) error as a DistBackendError: NCCL's words, then what to do."""
     status = getattr(exc, "status", None)
+    if status is None and isinstance(exc, KeyError) and exc.args and isinstance(exc.args[0], int):
+        status = exc.args[0]  # CuPy's NcclError knows results 0-5 only; naming 6+ fails with KeyError(status)
     if isinstance(status, int):
         hint = nccl_hint(status)
         msg = f"{what}: NCCL error {nccl_error_name(status)}: {exc}"
@@ -243,8 +245,11 @@ class _Comm:
         self._done_q: queue.SimpleQueue[OpRecord | None] = queue.SimpleQueue()
         self._launcher = threading.Thread(target=self._launcher_main, name=f"aiodist-nccl-launch-{self.group_id}", daemon=True)
         self._completer = threading.Thread(target=self._completer_main, name=f"aiodist-nccl-done-{self.group_id}", daemon=True)
+        self._stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._watchdog_main, name=f"aiodist-nccl-watch-{self.group_id}", daemon=True)
         self._launcher.start()
         self._completer.start()
+        self._watchdog.start()
         self._exchange_task = self.loop.create_task(self._exchange(pg), name=f"aiodist nccl id {self.desc}")
         self.made.add_done_callback(lambda f: f.exception())  # read here: failures also reach each op
 
@@ -381,7 +386,17 @@ class _Comm:
 
     def _host_done(self, rec: OpRecord) -> None:
         """A CUDA host function: no CUDA calls allowed here; only hand the op to the loop."""
-        self._post(rec.resolve)
+        self._post(self._resolve_checked, rec)
+
+    def _resolve_checked(self, rec: OpRecord) -> None:
+        """On the loop: the op's events fired; NCCL's asynchronous error, if any, fails it."""
+        try:
+            if self.comm is not None and self.aborted is None:
+                self.comm.check_async_error()
+        except BaseException as exc:
+            rec.fail(nccl_error(exc, rec.what))
+            return
+        rec.resolve()
 
     def _completer_main(self) -> None:
         while True:
@@ -396,6 +411,26 @@ class _Comm:
                 self._post(rec.fail, nccl_error(exc, rec.what))
                 continue
             self._post(rec.resolve)
+
+    def _watchdog_main(self) -> None:
+        """While ops are on the GPU, read NCCL's asynchronous error every 100 ms (torch's watchdog
+        does the same): a kernel stuck on a failed peer never completes, so its error would
+        otherwise surface only as the group's timeout."""
+        while not self._stop.wait(0.1):
+            comm = self.comm
+            if comm is None or not self.pending or self.aborted is not None:
+                continue
+            try:
+                comm.check_async_error()
+            except BaseException as exc:
+                self._post(self._async_failed, nccl_error(exc, f"NCCL communicator of {self.desc}"))
+                return
+
+    def _async_failed(self, err: DistBackendError) -> None:
+        """On the loop: NCCL reported an asynchronous error: every op in flight fails with it
+        (the group then breaks and aborts the communicator)."""
+        for rec in list(self.pending):
+            rec.fail(DistBackendError(f"{rec.what}: {err}"))
 
     # -- teardown -------------------------------------------------------------------------------------
 
@@ -412,6 +447,8 @@ class _Comm:
         self._launch_q.put(None)
         self._done_q.put(None)
         self._uid.put(DistBackendError(f"{self.desc} was aborted: {reason}"))
+        self._exchange_task.cancel()
+        self._stop.set()
         if not self.made.done():
             self.made.set_exception(DistBackendError(f"{self.desc} was aborted before its communicator was made: {reason}"))
 
@@ -429,6 +466,7 @@ class _Comm:
             self.abort("the group was destroyed with ops in flight" if self.pending else "the group was destroyed")
         if self.aborted is None:
             self.aborted = "the group was destroyed"
+            self._stop.set()
             self._launch_q.put(None)
             self._done_q.put(None)
             self._uid.put(DistBackendError(f"{self.desc} was destroyed"))
@@ -535,6 +573,11 @@ class NcclBackend(DeviceBackend):
         c = self.comms.pop(group_id, None)
         if c is not None:
             c.abort(reason)
+
+    async def release_group(self, group_id: int) -> None:
+        c = self.comms.pop(group_id, None)
+        if c is not None:
+            await c.close()
 
     async def close(self) -> None:
         comms, self.comms = list(self.comms.values()), {}

@@ -567,13 +567,6 @@ async def test_ranks_that_disagree_get_nccls_error_with_a_hint(sim: fake_cupy.In
     sim.sim.unexpected.clear()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: with AIODIST_CUDA_COMPLETION=hostfunc the op is resolved by the stream's host function "
-    "(aiodist_cuda/backend.py _Comm._host_done) without ncclCommGetAsyncError: an NCCL asynchronous error is lost "
-    "and the Work succeeds",
-    raises=pytest.fail.Exception,  # DID NOT RAISE
-)
 async def test_hostfunc_completion_reports_an_async_error(sim: fake_cupy.Installed, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AIODIST_CUDA_COMPLETION", "hostfunc")
 
@@ -588,13 +581,6 @@ async def test_hostfunc_completion_reports_an_async_error(sim: fake_cupy.Install
         sim.sim.unexpected.clear()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: ncclCommGetAsyncError is only read after the op's event completes (_Comm._completer_main); "
-    "a kernel stuck on a failed peer never completes, so NCCL's error is never seen and the op ends as a "
-    "DistTimeoutError after the group's timeout (torch's watchdog polls the async error while ops are pending)",
-    raises=DistTimeoutError,
-)
 async def test_an_async_error_of_a_stuck_kernel_fails_the_op_before_the_timeout(sim: fake_cupy.Installed) -> None:
     sim.sim.hang_on_error = True
 
@@ -796,13 +782,6 @@ async def test_staging_runs_every_op_kind(sim: fake_cupy.Installed, n: int) -> N
 # -- teardown -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: destroy_process_group aborts the NCCL communicators (ProcessGroup.shutdown -> _break -> "
-    "NcclBackend.abort_group pops and aborts the _Comm), so NcclBackend.close() finds none and the graceful "
-    "_Comm.close (wait for queued ops, stream sync, ncclCommDestroy) never runs",
-    raises=AssertionError,
-)
 async def test_clean_destroy_destroys_rather_than_aborts(sim: fake_cupy.Installed) -> None:
     async def fn(rank: int) -> None:
         await dist.all_reduce(dev(sim, [1.0]))
@@ -842,13 +821,6 @@ async def test_sub_group_roots_and_peers_are_global_ranks(sim: fake_cupy.Install
     await run_world(3, fn, backend=GLOO, timeout=10)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: _Comm.abort (aiodist_cuda/backend.py) does not cancel _exchange_task; only _Comm.close does, "
-    "which destroy_process_group never reaches (see test_clean_destroy_destroys_rather_than_aborts): the unique-id "
-    "exchange outlives the group, waiting in the store until the group's timeout (30 min by default)",
-    raises=AssertionError,
-)
 async def test_destroy_while_the_unique_id_exchange_waits_leaves_no_task(sim: fake_cupy.Installed) -> None:
     async def fn(rank: int) -> None:
         if rank == 0:  # rank 1 never makes the communicator: rank 0's exchange waits for it in the store

@@ -56,6 +56,10 @@ class DeviceBackend(abc.ABC):
         """``group_id`` broke on this rank (an op failed or timed out): abort what the backend
         holds for it so nothing waits on it any more. Must not block the event loop."""
 
+    async def release_group(self, group_id: int) -> None:  # noqa: B027 - optional
+        """``group_id`` is being destroyed (its ops have ended or been failed on this rank):
+        release what the backend holds for it, gracefully where nothing is in flight."""
+
     async def close(self) -> None:  # noqa: B027 - optional
         """Release what the backend holds. Idempotent."""
 

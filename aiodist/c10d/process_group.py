@@ -510,10 +510,10 @@ class ProcessGroup:
 
     # -- breaking and tearing down ---------------------------------------------------------------
 
-    def _break(self, reason: str, cause: BaseException | None = None, *, tell_peers: bool = True) -> None:
+    def _break(self, reason: str, cause: BaseException | None = None, *, tell_peers: bool = True, abort_devices: bool = True) -> None:
         if self.broken is None:
             self.broken = reason
-            for dev in set(self.devices.values()):  # e.g. abort the group's NCCL communicator
+            for dev in set(self.devices.values()) if abort_devices else ():  # e.g. abort the group's NCCL communicator
                 try:
                     dev.abort_group(self.group_id, reason)
                 except Exception as exc:  # best effort, like telling the peers
@@ -544,13 +544,20 @@ class ProcessGroup:
         self._break(reason, tell_peers=False)
 
     async def shutdown(self, reason: str) -> None:
-        """Abort pending ops and wait for their tasks to end."""
+        """Abort pending ops and wait for their tasks to end; then the device backends release
+        what they hold for the group (an NCCL communicator is destroyed, or aborted where an op
+        of it is still on the GPU)."""
         works = list(self._pending.values())
         tasks = list(self._pending) + list(self._aborting)
-        self._break(reason, tell_peers=False)
+        self._break(reason, tell_peers=False, abort_devices=False)
         for w in works:
             if w.done():
                 w.exception()  # torn down on purpose: not an error nobody looked at
         if tasks:
             await asyncio.wait(tasks)
+        for dev in dict.fromkeys(self.devices.values()):
+            try:
+                await dev.release_group(self.group_id)
+            except Exception as exc:  # best effort at teardown
+                log.warning("rank %d: releasing %s on %s: %s", self.backend.rank, self.describe(), getattr(dev, "name", dev), exc)
         self._log_summary()
