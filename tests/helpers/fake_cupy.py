@@ -998,7 +998,7 @@ def get_version() -> int:
 
 
 class FakePreMul:
-    """Stands in for aiodist_cuda.backend._PreMul: ops the simulated communicators understand."""
+    """Stands in for aiodist_cuda._ops._PreMul: ops the simulated communicators understand."""
 
     def __init__(self) -> None:
         self.made = 0
@@ -1056,7 +1056,7 @@ def make_modules() -> tuple[types.ModuleType, types.ModuleType, types.ModuleType
 def install(monkeypatch: Any, device_count: int = 1) -> Installed:
     """Install the simulator for one test (undone by ``monkeypatch``; call ``uninstall`` too)."""
     global _sim
-    import aiodist_cuda.backend as backend
+    import aiodist_cuda._ops as ops
     from aiodist_cuda import _cupy
 
     s = Sim(device_count)
@@ -1068,7 +1068,7 @@ def install(monkeypatch: Any, device_count: int = 1) -> Installed:
     monkeypatch.setitem(__import__("sys").modules, "cupyx", cupyx)
     monkeypatch.setitem(_cupy._state, "probe", (cupy, nccl, ""))
     pm = FakePreMul()
-    monkeypatch.setattr(backend, "_PREMUL", [pm])
+    monkeypatch.setattr(ops, "_PREMUL", [pm])
     return Installed(s, cupy, nccl, cupyx, pm)
 
 
