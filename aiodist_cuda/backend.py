@@ -36,7 +36,7 @@ import os
 import queue
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +62,7 @@ class NcclOptions:
 
 def nccl_error(exc: BaseException, what: str) -> DistBackendError:
     """An NCCL (or CUDA) error as a DistBackendError: NCCL's words, then what to do."""
-    status = getattr(exc, "status", None)
+    status = getattr(exc, "status", None) if type(exc).__name__ == "NcclError" else None  # CUDA errors carry a status too
     if status is None and isinstance(exc, KeyError) and exc.args and isinstance(exc.args[0], int):
         status = exc.args[0]  # CuPy's NcclError knows results 0-5 only; naming 6+ fails with KeyError(status)
     if isinstance(status, int):
@@ -80,10 +80,35 @@ def nccl_error(exc: BaseException, what: str) -> DistBackendError:
 # -- one group's communicator, stream and threads --------------------------------------------------
 
 
+class _SplitJob:
+    """An ``ncclCommSplit`` of a parent communicator, run on the parent's launcher thread in
+    issue order; the child (None on ranks not in the new group) gets the new communicator."""
+
+    def __init__(self, child: _Comm | None, color: int, key: int) -> None:
+        self.child, self.color, self.key = child, color, key
+
+    def run(self, parent: _Comm) -> None:
+        try:
+            if parent.aborted is not None:
+                raise DistBackendError(f"cannot split {parent.desc}: its communicator was aborted ({parent.aborted})")
+            with parent.cupy.cuda.Device(parent.device):
+                parent.stream.synchronize()  # no parent op outstanding while it splits (NCCL's rule)
+                new = parent.comm.commSplit(self.color, self.key)
+        except BaseException as exc:
+            self.fail(exc if isinstance(exc, DistBackendError) else nccl_error(exc, f"ncclCommSplit of {parent.desc}"))
+            return
+        if self.child is not None:
+            self.child._uid.put(new)
+
+    def fail(self, err: BaseException) -> None:
+        if self.child is not None:
+            self.child._uid.put(err)
+
+
 class _Comm:
     """A group's NCCL communicator, stream, launcher thread and completion thread."""
 
-    def __init__(self, backend: NcclBackend, pg: Any, device: int) -> None:
+    def __init__(self, backend: NcclBackend, pg: Any, device: int, *, split: bool = False) -> None:
         self.backend = backend
         self.cupy, self.nccl = backend.cupy, backend.nccl
         self.group_id = pg.group_id
@@ -105,7 +130,7 @@ class _Comm:
             priority = -100 if backend.high_priority else 0  # clamped by CUDA to the device's range
             self.stream = self.cupy.cuda.Stream(non_blocking=True, priority=priority)
         self._uid: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._launch_q: queue.SimpleQueue[OpRecord | None] = queue.SimpleQueue()
+        self._launch_q: queue.SimpleQueue[OpRecord | _SplitJob | None] = queue.SimpleQueue()
         self._done_q: queue.SimpleQueue[OpRecord | None] = queue.SimpleQueue()
         self._launcher = threading.Thread(target=self._launcher_main, name=f"aiodist-nccl-launch-{self.group_id}", daemon=True)
         self._completer = threading.Thread(target=self._completer_main, name=f"aiodist-nccl-done-{self.group_id}", daemon=True)
@@ -114,7 +139,10 @@ class _Comm:
         self._launcher.start()
         self._completer.start()
         self._watchdog.start()
-        self._exchange_task = self.loop.create_task(self._exchange(pg), name=f"aiodist nccl id {self.desc}")
+        # a split child gets its communicator from the parent's launcher (ncclCommSplit), not an id
+        self._exchange_task: asyncio.Task[None] | None = (
+            None if split else self.loop.create_task(self._exchange(pg), name=f"aiodist nccl id {self.desc}")
+        )
         self.made.add_done_callback(lambda f: f.exception())  # read here: failures also reach each op
 
     # -- making the communicator ------------------------------------------------------------------
@@ -129,8 +157,8 @@ class _Comm:
                 raise DistBackendError(f"{self.desc} has no store to share NCCL's unique id through")
             await store.set(f"{key}dev/{self.rank}", f"{socket.gethostname()}:{self.device}")
             if self.rank == 0:
-                uid = await asyncio.to_thread(self.nccl.get_unique_id)
-                await store.set(f"{key}uid", bytes(b & 0xFF for b in uid))
+                uid = await asyncio.to_thread(self.nccl.get_unique_id)  # bytes (CuPy 14), C chars before
+                await store.set(f"{key}uid", uid if isinstance(uid, bytes) else bytes(b & 0xFF for b in uid))
             keys = [f"{key}uid"] + [f"{key}dev/{r}" for r in range(self.size)]
             await store.wait(keys, self.timeout_s)
             got = await store.multi_get(keys)
@@ -141,7 +169,7 @@ class _Comm:
             raw = got[0]
             if len(raw) != 128:
                 raise DistBackendError(f"{self.desc}: NCCL's unique id from the store has {len(raw)} bytes, not 128")
-            self._uid.put(tuple(b - 256 if b > 127 else b for b in raw))  # CuPy takes C chars
+            self._uid.put(bytes(raw))
         except BaseException as exc:
             self._uid.put(exc)
             if not self.made.done():
@@ -170,7 +198,7 @@ class _Comm:
             uid = self._uid.get()
             if isinstance(uid, BaseException):
                 raise uid
-            comm = self.nccl.NcclCommunicator(self.size, uid, self.rank)
+            comm = uid if not isinstance(uid, bytes) else self._init_rank(uid)  # a split child: already made
         except BaseException as exc:
             err = exc if isinstance(exc, DistBackendError) else nccl_error(exc, f"making the NCCL communicator of {self.desc}")
             self._post(self._made_failed, err)
@@ -183,8 +211,18 @@ class _Comm:
             if rec is None:
                 return
             with self.lock:
-                self._launch(rec)
+                if isinstance(rec, _SplitJob):
+                    rec.run(self)
+                else:
+                    self._launch(rec)
                 self.launched += 1
+
+    def _init_rank(self, uid: bytes) -> Any:
+        """``ncclCommInitRank``: CuPy 14 takes the id as bytes, CuPy 13 as a tuple of C chars."""
+        try:
+            return self.nccl.NcclCommunicator(self.size, uid, self.rank)
+        except TypeError:
+            return self.nccl.NcclCommunicator(self.size, tuple(b - 256 if b > 127 else b for b in uid), self.rank)
 
     def _made_ok(self) -> None:
         if not self.made.done():
@@ -199,7 +237,10 @@ class _Comm:
             rec = self._launch_q.get()
             if rec is None:
                 return
-            self._post(rec.fail, err)
+            if isinstance(rec, _SplitJob):
+                rec.fail(err)
+            else:
+                self._post(rec.fail, err)
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         try:
@@ -208,6 +249,11 @@ class _Comm:
             pass
 
     # -- launching and completing -------------------------------------------------------------------
+
+    def split(self, job: _SplitJob) -> None:
+        """Queue an ``ncclCommSplit`` of this communicator behind the ops issued before it."""
+        self.submitted += 1
+        self._launch_q.put(job)
 
     def submit(self, rec: OpRecord) -> None:
         """Queue ``rec`` for the launcher, or launch it here (``AIODIST_CUDA_LAUNCH=loop``) when
@@ -311,7 +357,8 @@ class _Comm:
         self._launch_q.put(None)
         self._done_q.put(None)
         self._uid.put(DistBackendError(f"{self.desc} was aborted: {reason}"))
-        self._exchange_task.cancel()
+        if self._exchange_task is not None:
+            self._exchange_task.cancel()
         self._stop.set()
         if not self.made.done():
             self.made.set_exception(DistBackendError(f"{self.desc} was aborted before its communicator was made: {reason}"))
@@ -337,7 +384,8 @@ class _Comm:
             comm = self.comm
             if comm is not None:
                 await asyncio.to_thread(self._finish, comm)
-        self._exchange_task.cancel()
+        if self._exchange_task is not None:
+            self._exchange_task.cancel()
 
     def _finish(self, comm: Any) -> None:
         self._launcher.join(5.0)  # nothing is in flight: it ends at once
@@ -437,6 +485,27 @@ class NcclBackend(DeviceBackend):
         c = self.comms.pop(group_id, None)
         if c is not None:
             c.abort(reason)
+
+    def _can_split(self) -> bool:
+        """ncclCommSplit through CuPy: CuPy 14 wraps it; NCCL has it from 2.18.1."""
+        if os.environ.get("AIODIST_NCCL_SPLIT", "1") == "0" or not hasattr(self.nccl.NcclCommunicator, "commSplit"):
+            return False
+        version = _cupy.nccl_version()
+        return version is not None and version >= 21801
+
+    async def new_group(self, parent: Any, group: Any | None, group_id: int, members: Sequence[int]) -> None:
+        """Every rank of ``parent`` makes a sub-group, in the same order: where the parent has a
+        communicator, the sub-group's is split from it (ncclCommSplit; ranks outside the new
+        group take part with no color); else the sub-group makes its own on first use."""
+        pc = self.comms.get(parent.group_id)
+        if pc is None or pc.aborted is not None or not self._can_split():
+            return
+        child = None
+        if group is not None:
+            child = self.comms[group_id] = _Comm(self, group, pc.device, split=True)
+        color = (group_id & 0x7FFFFFFF) if group is not None else -1  # -1: NCCL_SPLIT_NOCOLOR
+        key = list(members).index(self.rank) if group is not None else 0
+        pc.split(_SplitJob(child, color, key))
 
     async def release_group(self, group_id: int) -> None:
         c = self.comms.pop(group_id, None)

@@ -175,10 +175,14 @@ def test_exchange_plan_own_part_must_agree() -> None:
 # -- errors ---------------------------------------------------------------------------------------
 
 
-class _NcclLike(RuntimeError):
+class NcclError(RuntimeError):  # named as CuPy's: only an NcclError's status is an NCCL result
     def __init__(self, status: int) -> None:
         super().__init__(f"status {status}")
         self.status = status
+
+
+class CUDARuntimeError(NcclError):  # CuPy's CUDA errors carry a status too, of another enum
+    pass
 
 
 @pytest.mark.parametrize(
@@ -186,12 +190,22 @@ class _NcclLike(RuntimeError):
     [(5, "ncclInvalidUsage", "set the device from LOCAL_RANK"), (2, "ncclSystemError", "/dev/shm"), (6, "ncclRemoteError", "remote rank")],
 )
 def test_nccl_errors_become_dist_backend_errors_with_a_hint(status: int, name: str, hint: str) -> None:
-    err = nccl_error(_NcclLike(status), "all_reduce on default_pg, seq 3")
+    err = nccl_error(NcclError(status), "all_reduce on default_pg, seq 3")
     assert isinstance(err, DistBackendError)
     text = str(err)
     assert text.startswith("all_reduce on default_pg, seq 3: NCCL error " + name)
     assert hint in text
-    assert isinstance(err.__cause__, _NcclLike)
+    assert isinstance(err.__cause__, NcclError)
+
+
+def test_a_cuda_error_is_not_read_as_an_nccl_result() -> None:
+    text = str(nccl_error(CUDARuntimeError(2), "op"))
+    assert "ncclSystemError" not in text and text.startswith("op: CUDARuntimeError")
+
+
+def test_cupys_key_error_for_results_it_cannot_name() -> None:
+    text = str(nccl_error(KeyError(6), "op"))  # CuPy's NcclError knows results 0-5 only
+    assert "ncclRemoteError" in text and "remote rank" in text
 
 
 def test_unknown_status_and_other_errors() -> None:

@@ -519,6 +519,52 @@ async def test_sub_groups_get_their_own_communicator(sim: fake_cupy.Installed) -
     assert sim.sim.calls["get_unique_id"] == 2 and sim.sim.calls["ncclCommInitRank"] == 5
 
 
+async def test_sub_groups_split_from_a_parent_communicator(sim: fake_cupy.Installed) -> None:
+    """Once the default group has a communicator, new_group and split_group split it
+    (ncclCommSplit on every rank of the parent; ranks outside the new group with no color)."""
+
+    async def fn(rank: int) -> None:
+        warm = dev(sim, [1], "int32")
+        await dist.all_reduce(warm)  # the default group's communicator exists from here
+        sub = await dist.new_group([0, 2])
+        x = dev(sim, [rank + 1], "int32")
+        if rank in (0, 2):
+            await dist.all_reduce(x, group=sub)
+            assert x.get().tolist() == [4]
+        else:
+            assert sub == dist.GroupMember.NON_GROUP_MEMBER
+        halves = await dist.split_group(split_ranks=[[0, 1], [2]])
+        assert halves is not None
+        y = dev(sim, [10**rank], "int32")
+        await dist.all_reduce(y, group=halves)
+        assert y.get().tolist() == ([11] if rank < 2 else [100])
+        z = dev(sim, [rank], "int32")
+        await dist.all_reduce(z)  # the parent still works after the splits
+        assert z.get().tolist() == [3]
+
+    await run_world(3, fn, backend=GLOO, timeout=10)
+    calls = sim.sim.calls
+    assert calls["get_unique_id"] == 1 and calls["ncclCommInitRank"] == 3  # only the default group's
+    assert calls["ncclCommSplit"] == 2 + 3  # the [0, 2] group's two members, then all three of the split
+
+
+async def test_no_split_without_a_parent_communicator_or_when_switched_off(
+    sim: fake_cupy.Installed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AIODIST_NCCL_SPLIT", "0")
+
+    async def fn(rank: int) -> None:
+        warm = dev(sim, [1], "int32")
+        await dist.all_reduce(warm)
+        sub = await dist.new_group([0, 1])
+        x = dev(sim, [rank + 1], "int32")
+        await dist.all_reduce(x, group=sub)
+        assert x.get().tolist() == [3]
+
+    await run_world(2, fn, backend=GLOO, timeout=10)
+    assert sim.sim.calls["ncclCommSplit"] == 0 and sim.sim.calls["get_unique_id"] == 2
+
+
 # -- failures ---------------------------------------------------------------------------------------------
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import abc
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -55,6 +55,12 @@ class DeviceBackend(abc.ABC):
     def abort_group(self, group_id: int, reason: str) -> None:  # noqa: B027 - optional
         """``group_id`` broke on this rank (an op failed or timed out): abort what the backend
         holds for it so nothing waits on it any more. Must not block the event loop."""
+
+    async def new_group(self, parent: Any, group: Any | None, group_id: int, members: Sequence[int]) -> None:  # noqa: B027 - optional
+        """Called on every rank of ``parent`` when a sub-group of it is made by all of them
+        (``new_group`` without local synchronisation, ``split_group``), in the same order on
+        every rank; ``group`` is None on ranks not in it. A backend may split the parent's
+        communicator here (NCCL's ncclCommSplit needs every rank of the parent)."""
 
     async def release_group(self, group_id: int) -> None:  # noqa: B027 - optional
         """``group_id`` is being destroyed (its ops have ended or been failed on this rank):

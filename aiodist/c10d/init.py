@@ -410,6 +410,7 @@ async def new_group(
         gid = world.next_group_id
         world.next_group_id += 1
     if world.rank not in key:
+        await _device_new_group(world, parent, None, gid, members)
         return NON_GROUP_MEMBER
     if gid in world.groups:
         raise DistBackendError(
@@ -417,7 +418,16 @@ async def new_group(
         )
     pg = _make_group(world, gid, members, seconds, name=str(gid), desc=group_desc or f"group {gid}")
     world.groups[gid] = pg
+    if not use_local_synchronization:  # every rank of the parent is here: device backends may split
+        await _device_new_group(world, parent, pg, gid, members)
     return pg
+
+
+async def _device_new_group(world: Any, parent: ProcessGroup, pg: ProcessGroup | None, gid: int, members: Sequence[int]) -> None:
+    """Tell the device backends about a sub-group every rank of ``parent`` made (same order on
+    every rank), so NCCL can split the parent's communicator (DeviceBackend.new_group)."""
+    for dev in dict.fromkeys(world.devices.values()):
+        await dev.new_group(parent, pg, gid, members)
 
 
 def _derived_id(world: Any, *parts: object) -> int:
@@ -473,12 +483,14 @@ async def split_group(
     me = parent.rank()
     mine = next((sp for sp in splits if me in sp), None)
     if mine is None:
+        await _device_new_group(world, parent, None, -1, [])
         return None
     members = [parent.ranks[r] for r in sorted(mine)]
     gid = _derived_id(world, "split", parent.group_id, count, tuple(members))
     seconds = parent.timeout_s if timeout is None else to_seconds(timeout)
     pg = _make_group(world, gid, members, seconds, name=str(gid), desc=group_desc or f"split {count} of {parent.group_desc}")
     world.groups[gid] = pg
+    await _device_new_group(world, parent, pg, gid, members)
     return pg
 
 

@@ -79,7 +79,7 @@ class Sim:
         self._allocs: dict[int, tuple[int, str, int, Any]] = {}  # address -> (nbytes, kind, device, weakref or keeper)
         self.streams: dict[int, Stream] = {}
         self._next_stream = 0x5000
-        self.cliques: dict[tuple[int, ...], _Clique] = {}
+        self.cliques: dict[Any, _Clique] = {}
         self.premul: dict[tuple[int, int], float] = {}  # (comm handle, op id) -> factor
         self._next_handle = 0x7000
         self.unexpected: list[str] = []  # mismatched calls seen by the simulator
@@ -603,8 +603,9 @@ class _Slot:
 class _Clique:
     """The communicators of one unique id across the ranks of this process."""
 
-    def __init__(self, uid: tuple[int, ...]) -> None:
+    def __init__(self, uid: Any) -> None:
         self.uid = uid
+        self.splits: dict[int, dict[int, tuple[int, int]]] = {}  # k-th commSplit -> rank -> (color, key)
         self.n: int | None = None
         self.cond = threading.Condition()
         self.joined: dict[int, NcclCommunicator] = {}
@@ -684,9 +685,18 @@ def _reduce(arrays: list[np.ndarray], op: int, factors: list[float | None]) -> n
 class NcclCommunicator:
     """``cupy.cuda.nccl.NcclCommunicator``: one rank of a clique (see the module docstring)."""
 
-    def __init__(self, ndev: int, commId: tuple[int, ...], rank: int) -> None:  # noqa: N803 - CuPy's name
+    def __init__(self, ndev: int, commId: bytes, rank: int, config: Any = None) -> None:  # noqa: N803 - CuPy's name
+        if not isinstance(commId, bytes):  # CuPy 14's typed signature (a tuple was CuPy 13's)
+            raise TypeError(f"Argument 'commId' has incorrect type (expected bytes, got {type(commId).__name__})")
         s = sim()
         assert len(commId) == 128  # CuPy asserts it too
+        clique = s.cliques.get(commId)
+        if clique is None:
+            raise NcclError(2, "unique id was not made by get_unique_id (no root to connect to)")
+        self._join(clique, ndev, rank, "ncclCommInitRank")
+
+    def _join(self, clique: _Clique, ndev: int, rank: int, what: str) -> None:
+        s = sim()
         self._comm = 0
         self.rank = rank
         self.ndev = ndev
@@ -695,9 +705,7 @@ class NcclCommunicator:
         self._async_why = ""
         self._k = 0  # collectives enqueued
         self._done_k = 0
-        clique = s.cliques.get(tuple(commId))
-        if clique is None:
-            raise NcclError(2, "unique id was not made by get_unique_id (no root to connect to)")
+        self._splits = 0
         if not 0 <= rank < ndev:
             raise NcclError(4, f"rank {rank} out of range for {ndev} ranks")
         with clique.cond:
@@ -710,11 +718,11 @@ class NcclCommunicator:
             clique.joined[rank] = self
             clique.cond.notify_all()
         self._clique = clique
-        s.calls["ncclCommInitRank"] += 1
+        s.calls[what] += 1
         try:
-            clique.wait(rank, lambda: len(clique.joined) == ndev, (), "ncclCommInitRank")
+            clique.wait(rank, lambda: len(clique.joined) == ndev, (), what)
         except _Gone as exc:
-            raise NcclError(2, f"ncclCommInitRank: {exc}") from None
+            raise NcclError(2, f"{what}: {exc}") from None
         with s.lock:
             s._next_handle += 0x10
             self._comm = s._next_handle
@@ -731,6 +739,35 @@ class NcclCommunicator:
 
     def device_id(self) -> int:
         return self.device
+
+    def commSplit(self, color: int, key: int, config: Any = None) -> NcclCommunicator | None:  # noqa: N802 - CuPy's name
+        """``ncclCommSplit``: every rank of this communicator calls it; ranks of one color form a
+        new communicator, ranked by (key, old rank); color -1 takes part and gets None."""
+        if not self._comm:
+            raise NcclError(4, "ncclCommSplit on a destroyed or aborted communicator")
+        clique, me = self._clique, self.rank
+        assert clique.n is not None
+        n = clique.n
+        k = self._splits
+        self._splits += 1
+        with clique.cond:
+            votes = clique.splits.setdefault(k, {})
+            votes[me] = (color, key)
+            clique.cond.notify_all()
+        try:
+            clique.wait(me, lambda: len(votes) == n, range(n), f"ncclCommSplit {k}")
+        except _Gone as exc:
+            raise NcclError(3, f"ncclCommSplit: {exc}") from None
+        if color < 0:
+            return None
+        mates = sorted((kk, r) for r, (c, kk) in votes.items() if c == color)
+        new_rank = [r for _, r in mates].index(me)
+        s = sim()
+        with clique.cond:
+            child = s.cliques.setdefault((clique.uid, k, color), _Clique((clique.uid, k, color)))
+        made = NcclCommunicator.__new__(NcclCommunicator)
+        made._join(child, len(mates), new_rank, "ncclCommSplit")
+        return made
 
     # -- lifetime
     def abort(self) -> None:
@@ -981,17 +1018,16 @@ def groupEnd() -> None:  # noqa: N802
         _enqueue_batch(st, batch)
 
 
-def get_unique_id() -> tuple[int, ...]:
+def get_unique_id() -> bytes:
     s = sim()
-    raw = os.urandom(128)
-    uid = tuple(b - 256 if b > 127 else b for b in raw)  # C chars, as CuPy returns them
+    uid = os.urandom(128)  # bytes, as CuPy 14 returns it (CuPy 13: a tuple of C chars)
     s.cliques[uid] = _Clique(uid)
     s.calls["get_unique_id"] += 1
     return uid
 
 
 def get_version() -> int:
-    return 22703
+    return 23203
 
 
 # -- PREMUL_SUM ---------------------------------------------------------------------------------------
