@@ -15,6 +15,8 @@ __all__ = ["load", "reason", "nccl_version"]
 
 _state: dict[str, Any] = {}
 
+_NCCL_PIP = "pip install nvidia-nccl-cu12 (nvidia-nccl-cu13 with cupy-cuda13x)"
+
 
 def _probe() -> tuple[Any, Any, str]:
     if os.environ.get("AIODIST_CUDA_DISABLE") == "1":
@@ -28,13 +30,13 @@ def _probe() -> tuple[Any, Any, str]:
     try:
         from cupy.cuda import nccl
     except Exception as exc:
-        return cupy, None, f"CuPy's NCCL bindings did not load ({type(exc).__name__}: {exc}); pip install nvidia-nccl-cu12"
+        return cupy, None, f"CuPy's NCCL bindings did not load ({type(exc).__name__}: {exc}); {_NCCL_PIP}"
     if not getattr(nccl, "available", False):
-        return cupy, None, "CuPy was built without NCCL; pip install nvidia-nccl-cu12 (CuPy 14 does not bundle NCCL)"
+        return cupy, None, f"CuPy was built without NCCL; {_NCCL_PIP} (CuPy 14 does not bundle NCCL)"
     try:
         nccl.get_version()
     except Exception as exc:
-        return cupy, None, f"the NCCL library could not be loaded ({type(exc).__name__}: {exc}); pip install nvidia-nccl-cu12"
+        return cupy, None, f"the NCCL library could not be loaded ({type(exc).__name__}: {exc}); {_NCCL_PIP}"
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # no driver: cudaErrorInsufficientDriver / cudaErrorNoDevice
