@@ -209,7 +209,8 @@ class Device:
         sim().local.device = self._prev.pop()
 
     def synchronize(self) -> None:
-        for s in list(sim().streams.values()):
+        """Wait for everything queued on this device: its streams and its null stream."""
+        for s in [*sim().streams.values(), sim().null_stream(self.id)]:
             if s.device_id == self.id:
                 s.synchronize()
 
@@ -337,11 +338,108 @@ class ndarray:  # noqa: N801 - CuPy's name
         sim().current_stream(self._device).enqueue(lambda: np.copyto(out._h, src._h), "copy")
         return out
 
+    # kernels (what tests/gpu/test_nccl_ops.py calls): each runs on the current stream, as
+    # CuPy's do; checks (dtype casting, shapes) raise at the call, as CuPy's do
+    def fill(self, value: Any) -> None:
+        dst = self
+        np.empty(0, dtype=self.dtype).fill(value)  # a value the dtype cannot hold raises here
+        sim().current_stream(self._device).enqueue(lambda: dst._h.fill(value), "fill")
+
+    def sum(self, axis: Any = None, dtype: Any = None, out: Any = None, keepdims: bool = False) -> ndarray:
+        if out is not None:
+            raise NotImplementedError("fake_cupy: sum(out=...)")
+        return _kernel(lambda a: np.sum(a, axis=axis, dtype=dtype, keepdims=keepdims), [self], "sum")
+
+    def all(self, axis: Any = None, out: Any = None, keepdims: bool = False) -> ndarray:
+        if out is not None:
+            raise NotImplementedError("fake_cupy: all(out=...)")
+        return _kernel(lambda a: np.all(a, axis=axis, keepdims=keepdims), [self], "all")
+
+    def any(self, axis: Any = None, out: Any = None, keepdims: bool = False) -> ndarray:
+        if out is not None:
+            raise NotImplementedError("fake_cupy: any(out=...)")
+        return _kernel(lambda a: np.any(a, axis=axis, keepdims=keepdims), [self], "any")
+
+    def astype(self, dtype: Any, copy: bool = True) -> ndarray:
+        if not copy and np.dtype(dtype) == self.dtype:
+            return self
+        return _kernel(lambda a: a.astype(dtype), [self], "astype")
+
+    def _binary(self, ufunc: Any, other: Any) -> ndarray:
+        return _kernel(ufunc, [self, other], ufunc.__name__)
+
+    def _inplace(self, ufunc: Any, other: Any) -> ndarray:
+        if isinstance(other, np.ndarray) and other.ndim:  # CuPy refuses implicit host -> device conversion
+            raise TypeError(f"Unsupported type {type(other)}")
+        sample = np.zeros((), dtype=other.dtype) if isinstance(other, ndarray) else other
+        ufunc(np.zeros((), dtype=self.dtype), sample, out=np.zeros((), dtype=self.dtype))  # a cast numpy refuses raises now
+        if np.broadcast_shapes(self.shape, np.shape(other)) != self.shape:
+            raise ValueError(f"non-broadcastable output operand with shape {self.shape}")
+        dst = self
+        sim().current_stream(self._device).enqueue(
+            lambda: ufunc(dst._h, other._h if isinstance(other, ndarray) else other, out=dst._h), ufunc.__name__
+        )
+        return self
+
+    def __add__(self, other: Any) -> ndarray:
+        return self._binary(np.add, other)
+
+    def __sub__(self, other: Any) -> ndarray:
+        return self._binary(np.subtract, other)
+
+    def __mul__(self, other: Any) -> ndarray:
+        return self._binary(np.multiply, other)
+
+    def __truediv__(self, other: Any) -> ndarray:
+        return self._binary(np.true_divide, other)
+
+    __radd__, __rmul__ = __add__, __mul__
+
+    def __iadd__(self, other: Any) -> ndarray:
+        return self._inplace(np.add, other)
+
+    def __isub__(self, other: Any) -> ndarray:
+        return self._inplace(np.subtract, other)
+
+    def __imul__(self, other: Any) -> ndarray:
+        return self._inplace(np.multiply, other)
+
+    def __itruediv__(self, other: Any) -> ndarray:
+        return self._inplace(np.true_divide, other)
+
+    def __eq__(self, other: object) -> ndarray:  # type: ignore[override]
+        return self._binary(np.equal, other)
+
+    def __ne__(self, other: object) -> ndarray:  # type: ignore[override]
+        return self._binary(np.not_equal, other)
+
+    __hash__ = None  # type: ignore[assignment]  # unhashable, as cupy.ndarray (and numpy's)
+
+    # to the host (a synchronous copy on the current stream, as CuPy's)
+    def _scalar(self) -> Any:
+        if self.size != 1:
+            raise TypeError("only length-1 arrays can be converted to Python scalars")
+        return self.get().reshape(())[()]
+
+    def __float__(self) -> float:
+        return float(self._scalar())
+
+    def __int__(self) -> int:
+        return int(self._scalar())
+
+    def __bool__(self) -> bool:
+        if self.size != 1:
+            raise ValueError("The truth value of an array with more than one element is ambiguous. Use a.any() or a.all()")
+        return bool(self._scalar())
+
+    def item(self) -> Any:
+        return self._scalar().item()
+
 
 def _from_host(a: Any, dtype: Any = None) -> ndarray:
     h = np.asarray(a, dtype=dtype)
     out = ndarray(h.shape, h.dtype)
-    out.set(np.ascontiguousarray(h))
+    out.set(h if h.flags.c_contiguous else h.copy(order="C"))  # not ascontiguousarray: it makes a 0-d array 1-d
     return out
 
 
@@ -387,6 +485,46 @@ def empty(shape: Any, dtype: Any = float) -> ndarray:
 def zeros(shape: Any, dtype: Any = float) -> ndarray:
     out = ndarray(shape, dtype)
     sim().current_stream(out._device).enqueue(lambda: out._h.fill(0), "zeros")
+    return out
+
+
+def ones(shape: Any, dtype: Any = float) -> ndarray:
+    out = ndarray(shape, dtype)
+    sim().current_stream(out._device).enqueue(lambda: out._h.fill(1), "ones")
+    return out
+
+
+def full(shape: Any, fill_value: Any, dtype: Any = None) -> ndarray:
+    """``cupy.full``: ``dtype`` None is ``numpy.array(fill_value).dtype``, as CuPy's."""
+    out = ndarray(shape, np.array(fill_value).dtype if dtype is None else dtype)
+    out.fill(fill_value)
+    return out
+
+
+def arange(start: Any, stop: Any = None, step: Any = 1, dtype: Any = None) -> ndarray:
+    """``cupy.arange`` (numpy's values and dtype rules; made on the current stream)."""
+    h = np.arange(start, stop, step, dtype=dtype) if stop is not None else np.arange(start, step=step, dtype=dtype)
+    out = ndarray(h.shape, h.dtype)
+    dst = out
+    sim().current_stream(out._device).enqueue(lambda: np.copyto(dst._h, h), "arange")
+    return out
+
+
+def _kernel(fn: Callable[..., Any], args: list[Any], what: str) -> ndarray:
+    """A kernel making a new array from ``args`` (fake ndarrays or host scalars) on the current
+    stream: its shape and dtype are worked out now (errors at the call), the values when it runs."""
+    dev = next((a._device for a in args if isinstance(a, ndarray)), sim().current_device())
+    for a in args:
+        if isinstance(a, np.ndarray) and a.ndim:  # CuPy refuses implicit host -> device conversion
+            raise TypeError(f"Unsupported type {type(a)}")
+    probe = fn(*(np.broadcast_to(np.zeros((), dtype=a.dtype), a.shape) if isinstance(a, ndarray) else a for a in args))
+    probe = np.asarray(probe)
+    out = ndarray(probe.shape, probe.dtype, _device=dev)
+
+    def run() -> None:
+        out._h[...] = fn(*(a._h if isinstance(a, ndarray) else a for a in args))
+
+    sim().current_stream(dev).enqueue(run, what)
     return out
 
 
@@ -1071,7 +1209,7 @@ def make_modules() -> tuple[types.ModuleType, types.ModuleType, types.ModuleType
     cuda = types.ModuleType("cupy.cuda")
     nccl = types.ModuleType("cupy.cuda.nccl")
     cupyx = types.ModuleType("cupyx")
-    for name in ("ndarray", "asarray", "ascontiguousarray", "empty", "zeros"):
+    for name in ("ndarray", "asarray", "ascontiguousarray", "empty", "zeros", "ones", "full", "arange"):
         setattr(cupy, name, globals()[name])
     for name in ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64"):
         setattr(cupy, name, getattr(np, name))
