@@ -41,8 +41,22 @@ import numpy as np
 
 __all__ = ["Sim", "install", "NcclError", "CUDARuntimeError", "ndarray"]
 
-# NCCL's ncclDataType_t -> numpy dtype (bfloat16 is not simulated)
-_NCCL_NP = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64, 6: np.float16, 7: np.float32, 8: np.float64}
+# NCCL's ncclDataType_t -> numpy dtype (bfloat16, 9, where ml_dtypes is installed)
+_NCCL_NP: dict[int, Any] = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64, 6: np.float16}
+_NCCL_NP.update({7: np.float32, 8: np.float64})
+try:
+    import ml_dtypes
+
+    _NCCL_NP[9] = ml_dtypes.bfloat16
+except ImportError:  # pragma: no cover - depends on the environment
+    pass
+
+
+def _floating(dt: np.dtype[Any]) -> bool:
+    """A floating type (numpy's, or ml_dtypes' bfloat16, whose numpy kind is "V")."""
+    return dt.kind == "f" or dt.name == "bfloat16"
+
+
 _SUM, _PROD, _MAX, _MIN, _AVG = 0, 1, 2, 3, 4
 _NUM_OPS = 5  # ncclNumOps: user-made ops (PreMulSum) get ids from here
 _ERR = {0: "NCCL_ERROR_SUCCESS", 1: "NCCL_ERROR_UNHANDLED_CUDA_ERROR", 2: "NCCL_ERROR_SYSTEM_ERROR"}
@@ -803,12 +817,12 @@ class _Clique:
 def _reduce(arrays: list[np.ndarray], op: int, factors: list[float | None]) -> np.ndarray:
     dt = arrays[0].dtype
     if op == _SUM or op == _AVG or op >= _NUM_OPS:
-        acc = np.zeros(arrays[0].shape, dtype=np.float64 if dt.kind == "f" else dt)
+        acc = np.zeros(arrays[0].shape, dtype=np.float64 if _floating(dt) else dt)
         for a, f in zip(arrays, factors, strict=True):
-            x = a.astype(acc.dtype) if dt.kind == "f" else a
+            x = a.astype(acc.dtype) if _floating(dt) else a
             acc = acc + (x * f if f is not None else x)
         if op == _AVG:
-            if dt.kind == "f":
+            if _floating(dt):
                 acc = acc / len(arrays)
             else:  # NCCL divides an integer sum, truncating toward zero
                 acc = np.sign(acc) * (np.abs(acc) // len(arrays))
@@ -951,7 +965,7 @@ class NcclCommunicator:
         factor = sim().premul.get((self._comm, op))
         if factor is None:
             raise NcclError(4, f"{what}: reduction op {op} was not made on this communicator")
-        if np.dtype(_NCCL_NP[dtype]).kind != "f":
+        if not _floating(np.dtype(_NCCL_NP[dtype])):
             raise NcclError(4, f"{what}: PreMulSum op on an integer type")
         return op, factor
 
