@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from aiodist.c10d._args import split_sizes
+
 __all__ = ["Part", "split_bounds", "exchange_plan"]
 
 
@@ -23,23 +25,9 @@ class Part:
 
 def split_bounds(rows: int, row_elems: int, sizes: Sequence[int] | None, n: int, what: str) -> list[tuple[int, int]]:
     """``(offset, count)`` in elements of each of ``n`` consecutive row blocks of an array of
-    ``rows`` rows of ``row_elems`` elements: ``sizes`` rows each, or equal blocks (None).
-    ValueError (naming ``what``) for a wrong length, a negative size, or sizes that do not add up."""
-    if sizes is None:
-        if rows % n:
-            raise ValueError(f"{what}: dim 0 ({rows}) is not divisible by the group size {n}; pass split sizes")
-        sizes = [rows // n] * n
-    else:
-        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
-            raise TypeError(f"{what}: split sizes must be a list of ints, not {type(sizes).__name__}")
-        sizes = list(sizes)
-        if len(sizes) != n:
-            raise ValueError(f"{what}: {len(sizes)} split sizes for a group of {n} ranks")
-        for s in sizes:
-            if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-                raise ValueError(f"{what}: split sizes must be non-negative ints, got {s!r}")
-        if sum(sizes) != rows:
-            raise ValueError(f"{what}: split sizes add up to {sum(sizes)}, but dim 0 is {rows}")
+    ``rows`` rows of ``row_elems`` elements: ``sizes`` rows each, or equal blocks (None or empty);
+    checked by the CPU backend's own rule (``aiodist.c10d._args.split_sizes``)."""
+    sizes = split_sizes(rows, sizes, n, what)
     out, at = [], 0
     for s in sizes:
         out.append((at * row_elems, s * row_elems))

@@ -137,11 +137,13 @@ def test_split_bounds_even_and_uneven() -> None:
 @pytest.mark.parametrize(
     ("sizes", "match"),
     [
-        (None, "not divisible"),
-        ([1, 2], "2 split sizes for a group of 3"),
+        (None, "must divide equally"),
+        ([], "must divide equally"),  # empty is equal parts, as in torch
+        ([1, 2], "must be a list of 3 ints"),
+        ("12", "must be a list of 3 ints"),
         ([1, -1, 6], "non-negative"),
-        ([1, 1, 1], "add up to 3"),
         ([1.0, 2, 2], "non-negative ints"),
+        ([1, 1, 1], "add up to 3"),
     ],
 )
 def test_split_bounds_refusals(sizes: object, match: str) -> None:
@@ -149,9 +151,8 @@ def test_split_bounds_refusals(sizes: object, match: str) -> None:
         split_bounds(5, 1, sizes, 3, "all_to_all_single input_split_sizes")  # type: ignore[arg-type]
 
 
-def test_split_bounds_type() -> None:
-    with pytest.raises(TypeError):
-        split_bounds(5, 1, "12", 3, "x")  # type: ignore[arg-type]
+def test_split_bounds_empty_is_equal() -> None:
+    assert split_bounds(6, 1, [], 3, "x") == [(0, 2), (2, 2), (4, 2)]
 
 
 def test_exchange_plan_skips_empty_parts_and_copies_its_own() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 from aiodist.c10d.process_group import ProcessGroup
 from aiodist.types import Buffer, as_array
 
-__all__ = ["group_root", "buf", "bufs", "same_dtype", "check_async_op"]
+__all__ = ["group_root", "buf", "bufs", "same_dtype", "check_async_op", "split_sizes"]
 
 
 def _int(value: object, what: str) -> int:
@@ -62,3 +62,21 @@ def check_async_op(async_op: Any) -> bool:
     if not isinstance(async_op, bool):
         raise TypeError(f"async_op must be a bool, not {type(async_op).__name__}")
     return async_op
+
+
+def split_sizes(rows: int, sizes: Sequence[int] | None, n: int, what: str) -> list[int]:
+    """The rows of dim 0 each of ``n`` ranks gets: ``sizes``, or equal parts where it is None or
+    empty (torch's rule). ValueError naming ``what`` for a wrong length, a negative or non-int
+    size, sizes that do not add up to ``rows``, or rows that do not divide equally."""
+    if not sizes:
+        if rows % n:
+            raise ValueError(f"{what}: dim 0 ({rows}) must divide equally by the world size ({n}) when no split sizes are given")
+        return [rows // n] * n
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or len(sizes) != n:
+        raise ValueError(f"{what} split sizes must be a list of {n} ints, got {sizes!r}")
+    for s in sizes:
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ValueError(f"{what} split sizes must be non-negative ints, got {sizes!r}")
+    if sum(sizes) != rows:
+        raise ValueError(f"{what} split sizes {list(sizes)} add up to {sum(sizes)}, but dim 0 is {rows}")
+    return list(sizes)

@@ -24,7 +24,7 @@ import numpy as np
 from aiodist._time import TimeoutLike, to_seconds
 from aiodist.algorithms import collectives as alg
 from aiodist.algorithms.p2p import P2P, byte_view
-from aiodist.c10d._args import buf, bufs, check_async_op, group_root, same_dtype
+from aiodist.c10d._args import buf, bufs, check_async_op, group_root, same_dtype, split_sizes
 from aiodist.c10d._device import device_backend, issue_on_device
 from aiodist.c10d.init import GroupArg, resolve_group
 from aiodist.c10d.work import Work
@@ -376,18 +376,7 @@ def _split_bounds(b: Buffer, sizes: Sequence[int] | None, n: int, what: str) -> 
     if len(b.shape) == 0:
         raise ValueError(f"{what} must have at least one dimension to split")
     rows, row = b.shape[0], math.prod(b.shape[1:])
-    if not sizes:
-        if rows % n:
-            raise ValueError(f"{what}: dim 0 ({rows}) must divide equally by the world size ({n}) when no split sizes are given")
-        sizes = [rows // n] * n
-    else:
-        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or len(sizes) != n:
-            raise ValueError(f"{what} split sizes must be a list of {n} ints, got {sizes!r}")
-        for s in sizes:
-            if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-                raise ValueError(f"{what} split sizes must be non-negative ints, got {sizes!r}")
-        if sum(sizes) != rows:
-            raise ValueError(f"{what} split sizes {list(sizes)} add up to {sum(sizes)}, but dim 0 is {rows}")
+    sizes = split_sizes(rows, sizes, n, what)
     bounds, start = [], 0
     for s in sizes:
         bounds.append((start * row, (start + s) * row))
