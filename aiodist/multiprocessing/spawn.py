@@ -114,6 +114,9 @@ def _run(fn: Callable[..., Any], i: int, args: tuple[Any, ...]) -> None:
 
 def _wrap(fn: Callable[..., Any], i: int, args: tuple[Any, ...], error_file: str) -> None:
     """The child's entry point (module level, so the spawn start method can pickle it)."""
+    # SIGINT is how the parent's death (and Ctrl-C) reaches us: a parent started in the
+    # background by a shell ignores SIGINT, and we would inherit that and outlive it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     _set_pdeathsig(signal.SIGINT)
     try:
         _run(fn, i, args)
