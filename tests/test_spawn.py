@@ -241,11 +241,21 @@ if __name__ == "__main__":
 """
 
 
+IGNORING_PARENT = ORPHAN_PARENT.replace(
+    "import os, signal, sys, time\n",
+    "import os, signal, sys, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell's background job\n",
+)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_children_do_not_outlive_a_killed_parent(tmp_path: Path) -> None:
+@pytest.mark.parametrize("template", [ORPHAN_PARENT, IGNORING_PARENT], ids=["plain", "parent-ignores-sigint"])
+def test_children_do_not_outlive_a_killed_parent(tmp_path: Path, template: str) -> None:
+    """A SIGKILLed parent's children die (PR_SET_PDEATHSIG). Also when the parent ignores SIGINT,
+    as a job a shell started in the background does: the children must not inherit that, since
+    SIGINT is their death signal (found: a test run started with `&`)."""
     tests = Path(__file__).resolve().parent
     script = tmp_path / "parent.py"
-    script.write_text(ORPHAN_PARENT.format(tests=str(tests), root=str(tests.parent), pid_dir=str(tmp_path)))
+    script.write_text(template.format(tests=str(tests), root=str(tests.parent), pid_dir=str(tmp_path)))
     out, err = tmp_path / "out", tmp_path / "err"
     with out.open("w") as fo, err.open("w") as fe:  # files, not pipes: orphans holding a pipe would block the wait
         proc = subprocess.run([sys.executable, str(script)], stdout=fo, stderr=fe, timeout=60)
@@ -261,36 +271,6 @@ def test_children_do_not_outlive_a_killed_parent(tmp_path: Path) -> None:
         for p in pids:
             if not _dead(p) and int(Path(tmp_path, f"{pids.index(p)}.pid").read_text()) == p:
                 os.kill(p, signal.SIGKILL)  # our own child, if the death signal failed
-
-
-IGNORING_PARENT = ORPHAN_PARENT.replace(
-    "import os, signal, sys, time\n",
-    "import os, signal, sys, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell's background job\n",
-)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_children_of_a_parent_ignoring_sigint_do_not_outlive_it(tmp_path: Path) -> None:
-    """A parent started in the background by a shell ignores SIGINT; its children must not
-    inherit that, since SIGINT is their death signal (found: CI-like runs started with `&`)."""
-    tests = Path(__file__).resolve().parent
-    script = tmp_path / "parent.py"
-    assert "SIG_IGN" in IGNORING_PARENT
-    script.write_text(IGNORING_PARENT.format(tests=str(tests), root=str(tests.parent), pid_dir=str(tmp_path)))
-    out, err = tmp_path / "out", tmp_path / "err"
-    with out.open("w") as fo, err.open("w") as fe:
-        proc = subprocess.run([sys.executable, str(script)], stdout=fo, stderr=fe, timeout=60)
-    assert proc.returncode == -signal.SIGKILL, err.read_text()
-    pids = [int(p) for p in out.read_text().split()]
-    deadline = time.monotonic() + 20
-    try:
-        while not all(_dead(p) for p in pids):
-            assert time.monotonic() < deadline, f"children {pids} outlived their parent"
-            time.sleep(0.05)
-    finally:
-        for p in pids:
-            if not _dead(p):
-                os.kill(p, signal.SIGKILL)
 
 
 INTERRUPTED_PARENT = """
