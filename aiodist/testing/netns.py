@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import ipaddress
 import itertools
 import json
 import os
@@ -57,7 +58,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
-__all__ = ["Hosts", "NetnsError", "cleanup_stale", "make_hosts", "managed", "unavailable_reason"]
+__all__ = ["Family", "Hosts", "NetnsError", "cleanup_stale", "make_hosts", "managed", "unavailable_reason"]
 
 DEFAULT_PREFIX = "aiodist"
 Family = Literal["ipv4", "ipv6"]
@@ -285,10 +286,10 @@ class Hosts:
             raise IndexError(f"no host {i} / link {link} (hosts 0..{self.n - 1}, links 0..{self.links - 1})")
         if self._family(family) == "ipv4":
             return f"10.{self.block}.{link}.{i + 1}"
-        return f"fd{self.block:02x}:{link}::{i + 1}"
+        return str(ipaddress.IPv6Address(f"fd{self.block:02x}:{link}::{i + 1}"))  # compressed, as sockets print it
 
     def hostport(self, i: int, port: int, link: int = 0, family: Family | None = None) -> str:
-        """``addr:port``, with the address bracketed for IPv6 (``[fd14:0::1]:29400``)."""
+        """``addr:port``, with the address bracketed for IPv6 (``[fd14::1]:29400``)."""
         a = self.addr(i, link, family)
         return f"[{a}]:{port}" if ":" in a else f"{a}:{port}"
 
@@ -443,9 +444,12 @@ def _close_all() -> None:
         h.close()
 
 
-if __name__ == "__main__":  # python -m aiodist.testing.netns: probe, and clean up after dead runs
+if __name__ == "__main__":  # python -m aiodist.testing.netns [PREFIX...]: probe, and clean up after dead runs
+    import sys
+
     reason = unavailable_reason()
     print(f"network namespaces: {'available' if reason is None else 'unavailable: ' + reason}")
     if reason is None:
-        for name in cleanup_stale():
-            print(f"removed stale {name}")
+        for prefix in sys.argv[1:] or [DEFAULT_PREFIX]:
+            for name in cleanup_stale(prefix):
+                print(f"removed stale {name}")
