@@ -9,6 +9,8 @@ and the first offer wins.
 
 from __future__ import annotations
 
+import logging
+import os
 import secrets
 from collections.abc import Sequence
 from datetime import timedelta
@@ -24,6 +26,23 @@ from aiodist.store.base import Store
 __all__ = ["AioBackend", "create_aio_backend", "transport_available"]
 
 _TOKEN_KEY = "aiodist/aio_backend/token"
+
+log = logging.getLogger("aiodist.transport")
+
+
+def rendezvous_host(store: Store) -> str | None:
+    """The host the job's store lives on (through PrefixStores), or MASTER_ADDR; None for a
+    store with no host (FileStore, HashStore) and no MASTER_ADDR."""
+    seen = 0
+    while seen < 32:  # PrefixStore chains; a bound against a cycle
+        inner = getattr(store, "underlying_store", None)
+        if inner is None:
+            break
+        store, seen = inner, seen + 1
+    host = getattr(store, "host", None)
+    if isinstance(host, str) and host:
+        return host
+    return os.environ.get("MASTER_ADDR") or None
 
 
 def transport_available() -> bool:
@@ -58,6 +77,10 @@ class AioBackend(CommBackend):
     async def abort_group(self, group_id: int, reason: str) -> None:
         await self.transport.abort(group_id, reason)
 
+    def connection_report(self, peers: Sequence[int]) -> str:
+        report: str = self.transport.connection_report(peers)
+        return report
+
     async def close(self) -> None:
         await self.transport.close()
 
@@ -74,6 +97,7 @@ async def create_aio_backend(store: Store, rank: int, world_size: int, timeout: 
     """The "aio" backend's creator, as ``Backend.register_backend`` takes it."""
     try:
         from aiodist.transport import Transport
+        from aiodist.transport._ifaces import choose
     except ImportError as exc:
         raise DistBackendError(
             "the CPU socket backend ('aio', alias 'gloo') is not wired yet: aiodist.transport is not available "
@@ -83,5 +107,18 @@ async def create_aio_backend(store: Store, rank: int, world_size: int, timeout: 
     # Each op runs under its own group's timeout (ProcessGroup), which may be longer than the
     # default group's; so the transport's own per-send/recv deadline is only a backstop for
     # waits outside any op, set far beyond any group timeout it could cut short.
-    transport = await Transport.start(store, rank, world_size, token=token, timeout=max(timeout.total_seconds(), _TRANSPORT_BACKSTOP_S))
+    where = rendezvous_host(store)
+    advertise = choose(where)  # refuses a named interface that is not there, at once
+    transport = await Transport.start(
+        store, rank, world_size, token=token, timeout=max(timeout.total_seconds(), _TRANSPORT_BACKSTOP_S), advertise=advertise
+    )
+    try:
+        # every rank's address, and the same number of interfaces everywhere, before any op
+        await transport.exchange(timeout.total_seconds())
+    except BaseException:
+        await transport.close()
+        raise
+    assert transport.address is not None
+    lanes = f"; interfaces {', '.join(f'{n}={h}' for n, h in zip(advertise.ifnames, advertise.hosts))}" if advertise.ifnames else ""
+    log.info("rank %d advertises %s (chosen by %s)%s", rank, transport.address.describe(), advertise.why, lanes)
     return AioBackend(transport, rank, world_size)

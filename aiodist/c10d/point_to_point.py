@@ -56,6 +56,13 @@ class PeerOps:
             raise ValueError(f"an any-source receive got a message from rank {got}, which is not in the group {list(self.ranks)}")
         return got
 
+    def peers(self) -> list[int]:
+        """The global ranks this op still waits on (any source: every other rank)."""
+        out = {r for r, n in self.waiting_recv.items() if n > 0 and r is not None} | {r for r, n in self.waiting_send.items() if n > 0}
+        if self.waiting_recv.get(None):
+            out |= set(self.ranks)
+        return sorted(out)
+
     def describe_waiting(self) -> str:
         """The timeout message's tail: whom this op was still waiting on."""
         out = ""

@@ -79,11 +79,15 @@ class _Tracked:
         """The global ranks a receive of this op was still waiting on."""
         return sorted(self.ranks[p] for p, n in self.waiting_recv.items() if n > 0)
 
+    def unsent(self) -> list[int]:
+        """The global ranks a send of this op was still waiting on."""
+        return sorted(self.ranks[p] for p, n in self.waiting_send.items() if n > 0)
+
     def describe_waiting(self) -> str:
         """The timeout message's tail: whom this op was still waiting on."""
         out = ""
         silent = self.silent()
-        unsent = sorted(self.ranks[p] for p, n in self.waiting_send.items() if n > 0)
+        unsent = self.unsent()
         if silent:
             out += f"; ranks not heard from: {silent}"
         if unsent:
@@ -429,6 +433,10 @@ class ProcessGroup:
             msg = f"{what} timed out after {limit:g} s on rank {self.backend.rank}"
             waiting = tracker.describe_waiting()
             msg += waiting or "; it was not waiting on any peer (the group was still running it)"
+            report = getattr(self.backend, "connection_report", None)
+            if report is not None and waiting:
+                peers = [*getattr(tracker, "silent", list)(), *getattr(tracker, "unsent", list)(), *getattr(tracker, "peers", list)()]
+                msg += report(peers)
             if diagnose:
                 msg += await self._diagnose(work.seq, tracker.silent(), grace)
             err: DistError = DistTimeoutError(msg)

@@ -55,17 +55,34 @@ class PeerAddress:
     port: int
     unix: str | None  # abstract socket name (leading NUL included), or None
     host_id: str
+    hosts: tuple[str, ...] = ()  # one address per lane (interface); () means (host,)
+    ifnames: tuple[str, ...] = ()  # the interfaces named by AIODIST/GLOO_SOCKET_IFNAME, if any
+
+    @property
+    def lanes(self) -> tuple[str, ...]:
+        """Lane j's address: one per interface named, else just ``host``."""
+        return self.hosts or (self.host,)
+
+    def describe(self, lane: int = 0) -> str:
+        host = self.lanes[lane]
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     def encode(self) -> bytes:
         unix = None if self.unix is None else self.unix.encode().hex()
-        return json.dumps({"rank": self.rank, "host": self.host, "port": self.port, "unix": unix, "host_id": self.host_id}).encode()
+        d = {"rank": self.rank, "host": self.host, "port": self.port, "unix": unix, "host_id": self.host_id}
+        if self.hosts:
+            d["hosts"] = list(self.hosts)
+            d["ifnames"] = list(self.ifnames)
+        return json.dumps(d).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> PeerAddress:
         try:
             d = json.loads(raw)
             unix = None if d["unix"] is None else bytes.fromhex(d["unix"]).decode()
-            return cls(int(d["rank"]), str(d["host"]), int(d["port"]), unix, str(d["host_id"]))
+            hosts = tuple(str(h) for h in d.get("hosts", ()))
+            ifnames = tuple(str(n) for n in d.get("ifnames", ()))
+            return cls(int(d["rank"]), str(d["host"]), int(d["port"]), unix, str(d["host_id"]), hosts, ifnames)
         except (ValueError, KeyError, TypeError) as exc:
             raise DistNetworkError(f"malformed transport address in the store: {raw[:200]!r}") from exc
 

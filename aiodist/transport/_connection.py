@@ -66,10 +66,11 @@ GRACE_SECONDS = 0.005
 class Connection(asyncio.BufferedProtocol):
     """A connection to one peer rank (``peer`` is None until its HELLO is in)."""
 
-    def __init__(self, owner: Transport, kind: str, dialed_peer: int | None = None) -> None:
+    def __init__(self, owner: Transport, kind: str, dialed_peer: int | None = None, lane: int = 0) -> None:
         self.owner = owner
         self.kind = kind  # "unix" | "tcp"
         self.dialed_peer = dialed_peer  # the rank we dialed; None for an accepted connection
+        self.lane = lane  # which interface it runs over (the dialer's HELLO says, for an accepted one)
         self.peer: int | None = None
         self.decoder = FrameDecoder(owner.limits)
         self.transport: asyncio.Transport | None = None
@@ -98,7 +99,7 @@ class Connection(asyncio.BufferedProtocol):
         _grow_socket_buffers(transport)
         self.owner._connection_made(self)
         if self.dialed_peer is not None:
-            transport.write(hello_frame(self.owner.hello))
+            transport.write(hello_frame(self.owner.hello, self.lane))
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.decoder.get_buffer(sizehint)
@@ -245,15 +246,20 @@ class Connection(asyncio.BufferedProtocol):
             else:
                 self.owner._arrived(ev.header, ev.staged, self._release)
         elif type(ev) is HelloReceived:
-            self._hello(ev.hello)
+            self._hello(ev.hello, ev.header.tag)
         elif type(ev) is AbortReceived:
             self.owner._abort_received(ev.header, ev.reason)
         elif type(ev) is GoodbyeReceived:
             self.goodbye = True
 
-    def _hello(self, hello: Hello) -> None:
+    def _hello(self, hello: Hello, lane: int = 0) -> None:
         owner = self.owner
         why = owner._check_hello(hello, self.dialed_peer)
+        if why is None and self.dialed_peer is None:
+            if not 0 <= lane < owner.lanes:
+                why = f"rank {hello.rank} dialed lane {lane}, but this rank has {owner.lanes} (one per interface named)"
+            else:
+                self.lane = lane
         if why is not None:
             log.error("rank %d: refused a %s connection: %s", owner.rank, self.kind, why)
             self.fail(DistNetworkError(f"rank {owner.rank}: refused a {self.kind} connection: {why}"))

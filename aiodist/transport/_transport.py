@@ -42,19 +42,23 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import socket
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from aiodist.algorithms.p2p import byte_view
+from aiodist.backends.base import P2P_SEQ
 from aiodist.errors import DistBackendError, DistError, DistNetworkError, DistTimeoutError
 from aiodist.store.base import Store
 from aiodist.transport._address import PeerAddress, address_key, host_id, listen_tcp, unix_name
 from aiodist.transport._channel import Channel
 from aiodist.transport._connection import Connection
+from aiodist.transport._ifaces import Advertised, choose
 from aiodist.transport._mailbox import Key, Mailbox, PostedRecv, StagedMessage, consume, describe_key, fill
 from aiodist.wire.frame import FrameHeader, FrameKind, FrameLimits, Hello, abort_frame
 
@@ -65,6 +69,33 @@ log = logging.getLogger("aiodist.transport")
 _CLOSE_WAIT = 2.0  # seconds close() waits for connections to finish closing
 _DIAL_GRACE = 0.05  # seconds a waiting receive gives its peer to connect before dialing it
 _NOWAIT_MAX_BYTES = 64 * 1024  # send_nowait only tries messages this small (the kernel takes them at once)
+_CONNECT_ATTEMPT_S = 5.0  # one connect attempt's deadline (a dropped SYN would otherwise wait minutes)
+_WARN_AFTER_S = 1.0  # a peer that cannot be connected to for this long gets a warning ...
+_WARN_EVERY_S = 5.0  # ... and another this often while it lasts
+STRIPE_MIN_BYTES = 256 * 1024  # collective messages this big are split across the lanes (AIODIST_STRIPE_MIN_BYTES)
+_STRIPE_TAG = 1 << 40  # part j of a striped message travels under tag + (j + 1) * _STRIPE_TAG (tags stay below 2**31)
+_STRIPE_ALIGN = 64
+
+
+def stripe_parts(nbytes: int, lanes: int) -> list[tuple[int, int]]:
+    """The byte ranges of a striped message's parts, one per lane: equal, 64-byte aligned, the
+    last one taking the rest. Sender and receiver compute the same parts from the size."""
+    step = (nbytes // lanes) // _STRIPE_ALIGN * _STRIPE_ALIGN
+    cuts = [j * step for j in range(lanes)] + [nbytes]
+    return [(cuts[j], cuts[j + 1]) for j in range(lanes)]
+
+
+def _stripe_min_bytes() -> int:
+    raw = os.environ.get("AIODIST_STRIPE_MIN_BYTES", "").strip()
+    if not raw:
+        return STRIPE_MIN_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"AIODIST_STRIPE_MIN_BYTES must be an int (bytes), got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"AIODIST_STRIPE_MIN_BYTES must be >= 1, got {value}")
+    return value
 
 
 def _retrieve(fut: asyncio.Future[None]) -> None:
@@ -76,7 +107,16 @@ class Transport:
     """Rank-to-rank data for one process of a job. Make one with ``await Transport.start(...)``."""
 
     def __init__(
-        self, store: Store, rank: int, world_size: int, token: bytes, timeout: float, limits: FrameLimits, unix: bool, host: str | None
+        self,
+        store: Store,
+        rank: int,
+        world_size: int,
+        token: bytes,
+        timeout: float,
+        limits: FrameLimits,
+        unix: bool,
+        host: str | None,
+        advertise: Advertised | None = None,
     ) -> None:
         self.store = store
         self.rank = rank
@@ -85,8 +125,18 @@ class Transport:
         self.limits = limits
         self.hello = Hello(token, rank, world_size)
         self._use_unix = unix and sys.platform.startswith("linux")
-        self._host = host or socket.gethostname()
+        if advertise is None:
+            advertise = Advertised((host,), (), False, "given") if host else choose(None)
+        self.advertised = advertise
+        self.lanes = len(advertise.hosts)  # one per interface named (striping when > 1)
+        self.stripe_min_bytes = _stripe_min_bytes()
+        self._host = advertise.hosts[0]
         self._host_id = host_id()
+        self._peers: dict[int, PeerAddress] = {}  # every rank's address, once exchange() read them
+        self._lane_conn: dict[tuple[int, int], Connection] = {}  # (peer, lane >= 1): the connection we send that lane on
+        self._lane_dialing: dict[tuple[int, int], asyncio.Task[Connection]] = {}
+        self._connected: set[int] = set()  # peers a connection was ever made with (either way)
+        self._connect_errors: dict[int, list[Any]] = {}  # peer -> [first failure, last warning, target, error]
         self._servers: list[asyncio.AbstractServer] = []
         self.address: PeerAddress | None = None
         self._mailbox = Mailbox()
@@ -94,8 +144,8 @@ class Transport:
         self._send_conn: dict[int, Connection] = {}  # the one connection we send to a peer on
         self._dialing: dict[int, asyncio.Task[Connection]] = {}
         self._watching: dict[int, asyncio.Task[None]] = {}
-        self._order: dict[int, asyncio.Lock] = {}  # per peer: sends waiting for the connection, in call order
-        self._queued: dict[int, int] = {}  # per peer: how many sends wait in that line
+        self._order: dict[Any, asyncio.Lock] = {}  # per peer (or (peer, lane)): sends waiting for the connection, in call order
+        self._queued: dict[Any, int] = {}  # per peer (or (peer, lane)): how many sends wait in that line
         self.staged_total = 0  # messages ever staged (came before their receive)
         self._dead: dict[int, DistNetworkError] = {}
         self._aborted: dict[int, str] = {}
@@ -117,12 +167,14 @@ class Transport:
         limits: FrameLimits | None = None,
         unix: bool = True,
         host: str | None = None,
+        advertise: Advertised | None = None,
     ) -> Transport:
         """Listen, publish this rank's address in ``store``, and return the transport.
 
         ``token`` names the job (peers with another token are refused); ``timeout`` (seconds)
         bounds every wait; ``unix=False`` keeps same-host peers on TCP; ``host`` is the name or
-        address peers on other hosts dial (default: this host's name).
+        address peers on other hosts dial, or ``advertise`` the addresses, one per lane (default:
+        ``aiodist.transport._ifaces.choose(None)``: this host's first non-loopback address).
         """
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -131,7 +183,7 @@ class Transport:
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         tok = token.encode() if isinstance(token, str) else bytes(token)
-        self = cls(store, rank, world_size, tok, float(timeout), limits or FrameLimits(), unix, host)
+        self = cls(store, rank, world_size, tok, float(timeout), limits or FrameLimits(), unix, host, advertise)
         try:
             await self._listen()
             assert self.address is not None
@@ -159,7 +211,46 @@ class Transport:
                 usock.close()
                 log.warning("rank %d: no Unix socket listener (same-host peers will use TCP): %s", self.rank, exc)
                 name = None
-        self.address = PeerAddress(self.rank, self._host, port, name, self._host_id)
+        adv = self.advertised
+        lanes = adv.hosts if adv.ifnames else ()
+        self.address = PeerAddress(self.rank, self._host, port, name, self._host_id, lanes, adv.ifnames)
+
+    async def exchange(self, timeout: float) -> None:
+        """Read every rank's address (waiting up to ``timeout`` s for the ranks that have not
+        published one yet) and check that all ranks have as many lanes as this one: striping
+        needs both ends of a pair to split a message alike. A mismatch fails on every rank."""
+        keys = [address_key(r) for r in range(self.world_size)]
+        try:
+            await self.store.wait(keys, timeout)
+        except TimeoutError:
+            missing = [r for r in range(self.world_size) if not await self.store.check([keys[r]])]
+            raise DistTimeoutError(
+                f"rank {self.rank}: timeout after {timeout:g} s waiting for the transport addresses of ranks {missing} "
+                f"(have they started? is world_size={self.world_size} right?)"
+            ) from None
+        addrs = [PeerAddress.decode(raw) for raw in await self.store.multi_get(keys)]
+        by_count: dict[int, list[int]] = {}
+        for a in addrs:
+            by_count.setdefault(len(a.lanes), []).append(a.rank)
+        if len(by_count) > 1:
+            parts = []
+            for count, ranks in sorted(by_count.items()):
+                named = sorted({addrs[r].ifnames for r in ranks})
+                lists = " or ".join(str(list(n)) if n else "(none named)" for n in named)
+                parts.append(f"{count} ({lists}): ranks {ranks}")
+            raise DistNetworkError(
+                f"rank {self.rank}: ranks name different numbers of network interfaces (AIODIST_SOCKET_IFNAME / GLOO_SOCKET_IFNAME): "
+                f"{'; '.join(parts)}. Every rank must name the same number of interfaces"
+            )
+        self._peers = {a.rank: a for a in addrs}
+
+    def striped(self, peer: int) -> bool:
+        """Messages to and from ``peer`` are split across the lanes: several interfaces are named,
+        the addresses were exchanged, and the peer is on another host."""
+        if self.lanes < 2:
+            return False
+        addr = self._peers.get(peer)
+        return addr is not None and addr.host_id != self._host_id
 
     # -- public API ------------------------------------------------------------------------
 
@@ -184,7 +275,34 @@ class Transport:
         if dst == self.rank:
             self._deliver_self(key, view)
             return
+        if view.nbytes >= self.stripe_min_bytes and seq != P2P_SEQ and self.striped(dst):
+            parts = stripe_parts(view.nbytes, self.lanes)
+            await asyncio.gather(
+                *(self._send_lane(dst, j, view[a:b], (group, seq, tag + (j + 1) * _STRIPE_TAG)) for j, (a, b) in enumerate(parts))
+            )
+            return
+        await self._send_lane(dst, 0, view, key)
+
+    async def _send_lane(self, dst: int, lane: int, view: np.ndarray, key: Key) -> None:
+        """One frame to ``dst`` on ``lane``'s connection; lane 0's is the usual one."""
+        group, seq, tag = key
         header = FrameHeader(FrameKind.DATA, group, seq, tag, self.rank, view.nbytes)
+        if lane:
+            try:
+                async with asyncio.timeout(self.timeout):
+                    conn = self._lane_conn.get((dst, lane))
+                    if conn is None or self._queued.get((dst, lane)):
+                        conn = await self._in_line(dst, lane)
+                    await conn.send_frame(header, view, group)
+            except TimeoutError:
+                raise DistTimeoutError(
+                    f"rank {self.rank}: send to rank {dst} ({describe_key(key)}, lane {lane}, {view.nbytes} bytes) did not complete in {self.timeout:g} s"
+                ) from None
+            except DistNetworkError as exc:
+                raise DistNetworkError(f"{exc} (during a send to rank {dst}, {describe_key(key)}, lane {lane})") from exc
+            if group in self._aborted:
+                raise self._abort_error(key)
+            return
         conn = self._send_conn.get(dst)
         if conn is not None and not self._queued.get(dst):
             # the fast path: connected and nobody waiting in line; most small sends end here,
@@ -250,6 +368,15 @@ class Transport:
         if src is not None:
             self._check_peer(src)
         self._check_usable(key, None)
+        if src is not None and dst.nbytes >= self.stripe_min_bytes and seq != P2P_SEQ and src != self.rank and self.striped(src):
+            parts = stripe_parts(dst.nbytes, self.lanes)
+            await asyncio.gather(
+                *(self._recv_one(src, dst[a:b], (group, seq, tag + (j + 1) * _STRIPE_TAG)) for j, (a, b) in enumerate(parts))
+            )
+            return src
+        return await self._recv_one(src, dst, key)
+
+    async def _recv_one(self, src: int | None, dst: np.ndarray, key: Key) -> int:
         m = self._mailbox.take_staged(key, src)  # a peer that left may have sent it before leaving
         if m is not None:
             return self._consume(m, dst, key)
@@ -302,7 +429,7 @@ class Transport:
         if self._closed:
             return
         self._closed = True
-        for t in [*self._dialing.values(), *self._watching.values()]:
+        for t in [*self._dialing.values(), *self._watching.values(), *self._lane_dialing.values()]:
             t.cancel()
         err = DistBackendError(f"rank {self.rank}: the transport was closed")
         for r in self._mailbox.remove_posted(lambda r: True):
@@ -315,7 +442,11 @@ class Transport:
         for c in conns:
             c.say_goodbye()
             c.close()
-        waits: list[asyncio.Future[Any]] = [c.closed for c in conns] + [*self._dialing.values(), *self._watching.values()]
+        waits: list[asyncio.Future[Any]] = [c.closed for c in conns] + [
+            *self._dialing.values(),
+            *self._watching.values(),
+            *self._lane_dialing.values(),
+        ]
         if waits:
             await asyncio.wait(waits, timeout=_CLOSE_WAIT)
         for c in conns:
@@ -337,8 +468,9 @@ class Transport:
             {
                 "peer": c.peer,
                 "kind": c.kind,
+                "lane": c.lane,
                 "dialed": c.dialed_peer is not None,
-                "sending": c.peer is not None and self._send_conn.get(c.peer) is c,
+                "sending": c.peer is not None and (self._send_conn.get(c.peer) is c or self._lane_conn.get((c.peer, c.lane)) is c),
                 "bytes_in": c.bytes_in,
                 "bytes_out": c.bytes_out,
                 "staged_bytes": c.decoder.staged_bytes,
@@ -348,6 +480,10 @@ class Transport:
         return {
             "rank": self.rank,
             "world_size": self.world_size,
+            "address": None if self.address is None else self.address.describe(),
+            "lanes": list(self.advertised.hosts),
+            "interfaces": list(self.advertised.ifnames),
+            "advertised_because": self.advertised.why,
             "connections": conns,
             "bytes_in": self._bytes_lost[0] + sum(c["bytes_in"] for c in conns),
             "bytes_out": self._bytes_lost[1] + sum(c["bytes_out"] for c in conns),
@@ -387,19 +523,48 @@ class Transport:
 
     # -- connections -----------------------------------------------------------------------
 
-    async def _in_line(self, peer: int) -> Connection:
-        """The connection to ``peer`` for a send that must wait for it: sends to one peer are
-        written in the order they were called (an earlier one waiting for the connection is
-        never overtaken by a later one), which is what p2p's non-overtaking matching relies on."""
-        self._queued[peer] = self._queued.get(peer, 0) + 1
+    async def _in_line(self, peer: int, lane: int = 0) -> Connection:
+        """The connection to ``peer`` (on ``lane``) for a send that must wait for it: sends to
+        one peer are written in the order they were called (an earlier one waiting for the
+        connection is never overtaken by a later one), which is what p2p's non-overtaking
+        matching relies on. Each lane keeps its own line."""
+        k: Any = peer if lane == 0 else (peer, lane)
+        self._queued[k] = self._queued.get(k, 0) + 1
         try:
-            lock = self._order.get(peer)
+            lock = self._order.get(k)
             if lock is None:
-                lock = self._order[peer] = asyncio.Lock()
+                lock = self._order[k] = asyncio.Lock()
             async with lock:  # FIFO; released before the caller writes, which it does in this step
-                return await self._connection(peer)
+                return await (self._connection(peer) if lane == 0 else self._lane_connection(peer, lane))
         finally:
-            self._queued[peer] -= 1
+            self._queued[k] -= 1
+
+    async def _lane_connection(self, peer: int, lane: int) -> Connection:
+        k = (peer, lane)
+        conn = self._lane_conn.get(k)
+        if conn is not None:
+            return conn
+        if peer in self._dead:
+            raise self._dead[peer]
+        if self._closed:
+            raise DistBackendError(f"rank {self.rank}: the transport is closed")
+        task = self._lane_dialing.get(k)
+        if task is None:
+            task = self._lane_dialing[k] = asyncio.get_running_loop().create_task(self._dial(peer, lane))
+            task.add_done_callback(functools.partial(self._lane_dial_done, k))
+        await asyncio.shield(task)
+        conn = self._lane_conn.get(k)
+        if conn is None:
+            raise self._dead.get(peer) or DistNetworkError(
+                f"rank {self.rank}: lane {lane} connection to rank {peer} closed right after the handshake"
+            )
+        return conn
+
+    def _lane_dial_done(self, k: tuple[int, int], task: asyncio.Task[Connection]) -> None:
+        if self._lane_dialing.get(k) is task:
+            del self._lane_dialing[k]
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("rank %d: dialing rank %d on lane %d failed: %s", self.rank, k[0], k[1], task.exception())
 
     async def _connection(self, peer: int) -> Connection:
         conn = self._send_conn.get(peer)
@@ -448,31 +613,38 @@ class Transport:
         if not task.cancelled() and task.exception() is not None:
             log.debug("rank %d: dialing rank %d failed: %s", self.rank, peer, task.exception())
 
-    async def _dial(self, peer: int) -> Connection:
+    async def _dial(self, peer: int, lane: int = 0) -> Connection:
         try:
             async with asyncio.timeout(self.timeout):
-                raw = await self.store.get(address_key(peer))
-                addr = PeerAddress.decode(raw)
+                addr = self._peers.get(peer)
+                if addr is None:
+                    raw = await self.store.get(address_key(peer))
+                    addr = PeerAddress.decode(raw)
                 if addr.rank != peer:
                     raise DistNetworkError(f"rank {self.rank}: the store's address for rank {peer} is rank {addr.rank}'s")
-                conn = await self._open(addr)
+                conn = await self._open(addr, lane)
                 await conn.handshake
                 return conn
         except TimeoutError:
-            raise DistTimeoutError(f"rank {self.rank}: could not connect to rank {peer} within {self.timeout:g} s") from None
+            raise DistTimeoutError(
+                f"rank {self.rank}: could not connect to rank {peer} within {self.timeout:g} s{self._never(peer)}"
+            ) from None
         except DistError as exc:
             if isinstance(exc, DistTimeoutError):
                 raise
             raise DistNetworkError(f"rank {self.rank}: could not connect to rank {peer}: {exc}") from exc
 
-    async def _open(self, addr: PeerAddress) -> Connection:
-        """Connect to ``addr``, retrying refusals with backoff (the caller holds the deadline)."""
+    async def _open(self, addr: PeerAddress, lane: int = 0) -> Connection:
+        """Connect to ``addr`` (on ``lane``: the peer's address for it, from this rank's own
+        address for it when interfaces are named), retrying failures with backoff (the caller
+        holds the deadline). A peer that cannot be reached for a while gets a warning every few
+        seconds, naming the address and the OS error."""
         loop = asyncio.get_running_loop()
         same_host = addr.host_id == self._host_id
         delay = 0.005
         while True:
             try:
-                if self._use_unix and same_host and addr.unix is not None:
+                if self._use_unix and same_host and addr.unix is not None and lane == 0:
                     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                     try:
                         sock.setblocking(False)
@@ -482,13 +654,50 @@ class Transport:
                         raise
                     _, uconn = await loop.create_unix_connection(lambda: Connection(self, "unix", addr.rank), sock=sock)
                     return uconn
-                host = "127.0.0.1" if same_host else addr.host
-                _, tconn = await loop.create_connection(lambda: Connection(self, "tcp", addr.rank), host, addr.port)
+                host = "127.0.0.1" if same_host else addr.lanes[lane]
+                local = (self.advertised.hosts[lane], 0) if self.advertised.bind and not same_host else None
+                async with asyncio.timeout(_CONNECT_ATTEMPT_S):
+                    _, tconn = await loop.create_connection(
+                        lambda: Connection(self, "tcp", addr.rank, lane), host, addr.port, local_addr=local
+                    )
                 return tconn
-            except OSError as exc:
-                log.debug("rank %d: connecting to rank %d failed (%s); retrying in %g s", self.rank, addr.rank, exc, delay)
+            except (OSError, TimeoutError) as exc:
+                why = str(exc) if isinstance(exc, OSError) else f"no answer within {_CONNECT_ATTEMPT_S:g} s"
+                self._connect_failed(addr, lane, why)
+                log.debug("rank %d: connecting to rank %d failed (%s); retrying in %g s", self.rank, addr.rank, why, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
+
+    def _connect_failed(self, addr: PeerAddress, lane: int, why: str) -> None:
+        now = time.monotonic()
+        rec = self._connect_errors.get(addr.rank)
+        if rec is None:
+            rec = self._connect_errors[addr.rank] = [now, 0.0, "", ""]
+        rec[2], rec[3] = addr.describe(lane), why
+        if now - rec[0] >= _WARN_AFTER_S and now - rec[1] >= _WARN_EVERY_S:
+            rec[1] = now
+            log.warning(
+                "rank %d: cannot connect to rank %d at %s for %.0f s so far (last error: %s); still trying, until the timeout",
+                self.rank,
+                addr.rank,
+                rec[2],
+                now - rec[0],
+                why,
+            )
+
+    def _never(self, peer: int) -> str:
+        """``"; no connection to rank P at ADDR was ever made (last error: ...)"`` where so."""
+        if peer in self._connected:
+            return ""
+        rec = self._connect_errors.get(peer)
+        if rec is None:
+            return ""
+        return f"; no connection to rank {peer} at {rec[2]} was ever made (last error: {rec[3]})"
+
+    def connection_report(self, peers: Sequence[int]) -> str:
+        """For a timeout message: the peers among ``peers`` never connected to, with the address
+        tried and the last error (empty when every one was connected at some point)."""
+        return "".join(self._never(p) for p in sorted(set(peers)) if p != self.rank)
 
     def _check_hello(self, hello: Hello, dialed: int | None) -> str | None:
         """Why a peer's HELLO is refused, or None."""
@@ -509,7 +718,13 @@ class Transport:
 
     def _connection_ready(self, conn: Connection) -> None:
         assert conn.peer is not None
-        if conn.peer not in self._send_conn and conn.peer not in self._dead:
+        self._connected.add(conn.peer)
+        self._connect_errors.pop(conn.peer, None)
+        if conn.peer in self._dead:
+            return
+        if conn.lane:
+            self._lane_conn.setdefault((conn.peer, conn.lane), conn)
+        elif conn.peer not in self._send_conn:
             self._send_conn[conn.peer] = conn
 
     def _connection_lost(self, conn: Connection, err: DistNetworkError | BaseException, current: PostedRecv | None) -> None:
@@ -523,6 +738,8 @@ class Transport:
             return
         if self._send_conn.get(peer) is conn:
             del self._send_conn[peer]
+        if conn.lane and self._lane_conn.get((peer, conn.lane)) is conn:
+            del self._lane_conn[(peer, conn.lane)]
         dead = err if isinstance(err, DistNetworkError) else DistNetworkError(str(err))
         self._dead.setdefault(peer, dead)
         log.log(logging.INFO if conn.goodbye else logging.WARNING, "%s", dead)

@@ -213,10 +213,12 @@ def decode_hello(payload: BufferLike) -> Hello:
     return Hello(mv[_HELLO.size :].tobytes(), rank, world_size)
 
 
-def hello_frame(hello: Hello) -> bytes:
-    """A whole HELLO frame (header + payload); its source is ``hello.rank``."""
+def hello_frame(hello: Hello, lane: int = 0) -> bytes:
+    """A whole HELLO frame (header + payload); its source is ``hello.rank``. The header's tag
+    carries the connection's lane: which of the ranks' interfaces it runs over (0 unless
+    several interfaces are named; see aiodist.transport)."""
     payload = encode_hello(hello)
-    return encode_header(_HELLO_KIND, 0, 0, 0, hello.rank, len(payload)) + payload
+    return encode_header(_HELLO_KIND, 0, 0, lane, hello.rank, len(payload)) + payload
 
 
 def abort_frame(source: int, group: int, seq: int, reason: str, tag: int = 0) -> bytes:
