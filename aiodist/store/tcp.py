@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import os
 import socket
 import threading
@@ -57,6 +58,10 @@ _I64 = ((Reply.I64, 0),)
 _BYTES = ((Reply.BYTES, 0),)
 _CHECK_GET = ((Reply.U8, 0), (Reply.BYTES, 0))
 _MAX_IDLE_WAITERS = 8
+_CONNECT_ATTEMPT_S = 5.0  # one connect attempt's deadline
+_CONNECT_WARN_EVERY_S = 3.0  # a connect that keeps failing is logged this often (torch: every second)
+
+log = logging.getLogger("aiodist.store")
 
 
 class _Lost(Exception):
@@ -415,7 +420,10 @@ class TCPStore(Store):
         return self._server.server if self._server is not None else None
 
     def _describe(self) -> str:
-        return f"TCPStore({self._host}:{self._port})"
+        return f"TCPStore({self._describe_addr()})"
+
+    def _describe_addr(self) -> str:
+        return f"[{self._host}]:{self._port}" if ":" in self._host else f"{self._host}:{self._port}"
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {**super().stats(), "host": self._host, "port": self._port, "is_master": self._is_master}
@@ -440,19 +448,31 @@ class TCPStore(Store):
         starting or stopping), are both retried."""
         loop = asyncio.get_running_loop()
         delay, start = 0.01, time.monotonic()
+        warned = start
         while True:
             try:
                 conn = await self._open_local(loop)
                 if conn is None:
-                    async with asyncio.timeout(max(0.001, deadline - time.monotonic())):
+                    # one attempt is bounded too, so a host that drops SYNs is retried and warned about
+                    async with asyncio.timeout(max(0.001, min(deadline - time.monotonic(), _CONNECT_ATTEMPT_S))):
                         _, conn = await loop.create_connection(lambda: _Connection(loop), self._host, self._port)
                 got, nonce = await self._handshake(conn, deadline)
             except _BadPeer as exc:
                 raise DistNetworkError(f"{self._describe()}: handshake failed: {exc}; is this a TCPStore server?") from None
             except (OSError, TimeoutError, _Lost) as exc:
+                now = time.monotonic()
+                if now - warned >= _CONNECT_WARN_EVERY_S:  # a wrong MASTER_ADDR shows within seconds, not at the timeout
+                    warned = now
+                    log.warning(
+                        "[c10d] cannot reach the TCPStore server at %s for %.0f s so far (%s); still trying for %.0f s more",
+                        self._describe_addr(),
+                        now - start,
+                        exc or "timed out",
+                        max(0.0, deadline - now),
+                    )
                 if time.monotonic() + delay >= deadline:
                     raise DistNetworkError(
-                        f"could not connect to the TCPStore server at {self._host}:{self._port} "
+                        f"could not connect to the TCPStore server at {self._describe_addr()} "
                         f"after trying for {time.monotonic() - start:.1f} s: {exc or 'timed out'}"
                     ) from None
                 await asyncio.sleep(delay)

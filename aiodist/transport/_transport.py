@@ -296,7 +296,7 @@ class Transport:
                     await conn.send_frame(header, view, group)
             except TimeoutError:
                 raise DistTimeoutError(
-                    f"rank {self.rank}: send to rank {dst} ({describe_key(key)}, lane {lane}, {view.nbytes} bytes) did not complete in {self.timeout:g} s"
+                    f"rank {self.rank}: send to rank {dst} ({describe_key(key)}, lane {lane}, {view.nbytes} bytes) did not complete in {self.timeout:g} s{self._never(dst)}"
                 ) from None
             except DistNetworkError as exc:
                 raise DistNetworkError(f"{exc} (during a send to rank {dst}, {describe_key(key)}, lane {lane})") from exc
@@ -323,7 +323,7 @@ class Transport:
                     await conn.send_frame(header, view, group)  # writes in this step, before any suspension
         except TimeoutError:
             raise DistTimeoutError(
-                f"rank {self.rank}: send to rank {dst} ({describe_key(key)}, {view.nbytes} bytes) did not complete in {self.timeout:g} s"
+                f"rank {self.rank}: send to rank {dst} ({describe_key(key)}, {view.nbytes} bytes) did not complete in {self.timeout:g} s{self._never(dst)}"
             ) from None
         except DistNetworkError as exc:
             raise DistNetworkError(f"{exc} (during a send to rank {dst}, {describe_key(key)})") from exc
@@ -396,7 +396,8 @@ class Transport:
         except TimeoutError:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 return fut.result()
-            raise DistTimeoutError(f"rank {self.rank}: {recv.what()} not complete after {self.timeout:g} s") from None
+            never = self.connection_report([src] if src is not None else range(self.world_size))
+            raise DistTimeoutError(f"rank {self.rank}: {recv.what()} not complete after {self.timeout:g} s{never}") from None
         finally:
             # A payload already being read into ``buf`` keeps landing there after a timeout or a
             # cancellation: the op is broken then, and ``buf`` holds undefined bytes.
@@ -413,7 +414,9 @@ class Transport:
             async with asyncio.timeout(self.timeout):
                 await asyncio.gather(*(self._connection(p) for p in todo))
         except TimeoutError:
-            raise DistTimeoutError(f"rank {self.rank}: connecting to ranks {todo} did not complete in {self.timeout:g} s") from None
+            raise DistTimeoutError(
+                f"rank {self.rank}: connecting to ranks {todo} did not complete in {self.timeout:g} s{self.connection_report(todo)}"
+            ) from None
 
     async def abort(self, group_id: int, reason: str) -> None:
         """Tell every connected peer that ``group_id`` is dead, and fail its local pending and
