@@ -77,6 +77,12 @@ class AioBackend(CommBackend):
     async def abort_group(self, group_id: int, reason: str) -> None:
         await self.transport.abort(group_id, reason)
 
+    def address_info(self) -> dict[str, Any]:
+        """Where this rank's peers reach it: the address, the lanes (one per interface named),
+        the interfaces and why that address was chosen (docs/multi_host.md)."""
+        st = self.transport.stats()
+        return {k: st[k] for k in ("address", "lanes", "interfaces", "advertised_because")}
+
     def connection_report(self, peers: Sequence[int]) -> str:
         report: str = self.transport.connection_report(peers)
         return report

@@ -91,6 +91,7 @@ class HealthHandler(DebugHandler):
             "rank": w.rank,
             "world_size": w.world_size,
             "backend": w.backend_name,
+            "address": w.stats()["address"],
             "pid": os.getpid(),
             "host": os.uname().nodename,
             "time": time.time(),
