@@ -11,6 +11,7 @@ import sys
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "collectives": ("aiodist.bench.collectives", "collective time/algbw/busbw over a size sweep, nccl-tests style (--compare torch)"),
     "debug": ("aiodist.bench.debug", "what AIODIST_DEBUG OFF/INFO/DETAIL (and the flight recorder) cost per small all_reduce"),
+    "hosts": ("aiodist.bench.hosts", "all_reduce across 2 netns hosts on tbf-shaped veth: one interface vs two striped, vs torch gloo"),
     "store": ("aiodist.bench.store", "TCPStore set/get/add ops/s and latency: aiodist (seq, pipelined) vs torch"),
 }
 DEFAULT = "collectives"  # what runs with no name
