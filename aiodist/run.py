@@ -121,7 +121,12 @@ def get_args_parser(prog: str = "aiodist-run") -> ArgumentParser:
     add("node-rank", type=int, default=0, help="this node's rank (static rendezvous)")
     add("master-addr", type=str, default="127.0.0.1", help="node 0's address (static rendezvous)")
     add("master-port", type=int, default=None, help="node 0's rendezvous port (multi-node default 29500; single node: a free port)")
-    add("local-addr", type=str, default=None, help="the address other nodes reach this one at")
+    add(
+        "local-addr",
+        type=str,
+        default=None,
+        help="the address other nodes reach this one at; its workers advertise it too (AIODIST_ADVERTISE_ADDR, unless set)",
+    )
     add("logs-specs", type=str, default=None, help="accepted for torchrun compatibility; ignored")
     p.add_argument("training_script", type=str, help="the program (a python script unless --no-python; a module with -m)")
     p.add_argument("training_script_args", nargs=REMAINDER)

@@ -12,27 +12,33 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import os
 import pickle
 import select
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import IO, Any, TextIO
+from typing import IO, Any, TextIO, TypeVar
 
 from aiodist.elastic.errors import ChildFailedError, ProcessFailure
-from aiodist.launcher.rendezvous import AgentRendezvous, Assignment
+from aiodist.errors import DistError
+from aiodist.launcher.rendezvous import AgentRendezvous, Assignment, RendezvousError
 
 __all__ = ["SignalException", "WorkerSpec", "LocalAgent", "Std"]
 
 STDERR_TAIL_LINES = 40
 FAILURE_SETTLE_S = 0.5  # after a first failure, how long the others may exit on their own
 OUTCOME_SETTLE_S = 3.0  # how long a failed job's agents wait for each other's failure lists
+REPORT_TIMEOUT_S = 5.0  # at most this long (and heartbeat_timeout) for one word to the store after a failure
+_STORE_ERRORS = (DistError, OSError, TimeoutError)
 _CHUNK = 1 << 16
+T = TypeVar("T")
 
 # Workers start through this trampoline on Linux: it asks the kernel for SIGTERM when the
 # launcher dies (PR_SET_PDEATHSIG, kept across exec), checks the launcher did not die before
@@ -120,6 +126,26 @@ def _open_log(path: str) -> IO[bytes]:
     return open(path, "wb")  # noqa: SIM115
 
 
+def _why(exc: BaseException) -> str:
+    """An exception for a message: its type and text (a bare timeout says so)."""
+    text = str(exc)
+    if isinstance(exc, TimeoutError) and not text:
+        return "no reply in time"
+    return f"{type(exc).__name__}: {text}"
+
+
+async def _cancel(task: asyncio.Task[Any] | None) -> None:
+    """Cancel ``task`` (if any and not done) and wait for it; its outcome is dropped."""
+    if task is None:
+        return
+    if not task.done():
+        task.cancel()
+    try:
+        await task
+    except BaseException:  # noqa: S110 - cancelled on purpose, or a failure nobody waits for any more
+        pass
+
+
 def _check_std(v: int) -> int:
     if v not in (0, 1, 2, 3):
         raise ValueError(f"redirects/tee must be 0, 1, 2 or 3, got {v}")
@@ -187,6 +213,23 @@ class _RoundResult:
     failures: dict[int, ProcessFailure] = field(default_factory=dict)
     remote: dict[str, Any] | None = None
     return_values: dict[int, Any] = field(default_factory=dict)
+    # The rendezvous store did not answer: why (this node cannot tell the others, nor hear them).
+    store_down: str | None = None
+    # What this node could not publish about the round: (first failure, this node's failures).
+    unpublished: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
+    # Failures the agents observed (a lost store, a silent node): not of a worker of this node.
+    agent_failures: list[ProcessFailure] = field(default_factory=list)
+    # Nodes found lost (silent): nobody waits for them at the exit barrier.
+    lost: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _Poll:
+    """What one look at the rendezvous store found."""
+
+    remote: dict[str, Any] | None = None
+    all_done: bool = False
+    silent: int | None = None
 
 
 class LocalAgent:
@@ -201,6 +244,8 @@ class LocalAgent:
         self._wake = asyncio.Event()
         self._signal: signal.Signals | None = None
         self._ok = False
+        self._assignment: Assignment | None = None
+        self._marked_done = False
         self._keep_run_dir = spec.log_dir is not None or any(spec.redirects.values()) or any(spec.tee.values())
         base = spec.log_dir
         if base is not None:
@@ -248,9 +293,23 @@ class LocalAgent:
         spec = self.spec
         await self._guard(self.rdzv.start())
         restarts = 0
+        last: tuple[Assignment, _RoundResult] | None = None
         while True:
             self._check_signal()
-            a = await self._guard(self.rdzv.join(restarts))
+            try:
+                late = None if last is None or last[1].unpublished is None else (last[0].round, *last[1].unpublished)
+                a = await self._guard(self.rdzv.join(restarts, late))
+            except (RendezvousError, *_STORE_ERRORS) as exc:
+                if last is None:
+                    raise
+                # The restart could not meet the other nodes (the link or host stayed down past
+                # join_timeout): the report is the failed round's, plus why the restart failed.
+                prev, res = last
+                msg = f"restart {restarts}/{spec.max_restarts} failed: {type(exc).__name__}: {exc}"
+                self.log.error("%s", msg)
+                restart = self._agent_failure(prev, prev.node_rank, msg, pid=os.getpid())
+                raise ChildFailedError(spec.name, self._report(prev, res, [restart])) from exc
+            self._assignment = a
             if restarts == 0 or a.node_rank == 0:
                 self.log.info(
                     "round %d: node %d of %d, ranks %d..%d of %d, workers' store at %s:%d",
@@ -271,21 +330,44 @@ class LocalAgent:
             if restarts < spec.max_restarts:
                 restarts += 1
                 self.log.warning("worker group failed (round %d); restarting (%d/%d)", a.round, restarts, spec.max_restarts)
+                last = (a, res)
                 continue
-            failures = dict(res.failures)
-            if a.nnodes > 1:
+            more: list[ProcessFailure] = []
+            skip = set(res.lost)
+            if a.nnodes > 1 and res.store_down is None:
                 # Every node's failures, so the root cause is the earliest of the job, not of this node.
                 try:
-                    for d in await self.rdzv.gather_outcomes(a.round, OUTCOME_SETTLE_S):
-                        f = ProcessFailure.from_dict(d)
-                        failures.setdefault(f.rank, f)
-                except Exception as exc:
-                    self.log.debug("could not gather the other nodes' failures: %s", exc)
-            if res.remote is not None:
-                f = ProcessFailure.from_dict(res.remote)
-                failures.setdefault(f.rank, f)
-            await self._finish(a)
-            raise ChildFailedError(spec.name, failures)
+                    gathered, missing = await self._bounded(
+                        functools.partial(self.rdzv.gather_outcomes, a.round, OUTCOME_SETTLE_S, res.lost), OUTCOME_SETTLE_S + 2
+                    )
+                except _STORE_ERRORS as exc:
+                    self.log.debug("could not gather the other nodes' failures: %s", _why(exc))
+                else:
+                    more = [ProcessFailure.from_dict(d) for d in gathered]
+                    known = {f.rank for f in (*res.failures.values(), *res.agent_failures, *more)}
+                    if res.remote is not None:
+                        known.add(int(res.remote["rank"]))
+                    for i in missing:
+                        skip.add(i)
+                        first = a.first_rank(i)
+                        if i != a.node_rank and not known & set(range(first, first + a.nodes[i].nproc)):
+                            more.append(self._unheard(a, i))
+            if res.store_down is None:
+                await self._finish(a, skip)
+            raise ChildFailedError(spec.name, self._report(a, res, more))
+
+    def _report(self, a: Assignment, res: _RoundResult, more: list[ProcessFailure]) -> dict[int, ProcessFailure]:
+        """The failures of a failed round for the report: this node's workers, the first failure
+        the nodes agreed on, what the agents observed, and ``more`` (other nodes' failures).
+        Keyed by rank; a second entry for a rank (an agent's observation about a node, named by
+        its first rank) gets a negative key (the report shows its rank)."""
+        failures = dict(res.failures)
+        extra = ([ProcessFailure.from_dict(res.remote)] if res.remote is not None else []) + res.agent_failures + more
+        for f in extra:
+            if any(g.rank == f.rank and g.message == f.message for g in failures.values()):
+                continue  # the same failure, heard twice (published, then read back)
+            failures[f.rank if f.rank not in failures else min(min(failures), 0) - 1] = f
+        return failures
 
     async def _guard(self, coro: Any) -> Any:
         """Await ``coro`` unless a signal comes first."""
@@ -304,17 +386,34 @@ class LocalAgent:
                 self._check_signal()
         return task.result()
 
-    async def _finish(self, a: Assignment) -> None:
+    async def _bounded(self, call: Callable[[], Awaitable[T]], timeout: float | None = None) -> T:
+        """``call()``, retried until it succeeds or ``timeout`` s passed (default
+        ``REPORT_TIMEOUT_S``, at most the heartbeat timeout): a word to the store after a failure
+        must not hang on a lost link, nor give up on one reset connection (the next try
+        reconnects). Only for requests that may be repeated (set, compare_set of our own value,
+        reads)."""
+        limit = min(REPORT_TIMEOUT_S, self.rdzv.heartbeat_timeout) if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                return await asyncio.wait_for(call(), max(0.0, deadline - time.monotonic()))
+            except _STORE_ERRORS:
+                if time.monotonic() + 0.2 >= deadline:
+                    raise
+                await asyncio.sleep(0.1)
+
+    async def _finish(self, a: Assignment, skip: set[int] | frozenset[int] = frozenset()) -> None:
         """Tell the other agents we are leaving; the rendezvous host waits (bounded) for them,
-        so nobody loses the store while it still reads the outcome."""
+        but not for ``skip`` (nodes lost or silent), so nobody loses the store while it still
+        reads the outcome."""
         if a.nnodes == 1:
             return
         try:
-            await self.rdzv.mark(a.round, "exit")
+            await self._bounded(lambda: self.rdzv.mark(a.round, "exit"))
             if self.rdzv.is_host:
-                await self.rdzv.wait_marked(a.round, "exit", self.spec.exit_barrier_timeout)
-        except Exception as exc:  # the store went away: nothing left to tell
-            self.log.debug("exit barrier: %s", exc)
+                await self.rdzv.wait_marked(a.round, "exit", self.spec.exit_barrier_timeout, skip)
+        except _STORE_ERRORS as exc:  # the store went away: nothing left to tell
+            self.log.debug("exit barrier: %s", _why(exc))
 
     # -- one round --------------------------------------------------------------------------
 
@@ -331,59 +430,68 @@ class LocalAgent:
             raise
         multi = a.nnodes > 1
         local_done = False
-        remote: dict[str, Any] | None = None
+        self._marked_done = False
+        # The rendezvous store is watched by one look at a time (``_poll``) running beside this
+        # loop, so a store that stops answering (a lost link) never keeps the loop from seeing
+        # its workers exit; a store not heard from for heartbeat_timeout is a lost store.
+        poll: asyncio.Task[_Poll] | None = None
+        last_ok = next_poll = time.monotonic()
+        store_exc: BaseException | None = None
         try:
             while True:
                 self._wake.clear()
                 if self._signal is not None:
+                    await _cancel(poll)
+                    poll = None
                     await self._stop_workers(self._signal)
                     if multi:
                         await self._publish_signal(a)
                     self._check_signal()
-                failed = [w for w in self.workers if w.rc not in (None, 0)]
-                if failed:
-                    # The first exit is not always the root cause (a worker that raised may
-                    # still be tearing down while its peers already died of the lost
-                    # connection): a short settle lets failing workers exit on their own.
-                    await self._settle(FAILURE_SETTLE_S)
-                    await self._stop_workers(signal.SIGTERM)
-                    failures = self._failures()
-                    if multi:
-                        first = min(failures.values(), key=lambda f: (f.timestamp_ns, f.rank))
-                        remote = await self.rdzv.report_failure(a.round, first.to_dict())
-                        await self.rdzv.publish_outcome(a.round, [f.to_dict() for f in failures.values()])
-                    return _RoundResult(False, failures, remote)
+                if any(w.rc not in (None, 0) for w in self.workers):
+                    await _cancel(poll)
+                    poll = None
+                    return await self._local_failure(a, last_ok)
                 if not local_done and all(w.rc == 0 for w in self.workers):
                     local_done = True
                     if not multi:
                         break
-                    await self.rdzv.mark(a.round, "done")
-                if multi:
-                    remote = await self.rdzv.failure(a.round)
-                    if remote is not None:
-                        if not local_done:
-                            self.log.warning(
-                                "rank %s on %s failed: stopping this node's workers", remote.get("rank"), remote.get("hostname")
-                            )
-                        await self._stop_workers(signal.SIGTERM)
-                        mine = self._failures()  # workers that failed on their own before we stopped them
-                        await self.rdzv.publish_outcome(a.round, [f.to_dict() for f in mine.values()])
-                        return _RoundResult(False, mine, remote)
-                    if local_done and await self.rdzv.all_marked(a.round, "done"):
-                        break
-                    silent = await self.rdzv.heartbeat(a.round)
-                    if silent is not None:
-                        remote = await self.rdzv.report_failure(a.round, self._silent_node(a, silent))
-                        await self._stop_workers(signal.SIGTERM)
-                        await self.rdzv.publish_outcome(a.round, [])
-                        return _RoundResult(False, {}, remote)
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), spec.monitor_interval)
-                    except TimeoutError:
-                        pass
-                else:
+                if not multi:
                     await self._wake.wait()
+                    continue
+                now = time.monotonic()
+                if poll is not None and poll.done():
+                    task, poll = poll, None
+                    try:
+                        found = task.result()
+                    except _STORE_ERRORS as exc:  # the next look reconnects; silence is judged below
+                        store_exc = exc
+                        self.log.debug("rendezvous store: %s", _why(exc))
+                        next_poll = now + max(spec.monitor_interval, 0.2)
+                    else:
+                        last_ok, store_exc = now, None
+                        if found.remote is not None:
+                            return await self._remote_failure(a, found.remote, local_done)
+                        if found.all_done:
+                            break
+                        if found.silent is not None:
+                            return await self._silent_failure(a, found.silent)
+                        next_poll = now + spec.monitor_interval
+                if now - last_ok > self.rdzv.heartbeat_timeout:
+                    await _cancel(poll)
+                    poll = None
+                    return await self._store_lost(a, store_exc, now - last_ok)
+                if poll is None and now >= next_poll:
+                    poll = asyncio.ensure_future(self._poll(a, local_done))
+                waiter = asyncio.ensure_future(self._wake.wait())
+                timeout = last_ok + self.rdzv.heartbeat_timeout - now + 0.01
+                if poll is None:
+                    timeout = min(timeout, next_poll - now)
+                await asyncio.wait(
+                    {waiter} if poll is None else {waiter, poll}, timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED
+                )
+                waiter.cancel()
         finally:
+            await _cancel(poll)
             # Every worker of this round is gone (or being torn down): a new round gets a new store.
             if not local_done:
                 await self._stop_workers(signal.SIGTERM)
@@ -392,20 +500,155 @@ class LocalAgent:
             await self._drain(w)
         return _RoundResult(True, return_values={w.rank: self._result(w) for w in self.workers})
 
-    def _silent_node(self, a: Assignment, node: int) -> dict[str, Any]:
+    async def _poll(self, a: Assignment, local_done: bool) -> _Poll:
+        """One look at the rendezvous store: a failure published by any node, whether every node
+        finished, heartbeats (ours counted, the others' watched)."""
+        remote = await self.rdzv.failure(a.round)
+        if remote is not None:
+            return _Poll(remote=remote)
+        if local_done:
+            if not self._marked_done:
+                await self.rdzv.mark(a.round, "done")
+                self._marked_done = True
+            if await self.rdzv.all_marked(a.round, "done"):
+                return _Poll(all_done=True)
+        return _Poll(silent=await self.rdzv.heartbeat(a.round))
+
+    async def _local_failure(self, a: Assignment, last_ok: float) -> _RoundResult:
+        """A worker of this node failed: the others get ``FAILURE_SETTLE_S`` to exit on their own
+        (the first exit is not always the root cause: a worker that raised may still be tearing
+        down while its peers already died of the lost connection), then they are stopped, and
+        the other nodes are told (bounded: the store may be what failed)."""
+        await self._settle(FAILURE_SETTLE_S)
+        await self._stop_workers(signal.SIGTERM)
+        failures = self._failures()
+        if a.nnodes == 1:
+            return _RoundResult(False, failures)
+        first = min(failures.values(), key=lambda f: (f.timestamp_ns, f.rank)).to_dict()
+        mine = [f.to_dict() for f in failures.values()]
+        try:
+            remote = await self._bounded(lambda: self.rdzv.report_failure(a.round, first))
+            await self._bounded(lambda: self.rdzv.publish_outcome(a.round, mine))
+        except _STORE_ERRORS as exc:
+            return self._unreachable(a, failures, exc, time.monotonic() - last_ok, (first, mine))
+        return _RoundResult(False, failures, remote)
+
+    async def _remote_failure(self, a: Assignment, remote: dict[str, Any], local_done: bool) -> _RoundResult:
+        if not local_done:
+            self.log.warning("rank %s on %s failed: stopping this node's workers", remote.get("rank"), remote.get("hostname"))
+        await self._stop_workers(signal.SIGTERM)
+        mine = self._failures()  # workers that failed on their own before we stopped them
+        try:
+            await self._bounded(lambda: self.rdzv.publish_outcome(a.round, [f.to_dict() for f in mine.values()]))
+        except _STORE_ERRORS as exc:
+            self.log.debug("could not publish this node's failures: %s", _why(exc))
+        return _RoundResult(False, mine, remote)
+
+    async def _silent_failure(self, a: Assignment, node: int) -> _RoundResult:
+        """Node ``node``'s agent stopped counting heartbeats (its host died, or the link to it)."""
         n = a.nodes[node]
-        msg = f"the agent of node {node} ({n.host}) stopped answering: no heartbeat for {self.rdzv.heartbeat_timeout:g} s"
-        self.log.warning("%s", msg)
-        first_rank = sum(x.nproc for x in a.nodes[:node])
-        info = ProcessFailure(local_rank=0, rank=first_rank, pid=0, exitcode=1, hostname=n.host, message=msg, traceback=msg, resolve=False)
+        msg = f"the agent of {n.describe()} stopped answering: no heartbeat for {self.rdzv.heartbeat_timeout:g} s"
+        self.log.warning("%s: stopping this node's workers", msg)
+        info = self._agent_failure(a, node, msg)
+        remote = described = info.to_dict()
+        try:
+            remote = await self._bounded(lambda: self.rdzv.report_failure(a.round, described))
+        except _STORE_ERRORS as exc:
+            self.log.debug("could not publish the silent node: %s", _why(exc))
+        await self._stop_workers(signal.SIGTERM)
+        failures = self._failures()
+        try:
+            await self._bounded(lambda: self.rdzv.publish_outcome(a.round, [f.to_dict() for f in failures.values()]))
+        except _STORE_ERRORS as exc:
+            self.log.debug("could not publish this node's failures: %s", _why(exc))
+        failures.update(self._stopped(f"stopped by this node's launcher: {msg}", failures))
+        return _RoundResult(False, failures, remote, agent_failures=[info], lost={node})
+
+    async def _store_lost(self, a: Assignment, exc: BaseException | None, silent_for: float) -> _RoundResult:
+        """The rendezvous store has not answered for heartbeat_timeout while the workers ran:
+        stop them; this node can neither tell the others nor hear from them."""
+        res = self._unreachable(a, {}, exc, silent_for, None)
+        assert res.store_down is not None
+        self.log.warning("%s: stopping this node's workers", res.store_down)
+        await self._stop_workers(signal.SIGTERM)
+        failures = self._failures()
+        mine = [f.to_dict() for f in failures.values()]
+        first = min(failures.values(), key=lambda f: (f.timestamp_ns, f.rank)).to_dict() if failures else res.agent_failures[0].to_dict()
+        failures.update(self._stopped(f"stopped by this node's launcher: {res.store_down}", failures))
+        res.failures, res.unpublished = failures, (first, mine)
+        return res
+
+    def _unreachable(
+        self,
+        a: Assignment,
+        failures: dict[int, ProcessFailure],
+        exc: BaseException | None,
+        silent_for: float,
+        unpublished: tuple[dict[str, Any], list[dict[str, Any]]] | None,
+    ) -> _RoundResult:
+        host = a.store_node
+        why = f" ({_why(exc)})" if exc is not None else ""
+        if host is not None and host.index != a.node_rank:
+            msg = (
+                f"the rendezvous store at {self.rdzv.endpoint}, hosted by node {host.index}'s agent, has not answered for "
+                f"{silent_for:.1f} s{why}: {host.describe()} or the link to it is down"
+            )
+        else:
+            msg = f"the rendezvous store at {self.rdzv.endpoint} has not answered for {silent_for:.1f} s{why}: its host or the link to it is down"
+        node = host.index if host is not None and host.index != a.node_rank else a.node_rank
+        info = self._agent_failure(a, node, msg, pid=host.pid if host is not None else 0)
+        return _RoundResult(False, failures, None, store_down=msg, unpublished=unpublished, agent_failures=[info])
+
+    def _unheard(self, a: Assignment, node: int) -> ProcessFailure:
+        """Node ``node`` published no outcome of a failed round within ``OUTCOME_SETTLE_S``."""
+        quiet = self.rdzv.silence(a.round, node)
+        beat = f" (its agent's last heartbeat: {quiet:.1f} s ago)" if quiet is not None else ""
+        msg = (
+            f"no word from {a.nodes[node].describe()} about round {a.round} within {OUTCOME_SETTLE_S:g} s{beat}: "
+            f"node {node} or the link to it may be down"
+        )
+        return self._agent_failure(a, node, msg)
+
+    def _agent_failure(self, a: Assignment, node: int, msg: str, pid: int | None = None) -> ProcessFailure:
+        """A failure that is no worker's: what an agent observed about node ``node`` (named by
+        its first rank in the report)."""
+        n = a.nodes[node]
+        info = ProcessFailure(
+            local_rank=0,
+            rank=a.first_rank(node),
+            pid=n.pid if pid is None else pid,
+            exitcode=1,
+            hostname=self._host_name(a, node),
+            message=msg,
+            traceback=msg,
+            resolve=False,
+        )
         info.timestamp_ns = time.time_ns()
-        return info.to_dict()
+        return info
+
+    def _host_name(self, a: Assignment | None, node: int | None = None) -> str:
+        """How the report names a node's host: the host name, with the node and its address when
+        several nodes of the round share the name (containers, network namespaces)."""
+        if a is None or a.nnodes == 1:
+            return socket.getfqdn()
+        n = a.nodes[a.node_rank if node is None else node]
+        name = socket.getfqdn() if node is None or node == a.node_rank else n.host
+        if len({x.host for x in a.nodes}) < a.nnodes:
+            return f"{name} (node {n.index}, {n.addr})"
+        return name
 
     async def _publish_signal(self, a: Assignment) -> None:
         assert self._signal is not None
         msg = f"the launcher on node {a.node_rank} got {self._signal.name}"
         info = ProcessFailure(
-            local_rank=0, rank=a.rank_offset, pid=os.getpid(), exitcode=-int(self._signal), message=msg, traceback=msg, resolve=False
+            local_rank=0,
+            rank=a.rank_offset,
+            pid=os.getpid(),
+            exitcode=-int(self._signal),
+            hostname=self._host_name(a),
+            message=msg,
+            traceback=msg,
+            resolve=False,
         )
         info.timestamp_ns = time.time_ns()
         try:
@@ -443,7 +686,28 @@ class LocalAgent:
                 error_file=w.error_file if os.path.exists(w.error_file) else "",
                 stderr_tail="".join(w.tail),
                 observed_ns=w.exit_ns,
+                hostname=self._host_name(self._assignment),
             )
+        return out
+
+    def _stopped(self, why: str, failed: dict[int, ProcessFailure]) -> dict[int, ProcessFailure]:
+        """This node's workers that the launcher stopped (not in ``failed``), for a report that
+        names every worker of the node: what ended them and why."""
+        out: dict[int, ProcessFailure] = {}
+        for w in self.workers:
+            if w.rank in failed or w.proc is None or w.rc in (None, 0):
+                continue
+            f = ProcessFailure(
+                local_rank=w.local_rank,
+                rank=w.rank,
+                pid=w.proc.pid,
+                exitcode=w.rc,
+                stderr_tail="".join(w.tail),
+                observed_ns=w.exit_ns,
+                hostname=self._host_name(self._assignment),
+            )
+            f.message = why
+            out[w.rank] = f
         return out
 
     # -- workers ------------------------------------------------------------------------------

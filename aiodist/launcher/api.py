@@ -38,6 +38,7 @@ __all__ = [
 DEFAULT_JOIN_TIMEOUT_S = 600.0
 DEFAULT_LAST_CALL_TIMEOUT_S = 30.0
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
+ADVERTISE_ENV = "AIODIST_ADVERTISE_ADDR"  # the address a rank's transport advertises to its peers
 
 
 @dataclass
@@ -110,6 +111,11 @@ def _worker_spec(config: LaunchConfig, entrypoint: Callable[..., Any] | str | No
         fn = entrypoint
     else:
         raise TypeError(f"entrypoint must be a str (a command) or a callable, got {entrypoint!r}")
+    extra_env: dict[str, str] = {}
+    if config.local_addr and ADVERTISE_ENV not in os.environ:
+        # --local-addr is where other nodes reach this one: the workers advertise it too (a
+        # value the user set for the launcher is inherited as it is).
+        extra_env[ADVERTISE_ENV] = config.local_addr
     return WorkerSpec(
         role=config.role,
         nproc=n,
@@ -126,6 +132,7 @@ def _worker_spec(config: LaunchConfig, entrypoint: Callable[..., Any] | str | No
         local_ranks_filter=config.local_ranks_filter,
         log_line_prefix_template=config.log_line_prefix_template,
         run_id=config.run_id,
+        extra_env=extra_env,
     )
 
 

@@ -6,7 +6,8 @@ backend the agent of node rank 0, with ``c10d`` the first agent on the endpoint'
 bind its port. Every agent (the host too) is a client of it. Round ``k`` (the restart count)
 lives under ``rdzv/<run_id>/<k>/``:
 
-- ``count``: how many agents joined; ``node/<i>``: agent ``i``'s JSON (nproc, address, host).
+- ``count``: how many agents joined; ``node/<i>``: agent ``i``'s JSON (nproc, the address other
+  nodes reach it at, host name, agent pid, whether it hosts the rendezvous store).
   ``static`` agents take ``i = --node-rank``; ``c10d`` agents take ``i`` in order of arrival.
 - ``final``: the number of nodes of the round, written once (compare-and-set) when ``count``
   reaches the maximum, or when it reached the minimum and ``last_call_timeout`` passed. An
@@ -26,6 +27,7 @@ import asyncio
 import errno
 import json
 import logging
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -40,6 +42,7 @@ __all__ = ["RendezvousError", "RendezvousTimeoutError", "NodeInfo", "Assignment"
 log = logging.getLogger("aiodist.run")
 
 _POLL_S = 0.05
+_CONNECT_ATTEMPT_S = 3.0  # one connection attempt to a store that did not answer (see _reconnect)
 
 
 class RendezvousError(DistError):
@@ -89,12 +92,35 @@ def is_local_host(host: str) -> bool:
     return False
 
 
+def route_source(host: str, port: int) -> str | None:
+    """The local address of the route towards ``host`` (what a socket connected there gets:
+    an address ``host`` can reach us at whenever we can reach it), or None. No packet is sent."""
+    try:
+        infos = socket.getaddrinfo(host, port or 9, type=socket.SOCK_DGRAM)
+    except OSError:
+        return None
+    for family, type_, proto, _, addr in infos:
+        try:
+            with socket.socket(family, type_, proto) as s:
+                s.connect(addr)
+                return str(s.getsockname()[0])
+        except OSError:
+            continue
+    return None
+
+
 @dataclass(frozen=True)
 class NodeInfo:
     index: int
     nproc: int
     addr: str
     host: str
+    pid: int = 0
+    store: bool = False  # its agent hosts the rendezvous store
+
+    def describe(self) -> str:
+        """``node 1 (vm, 10.0.0.2)``: how messages name a node."""
+        return f"node {self.index} ({self.host}, {self.addr})" if self.addr != self.host else f"node {self.index} ({self.host})"
 
 
 @dataclass(frozen=True)
@@ -118,6 +144,14 @@ class Assignment:
     @property
     def rank_offset(self) -> int:
         return sum(n.nproc for n in self.nodes[: self.node_rank])
+
+    def first_rank(self, node: int) -> int:
+        return sum(n.nproc for n in self.nodes[:node])
+
+    @property
+    def store_node(self) -> NodeInfo | None:
+        """The node whose agent hosts the rendezvous store (None: an outside server)."""
+        return next((n for n in self.nodes if n.store), None)
 
 
 class AgentRendezvous:
@@ -174,6 +208,10 @@ class AgentRendezvous:
     def is_host(self) -> bool:
         return self.server is not None
 
+    @property
+    def endpoint(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
     async def start(self) -> None:
         """Host the rendezvous store if it is ours to host, then connect to it."""
         want_host = (self.backend == "static" and self.node_rank == 0) or (self.backend == "c10d" and is_local_host(self.host))
@@ -200,6 +238,29 @@ class AgentRendezvous:
                 f"could not reach the rendezvous store at {self.host}:{self.port} within {self.join_timeout:g} s: {exc}"
             ) from exc
 
+    async def _reconnect(self) -> None:
+        """A fresh client of the rendezvous store, after it did not answer (a lost link): the old
+        connection's requests may be stuck behind TCP's retransmission backoff long after the
+        link is back. Attempts of at most ``_CONNECT_ATTEMPT_S`` each, until ``join_timeout``."""
+        old, self.store = self.store, None
+        if old is not None:
+            await old.close()
+        host = "127.0.0.1" if self.server is not None and self.host in ("localhost", "") else self.host
+        deadline = time.monotonic() + self.join_timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self.store = await TCPStore(host, self.port, None, False, max(0.1, min(_CONNECT_ATTEMPT_S, left)), wait_for_workers=False)
+            except (DistError, OSError) as exc:
+                if time.monotonic() + _POLL_S >= deadline:
+                    raise RendezvousTimeoutError(
+                        f"could not reach the rendezvous store at {self.endpoint} again within {self.join_timeout:g} s: {exc}"
+                    ) from exc
+                await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+                continue
+            await self.store.set_timeout(self.join_timeout)
+            return
+
     async def close(self) -> None:
         await self.stop_worker_store()
         if self.store is not None:
@@ -212,19 +273,45 @@ class AgentRendezvous:
     # -- a round --------------------------------------------------------------------------
 
     def _advertised_addr(self) -> str:
+        """The address other nodes reach this agent (and node 0's workers' store) at:
+        ``--local-addr``; else the rendezvous host as given, on the node that hosts it (the
+        name the others reach it by); else the local address of the route to the rendezvous
+        host. Not the host name: on many clusters it resolves to 127.0.1.1."""
         if self.local_addr:
             return self.local_addr
-        if self.backend == "static" or self.is_host:
+        if self.backend == "static" and self.node_rank == 0 or self.is_host:
             return "127.0.0.1" if self.host == "localhost" else self.host
-        return socket.getfqdn()
+        return route_source(self.host, self.port) or socket.getfqdn()
 
-    async def join(self, k: int) -> Assignment:
+    async def join(self, k: int, late: tuple[int, dict[str, Any], list[dict[str, Any]]] | None = None) -> Assignment:
         """Join round ``k``; the assignment, once the round is closed and node 0 published the
-        workers' store. Raises ``RendezvousTimeoutError`` naming how many nodes arrived."""
+        workers' store. Raises ``RendezvousTimeoutError`` naming how many nodes arrived, or
+        that the store could not be reached within ``join_timeout`` (a lost link or host).
+
+        ``late``: (round, first failure, this node's failures) of an earlier round that this
+        agent could not publish then (the store did not answer); published first, so that an
+        agent still watching that round learns of it."""
+        try:
+            if late is not None:
+                await self._reconnect()
+                await self.report_failure(late[0], late[1])
+                await self.publish_outcome(late[0], late[2])
+            return await self._join(k)
+        except RendezvousError:
+            raise
+        except (DistError, OSError, TimeoutError) as exc:
+            raise RendezvousTimeoutError(
+                f"rendezvous round {k}: the rendezvous store at {self.endpoint} did not answer "
+                f"within the join timeout ({self.join_timeout:g} s): {type(exc).__name__}: {exc}"
+            ) from exc
+
+    async def _join(self, k: int) -> Assignment:
         assert self.store is not None
         store = self.store
         await store.set_timeout(self.join_timeout)
-        me = json.dumps({"nproc": self.nproc, "addr": self._advertised_addr(), "host": socket.gethostname()})
+        me = json.dumps(
+            {"nproc": self.nproc, "addr": self._advertised_addr(), "host": socket.gethostname(), "pid": os.getpid(), "store": self.is_host}
+        )
         if self.backend == "static":
             assert self.node_rank is not None
             idx = self.node_rank
@@ -312,10 +399,13 @@ class AgentRendezvous:
         assert self.store is not None and self.assignment is not None
         return await self.store.check([self.key(k, f"{what}/{i}") for i in range(self.assignment.nnodes)])
 
-    async def wait_marked(self, k: int, what: str, timeout: float) -> bool:
-        """Until every node of round ``k`` set ``what/<i>``, at most ``timeout`` s; whether they did."""
+    async def wait_marked(self, k: int, what: str, timeout: float, skip: set[int] | frozenset[int] = frozenset()) -> bool:
+        """Until every node of round ``k`` (but ``skip``) set ``what/<i>``, at most ``timeout`` s;
+        whether they did."""
         assert self.store is not None and self.assignment is not None
-        keys = [self.key(k, f"{what}/{i}") for i in range(self.assignment.nnodes)]
+        keys = [self.key(k, f"{what}/{i}") for i in range(self.assignment.nnodes) if i not in skip]
+        if not keys:
+            return True
         try:
             await self.store.wait(keys, timeout)
         except TimeoutError:
@@ -345,21 +435,35 @@ class AgentRendezvous:
                 return i
         return None
 
+    def silence(self, k: int, node: int) -> float | None:
+        """Seconds since node ``node``'s heartbeat of round ``k`` was last seen moving (None: not
+        watched)."""
+        seen = self._hb_seen.get(node) if self._hb_round == k else None
+        return None if seen is None else time.monotonic() - seen[1]
+
     async def publish_outcome(self, k: int, failures: list[dict[str, Any]]) -> None:
         """This node's failed workers of round ``k`` (maybe none), for the others' reports."""
         assert self.store is not None and self.assignment is not None
         await self.store.set(self.key(k, f"outcome/{self.assignment.node_rank}"), json.dumps(failures))
 
-    async def gather_outcomes(self, k: int, timeout: float) -> list[dict[str, Any]]:
-        """Every published failure of round ``k``, waiting (at most ``timeout`` s) for every node."""
+    async def gather_outcomes(
+        self, k: int, timeout: float, skip: set[int] | frozenset[int] = frozenset()
+    ) -> tuple[list[dict[str, Any]], list[int]]:
+        """Every published failure of round ``k``, waiting (at most ``timeout`` s) for every
+        node but ``skip`` (known lost); and the nodes that published nothing in that time."""
         assert self.store is not None and self.assignment is not None
         keys = [self.key(k, f"outcome/{i}") for i in range(self.assignment.nnodes)]
+        wanted = [key for i, key in enumerate(keys) if i not in skip]
         try:
-            await self.store.wait(keys, timeout)
+            if wanted:
+                await self.store.wait(wanted, timeout)
         except TimeoutError:
             pass  # a node that never says: its failures are not in the report
         out: list[dict[str, Any]] = []
-        for key in keys:
+        missing: list[int] = []
+        for i, key in enumerate(keys):
             if await self.store.check([key]):
                 out.extend(json.loads(await self.store.get(key)))
-        return out
+            else:
+                missing.append(i)
+        return out, missing
