@@ -25,7 +25,7 @@ from aiodist.elastic.utils import get_logger
 from aiodist.errors import DistError
 from aiodist.launcher.agent import SignalException
 from aiodist.launcher.api import LaunchConfig, _cpu_count, launch_agent
-from aiodist.launcher.rendezvous import RendezvousError
+from aiodist.launcher.rendezvous import RendezvousError, format_endpoint
 
 __all__ = [
     "get_args_parser",
@@ -193,7 +193,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Callable[.
     if args.rdzv_backend == "static":
         conf["rank"] = int(args.node_rank)
         port = args.master_port if args.master_port is not None else (29500 if max_nodes > 1 else 0)
-        endpoint = args.rdzv_endpoint or f"{args.master_addr}:{port}"
+        endpoint = args.rdzv_endpoint or format_endpoint(args.master_addr, port)
     else:
         endpoint = args.rdzv_endpoint
         if not endpoint:

@@ -319,3 +319,15 @@ def test_stats_show_the_advertised_address() -> None:
 
     st_ = asyncio.run(main())
     assert st_["address"].startswith("127.0.0.1:") and st_["lanes"] == ["127.0.0.1"] and st_["advertised_because"] == "because"
+
+
+@pytest.mark.parametrize(
+    ("host", "port", "text"),
+    [("10.0.0.1", 29500, "10.0.0.1:29500"), ("fd00::1", 7, "[fd00::1]:7"), ("[fd00::1]", 7, "[fd00::1]:7"), ("node-a", 1, "node-a:1")],
+)
+def test_launcher_endpoints_round_trip_ipv6(host: str, port: int, text: str) -> None:
+    # aiodist-run --master-addr fd00::1 once became 'fd00::1:29500', which does not parse
+    from aiodist.launcher.rendezvous import format_endpoint, parse_endpoint
+
+    assert format_endpoint(host, port) == text
+    assert parse_endpoint(text, 0) == (host.strip("[]"), port)

@@ -37,7 +37,7 @@ from aiodist.errors import DistError, DistNetworkError
 from aiodist.store.server import ServerThread, TCPStoreServer
 from aiodist.store.tcp import TCPStore
 
-__all__ = ["RendezvousError", "RendezvousTimeoutError", "NodeInfo", "Assignment", "AgentRendezvous", "parse_endpoint"]
+__all__ = ["RendezvousError", "RendezvousTimeoutError", "NodeInfo", "Assignment", "AgentRendezvous", "format_endpoint", "parse_endpoint"]
 
 log = logging.getLogger("aiodist.run")
 
@@ -51,6 +51,12 @@ class RendezvousError(DistError):
 
 class RendezvousTimeoutError(RendezvousError, TimeoutError):
     """Too few nodes arrived within the join timeout."""
+
+
+def format_endpoint(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 address in brackets (``[fd00::1]:29500``) so that
+    ``parse_endpoint`` reads it back."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
@@ -331,7 +337,7 @@ class AgentRendezvous:
         if idx == 0:
             await self.stop_worker_store()
             self.worker_server = await ServerThread(TCPStoreServer(None, 0)).astart()
-            await store.set(self.key(k, "master"), f"{nodes[0].addr}:{self.worker_server.server.port}")
+            await store.set(self.key(k, "master"), format_endpoint(nodes[0].addr, self.worker_server.server.port))
         await store.wait([self.key(k, "master")], self.join_timeout)
         maddr, mport = parse_endpoint((await store.get(self.key(k, "master"))).decode(), 0)
         self.assignment = Assignment(round=k, node_rank=idx, nodes=nodes, master_addr=maddr, master_port=mport)
