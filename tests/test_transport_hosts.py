@@ -331,3 +331,23 @@ def test_launcher_endpoints_round_trip_ipv6(host: str, port: int, text: str) -> 
 
     assert format_endpoint(host, port) == text
     assert parse_endpoint(text, 0) == (host.strip("[]"), port)
+
+
+async def test_a_group_timeout_says_no_connection_was_ever_made() -> None:
+    """init with a peer whose published address refuses (a rank behind a firewall, a wrong
+    --local-addr): the all_reduce's timeout names the address and the OS error."""
+    import aiodist as dist
+
+    store = HashStore()
+    port = closed_port()
+    await store.set(f"default/{address_key(1)}", PeerAddress(1, "127.0.0.1", port, None, "another-host").encode())
+    with dist.use_world(dist.World("never-connected")):
+        await dist.init_process_group("gloo", store=PrefixStore("default", store), rank=0, world_size=2, timeout=1.5)
+        try:
+            with pytest.raises(DistTimeoutError) as e:
+                await dist.all_reduce(np.ones(4))
+            msg = str(e.value)
+            assert "all_reduce" in msg and "seq 0" in msg and "ranks not heard from: [1]" in msg
+            assert f"no connection to rank 1 at 127.0.0.1:{port} was ever made (last error: " in msg
+        finally:
+            await dist.destroy_process_group()
