@@ -538,53 +538,34 @@ class Transport:
             if lock is None:
                 lock = self._order[k] = asyncio.Lock()
             async with lock:  # FIFO; released before the caller writes, which it does in this step
-                return await (self._connection(peer) if lane == 0 else self._lane_connection(peer, lane))
+                return await self._connection(peer, lane)
         finally:
             self._queued[k] -= 1
 
-    async def _lane_connection(self, peer: int, lane: int) -> Connection:
-        k = (peer, lane)
-        conn = self._lane_conn.get(k)
+    async def _connection(self, peer: int, lane: int = 0) -> Connection:
+        """The connection this rank sends to ``peer`` on (on ``lane``), dialing it if there is
+        none: one dial at a time per peer and lane, shared by every caller that waits for it."""
+        conns: dict[Any, Connection] = self._send_conn if lane == 0 else self._lane_conn
+        dialing: dict[Any, asyncio.Task[Connection]] = self._dialing if lane == 0 else self._lane_dialing
+        k: Any = peer if lane == 0 else (peer, lane)
+        conn = conns.get(k)
         if conn is not None:
             return conn
         if peer in self._dead:
             raise self._dead[peer]
         if self._closed:
             raise DistBackendError(f"rank {self.rank}: the transport is closed")
-        task = self._lane_dialing.get(k)
+        task = dialing.get(k)
         if task is None:
-            task = self._lane_dialing[k] = asyncio.get_running_loop().create_task(self._dial(peer, lane))
-            task.add_done_callback(functools.partial(self._lane_dial_done, k))
+            task = dialing[k] = asyncio.get_running_loop().create_task(self._dial(peer, lane))
+            task.add_done_callback(functools.partial(self._dial_done, dialing, k))
         await asyncio.shield(task)
-        conn = self._lane_conn.get(k)
-        if conn is None:
-            raise self._dead.get(peer) or DistNetworkError(
-                f"rank {self.rank}: lane {lane} connection to rank {peer} closed right after the handshake"
-            )
-        return conn
-
-    def _lane_dial_done(self, k: tuple[int, int], task: asyncio.Task[Connection]) -> None:
-        if self._lane_dialing.get(k) is task:
-            del self._lane_dialing[k]
-        if not task.cancelled() and task.exception() is not None:
-            log.debug("rank %d: dialing rank %d on lane %d failed: %s", self.rank, k[0], k[1], task.exception())
-
-    async def _connection(self, peer: int) -> Connection:
-        conn = self._send_conn.get(peer)
-        if conn is not None:
-            return conn
-        if peer in self._dead:
-            raise self._dead[peer]
-        if self._closed:
-            raise DistBackendError(f"rank {self.rank}: the transport is closed")
-        task = self._dialing.get(peer)
-        if task is None:
-            task = self._dialing[peer] = asyncio.get_running_loop().create_task(self._dial(peer))
-            task.add_done_callback(functools.partial(self._dial_done, peer))
-        await asyncio.shield(task)
-        conn = self._send_conn.get(peer)
+        conn = conns.get(k)
         if conn is None:  # the dial's connection died at once
-            raise self._dead.get(peer) or DistNetworkError(f"rank {self.rank}: connection to rank {peer} closed right after the handshake")
+            on = f" (lane {lane})" if lane else ""
+            raise self._dead.get(peer) or DistNetworkError(
+                f"rank {self.rank}: connection to rank {peer}{on} closed right after the handshake"
+            )
         return conn
 
     def _want_connection(self, peer: int) -> None:
@@ -610,11 +591,16 @@ class Transport:
         if self._watching.get(peer) is task:
             del self._watching[peer]
 
-    def _dial_done(self, peer: int, task: asyncio.Task[Connection]) -> None:
-        if self._dialing.get(peer) is task:
-            del self._dialing[peer]
+    def _dial_done(self, dialing: dict[Any, asyncio.Task[Connection]], k: Any, task: asyncio.Task[Connection]) -> None:
+        if dialing.get(k) is task:
+            del dialing[k]
         if not task.cancelled() and task.exception() is not None:
-            log.debug("rank %d: dialing rank %d failed: %s", self.rank, peer, task.exception())
+            log.debug(
+                "rank %d: dialing %s failed: %s",
+                self.rank,
+                f"rank {k}" if isinstance(k, int) else f"rank {k[0]} on lane {k[1]}",
+                task.exception(),
+            )
 
     async def _dial(self, peer: int, lane: int = 0) -> Connection:
         try:
