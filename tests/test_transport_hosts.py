@@ -14,6 +14,7 @@ show while they happen (issue 11), below the multi-host tests of tests/test_mult
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import socket
@@ -53,6 +54,19 @@ def test_loopback_only_when_the_rendezvous_host_is_on_loopback() -> None:
     # a route source on loopback towards a host that is not (a misrouted name): never advertised
     adv = choose("10.9.9.9", {}, ifaces=IFACES, route="127.0.1.1")
     assert adv.hosts[0] not in ("127.0.1.1", "127.0.0.1")
+
+
+def test_a_rendezvous_name_on_loopback_here_only_is_not_advertised() -> None:
+    # MASTER_ADDR=node-a on node-a itself, whose /etc/hosts maps node-a to 127.0.1.1: the route
+    # source is loopback, but the peers reach node-a by another address
+    adv = choose("node-a", {}, ifaces=IFACES, route="127.0.0.1")
+    assert adv.hosts == ("10.0.0.5",) and "loopback only here" in adv.why
+    assert choose("localhost", {}, ifaces=IFACES, route="127.0.0.1").hosts == ("127.0.0.1",)
+    assert choose("::1", {}, ifaces=IFACES, route="::1").hosts == ("::1",)
+
+
+def test_bracketed_explicit_address() -> None:
+    assert choose("fd00::1", {"AIODIST_ADVERTISE_ADDR": "[fd00::5]"}, ifaces=IFACES, route="fd00::5").hosts == ("fd00::5",)
 
 
 def test_no_rendezvous_host_skips_a_hostname_on_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -334,20 +348,83 @@ def test_launcher_endpoints_round_trip_ipv6(host: str, port: int, text: str) -> 
 
 
 async def test_a_group_timeout_says_no_connection_was_ever_made() -> None:
-    """init with a peer whose published address refuses (a rank behind a firewall, a wrong
-    --local-addr): the all_reduce's timeout names the address and the OS error."""
+    """A peer whose published address refuses by the time it is dialed (a rank behind a
+    firewall, a wrong --local-addr; here: a rank whose listener closed after init): the
+    all_reduce's timeout names the address and the OS error."""
     import aiodist as dist
 
-    store = HashStore()
-    port = closed_port()
-    await store.set(f"default/{address_key(1)}", PeerAddress(1, "127.0.0.1", port, None, "another-host").encode())
+    store = PrefixStore("default", HashStore())
+
+    async def rank1() -> Transport:
+        t = await Transport.start(store, 1, 2, token="job", timeout=5)
+        await t.exchange(5)
+        return t
+
     with dist.use_world(dist.World("never-connected")):
-        await dist.init_process_group("gloo", store=PrefixStore("default", store), rank=0, world_size=2, timeout=1.5)
+        _, t1 = await asyncio.gather(dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=1.5), rank1())
+        assert t1.address is not None
+        port = t1.address.port
+        await t1.close()  # nobody listens there now: rank 0's connects are refused
         try:
             with pytest.raises(DistTimeoutError) as e:
                 await dist.all_reduce(np.ones(4))
             msg = str(e.value)
             assert "all_reduce" in msg and "seq 0" in msg and "ranks not heard from: [1]" in msg
-            assert f"no connection to rank 1 at 127.0.0.1:{port} was ever made (last error: " in msg
+            assert "no connection to rank 1 at " in msg and f":{port} was ever made (last error: " in msg
         finally:
             await dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("distinct_hosts")
+async def test_small_split_sizes_never_take_the_nowait_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # send_nowait sends up to 64 KiB at once, unsplit: with AIODIST_STRIPE_MIN_BYTES below that
+    # its receiver would wait for parts that never come
+    monkeypatch.setenv("AIODIST_STRIPE_MIN_BYTES", "4096")
+    store = HashStore()
+    ts = await start(2, store, [two_lanes(), two_lanes()], timeout=5)
+    try:
+        got = np.zeros(8)
+        await asyncio.gather(ts[0].send(1, np.ones(8), seq=1), ts[1].recv(0, got, seq=1))  # connected now
+        assert ts[0].send_nowait(1, np.ones(1024), seq=2) is False  # 8 KiB: would be split
+        assert ts[0].send_nowait(1, np.ones(8), seq=2) is not False
+        big = np.zeros(1024)
+        await asyncio.gather(ts[0].send(1, np.ones(1024), seq=3), ts[1].recv(0, big, seq=3), ts[1].recv(0, got, seq=2))
+        assert big.sum() == 1024 and got.sum() == 8
+    finally:
+        await asyncio.gather(*(t.close() for t in ts))
+
+
+@pytest.mark.usefixtures("distinct_hosts")
+async def test_different_split_sizes_fail_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = HashStore()
+    ts = []
+    for r, size in enumerate(["262144", "1048576"]):
+        monkeypatch.setenv("AIODIST_STRIPE_MIN_BYTES", size)
+        ts.append(await Transport.start(store, r, 2, token="job", timeout=5, advertise=two_lanes()))
+    try:
+        results = await asyncio.gather(*(t.exchange(5) for t in ts), return_exceptions=True)
+        for res in results:
+            assert isinstance(res, DistNetworkError), res
+            assert "different sizes (AIODIST_STRIPE_MIN_BYTES): 262144 bytes: ranks [0]; 1048576 bytes: ranks [1]" in str(res)
+    finally:
+        await asyncio.gather(*(t.close() for t in ts))
+
+
+@pytest.mark.usefixtures("distinct_hosts")
+async def test_a_lane_that_never_connects_is_named() -> None:
+    # the commonest multi-NIC mistake: a second interface that does not route between the hosts
+    store = HashStore()
+    bad = Advertised(("127.0.0.1", "192.0.2.1"), ("lo", "bad0"), True, "test")
+    ts = await start(2, store, [two_lanes(), bad], timeout=1.5)
+    try:
+        recv = asyncio.ensure_future(ts[1].recv(0, np.zeros(1 << 17), seq=1))
+        with pytest.raises(DistTimeoutError) as e:
+            await ts[0].send(1, np.ones(1 << 17), seq=1)
+        recv.cancel()
+        with contextlib.suppress(asyncio.CancelledError, DistTimeoutError):
+            await recv
+        msg = str(e.value)
+        assert ts[1].address is not None
+        assert f"no connection to rank 1 on lane 1 (lo:1) at 192.0.2.1:{ts[1].address.port} was ever made (last error: " in msg, msg
+    finally:
+        await asyncio.gather(*(t.close() for t in ts))

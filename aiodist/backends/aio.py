@@ -9,6 +9,7 @@ and the first offer wins.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
@@ -114,7 +115,8 @@ async def create_aio_backend(store: Store, rank: int, world_size: int, timeout: 
     # default group's; so the transport's own per-send/recv deadline is only a backstop for
     # waits outside any op, set far beyond any group timeout it could cut short.
     where = rendezvous_host(store)
-    advertise = choose(where)  # refuses a named interface that is not there, at once
+    # refuses a named interface that is not there, at once; off the loop: it may resolve names
+    advertise = await asyncio.to_thread(choose, where)
     transport = await Transport.start(
         store, rank, world_size, token=token, timeout=max(timeout.total_seconds(), _TRANSPORT_BACKSTOP_S), advertise=advertise
     )

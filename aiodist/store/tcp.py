@@ -467,13 +467,13 @@ class TCPStore(Store):
                         "[c10d] cannot reach the TCPStore server at %s for %.0f s so far (%s); still trying for %.0f s more",
                         self._describe_addr(),
                         now - start,
-                        exc or "timed out",
+                        str(exc) or "no answer in time",
                         max(0.0, deadline - now),
                     )
                 if time.monotonic() + delay >= deadline:
                     raise DistNetworkError(
                         f"could not connect to the TCPStore server at {self._describe_addr()} "
-                        f"after trying for {time.monotonic() - start:.1f} s: {exc or 'timed out'}"
+                        f"after trying for {time.monotonic() - start:.1f} s: {str(exc) or 'no answer in time'}"
                     ) from None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)

@@ -57,6 +57,7 @@ class PeerAddress:
     host_id: str
     hosts: tuple[str, ...] = ()  # one address per lane (interface); () means (host,)
     ifnames: tuple[str, ...] = ()  # the interfaces named by AIODIST/GLOO_SOCKET_IFNAME, if any
+    stripe_min: int = 0  # with several lanes: the size from which collective messages are split
 
     @property
     def lanes(self) -> tuple[str, ...]:
@@ -73,6 +74,7 @@ class PeerAddress:
         if self.hosts:
             d["hosts"] = list(self.hosts)
             d["ifnames"] = list(self.ifnames)
+            d["stripe_min"] = self.stripe_min
         return json.dumps(d).encode()
 
     @classmethod
@@ -82,7 +84,8 @@ class PeerAddress:
             unix = None if d["unix"] is None else bytes.fromhex(d["unix"]).decode()
             hosts = tuple(str(h) for h in d.get("hosts", ()))
             ifnames = tuple(str(n) for n in d.get("ifnames", ()))
-            return cls(int(d["rank"]), str(d["host"]), int(d["port"]), unix, str(d["host_id"]), hosts, ifnames)
+            stripe_min = int(d.get("stripe_min", 0))
+            return cls(int(d["rank"]), str(d["host"]), int(d["port"]), unix, str(d["host_id"]), hosts, ifnames, stripe_min)
         except (ValueError, KeyError, TypeError) as exc:
             raise DistNetworkError(f"malformed transport address in the store: {raw[:200]!r}") from exc
 

@@ -9,17 +9,19 @@ Order of precedence (docs/multi_host.md):
 2. ``AIODIST_ADVERTISE_ADDR``: an address (or name) to advertise as is; ``aiodist-run
    --local-addr`` sets it for its workers.
 3. The local address of the route to the rendezvous host (what a socket connected towards
-   MASTER_ADDR gets): reachable by the peers whenever the rendezvous host is. It is a loopback
-   address only when the rendezvous host is on loopback.
-4. Without a rendezvous host (FileStore, HashStore): the host name's address when it is not a
-   loopback one, else the first non-loopback interface address, else 127.0.0.1.
+   MASTER_ADDR gets): reachable by the peers whenever the rendezvous host is. A loopback address
+   only when the rendezvous host is written as one (127.x, ::1, localhost): a single-host job.
+4. Otherwise (no rendezvous host: FileStore, HashStore; or a rendezvous name that maps to
+   loopback here only, as ``MASTER_ADDR=$(hostname)`` does on the rendezvous host itself under
+   Debian's 127.0.1.1 line): the host name's address when it is not a loopback one, else the
+   source address of the default route, else the first non-loopback interface address, else
+   127.0.0.1.
 
 Never ``gethostname()`` blindly: Debian and Ubuntu map it to 127.0.1.1 in /etc/hosts.
 """
 
 from __future__ import annotations
 
-import fcntl
 import ipaddress
 import os
 import socket
@@ -79,6 +81,10 @@ def interfaces() -> dict[str, list[str]]:
 
 
 def _ipv4_of(name: str) -> str | None:
+    try:
+        import fcntl  # POSIX; SIOCGIFADDR is Linux's (elsewhere the ioctl fails: no address found)
+    except ImportError:
+        return None
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
@@ -180,30 +186,46 @@ def choose(
             hosts.append(got[0])
         return Advertised(tuple(hosts), names, True, f"{var}={','.join(names)}")
     explicit = env.get(ENV_ADDR, "").strip()
+    if explicit.startswith("[") and explicit.endswith("]"):
+        explicit = explicit[1:-1]  # "[fd00::1]", as an endpoint writes it
     if explicit:
         return Advertised((explicit,), (), False, f"{ENV_ADDR}={explicit}")
-    if src is not None and (not _is_loopback(src) or (rendezvous_host is not None and _is_loopback_host(rendezvous_host))):
+    if src is not None and not _is_loopback(src):
         return Advertised((src,), (), False, f"the route to the rendezvous host {rendezvous_host}")
-    return Advertised((_fallback(ifaces),), (), False, "no rendezvous host to route to: this host's first non-loopback address")
+    if src is not None and rendezvous_host is not None and _is_loopback_literal(rendezvous_host):
+        return Advertised((src,), (), False, f"the route to the rendezvous host {rendezvous_host} (a single-host job)")
+    # No rendezvous host, or a name that resolves to loopback here only (MASTER_ADDR=$(hostname)
+    # on the rendezvous host itself, where /etc/hosts maps it to 127.0.1.1): the address of the
+    # default route, else the first non-loopback interface address.
+    why = (
+        "no route to the rendezvous host" if rendezvous_host is None else f"the rendezvous host {rendezvous_host} is on loopback only here"
+    )
+    return Advertised((_fallback(ifaces, probe=ifaces is None),), (), False, f"{why}: this host's primary address")
 
 
-def _is_loopback_host(host: str) -> bool:
-    if _is_loopback(host):
-        return True
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except (OSError, UnicodeError):
-        return False
-    return bool(infos) and all(_is_loopback(str(i[4][0])) for i in infos)
+def _is_loopback_literal(host: str) -> bool:
+    """127.x, ::1 or localhost as written: a single-host job, not a name that happens to map to
+    127.0.1.1 on this host only."""
+    return _is_loopback(host.strip("[]"))
 
 
-def _fallback(ifaces: Mapping[str, list[str]] | None) -> str:
+# Addresses of documentation networks (RFC 5737, RFC 3849): a UDP connect towards them finds
+# the default route's source address and sends nothing.
+_DEFAULT_ROUTE_PROBES = ("192.0.2.1", "2001:db8::1")
+
+
+def _fallback(ifaces: Mapping[str, list[str]] | None, probe: bool = True) -> str:
     try:
         name_addr = socket.gethostbyname(socket.gethostname())
         if not _is_loopback(name_addr):
             return name_addr
     except OSError:
         pass
+    if probe:
+        for target in _DEFAULT_ROUTE_PROBES:
+            src = route_source(target)
+            if src is not None and not _is_loopback(src):
+                return src
     have = interfaces() if ifaces is None else ifaces
     for fam in (socket.AF_INET, socket.AF_INET6):
         for name in sorted(have):

@@ -25,8 +25,14 @@ __all__ = ["Key", "PostedRecv", "StagedMessage", "Mailbox", "describe_key"]
 Key = tuple[int, int, int]  # (group, seq, tag)
 
 
+_PART_SHIFT = 40  # a striped message's part j travels under tag + (j + 1) << 40 (aiodist.transport)
+
+
 def describe_key(key: Key) -> str:
-    return f"group {key[0]}, seq {key[1]}, tag {key[2]}"
+    tag = key[2]
+    if tag >> _PART_SHIFT:
+        return f"group {key[0]}, seq {key[1]}, tag {tag & ((1 << _PART_SHIFT) - 1)}, striped part {(tag >> _PART_SHIFT) - 1}"
+    return f"group {key[0]}, seq {key[1]}, tag {tag}"
 
 
 @dataclass(eq=False, slots=True)

@@ -59,7 +59,7 @@ from aiodist.transport._address import PeerAddress, address_key, host_id, listen
 from aiodist.transport._channel import Channel
 from aiodist.transport._connection import Connection
 from aiodist.transport._ifaces import Advertised, choose
-from aiodist.transport._mailbox import Key, Mailbox, PostedRecv, StagedMessage, consume, describe_key, fill
+from aiodist.transport._mailbox import _PART_SHIFT, Key, Mailbox, PostedRecv, StagedMessage, consume, describe_key, fill
 from aiodist.wire.frame import FrameHeader, FrameKind, FrameLimits, Hello, abort_frame
 
 __all__ = ["Transport"]
@@ -73,7 +73,7 @@ _CONNECT_ATTEMPT_S = 5.0  # one connect attempt's deadline (a dropped SYN would 
 _WARN_AFTER_S = 1.0  # a peer that cannot be connected to for this long gets a warning ...
 _WARN_EVERY_S = 5.0  # ... and another this often while it lasts
 STRIPE_MIN_BYTES = 256 * 1024  # collective messages this big are split across the lanes (AIODIST_STRIPE_MIN_BYTES)
-_STRIPE_TAG = 1 << 40  # part j of a striped message travels under tag + (j + 1) * _STRIPE_TAG (tags stay below 2**31)
+_STRIPE_TAG = 1 << _PART_SHIFT  # part j of a striped message travels under tag + (j + 1) * _STRIPE_TAG (tags stay below 2**31)
 _STRIPE_ALIGN = 64
 
 
@@ -135,8 +135,8 @@ class Transport:
         self._peers: dict[int, PeerAddress] = {}  # every rank's address, once exchange() read them
         self._lane_conn: dict[tuple[int, int], Connection] = {}  # (peer, lane >= 1): the connection we send that lane on
         self._lane_dialing: dict[tuple[int, int], asyncio.Task[Connection]] = {}
-        self._connected: set[int] = set()  # peers a connection was ever made with (either way)
-        self._connect_errors: dict[int, list[Any]] = {}  # peer -> [first failure, last warning, target, error]
+        self._connected: set[Any] = set()  # peer (lane 0) or (peer, lane): a connection was ever made (either way)
+        self._connect_errors: dict[Any, list[Any]] = {}  # the same keys -> [first failure, last warning, target, error]
         self._servers: list[asyncio.AbstractServer] = []
         self.address: PeerAddress | None = None
         self._mailbox = Mailbox()
@@ -213,22 +213,42 @@ class Transport:
                 name = None
         adv = self.advertised
         lanes = adv.hosts if adv.ifnames else ()
-        self.address = PeerAddress(self.rank, self._host, port, name, self._host_id, lanes, adv.ifnames)
+        self.address = PeerAddress(
+            self.rank, self._host, port, name, self._host_id, lanes, adv.ifnames, self.stripe_min_bytes if lanes else 0
+        )
 
     async def exchange(self, timeout: float) -> None:
-        """Read every rank's address (waiting up to ``timeout`` s for the ranks that have not
-        published one yet) and check that all ranks have as many lanes as this one: striping
-        needs both ends of a pair to split a message alike. A mismatch fails on every rank."""
-        keys = [address_key(r) for r in range(self.world_size)]
+        """Wait (up to ``timeout`` s) until every rank has published its address, and agree on
+        the lanes: striping needs both ends of a pair to split a message alike, so every rank
+        must have as many lanes (and, with several, the same split size) as every other. A
+        mismatch fails on every rank, naming the ranks and their interface lists.
+
+        Every rank counts itself in under its own lane configuration, in a round of its own
+        (a store reused by a later init counts afresh). Where all ranks have one lane, that is
+        all: a few store calls per rank. Otherwise (or on a mismatch, to name the ranks) every
+        rank reads every rank's address: striping needs each peer's host id."""
+        store, world = self.store, self.world_size
+        mine = f"{self.lanes}" if self.lanes == 1 else f"{self.lanes}x{self.stripe_min_bytes}"
+        base = "aiodist/transport/config/"
+        joined = await store.add(base + "joined", 1)
+        rnd = (joined - 1) // world
+        await store.add(f"{base}{rnd}/lanes/{mine}", 1)
+        if (await store.add(f"{base}{rnd}/counted", 1)) == world:
+            await store.set(f"{base}{rnd}/all", "1")
+        keys = [address_key(r) for r in range(world)]
         try:
-            await self.store.wait(keys, timeout)
+            await store.wait([f"{base}{rnd}/all"], timeout)
         except TimeoutError:
-            missing = [r for r in range(self.world_size) if not await self.store.check([keys[r]])]
+            missing = [r for r in range(world) if not await store.check([keys[r]])]
+            counted = await store.add(f"{base}{rnd}/counted", 0)
+            who = f"ranks {missing}" if missing else f"{world - counted} of {world} ranks"
             raise DistTimeoutError(
-                f"rank {self.rank}: timeout after {timeout:g} s waiting for the transport addresses of ranks {missing} "
-                f"(have they started? is world_size={self.world_size} right?)"
+                f"rank {self.rank}: timeout after {timeout:g} s waiting for the transport addresses of {who} "
+                f"(have they started? is world_size={world} right?)"
             ) from None
-        addrs = [PeerAddress.decode(raw) for raw in await self.store.multi_get(keys)]
+        if self.lanes == 1 and await store.add(f"{base}{rnd}/lanes/{mine}", 0) == world:
+            return  # one lane everywhere: nothing to split, addresses are read when dialing
+        addrs = [PeerAddress.decode(raw) for raw in await store.multi_get(keys)]
         by_count: dict[int, list[int]] = {}
         for a in addrs:
             by_count.setdefault(len(a.lanes), []).append(a.rank)
@@ -241,6 +261,15 @@ class Transport:
             raise DistNetworkError(
                 f"rank {self.rank}: ranks name different numbers of network interfaces (AIODIST_SOCKET_IFNAME / GLOO_SOCKET_IFNAME): "
                 f"{'; '.join(parts)}. Every rank must name the same number of interfaces"
+            )
+        by_min: dict[int, list[int]] = {}
+        for a in addrs:
+            by_min.setdefault(a.stripe_min, []).append(a.rank)
+        if len(by_min) > 1:
+            sizes = "; ".join(f"{m} bytes: ranks {ranks}" for m, ranks in sorted(by_min.items()))
+            raise DistNetworkError(
+                f"rank {self.rank}: ranks split messages across interfaces from different sizes (AIODIST_STRIPE_MIN_BYTES): {sizes}. "
+                "Every rank must use the same value"
             )
         self._peers = {a.rank: a for a in addrs}
 
@@ -350,6 +379,8 @@ class Transport:
         self._check_usable(key, dst)
         if dst == self.rank or view.nbytes > min(self.limits.max_payload_bytes, _NOWAIT_MAX_BYTES):
             return False
+        if view.nbytes >= self.stripe_min_bytes and seq != P2P_SEQ and self.striped(dst):
+            return False  # its receiver expects the parts: send() splits it
         conn = self._send_conn.get(dst)
         if conn is None or self._queued.get(dst) or not conn.can_write_now():
             return False
@@ -659,29 +690,35 @@ class Transport:
 
     def _connect_failed(self, addr: PeerAddress, lane: int, why: str) -> None:
         now = time.monotonic()
-        rec = self._connect_errors.get(addr.rank)
+        k: Any = addr.rank if lane == 0 else (addr.rank, lane)
+        rec = self._connect_errors.get(k)
         if rec is None:
-            rec = self._connect_errors[addr.rank] = [now, 0.0, "", ""]
+            rec = self._connect_errors[k] = [now, 0.0, "", ""]
         rec[2], rec[3] = addr.describe(lane), why
         if now - rec[0] >= _WARN_AFTER_S and now - rec[1] >= _WARN_EVERY_S:
             rec[1] = now
             log.warning(
-                "rank %d: cannot connect to rank %d at %s for %.0f s so far (last error: %s); still trying, until the timeout",
+                "rank %d: cannot connect to rank %d%s at %s for %.0f s so far (last error: %s); still trying, until the timeout",
                 self.rank,
                 addr.rank,
+                f" on lane {lane} ({self.advertised.ifnames[lane]})" if lane and lane < len(self.advertised.ifnames) else "",
                 rec[2],
                 now - rec[0],
                 why,
             )
 
     def _never(self, peer: int) -> str:
-        """``"; no connection to rank P at ADDR was ever made (last error: ...)"`` where so."""
-        if peer in self._connected:
-            return ""
-        rec = self._connect_errors.get(peer)
-        if rec is None:
-            return ""
-        return f"; no connection to rank {peer} at {rec[2]} was ever made (last error: {rec[3]})"
+        """``"; no connection to rank P at ADDR was ever made (last error: ...)"`` where so, for
+        lane 0 and for each other lane (an interface that does not route between the hosts)."""
+        out = ""
+        for lane in range(self.lanes):
+            k: Any = peer if lane == 0 else (peer, lane)
+            rec = self._connect_errors.get(k)
+            if k in self._connected or rec is None:
+                continue
+            on = f" on lane {lane}" + (f" ({self.advertised.ifnames[lane]})" if lane < len(self.advertised.ifnames) else "") if lane else ""
+            out += f"; no connection to rank {peer}{on} at {rec[2]} was ever made (last error: {rec[3]})"
+        return out
 
     def connection_report(self, peers: Sequence[int]) -> str:
         """For a timeout message: the peers among ``peers`` never connected to, with the address
@@ -707,8 +744,9 @@ class Transport:
 
     def _connection_ready(self, conn: Connection) -> None:
         assert conn.peer is not None
-        self._connected.add(conn.peer)
-        self._connect_errors.pop(conn.peer, None)
+        k: Any = conn.peer if conn.lane == 0 else (conn.peer, conn.lane)
+        self._connected.add(k)
+        self._connect_errors.pop(k, None)
         if conn.peer in self._dead:
             return
         if conn.lane:
