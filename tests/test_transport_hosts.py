@@ -428,3 +428,22 @@ async def test_a_lane_that_never_connects_is_named() -> None:
         assert f"no connection to rank 1 on lane 1 (lo:1) at 192.0.2.1:{ts[1].address.port} was ever made (last error: " in msg, msg
     finally:
         await asyncio.gather(*(t.close() for t in ts))
+
+
+@pytest.mark.usefixtures("distinct_hosts")
+async def test_a_send_uses_the_peers_connection_when_its_own_dial_cannot_get_through() -> None:
+    # one-way reachability (a firewall, a wrong --local-addr): rank 1's advertised address is
+    # unreachable, but rank 1 reaches rank 0; rank 0's send then goes over that connection
+    store = HashStore()
+    unreachable = Advertised(("192.0.2.1",), (), False, "test")
+    ts = await start(2, store, [Advertised(("127.0.0.1",), (), False, "test"), unreachable], timeout=10)
+    try:
+        send = asyncio.ensure_future(ts[0].send(1, np.full(4, 7.0), seq=1))
+        await asyncio.sleep(0.2)  # rank 0 is dialing 192.0.2.1 and failing
+        assert not send.done()
+        got, back = np.zeros(4), np.zeros(4)
+        await asyncio.wait_for(asyncio.gather(ts[1].send(0, np.ones(4), seq=2), ts[0].recv(1, back, seq=2)), 5)
+        await asyncio.wait_for(asyncio.gather(send, ts[1].recv(0, got, seq=1)), 2)  # not the 10 s timeout
+        assert got.sum() == 28 and back.sum() == 4
+    finally:
+        await asyncio.gather(*(t.close() for t in ts))

@@ -135,6 +135,7 @@ class Transport:
         self._peers: dict[int, PeerAddress] = {}  # every rank's address, once exchange() read them
         self._lane_conn: dict[tuple[int, int], Connection] = {}  # (peer, lane >= 1): the connection we send that lane on
         self._lane_dialing: dict[tuple[int, int], asyncio.Task[Connection]] = {}
+        self._ready_waiters: dict[Any, set[asyncio.Future[None]]] = {}  # peer or (peer, lane): sends waiting for a connection
         self._connected: set[Any] = set()  # peer (lane 0) or (peer, lane): a connection was ever made (either way)
         self._connect_errors: dict[Any, list[Any]] = {}  # the same keys -> [first failure, last warning, target, error]
         self._servers: list[asyncio.AbstractServer] = []
@@ -590,8 +591,20 @@ class Transport:
         if task is None:
             task = dialing[k] = asyncio.get_running_loop().create_task(self._dial(peer, lane))
             task.add_done_callback(functools.partial(self._dial_done, dialing, k))
-        await asyncio.shield(task)
+        # Done when the dial is, or as soon as the peer's own connection to us is ready (we send on
+        # it too): a peer this rank cannot reach but which reaches us is not waited for.
+        ready = asyncio.get_running_loop().create_future()
+        self._ready_waiters.setdefault(k, set()).add(ready)
+        try:
+            await asyncio.wait((task, ready), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._ready_waiters[k].discard(ready)
+            if not self._ready_waiters[k]:
+                del self._ready_waiters[k]
+            ready.cancel()
         conn = conns.get(k)
+        if conn is None and task.done():
+            task.result()  # the dial's error
         if conn is None:  # the dial's connection died at once
             on = f" (lane {lane})" if lane else ""
             raise self._dead.get(peer) or DistNetworkError(
@@ -682,6 +695,8 @@ class Transport:
                     )
                 return tconn
             except (OSError, TimeoutError) as exc:
+                if (self._send_conn.get(addr.rank) if lane == 0 else self._lane_conn.get((addr.rank, lane))) is not None:
+                    raise DistNetworkError(f"rank {self.rank}: stopped dialing rank {addr.rank}: its own connection came first") from None
                 why = str(exc) if isinstance(exc, OSError) else f"no answer within {_CONNECT_ATTEMPT_S:g} s"
                 self._connect_failed(addr, lane, why)
                 log.debug("rank %d: connecting to rank %d failed (%s); retrying in %g s", self.rank, addr.rank, why, delay)
@@ -753,6 +768,9 @@ class Transport:
             self._lane_conn.setdefault((conn.peer, conn.lane), conn)
         elif conn.peer not in self._send_conn:
             self._send_conn[conn.peer] = conn
+        for fut in self._ready_waiters.get(k, ()):
+            if not fut.done():
+                fut.set_result(None)
 
     def _connection_lost(self, conn: Connection, err: DistNetworkError | BaseException, current: PostedRecv | None) -> None:
         self._conns.discard(conn)
