@@ -46,7 +46,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import numpy as np
@@ -98,9 +98,25 @@ def _stripe_min_bytes() -> int:
     return value
 
 
-def _retrieve(fut: asyncio.Future[None]) -> None:
+def _retrieve(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()  # a send_nowait write whose caller's receive failed first: seen, not logged
+
+
+async def _parts(coros: list[Coroutine[Any, Any, Any]]) -> None:
+    """Run a striped message's parts at once. Part 0 runs in the caller's task, so its first
+    step (where a send is written, or a receive posted) happens in the caller's step: sends to
+    one peer still start in call order. The first failure cancels the other parts."""
+    rest = [asyncio.ensure_future(c) for c in coros[1:]]
+    for t in rest:
+        t.add_done_callback(_retrieve)
+    try:
+        await coros[0]
+        await asyncio.gather(*rest)
+    except BaseException:
+        for t in rest:
+            t.cancel()
+        raise
 
 
 class Transport:
@@ -307,9 +323,7 @@ class Transport:
             return
         if view.nbytes >= self.stripe_min_bytes and seq != P2P_SEQ and self.striped(dst):
             parts = stripe_parts(view.nbytes, self.lanes)
-            await asyncio.gather(
-                *(self._send_lane(dst, j, view[a:b], (group, seq, tag + (j + 1) * _STRIPE_TAG)) for j, (a, b) in enumerate(parts))
-            )
+            await _parts([self._send_lane(dst, j, view[a:b], (group, seq, tag + (j + 1) * _STRIPE_TAG)) for j, (a, b) in enumerate(parts)])
             return
         await self._send_lane(dst, 0, view, key)
 
@@ -402,9 +416,7 @@ class Transport:
         self._check_usable(key, None)
         if src is not None and dst.nbytes >= self.stripe_min_bytes and seq != P2P_SEQ and src != self.rank and self.striped(src):
             parts = stripe_parts(dst.nbytes, self.lanes)
-            await asyncio.gather(
-                *(self._recv_one(src, dst[a:b], (group, seq, tag + (j + 1) * _STRIPE_TAG)) for j, (a, b) in enumerate(parts))
-            )
+            await _parts([self._recv_one(src, dst[a:b], (group, seq, tag + (j + 1) * _STRIPE_TAG)) for j, (a, b) in enumerate(parts)])
             return src
         return await self._recv_one(src, dst, key)
 
