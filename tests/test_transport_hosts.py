@@ -447,3 +447,22 @@ async def test_a_send_uses_the_peers_connection_when_its_own_dial_cannot_get_thr
         assert got.sum() == 28 and back.sum() == 4
     finally:
         await asyncio.gather(*(t.close() for t in ts))
+
+
+async def test_close_while_a_dial_is_in_its_handshake(monkeypatch: pytest.MonkeyPatch) -> None:
+    # close() cancels dials in flight; one in its handshake must not take the connection's
+    # handshake future with it (say_goodbye then read a cancelled future's exception and close
+    # raised CancelledError: seen once a send could go out before its own dial had finished)
+    from aiodist.errors import DistError
+    from aiodist.testing import until
+    from aiodist.transport import _connection as connection_mod
+
+    monkeypatch.setattr(connection_mod, "hello_frame", lambda hello, lane=0: b"")  # no HELLO: handshakes never end
+    store = HashStore()
+    ts = list(await asyncio.gather(*(Transport.start(store, r, 2, token="job", timeout=5, unix=False) for r in range(2))))
+    send = asyncio.ensure_future(ts[0].send(1, np.ones(2)))
+    await until(lambda: any(c.dialed_peer == 1 for c in ts[0]._conns), "rank 0 dialed rank 1")
+    await ts[0].close()
+    await ts[1].close()
+    with pytest.raises(DistError):
+        await send

@@ -142,11 +142,7 @@ async def _cancel(task: asyncio.Task[Any] | None) -> None:
         task.cancel()
     try:
         await task
-    except asyncio.CancelledError:
-        current = asyncio.current_task()
-        if current is not None and current.cancelling():
-            raise  # this task is being cancelled itself, not just ``task``
-    except BaseException:  # noqa: S110 - a failure nobody waits for any more
+    except BaseException:  # noqa: S110 - cancelled on purpose, or a failure nobody waits for any more
         pass
 
 

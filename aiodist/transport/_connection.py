@@ -321,7 +321,7 @@ class Connection(asyncio.BufferedProtocol):
             self.transport.write(frame)
 
     def say_goodbye(self) -> None:
-        if self.handshake.done() and not self.handshake.exception():
+        if self.handshake.done() and not self.handshake.cancelled() and not self.handshake.exception():
             self.write_control(goodbye_frame(self.owner.rank))
 
     def fail(self, err: BaseException) -> None:

@@ -616,6 +616,8 @@ class Transport:
             ready.cancel()
         conn = conns.get(k)
         if conn is None and task.done():
+            if task.cancelled():  # close() cancels the dials in flight
+                raise DistBackendError(f"rank {self.rank}: the transport was closed while connecting to rank {peer}")
             task.result()  # the dial's error
         if conn is None:  # the dial's connection died at once
             on = f" (lane {lane})" if lane else ""
@@ -668,7 +670,7 @@ class Transport:
                 if addr.rank != peer:
                     raise DistNetworkError(f"rank {self.rank}: the store's address for rank {peer} is rank {addr.rank}'s")
                 conn = await self._open(addr, lane)
-                await conn.handshake
+                await asyncio.shield(conn.handshake)  # a cancelled dial leaves the connection to finish its handshake
                 return conn
         except TimeoutError:
             raise DistTimeoutError(
