@@ -466,3 +466,19 @@ async def test_close_while_a_dial_is_in_its_handshake(monkeypatch: pytest.Monkey
     await ts[1].close()
     with pytest.raises(DistError):
         await send
+
+
+@pytest.mark.usefixtures("distinct_hosts")
+async def test_an_any_source_receive_of_a_message_that_would_be_split_is_refused() -> None:
+    store = HashStore()
+    ts = await start(2, store, [two_lanes(), two_lanes()], timeout=5)
+    try:
+        with pytest.raises(ValueError, match="any-source receive of a 1048576-byte collective message"):
+            await ts[1].recv(None, np.zeros(1 << 17), seq=4)
+        small = np.zeros(4)  # small ones, and user p2p of any size, are never split: allowed
+        await asyncio.gather(ts[0].send(1, np.ones(4), seq=4), ts[1].recv(None, small, seq=4))
+        big = np.zeros(1 << 17)
+        await asyncio.gather(ts[0].send(1, np.ones(1 << 17), seq=P2P_SEQ), ts[1].recv(None, big, seq=P2P_SEQ))
+        assert small.sum() == 4 and big.sum() == 1 << 17
+    finally:
+        await asyncio.gather(*(t.close() for t in ts))

@@ -414,6 +414,11 @@ class Transport:
         if src is not None:
             self._check_peer(src)
         self._check_usable(key, None)
+        if src is None and dst.nbytes >= self.stripe_min_bytes and seq != P2P_SEQ and any(self.striped(p) for p in self._peers):
+            raise ValueError(
+                f"rank {self.rank}: an any-source receive of a {dst.nbytes}-byte collective message ({describe_key(key)}) cannot be "
+                f"matched while messages from {self.stripe_min_bytes} bytes are split across interfaces: name the source"
+            )
         if src is not None and dst.nbytes >= self.stripe_min_bytes and seq != P2P_SEQ and src != self.rank and self.striped(src):
             parts = stripe_parts(dst.nbytes, self.lanes)
             await _parts([self._recv_one(src, dst[a:b], (group, seq, tag + (j + 1) * _STRIPE_TAG)) for j, (a, b) in enumerate(parts)])
