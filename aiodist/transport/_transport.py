@@ -328,27 +328,13 @@ class Transport:
         await self._send_lane(dst, 0, view, key)
 
     async def _send_lane(self, dst: int, lane: int, view: np.ndarray, key: Key) -> None:
-        """One frame to ``dst`` on ``lane``'s connection; lane 0's is the usual one."""
+        """One frame to ``dst`` on ``lane``'s connection (lane 0's is the usual one)."""
         group, seq, tag = key
         header = FrameHeader(FrameKind.DATA, group, seq, tag, self.rank, view.nbytes)
-        if lane:
-            try:
-                async with asyncio.timeout(self.timeout):
-                    conn = self._lane_conn.get((dst, lane))
-                    if conn is None or self._queued.get((dst, lane)):
-                        conn = await self._in_line(dst, lane)
-                    await conn.send_frame(header, view, group)
-            except TimeoutError:
-                raise DistTimeoutError(
-                    f"rank {self.rank}: send to rank {dst} ({describe_key(key)}, lane {lane}, {view.nbytes} bytes) did not complete in {self.timeout:g} s{self._never(dst)}"
-                ) from None
-            except DistNetworkError as exc:
-                raise DistNetworkError(f"{exc} (during a send to rank {dst}, {describe_key(key)}, lane {lane})") from exc
-            if group in self._aborted:
-                raise self._abort_error(key)
-            return
-        conn = self._send_conn.get(dst)
-        if conn is not None and not self._queued.get(dst):
+        conns: dict[Any, Connection] = self._send_conn if lane == 0 else self._lane_conn
+        k: Any = dst if lane == 0 else (dst, lane)
+        conn = conns.get(k)
+        if conn is not None and not self._queued.get(k):
             # the fast path: connected and nobody waiting in line; most small sends end here,
             # written straight into the kernel without arming a deadline
             drained = self._write(conn, header, view, key, dst)
@@ -356,21 +342,22 @@ class Transport:
                 return
         else:
             drained = None
+        on = f", lane {lane}" if lane else ""
         try:
             async with asyncio.timeout(self.timeout):
                 if drained is not None:
                     await drained
                 else:
-                    conn = self._send_conn.get(dst)
-                    if conn is None or self._queued.get(dst):
-                        conn = await self._in_line(dst)
+                    conn = conns.get(k)
+                    if conn is None or self._queued.get(k):
+                        conn = await self._in_line(dst, lane)
                     await conn.send_frame(header, view, group)  # writes in this step, before any suspension
         except TimeoutError:
             raise DistTimeoutError(
-                f"rank {self.rank}: send to rank {dst} ({describe_key(key)}, {view.nbytes} bytes) did not complete in {self.timeout:g} s{self._never(dst)}"
+                f"rank {self.rank}: send to rank {dst} ({describe_key(key)}{on}, {view.nbytes} bytes) did not complete in {self.timeout:g} s{self._never(dst)}"
             ) from None
         except DistNetworkError as exc:
-            raise DistNetworkError(f"{exc} (during a send to rank {dst}, {describe_key(key)})") from exc
+            raise DistNetworkError(f"{exc} (during a send to rank {dst}, {describe_key(key)}{on})") from exc
         if group in self._aborted:
             raise self._abort_error(key)
 
