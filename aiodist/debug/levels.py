@@ -15,6 +15,9 @@ class DebugLevel(enum.IntEnum):
     INFO = 1
     DETAIL = 2
 
+    def __str__(self) -> str:  # torch's enum prints "DebugLevel.DETAIL" (an IntEnum prints "2" on 3.11+)
+        return f"DebugLevel.{self.name}"
+
 
 _level = DebugLevel.OFF
 

@@ -16,6 +16,8 @@ class PrefixStore(Store):
 
     def __init__(self, prefix: str, store: Store, *, _owns_store: bool = False) -> None:
         check_key(prefix, "prefix")
+        if store is None:
+            raise ValueError("store argument cannot be None")  # torch's type and words
         if not isinstance(store, Store):
             raise TypeError(f"PrefixStore needs an aiodist Store, not {type(store).__name__}")
         self._prefix = prefix

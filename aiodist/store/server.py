@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import math
 import socket
 import sys
 import threading
@@ -374,8 +375,10 @@ class TCPStoreServer:
     def serving(self) -> bool:
         return self._server is not None and self._server.is_serving()
 
-    async def wait_for_workers(self, world_size: int, timeout: float) -> None:
-        """Until the ``init/`` counter reaches ``world_size`` (server-side, no polling)."""
+    async def wait_for_workers(self, world_size: int, timeout: float, shown_s: float | None = None) -> None:
+        """Until the ``init/`` counter reaches ``world_size`` (server-side, no polling). The
+        timeout message names ``shown_s`` (the store's configured timeout) in whole seconds, as
+        torch's does, rather than the time that was left of it."""
 
         def enough(v: bytes | None) -> bool:
             try:
@@ -388,7 +391,8 @@ class TCPStoreServer:
             return
         if not await self.state.settle(w, timeout):
             joined = self.state.get(INIT_KEY) or b"0"
-            raise StoreTimeoutError(f"Timed out after {timeout:g} seconds waiting for clients. {int(joined)}/{world_size} clients joined.")
+            shown = math.ceil(timeout if shown_s is None else shown_s)
+            raise StoreTimeoutError(f"Timed out after {shown} seconds waiting for clients. {int(joined)}/{world_size} clients joined.")
 
     async def close(self) -> None:
         if self._server is None:

@@ -303,7 +303,9 @@ class TCPStore(Store):
         if world_size is not None:
             if isinstance(world_size, bool) or not isinstance(world_size, int):
                 raise TypeError(f"world_size must be an int or None, got {world_size!r}")
-            if world_size < 1:
+            if world_size == 0:
+                raise ValueError("TCPStore world size cannot be 0")  # torch's words
+            if world_size < 0:
                 world_size = None  # torch treats a negative world size as "not fixed"
         if port == 0 and not is_master:
             raise ValueError("a TCPStore client needs the server's port; port=0 is only for is_master=True")
@@ -353,7 +355,11 @@ class TCPStore(Store):
             if self._world_size is not None and self._wait_for_workers:
                 await self._request(encode(Op.ADD, (INIT_KEY,), number=1), _I64, "join (init/ counter)", repeatable=False)
                 if self._server is not None:
-                    fut = self._server.submit(self._server.server.wait_for_workers(self._world_size, max(0.0, deadline - time.monotonic())))
+                    fut = self._server.submit(
+                        self._server.server.wait_for_workers(
+                            self._world_size, max(0.0, deadline - time.monotonic()), shown_s=self._timeout_s
+                        )
+                    )
                     await asyncio.wrap_future(fut)
         except BaseException:
             await self.close()
@@ -484,8 +490,8 @@ class TCPStore(Store):
             return conn
 
     async def _handshake(self, conn: _Connection, deadline: float) -> tuple[int, int]:
-        """VALIDATE, then a PING with a random nonce: (the echo, the nonce)."""
-        nonce = int.from_bytes(os.urandom(4), "little")
+        """VALIDATE, then a PING with this process's pid as the nonce (as torch's client): (the echo, the nonce)."""
+        nonce = os.getpid() & 0xFFFFFFFF  # torch's client pings with its pid
         try:
             (got,) = await conn.send(
                 encode(Op.VALIDATE, number=0x3C85F7CE) + encode(Op.PING, number=nonce), _U32, max(0.001, deadline - time.monotonic())

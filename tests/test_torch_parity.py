@@ -1,0 +1,91 @@
+"""Where torch users rely on torch's exact behaviour (issue 12, the first items): the same
+exception types and words as torch, checked against torch 2.13 where torch is installed.
+
+Each test fails before its fix: world_size=0 was taken as "not fixed"; the master's wait named
+the time left (``after 1.99833 seconds``); the client pinged with a random nonce; PrefixStore
+refused None with a TypeError; ``str(DebugLevel.DETAIL)`` was ``"2"``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from aiodist import DebugLevel, HashStore, TCPStore
+from aiodist.errors import StoreTimeoutError
+from aiodist.store import PrefixStore
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_world_size_zero_is_refused_with_torchs_words() -> None:
+    with pytest.raises(ValueError, match=r"^TCPStore world size cannot be 0$"):
+        TCPStore("127.0.0.1", 0, 0, True)
+
+
+async def test_a_negative_world_size_means_not_fixed_as_in_torch() -> None:
+    async with TCPStore("127.0.0.1", 0, -1, True, timeout=5) as s:
+        await s.set("k", "v")
+        assert await s.get("k") == b"v"
+
+
+async def test_the_masters_wait_names_the_configured_timeout_in_seconds() -> None:
+    with pytest.raises(StoreTimeoutError) as e:
+        await TCPStore("127.0.0.1", 0, 2, True, timeout=0.5)
+    assert str(e.value) == "Timed out after 1 seconds waiting for clients. 1/2 clients joined."
+
+
+async def test_the_client_pings_with_its_pid(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiodist.store import tcp as tcp_mod
+    from aiodist.wire.store import Op
+
+    pings: list[int] = []
+    real = tcp_mod.encode
+
+    def spy(op: Op, *args: object, **kw: object) -> bytes:
+        if op == Op.PING:
+            pings.append(int(kw["number"]))  # type: ignore[call-overload]
+        return real(op, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tcp_mod, "encode", spy)
+    async with TCPStore("127.0.0.1", 0, 1, True, timeout=5) as s:
+        await s.set("k", "v")
+    # the connection's validation ping carries the pid (later pings only fence no-reply requests)
+    assert pings and pings[0] == os.getpid() & 0xFFFFFFFF
+
+
+def test_prefix_store_refuses_none_with_torchs_type_and_words() -> None:
+    with pytest.raises(ValueError, match=r"^store argument cannot be None$"):
+        PrefixStore("p", None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        PrefixStore("p", object())  # type: ignore[arg-type]
+    PrefixStore("p", HashStore())
+
+
+def test_debug_level_prints_as_torchs_enum() -> None:
+    assert str(DebugLevel.DETAIL) == "DebugLevel.DETAIL" and f"{DebugLevel.OFF!s}" == "DebugLevel.OFF"
+    assert DebugLevel.DETAIL == 2 and DebugLevel["INFO"] is DebugLevel.INFO and repr(DebugLevel.INFO) == "<DebugLevel.INFO: 1>"
+
+
+# -- against torch 2.13, where it is installed ---------------------------------------------------
+
+
+@pytest.fixture
+def torch_dist():  # type: ignore[no-untyped-def]
+    pytest.importorskip("torch")
+    return pytest.importorskip("torch.distributed")
+
+
+def test_torch_says_the_same(torch_dist) -> None:  # type: ignore[no-untyped-def]
+    import datetime
+
+    with pytest.raises(ValueError, match=r"^TCPStore world size cannot be 0$"):
+        torch_dist.TCPStore("127.0.0.1", 0, 0, True, timeout=datetime.timedelta(seconds=1))
+    with pytest.raises(ValueError, match=r"^store argument cannot be None$"):
+        torch_dist.PrefixStore("p", None)
+    assert str(torch_dist.DebugLevel.DETAIL) == str(DebugLevel.DETAIL)
+    with pytest.raises(RuntimeError) as e:  # torch's DistStoreError is a RuntimeError
+        torch_dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=1))
+    assert re.fullmatch(r"Timed out after \d+ seconds waiting for clients\. 1/2 clients joined\.", str(e.value))
