@@ -26,10 +26,16 @@ from aiodist.constants import default_pg_timeout
 from aiodist.store.base import Store
 from aiodist.store.tcp import TCPStore
 
-__all__ = ["rendezvous", "register_rendezvous_handler", "RendezvousRegistry", "create_c10d_store"]
+__all__ = ["rendezvous", "register_rendezvous_handler", "RendezvousRegistry", "UnknownSchemeError", "create_c10d_store"]
 
 RendezvousResult = tuple[Store, int, int]
 Handler = Callable[..., Any]
+
+
+class UnknownSchemeError(ValueError, RuntimeError):
+    """No handler for a rendezvous URL's scheme. torch raises RuntimeError here; aiodist raised
+    ValueError before, so this is both: ``except RuntimeError`` (torch code) and ``except
+    ValueError`` both catch it."""
 
 
 class RendezvousRegistry:
@@ -52,7 +58,7 @@ class RendezvousRegistry:
             return self._handlers[scheme]
         except KeyError:
             known = ", ".join(f"{s}://" for s in sorted(self._handlers))
-            raise ValueError(
+            raise UnknownSchemeError(
                 f"No rendezvous handler for {scheme}://; known schemes: {known}. "
                 f"Did you forget to register it with aiodist.register_rendezvous_handler()?"
             ) from None

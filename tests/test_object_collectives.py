@@ -433,7 +433,7 @@ async def test_argument_errors_leave_the_group_usable() -> None:
             (TypeError, "must be a list", lambda: all_gather_object(None, rank)),  # type: ignore[arg-type]
             (ValueError, "not both", lambda: gather_object(rank, [None] * n, dst=0, group_dst=0)),
             (ValueError, "not both", lambda: scatter_object_list([None], None, src=0, group_src=0)),
-            (ValueError, "at least one entry", lambda: scatter_object_list([], [1, 2, 3], src=rank)),
+            (ValueError, "to be a list of size at least 1", lambda: scatter_object_list([], [1, 2, 3], src=rank)),
             (TypeError, "must be a list", lambda: scatter_object_list(None, [1, 2, 3], src=rank)),  # type: ignore[arg-type]
             (ValueError, "must be specified on the source", lambda: scatter_object_list([None], None, src=rank)),
             (ValueError, "has 2 entries, the group has 3", lambda: scatter_object_list([None], [1, 2], src=rank)),

@@ -89,3 +89,43 @@ def test_torch_says_the_same(torch_dist) -> None:  # type: ignore[no-untyped-def
     with pytest.raises(RuntimeError) as e:  # torch's DistStoreError is a RuntimeError
         torch_dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=1))
     assert re.fullmatch(r"Timed out after \d+ seconds waiting for clients\. 1/2 clients joined\.", str(e.value))
+
+
+async def test_an_unknown_rendezvous_scheme_is_a_runtime_error_as_in_torch() -> None:
+    import aiodist
+
+    with pytest.raises(RuntimeError, match=r"^No rendezvous handler for foo://"):
+        await aiodist.rendezvous("foo://x")
+    with pytest.raises(ValueError):  # what aiodist raised before: still caught
+        await aiodist.rendezvous("foo://x")
+
+
+async def test_get_backend_of_a_group_this_rank_is_not_in() -> None:
+    import aiodist as dist
+    from aiodist.testing import run_world
+
+    async def fn(rank: int) -> None:
+        sub = await dist.new_group([0])
+        if rank == 1:
+            with pytest.raises(ValueError, match=r"^Invalid process group specified"):
+                dist.get_backend(sub)
+        else:
+            assert dist.get_backend(sub) == "gloo"
+
+    await run_world(2, fn, backend="gloo", timeout=20)
+
+
+async def test_scatter_object_list_with_an_empty_output_list_uses_torchs_words() -> None:
+    import aiodist as dist
+    from aiodist.testing import run_world
+
+    async def fn(rank: int) -> None:
+        with pytest.raises(ValueError, match=r"Expected argument scatter_object_output_list to be a list of size at least 1\."):
+            await dist.scatter_object_list([], [1, 2] if rank == 0 else None, src=0)
+
+    await run_world(2, fn, backend="memory", timeout=20)
+
+
+def test_torch_raises_the_same_types(torch_dist) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(RuntimeError, match=r"^No rendezvous handler for foo://"):
+        torch_dist.rendezvous("foo://x")

@@ -582,6 +582,9 @@ def get_world_size(group: GroupArg = None) -> int:
 
 
 def get_backend(group: GroupArg = None) -> Backend:
+    if isinstance(group, int) and not isinstance(group, bool) and group == NON_GROUP_MEMBER:
+        # torch's words, then aiodist's detail
+        raise ValueError(f"Invalid process group specified: this rank (global rank {current_world().rank}) is not a member of the group")
     return Backend(resolve_group(group, what="get_backend").backend_name)
 
 

@@ -250,7 +250,9 @@ async def scatter_object_list(
     root = group_root(pg, "scatter_object_list", "src", src, group_src, default_global=0 if group_src is None else None)
     out = _out_list(scatter_object_output_list, "scatter_object_list scatter_object_output_list")
     if not out:
-        raise ValueError("scatter_object_list: scatter_object_output_list must be a list with at least one entry")
+        raise ValueError(
+            "scatter_object_list: Expected argument scatter_object_output_list to be a list of size at least 1."
+        )  # torch's words
     n = pg.size()
     size = np.empty(1, dtype=np.int64)
     if pg.rank() == root:
