@@ -84,6 +84,16 @@ class CommBackend(abc.ABC):
     async def close(self) -> None:  # noqa: B027 - optional
         """Release what the backend holds. Idempotent."""
 
+    def connection_report(self, peers: Sequence[int]) -> str:
+        """For a timeout message: what is known of the connections to ``peers`` that were never
+        made (``"; no connection to rank 1 at ADDR was ever made (...)"``); empty by default."""
+        return ""
+
+    def address_info(self) -> dict[str, Any] | None:
+        """Where this rank's peers reach it (the socket backend: docs/multi_host.md); None for
+        backends without addresses."""
+        return None
+
     def stats(self) -> dict[str, Any]:
         return {"backend": self.name, "rank": self.rank, "world_size": self.world_size}
 

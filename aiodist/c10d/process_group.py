@@ -83,6 +83,10 @@ class _Tracked:
         """The global ranks a send of this op was still waiting on."""
         return sorted(self.ranks[p] for p, n in self.waiting_send.items() if n > 0)
 
+    def peers(self) -> list[int]:
+        """Every global rank this op still waits on, either way."""
+        return sorted({*self.silent(), *self.unsent()})
+
     def describe_waiting(self) -> str:
         """The timeout message's tail: whom this op was still waiting on."""
         out = ""
@@ -120,6 +124,9 @@ class _DeviceTracker:
     def silent(self) -> list[int]:
         me = self._pg.backend.rank
         return [r for r in self._pg.ranks if r != me]
+
+    def peers(self) -> list[int]:
+        return self.silent()
 
     def describe_waiting(self) -> str:
         return self._waiting() if self._waiting is not None else "; the device op had not completed"
@@ -433,10 +440,8 @@ class ProcessGroup:
             msg = f"{what} timed out after {limit:g} s on rank {self.backend.rank}"
             waiting = tracker.describe_waiting()
             msg += waiting or "; it was not waiting on any peer (the group was still running it)"
-            report = getattr(self.backend, "connection_report", None)
-            if report is not None and waiting:
-                peers = [*getattr(tracker, "silent", list)(), *getattr(tracker, "unsent", list)(), *getattr(tracker, "peers", list)()]
-                msg += report(peers)
+            if waiting:
+                msg += self.backend.connection_report(tracker.peers())
             if diagnose:
                 msg += await self._diagnose(work.seq, tracker.silent(), grace)
             err: DistError = DistTimeoutError(msg)

@@ -71,15 +71,9 @@ class World:
             "rank": self.rank,
             "world_size": self.world_size,
             "backend": self.backend_name,
-            "address": _address_info(self.backend),
+            "address": None if self.backend is None else self.backend.address_info(),
             "groups": [g.stats() for g in self.groups.values()],
         }
-
-
-def _address_info(backend: Any) -> Any:
-    """The backend's ``address_info()`` where it has one (the socket backend): docs/multi_host.md."""
-    info = getattr(backend, "address_info", None)
-    return None if info is None else info()
 
 
 _PROCESS_WORLD = World("process")

@@ -70,6 +70,7 @@ _CLOSE_WAIT = 2.0  # seconds close() waits for connections to finish closing
 _DIAL_GRACE = 0.05  # seconds a waiting receive gives its peer to connect before dialing it
 _NOWAIT_MAX_BYTES = 64 * 1024  # send_nowait only tries messages this small (the kernel takes them at once)
 _CONNECT_ATTEMPT_S = 5.0  # one connect attempt's deadline (a dropped SYN would otherwise wait minutes)
+_DIAGNOSE_S = 5.0  # how long a failed exchange() may spend finding the ranks it waited for
 _WARN_AFTER_S = 1.0  # a peer that cannot be connected to for this long gets a warning ...
 _WARN_EVERY_S = 5.0  # ... and another this often while it lasts
 STRIPE_MIN_BYTES = 256 * 1024  # collective messages this big are split across the lanes (AIODIST_STRIPE_MIN_BYTES)
@@ -149,6 +150,7 @@ class Transport:
         self._host = advertise.hosts[0]
         self._host_id = host_id()
         self._peers: dict[int, PeerAddress] = {}  # every rank's address, once exchange() read them
+        self._striping = False  # some peer's messages are split (exchange() sets it)
         self._lane_conn: dict[tuple[int, int], Connection] = {}  # (peer, lane >= 1): the connection we send that lane on
         self._lane_dialing: dict[tuple[int, int], asyncio.Task[Connection]] = {}
         self._ready_waiters: dict[Any, set[asyncio.Future[None]]] = {}  # peer or (peer, lane): sends waiting for a connection
@@ -256,9 +258,13 @@ class Transport:
         try:
             await store.wait([f"{base}{rnd}/all"], timeout)
         except TimeoutError:
-            missing = [r for r in range(world) if not await store.check([keys[r]])]
-            counted = await store.add(f"{base}{rnd}/counted", 0)
-            who = f"ranks {missing}" if missing else f"{world - counted} of {world} ranks"
+            try:
+                async with asyncio.timeout(_DIAGNOSE_S):  # naming the absent ranks is best effort
+                    missing = [r for r in range(world) if not await store.check([keys[r]])]
+                    counted = await store.add(f"{base}{rnd}/counted", 0)
+                who = f"ranks {missing}" if missing else f"{world - counted} of {world} ranks"
+            except (TimeoutError, DistError):
+                who = "some ranks (the store did not say which)"
             raise DistTimeoutError(
                 f"rank {self.rank}: timeout after {timeout:g} s waiting for the transport addresses of {who} "
                 f"(have they started? is world_size={world} right?)"
@@ -289,6 +295,13 @@ class Transport:
                 "Every rank must use the same value"
             )
         self._peers = {a.rank: a for a in addrs}
+        self._striping = any(self.striped(p) for p in self._peers)
+
+    def _splits(self, peer: int, nbytes: int, seq: int) -> bool:
+        """A message of ``nbytes`` to or from ``peer`` in op ``seq`` is split across the lanes:
+        a collective's (never user p2p: an any-source receive cannot know the split), big
+        enough, with a striped peer. Sender and receiver decide alike."""
+        return self._striping and nbytes >= self.stripe_min_bytes and seq != P2P_SEQ and self.striped(peer)
 
     def striped(self, peer: int) -> bool:
         """Messages to and from ``peer`` are split across the lanes: several interfaces are named,
@@ -321,7 +334,7 @@ class Transport:
         if dst == self.rank:
             self._deliver_self(key, view)
             return
-        if view.nbytes >= self.stripe_min_bytes and seq != P2P_SEQ and self.striped(dst):
+        if self._splits(dst, view.nbytes, seq):
             parts = stripe_parts(view.nbytes, self.lanes)
             await _parts([self._send_lane(dst, j, view[a:b], (group, seq, tag + (j + 1) * _STRIPE_TAG)) for j, (a, b) in enumerate(parts)])
             return
@@ -381,7 +394,7 @@ class Transport:
         self._check_usable(key, dst)
         if dst == self.rank or view.nbytes > min(self.limits.max_payload_bytes, _NOWAIT_MAX_BYTES):
             return False
-        if view.nbytes >= self.stripe_min_bytes and seq != P2P_SEQ and self.striped(dst):
+        if self._splits(dst, view.nbytes, seq):
             return False  # its receiver expects the parts: send() splits it
         conn = self._send_conn.get(dst)
         if conn is None or self._queued.get(dst) or not conn.can_write_now():
@@ -401,12 +414,12 @@ class Transport:
         if src is not None:
             self._check_peer(src)
         self._check_usable(key, None)
-        if src is None and dst.nbytes >= self.stripe_min_bytes and seq != P2P_SEQ and any(self.striped(p) for p in self._peers):
+        if src is None and self._striping and dst.nbytes >= self.stripe_min_bytes and seq != P2P_SEQ:
             raise ValueError(
                 f"rank {self.rank}: an any-source receive of a {dst.nbytes}-byte collective message ({describe_key(key)}) cannot be "
                 f"matched while messages from {self.stripe_min_bytes} bytes are split across interfaces: name the source"
             )
-        if src is not None and dst.nbytes >= self.stripe_min_bytes and seq != P2P_SEQ and src != self.rank and self.striped(src):
+        if src is not None and self._splits(src, dst.nbytes, seq):
             parts = stripe_parts(dst.nbytes, self.lanes)
             await _parts([self._recv_one(src, dst[a:b], (group, seq, tag + (j + 1) * _STRIPE_TAG)) for j, (a, b) in enumerate(parts)])
             return src
