@@ -337,8 +337,8 @@ async def test_send_recv_object_list_in_a_subgroup() -> None:
             assert await recv_object_list(two, group=g) == 1 and two == ["any", "x" * MB]  # any source: a global rank
         else:
             assert g == dist.GroupMember.NON_GROUP_MEMBER
-            with pytest.raises(ValueError, match="not a member"):
-                await recv_object_list([None], src=1, group=g)
+            with pytest.warns(UserWarning, match="which does not belong to the given group"):  # as torch
+                assert await recv_object_list([None], src=1, group=g) == -1
 
     await run_world(4, fn)
 
@@ -391,8 +391,8 @@ async def test_object_collectives_in_a_subgroup() -> None:
                 gather_object(rank, None, dst=1, group=g),
                 scatter_object_list([None], None, src=1, group=g),
             ):
-                with pytest.raises(ValueError, match="not a member"):
-                    await call
+                with pytest.warns(UserWarning, match="which does not belong to the given group"):  # as torch
+                    assert await call is None
             return
         objs: list[Any] = ["from 4"] if rank == 4 else [None]
         await broadcast_object_list(objs, src=4, group=g)  # src: a global rank

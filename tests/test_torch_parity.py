@@ -129,3 +129,71 @@ async def test_scatter_object_list_with_an_empty_output_list_uses_torchs_words()
 def test_torch_raises_the_same_types(torch_dist) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(RuntimeError, match=r"^No rendezvous handler for foo://"):
         torch_dist.rendezvous("foo://x")
+
+
+# -- a rank outside the group it passes: torch warns and returns ----------------------------------
+
+
+async def test_a_rank_outside_the_group_warns_and_returns_without_communicating() -> None:
+    """The tutorial "Writing Distributed Applications with PyTorch" with 4 processes: group
+    [0, 1] all-reduces while ranks 2 and 3 make the same call with that group. torch warns on 2
+    and 3 and returns; every op, p2p and object collective does the same (recv returns -1)."""
+    import warnings
+
+    import numpy as np
+
+    import aiodist as dist
+    from aiodist.testing import run_world
+
+    async def fn(rank: int) -> dict[str, object]:
+        g = await dist.new_group([0, 1])
+        t = np.ones(1)
+        await dist.all_reduce(t, op=dist.ReduceOp.SUM, group=g)
+        if rank >= 2:  # every call returns at once: the members below never take part
+            one, out = np.ones(2), [np.zeros(2), np.zeros(2)]
+            got: dict[str, object] = {
+                "broadcast": await dist.broadcast(one, src=0, group=g),
+                "reduce": await dist.reduce(one, dst=0, group=g, async_op=True),
+                "all_gather": await dist.all_gather(out, one, group=g),
+                "all_gather_into_tensor": await dist.all_gather_into_tensor(np.zeros(4), one, group=g),
+                "gather": await dist.gather(one, group=g),
+                "scatter": await dist.scatter(one, group=g),
+                "reduce_scatter": await dist.reduce_scatter(one, out, group=g),
+                "reduce_scatter_tensor": await dist.reduce_scatter_tensor(one, np.zeros(4), group=g),
+                "all_to_all": await dist.all_to_all(out, out, group=g),
+                "all_to_all_single": await dist.all_to_all_single(one, one, group=g),
+                "barrier": await dist.barrier(group=g),
+                "monitored_barrier": await dist.monitored_barrier(group=g),
+                "all_reduce_coalesced": await dist.all_reduce_coalesced([one], group=g),
+                "all_gather_coalesced": await dist.all_gather_coalesced([out], [one], group=g),
+                "send": await dist.send(one, dst=0, group=g),
+                "recv": await dist.recv(one, src=0, group=g),
+                "isend": await dist.isend(one, dst=0, group=g),
+                "irecv": await dist.irecv(one, src=0, group=g),
+                "broadcast_object_list": await dist.broadcast_object_list([None], src=0, group=g),
+                "all_gather_object": await dist.all_gather_object([None, None], 1, group=g),
+                "gather_object": await dist.gather_object(1, None, group=g),
+                "scatter_object_list": await dist.scatter_object_list([None], None, group=g),
+                "send_object_list": await dist.send_object_list([1], dst=0, group=g),
+                "recv_object_list": await dist.recv_object_list([None], src=0, group=g),
+            }
+            assert (one == 1).all() and all((o == 0).all() for o in out)
+            await dist.destroy_process_group(g)  # torch: returns silently
+            return {"value": float(t[0]), **got}
+        return {"value": float(t[0])}
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = await run_world(4, fn, timeout=20)
+    assert [r["value"] for r in results] == [2.0, 2.0, 1.0, 1.0]
+    for r in results[2:]:
+        ops = [k for k in r if k != "value"]
+        assert all(r[k] is None for k in ops if k not in ("recv", "recv_object_list"))
+        assert r["recv"] == -1 and r["recv_object_list"] == -1
+    texts = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    for rank in (2, 3):
+        for op in ["all_reduce", *ops]:
+            assert f"Running {op} on global rank {rank} which does not belong to the given group." in texts, (op, rank)
+    assert not any("global rank 0" in x or "global rank 1" in x for x in texts)
+    # the warning points at the caller's line (stacklevel), as torch's does
+    assert {w.filename for w in caught if "does not belong" in str(w.message)} == {__file__}

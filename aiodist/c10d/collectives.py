@@ -26,7 +26,7 @@ from aiodist.algorithms import collectives as alg
 from aiodist.algorithms.p2p import P2P, byte_view
 from aiodist.c10d._args import buf, bufs, check_async_op, group_root, same_dtype, split_sizes
 from aiodist.c10d._device import device_backend, issue_on_device
-from aiodist.c10d.init import GroupArg, resolve_group
+from aiodist.c10d.init import GroupArg, not_member, resolve_group
 from aiodist.c10d.work import Work
 from aiodist.errors import DistTimeoutError
 from aiodist.types import Buffer, ReduceOp, ReduceOpLike, combiner, finalize, premultiply, to_reduce_op
@@ -112,6 +112,8 @@ async def broadcast(
     tensor: Any, src: int | None = None, group: GroupArg = None, async_op: bool = False, group_src: int | None = None
 ) -> Work | None:
     """Copy ``tensor`` of ``src`` into ``tensor`` of every rank of the group."""
+    if not_member(group, "broadcast"):
+        return None
     pg = resolve_group(group, what="broadcast")
     asy = check_async_op(async_op)
     root = group_root(pg, "broadcast", "src", src, group_src)
@@ -128,6 +130,8 @@ async def broadcast(
 
 async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` across the group, in place; the same bits on every rank."""
+    if not_member(group, "all_reduce"):
+        return None
     pg = resolve_group(group, what="all_reduce")
     asy = check_async_op(async_op)
     if (dev := device_backend(pg, tensor, "all_reduce tensor")) is not None:
@@ -153,6 +157,8 @@ async def reduce(
     group_dst: int | None = None,
 ) -> Work | None:
     """Reduce ``tensor`` of every rank into ``tensor`` of ``dst``; the others' are left as they were."""
+    if not_member(group, "reduce"):
+        return None
     pg = resolve_group(group, what="reduce")
     asy = check_async_op(async_op)
     root = group_root(pg, "reduce", "dst", dst, group_dst)
@@ -178,6 +184,8 @@ async def reduce(
 
 async def all_gather(tensor_list: Sequence[Any], tensor: Any, group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Every rank's ``tensor`` into ``tensor_list[that rank]`` on every rank (sizes may differ per rank)."""
+    if not_member(group, "all_gather"):
+        return None
     pg = resolve_group(group, what="all_gather")
     asy = check_async_op(async_op)
     if (dev := device_backend(pg, tensor, "all_gather tensor")) is not None:
@@ -205,6 +213,8 @@ async def all_gather_single(output_tensor: Any, input_tensor: Any, group: GroupA
 
 
 async def _all_gather_one(op: str, output_tensor: Any, input_tensor: Any, group: GroupArg, async_op: bool) -> Work | None:
+    if not_member(group, op, stacklevel=4):
+        return None
     pg = resolve_group(group, what=op)
     asy = check_async_op(async_op)
     if (dev := device_backend(pg, input_tensor, f"{op} input_tensor")) is not None:
@@ -248,6 +258,8 @@ async def gather(
     group_dst: int | None = None,
 ) -> Work | None:
     """Every rank's ``tensor`` into ``gather_list`` of ``dst`` (default: global rank 0)."""
+    if not_member(group, "gather"):
+        return None
     pg = resolve_group(group, what="gather")
     asy = check_async_op(async_op)
     root = group_root(pg, "gather", "dst", dst, group_dst, default_global=0 if group_dst is None else None)
@@ -275,6 +287,8 @@ async def scatter(
     group_src: int | None = None,
 ) -> Work | None:
     """``scatter_list[i]`` of ``src`` (default: global rank 0) into ``tensor`` of group rank i."""
+    if not_member(group, "scatter"):
+        return None
     pg = resolve_group(group, what="scatter")
     asy = check_async_op(async_op)
     root = group_root(pg, "scatter", "src", src, group_src, default_global=0 if group_src is None else None)
@@ -299,6 +313,8 @@ async def reduce_scatter(
     output: Any, input_list: Sequence[Any], op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False
 ) -> Work | None:
     """``output`` of rank r = the reduction over every rank of its ``input_list[r]``."""
+    if not_member(group, "reduce_scatter"):
+        return None
     pg = resolve_group(group, what="reduce_scatter")
     asy = check_async_op(async_op)
     if (dev := device_backend(pg, output, "reduce_scatter output")) is not None:
@@ -326,6 +342,8 @@ async def reduce_scatter_single(
 
 
 async def _reduce_scatter_one(name: str, output: Any, input: Any, op: ReduceOpLike, group: GroupArg, async_op: bool) -> Work | None:
+    if not_member(group, name, stacklevel=4):
+        return None
     pg = resolve_group(group, what=name)
     asy = check_async_op(async_op)
     if (dev := device_backend(pg, output, f"{name} output")) is not None:
@@ -358,6 +376,8 @@ async def all_to_all(
     output_tensor_list: Sequence[Any], input_tensor_list: Sequence[Any], group: GroupArg = None, async_op: bool = False
 ) -> Work | None:
     """``input_tensor_list[j]`` of rank i into ``output_tensor_list[i]`` of rank j (sizes may differ)."""
+    if not_member(group, "all_to_all"):
+        return None
     pg = resolve_group(group, what="all_to_all")
     asy = check_async_op(async_op)
     if (dev := device_backend(pg, input_tensor_list, "all_to_all input_tensor_list")) is not None:
@@ -394,6 +414,8 @@ async def all_to_all_single(
 ) -> Work | None:
     """Split ``input`` along dim 0 (``input_split_sizes`` or equally), send part j to rank j, and
     concatenate what arrives into ``output`` (``output_split_sizes`` or equally)."""
+    if not_member(group, "all_to_all_single"):
+        return None
     pg = resolve_group(group, what="all_to_all_single")
     asy = check_async_op(async_op)
     if (dev := device_backend(pg, input, "all_to_all_single input")) is not None:
@@ -427,6 +449,8 @@ def _issue_all_to_all(pg: Any, name: str, outs: list[np.ndarray], ins: list[np.n
 
 async def barrier(group: GroupArg = None, async_op: bool = False, device_ids: Any = None) -> Work | None:
     """Return once every rank of the group has entered (``device_ids`` is ignored on CPU)."""
+    if not_member(group, "barrier"):
+        return None
     pg = resolve_group(group, what="barrier")
     asy = check_async_op(async_op)
     if pg.host_refusal is not None and pg.devices:  # no CPU backend ("nccl" alone): a device barrier
@@ -455,6 +479,8 @@ async def all_reduce_coalesced(
     """Reduce every tensor of ``tensors`` (a list of one dtype, or one tensor) across the group as
     one op: one flattened buffer, one all_reduce, the results copied back in place (bitwise
     identical on every rank)."""
+    if not_member(group, "all_reduce_coalesced"):
+        return None
     pg = resolve_group(group, what="all_reduce_coalesced")
     asy = check_async_op(async_op)
     if (dev := device_backend(pg, tensors, "all_reduce_coalesced tensors")) is not None:
@@ -489,6 +515,8 @@ async def all_gather_coalesced(
     """``all_gather`` of every tensor of ``input_tensor_list`` as one op, torch's layout:
     ``output_tensor_lists[r][i]`` receives rank r's ``input_tensor_list[i]``. The tensors may
     have different dtypes (each output's dtype must be its input's); one message per peer."""
+    if not_member(group, "all_gather_coalesced"):
+        return None
     pg = resolve_group(group, what="all_gather_coalesced")
     asy = check_async_op(async_op)
     if (dev := device_backend(pg, input_tensor_list, "all_gather_coalesced input_tensor_list")) is not None:
@@ -550,6 +578,8 @@ async def monitored_barrier(group: GroupArg = None, timeout: TimeoutLike | None 
     some rank did not arrive in time, rank 0 raises ``DistTimeoutError`` naming it (with
     ``wait_all_ranks=True``: naming all of them), the group breaks, and the other ranks fail at
     once with rank 0's reason (or, if rank 0 itself never came, at their own deadline, naming 0)."""
+    if not_member(group, "monitored_barrier"):
+        return None
     pg = resolve_group(group, what="monitored_barrier")
     if not isinstance(wait_all_ranks, bool):
         raise TypeError(f"wait_all_ranks must be a bool, not {type(wait_all_ranks).__name__}")

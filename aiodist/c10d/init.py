@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,6 +70,7 @@ __all__ = [
     "get_global_rank",
     "get_default_backend_for_device",
     "resolve_group",
+    "not_member",
 ]
 
 GroupArg = ProcessGroup | int | None
@@ -92,6 +94,17 @@ def resolve_group(group: GroupArg, *, what: str = "this op") -> ProcessGroup:
     if world.groups.get(group.group_id) is not group:
         raise ValueError(f"{what}: {group.describe()} is not a live group of this World (destroyed, or made by another World)")
     return group
+
+
+def not_member(group: object, op: str, *, stacklevel: int = 3) -> bool:
+    """True when ``group`` is ``NON_GROUP_MEMBER`` (new_group's answer on a rank outside the
+    group), after warning as torch does: the caller then returns without communicating, as
+    torch's ops do on such a rank."""
+    if not (isinstance(group, int) and not isinstance(group, bool) and group == NON_GROUP_MEMBER):
+        return False
+    world = current_world()
+    warnings.warn(f"Running {op} on global rank {world.rank} which does not belong to the given group.", UserWarning, stacklevel=stacklevel)
+    return True
 
 
 # -- availability ------------------------------------------------------------------------------
@@ -323,8 +336,11 @@ def is_initialized() -> bool:
 
 async def destroy_process_group(group: GroupArg = None) -> None:
     """Destroy ``group`` (its pending ops fail, it refuses new ones); None or the default group
-    destroys every group and deinitialises the World."""
+    destroys every group and deinitialises the World. ``NON_GROUP_MEMBER`` (new_group's answer on
+    a rank outside the group) returns at once, as torch."""
     world = current_world()
+    if isinstance(group, int) and not isinstance(group, bool) and group == NON_GROUP_MEMBER:
+        return
     pg = resolve_group(group, what="destroy_process_group")
     if pg is world.default_pg:
         for g in list(world.groups.values()):

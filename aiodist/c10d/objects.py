@@ -29,7 +29,7 @@ import numpy as np
 
 from aiodist.c10d._args import group_root
 from aiodist.c10d.collectives import all_gather, broadcast, gather, scatter
-from aiodist.c10d.init import GroupArg, resolve_group
+from aiodist.c10d.init import GroupArg, not_member, resolve_group
 from aiodist.c10d.point_to_point import isend, recv
 from aiodist.c10d.process_group import ProcessGroup
 from aiodist.c10d.work import Work
@@ -163,6 +163,8 @@ async def broadcast_object_list(
     other rank, in place (``src`` a global rank, ``group_src`` a group rank; global rank 0 if
     neither is given). Every rank passes a list of the same length; the source's list is left as
     it is."""
+    if not_member(group, "broadcast_object_list"):
+        return None
     pg = resolve_group(group, what="broadcast_object_list")
     root = group_root(pg, "broadcast_object_list", "src", src, group_src, default_global=0 if group_src is None else None)
     objs = _out_list(object_list, "broadcast_object_list object_list")
@@ -192,6 +194,8 @@ async def all_gather_object(object_list: list[Any], obj: Any, group: GroupArg = 
     """Every rank's picklable ``obj`` into ``object_list[that group rank]`` on every rank, in place
     (``object_list`` must have one entry per rank of the group). Each entry, this rank's own
     included, is an unpickled copy."""
+    if not_member(group, "all_gather_object"):
+        return None
     pg = resolve_group(group, what="all_gather_object")
     out = _group_sized(object_list, "all_gather_object object_list", pg)
     sizes, payload = _pack([obj])
@@ -210,6 +214,8 @@ async def gather_object(
     """Every rank's picklable ``obj`` into ``object_gather_list[that group rank]`` of ``dst``
     (global rank 0 if neither ``dst`` nor ``group_dst`` is given). The list must be sized as the
     group on the destination and None (or empty) elsewhere."""
+    if not_member(group, "gather_object"):
+        return None
     pg = resolve_group(group, what="gather_object")
     root = group_root(pg, "gather_object", "dst", dst, group_dst, default_global=0 if group_dst is None else None)
     is_root = pg.rank() == root
@@ -246,6 +252,8 @@ async def scatter_object_list(
     """``scatter_object_input_list[i]`` of ``src`` (global rank 0 if neither ``src`` nor
     ``group_src`` is given) into ``scatter_object_output_list[0]`` of group rank i. The input list
     must be sized as the group on the source; elsewhere it is ignored (as in torch)."""
+    if not_member(group, "scatter_object_list"):
+        return None
     pg = resolve_group(group, what="scatter_object_list")
     root = group_root(pg, "scatter_object_list", "src", src, group_src, default_global=0 if group_src is None else None)
     out = _out_list(scatter_object_output_list, "scatter_object_list scatter_object_output_list")
@@ -291,6 +299,8 @@ async def send_object_list(
     sizes, then their bytes, as two messages with tag 0. The receiver passes a list of the same
     length to ``recv_object_list``. ``device`` and ``use_batch`` are accepted and ignored (the
     messages are the same either way)."""
+    if not_member(group, "send_object_list"):
+        return None
     pg = resolve_group(group, what="send_object_list")
     peer = group_root(pg, "send_object_list", "dst", dst, group_dst)
     objs = _in_list(object_list, "send_object_list object_list")
@@ -317,6 +327,8 @@ async def recv_object_list(
     """Receive ``len(object_list)`` objects sent by ``send_object_list`` into ``object_list``, in
     place, from ``src`` (global rank), ``group_src``, or any rank of the group if both are None.
     Returns the sender's global rank; the bytes are received from that same sender."""
+    if not_member(group, "recv_object_list"):
+        return -1
     pg = resolve_group(group, what="recv_object_list")
     peer: int | None = None
     if src is not None or group_src is not None:

@@ -23,7 +23,7 @@ import numpy as np
 from aiodist.backends.base import CommBackend
 from aiodist.c10d._args import buf, group_root
 from aiodist.c10d._device import device_backend
-from aiodist.c10d.init import GroupArg, resolve_group
+from aiodist.c10d.init import GroupArg, not_member, resolve_group
 from aiodist.c10d.process_group import ProcessGroup
 from aiodist.c10d.work import Work
 
@@ -160,24 +160,34 @@ def _check(
 async def send(tensor: Any, dst: int | None = None, group: GroupArg = None, tag: int = 0, group_dst: int | None = None) -> None:
     """Send ``tensor`` to ``dst`` (global rank) or ``group_dst``; returns once the bytes are
     handed to the transport (the tensor may then change)."""
+    if not_member(group, "send"):
+        return
     await (await _check("send", tensor, dst, group, tag, group_dst, True, blocking=True).start())
 
 
 async def recv(tensor: Any, src: int | None = None, group: GroupArg = None, tag: int = 0, group_src: int | None = None) -> int:
     """Receive into ``tensor`` from ``src`` (global rank), ``group_src``, or any rank of the group
-    (both None); returns the sender's global rank."""
+    (both None); returns the sender's global rank (-1 on a rank outside ``group``, as torch)."""
+    if not_member(group, "recv"):
+        return -1
     work = await _check("recv", tensor, src, group, tag, group_src, False, blocking=True).start()
     await work
     return work.source_rank()
 
 
-async def isend(tensor: Any, dst: int | None = None, group: GroupArg = None, tag: int = 0, group_dst: int | None = None) -> Work:
-    """Issue a send and return its Work (``tensor`` must not change until it completes)."""
+async def isend(tensor: Any, dst: int | None = None, group: GroupArg = None, tag: int = 0, group_dst: int | None = None) -> Work | None:
+    """Issue a send and return its Work (``tensor`` must not change until it completes); None on
+    a rank outside ``group``, as torch."""
+    if not_member(group, "isend"):
+        return None
     return await _check("isend", tensor, dst, group, tag, group_dst, True, blocking=False).start()
 
 
-async def irecv(tensor: Any, src: int | None = None, group: GroupArg = None, tag: int = 0, group_src: int | None = None) -> Work:
-    """Issue a receive and return its Work; ``work.source_rank()`` is the sender once it completes."""
+async def irecv(tensor: Any, src: int | None = None, group: GroupArg = None, tag: int = 0, group_src: int | None = None) -> Work | None:
+    """Issue a receive and return its Work; ``work.source_rank()`` is the sender once it completes.
+    None on a rank outside ``group``, as torch."""
+    if not_member(group, "irecv"):
+        return None
     return await _check("irecv", tensor, src, group, tag, group_src, False, blocking=False).start()
 
 
