@@ -17,7 +17,8 @@ Rules this module keeps:
   change to the tensor changes the op and here it does not. bool and complex factors are refused.
 - ``check_reduce(op, dtype)`` holds the dtype rules, in one table: bitwise ops on integers and
   bool only; MIN/MAX not on complex; AVG and PREMUL_SUM on floating and complex only. A refusal is
-  a ``TypeError`` naming the op and the dtype. Beyond torch's gloo: int16 and uint16/32/64 (gloo:
+  a ``TypeError`` naming the op and the dtype; on complex, a ``ComplexReduceError`` (ValueError,
+  torch's type, and TypeError) that starts with torch's words. Beyond torch's gloo: int16 and uint16/32/64 (gloo:
   "Invalid scalar type"), PREMUL_SUM (gloo refuses it; NCCL has it), complex PRODUCT.
 - Reductions run in the array's own dtype and round after every step, as torch's gloo does
   (float16 too: measured, every element of a 3-rank gloo float16 sum is a step-by-step float16
@@ -69,6 +70,7 @@ __all__ = [
     "DTYPES",
     "dtype_name",
     "check_reduce",
+    "ComplexReduceError",
     "Buffer",
     "as_array",
     "bfloat16_to_float32",
@@ -342,8 +344,16 @@ def _kind(op: object) -> ReduceOp.RedOpType:
     return to_reduce_op(op).op
 
 
-def check_reduce(op: ReduceOpLike, dtype: object) -> None:
-    """Refuse, with a ``TypeError`` naming both, an op that is not defined for a dtype.
+class ComplexReduceError(ValueError, TypeError):
+    """A reduce op that complex tensors do not support (MIN, MAX, the bitwise ops). torch raises
+    ValueError with the words ``all_reduce does not support RedOpType.MAX on complex tensors``;
+    aiodist refused every op/dtype pair with TypeError before, so this is both."""
+
+
+def check_reduce(op: ReduceOpLike, dtype: object, what: str | None = None) -> None:
+    """Refuse, with a ``TypeError`` naming both, an op that is not defined for a dtype; on a
+    complex dtype a ``ComplexReduceError`` (ValueError and TypeError) in torch's words, which name
+    ``what`` (the collective; "this op" if None).
 
     ``op`` may be a bare kind (``ReduceOp.PREMUL_SUM`` included: only the kind is checked);
     ``dtype`` is anything ``dtype_name`` takes."""
@@ -351,6 +361,10 @@ def check_reduce(op: ReduceOpLike, dtype: object) -> None:
     name = dtype_name(dtype)
     allowed, why = _RULES[kind]
     if name not in allowed:
+        if name in _COMPLEX:
+            raise ComplexReduceError(
+                f"{what or 'this op'} does not support RedOpType.{kind.name} on complex tensors: {kind} is not defined for {name}; {why}"
+            )
         raise TypeError(f"{kind} is not defined for {name}; {why}")
 
 
@@ -582,12 +596,13 @@ def reduce_into(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any], op: Reduce
             ufunc(dst, src, out=dst)
 
 
-def combiner(op: ReduceOpLike, dtype: str) -> Callable[[np.ndarray[Any, Any], np.ndarray[Any, Any]], None]:
-    """``reduce_into`` for one (op, logical dtype), checked once: the returned function does only
-    the elementwise work (the collectives call it once per received piece)."""
+def combiner(op: ReduceOpLike, dtype: str, what: str | None = None) -> Callable[[np.ndarray[Any, Any], np.ndarray[Any, Any]], None]:
+    """``reduce_into`` for one (op, logical dtype), checked once (``what`` names the collective in
+    a refusal): the returned function does only the elementwise work (the collectives call it
+    once per received piece)."""
     kind = _kind(op)
     name = dtype_name(dtype)
-    check_reduce(kind, name)
+    check_reduce(kind, name, what)
     if name == "bfloat16" or (kind is ReduceOp.RedOpType.PRODUCT and np.dtype(name).kind == "c"):
 
         def slow(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aiodist.types import ReduceOp, to_reduce_op
+from aiodist.types import ComplexReduceError, ReduceOp, to_reduce_op
 
 __all__ = ["NCCL_DTYPES", "NCCL_OPS", "Wire", "wire_dtype", "nccl_op", "nccl_error_name", "NCCL_FLOATS"]
 
@@ -79,6 +79,11 @@ def nccl_op(op: object, dtype: str, what: str) -> tuple[int, float | None]:
     rop = to_reduce_op(op)
     kind = rop.op
     wire_dtype(dtype, what)  # a dtype NCCL lacks is refused first, whatever the op
+    if dtype.startswith("complex") and kind not in (_R.SUM, _R.AVG):  # torch's ValueError, and aiodist's TypeError
+        raise ComplexReduceError(
+            f"{what.split()[0]} does not support RedOpType.{kind.name} on complex tensors: {what}: ReduceOp.{kind.name} is not "
+            f"supported on {dtype} by the NCCL backend (complex: SUM and AVG only)"
+        )
     if kind in (_R.BAND, _R.BOR, _R.BXOR):
         raise TypeError(
             f"{what}: ReduceOp.{kind.name} is not supported by the NCCL backend (NCCL has no bitwise reductions); use the CPU backend"
@@ -89,8 +94,6 @@ def nccl_op(op: object, dtype: str, what: str) -> tuple[int, float | None]:
         if kind in (_R.PRODUCT, _R.MIN):
             return NCCL_MIN, None
         raise TypeError(f"{what}: ReduceOp.{kind.name} is not supported on bool tensors by the NCCL backend")
-    if dtype.startswith("complex") and kind not in (_R.SUM, _R.AVG):
-        raise TypeError(f"{what}: ReduceOp.{kind.name} is not supported on {dtype} by the NCCL backend (complex: SUM and AVG only)")
     if kind is _R.PREMUL_SUM:
         if dtype not in NCCL_FLOATS:
             raise TypeError(f"{what}: ReduceOp.PREMUL_SUM needs a floating dtype (float16, float32, float64, bfloat16), not {dtype}")

@@ -21,6 +21,7 @@ import pytest
 from aiodist.algorithms import (
     P2P,
     LocalP2P,
+    SubP2P,
     Thresholds,
     all_gather,
     all_reduce,
@@ -522,7 +523,9 @@ async def test_local_p2p_refuses_misuse() -> None:
     with pytest.raises(ValueError):
         await a.send(1, np.ones(1), -1)
     with pytest.raises(ValueError):
-        await a.send(1, np.ones(1), 1 << 31)
+        await a.send(1, np.ones(1), 1 << 36)  # CHANNEL_TAG_LIMIT (sub-ops of an op live in [2**31, 2**36))
+    with pytest.raises(ValueError):
+        await SubP2P(a, 0).send(1, np.ones(1), 1 << 31)  # a sub-op's own tags are the algorithms'
     with pytest.raises(ValueError):
         await a.send(1, np.ones((4, 4))[:, 0], 0)  # not contiguous
     with pytest.raises(TypeError):

@@ -197,3 +197,107 @@ async def test_a_rank_outside_the_group_warns_and_returns_without_communicating(
     assert not any("global rank 0" in x or "global rank 1" in x for x in texts)
     # the warning points at the caller's line (stacklevel), as torch's does
     assert {w.filename for w in caught if "does not belong" in str(w.message)} == {__file__}
+
+
+# -- complex tensors and mixed-dtype coalesced ops --------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["MAX", "MIN", "BAND", "BOR", "BXOR"])
+async def test_an_op_complex_tensors_lack_is_torchs_value_error(op: str) -> None:
+    import numpy as np
+
+    import aiodist as dist
+    from aiodist.testing import run_world
+
+    async def fn(rank: int) -> None:
+        x = np.ones(3, np.complex64)
+        for call, name in (
+            (dist.all_reduce(x, op=getattr(dist.ReduceOp, op)), "all_reduce"),
+            (dist.all_reduce_coalesced([np.ones(2), x], op=getattr(dist.ReduceOp, op)), "all_reduce_coalesced"),
+        ):
+            with pytest.raises(ValueError, match=rf"^{name} does not support RedOpType\.{op} on complex tensors") as e:
+                await call
+            assert isinstance(e.value, TypeError)  # aiodist's type before: still caught
+        assert (x == 1).all()
+        await dist.barrier()  # nothing was sent: the group still works
+
+    await run_world(2, fn, timeout=20)
+
+
+async def test_all_reduce_coalesced_takes_mixed_dtypes() -> None:
+    """torch reduces ``[float, float, cfloat]`` with SUM; aiodist any mix, one buffer per dtype,
+    the same bits on every rank (a float64 and an int and a bfloat16-free mix here)."""
+    import numpy as np
+
+    import aiodist as dist
+    from aiodist.testing import run_world
+
+    def inputs(rank: int) -> list[np.ndarray]:
+        rng = np.random.default_rng(rank)
+        return [
+            rng.standard_normal(5).astype(np.float32),
+            rng.standard_normal((2, 3)).astype(np.float32),
+            (rng.standard_normal(4) + 1j * rng.standard_normal(4)).astype(np.complex64),
+            rng.standard_normal(3),
+            np.arange(4, dtype=np.int32) * (rank + 1),
+        ]
+
+    async def fn(rank: int) -> list[np.ndarray]:
+        ts = inputs(rank)
+        views = list(ts)
+        await dist.all_reduce_coalesced(ts, op=dist.ReduceOp.SUM)
+        assert all(a is b for a, b in zip(ts, views, strict=True))  # in place
+        for op in (dist.ReduceOp.AVG, dist.ReduceOp.PRODUCT):
+            more = [np.full(2, 2.0 + rank, np.float32), np.full(2, 1 + 1j * rank, np.complex128)]
+            await dist.all_reduce_coalesced(more, op=op)
+            one = [np.full(2, 2.0 + rank, np.float32), np.full(2, 1 + 1j * rank, np.complex128)]
+            for t in one:
+                await dist.all_reduce(t, op=op)
+            for a, b in zip(more, one, strict=True):
+                np.testing.assert_array_equal(a, b)  # same bits as one all_reduce per tensor
+        return ts
+
+    n = 3
+    results = await run_world(n, fn, timeout=20)
+    for got in results[1:]:
+        for a, b in zip(got, results[0], strict=True):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()  # bitwise identical
+    expected = [sum(inputs(r)[i].astype(np.complex128 if i == 2 else np.float64) for r in range(n)) for i in range(5)]
+    for a, e in zip(results[0], expected, strict=True):
+        np.testing.assert_allclose(a, e, rtol=1e-5)
+
+
+async def test_all_gather_coalesced_takes_mixed_dtypes() -> None:
+    import numpy as np
+
+    import aiodist as dist
+    from aiodist.testing import run_world
+
+    async def fn(rank: int) -> None:
+        ins = [np.full(2, rank, np.float32), np.full(3, 1j * rank, np.complex64), np.full(1, rank, np.int64)]
+        outs = [[np.zeros_like(t) for t in ins] for _ in range(2)]
+        await dist.all_gather_coalesced(outs, ins)
+        for r in range(2):
+            np.testing.assert_array_equal(outs[r][0], np.full(2, r, np.float32))
+            np.testing.assert_array_equal(outs[r][1], np.full(3, 1j * r, np.complex64))
+            np.testing.assert_array_equal(outs[r][2], np.full(1, r, np.int64))
+
+    await run_world(2, fn, timeout=20)
+
+
+def test_torch_refuses_max_on_complex_and_coalesces_mixed_dtypes(torch_dist, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """torch 2.13 itself, one gloo process: the same ValueError words, and a [float, float,
+    cfloat] SUM through all_reduce_coalesced."""
+    import torch
+
+    store = torch_dist.FileStore(str(tmp_path / "store"), 1)
+    torch_dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match=r"^all_reduce does not support RedOpType\.MAX on complex tensors$"):
+            torch_dist.all_reduce(torch.ones(2, dtype=torch.cfloat), op=torch_dist.ReduceOp.MAX)
+        ts = [torch.ones(2), torch.ones(3), torch.ones(2, dtype=torch.cfloat)]
+        with pytest.warns(FutureWarning):
+            torch_dist.all_reduce_coalesced(ts, op=torch_dist.ReduceOp.SUM)
+        assert all((t == 1).all() for t in ts)
+    finally:
+        torch_dist.destroy_process_group()

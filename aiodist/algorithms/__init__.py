@@ -20,12 +20,14 @@ from aiodist.algorithms.collectives import (
     reduce_scatter,
     scatter,
 )
-from aiodist.algorithms.p2p import P2P, TAG_LIMIT, LocalP2P, LocalWorld, local_world
+from aiodist.algorithms.p2p import CHANNEL_TAG_LIMIT, P2P, TAG_LIMIT, LocalP2P, LocalWorld, SubP2P, local_world
 from aiodist.algorithms.thresholds import Thresholds
 
 __all__ = [
     "P2P",
     "TAG_LIMIT",
+    "CHANNEL_TAG_LIMIT",
+    "SubP2P",
     "Combine",
     "LocalP2P",
     "LocalWorld",

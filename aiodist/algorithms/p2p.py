@@ -5,7 +5,8 @@ The contract a ``P2P`` keeps (a backend's transport implements it; ``LocalP2P`` 
 - One ``P2P`` object is bound to ONE op of one group. The caller makes a fresh one per op, so
   the messages of different ops, even ops in flight at once, never meet.
 - A message is matched by ``(peer, tag)``. Tags are the algorithm's own (step and piece
-  indices), ``0 <= tag < TAG_LIMIT``, unique per (peer, direction) within the op; a message
+  indices), ``0 <= tag < TAG_LIMIT`` (``SubP2P`` moves a sub-op's above it, below
+  ``CHANNEL_TAG_LIMIT``), unique per (peer, direction) within the op; a message
   may arrive before its receive is posted (the transport stages it, within a bound).
 - ``send(peer, buf, tag)``: ``buf`` is a C-contiguous array read as raw bytes. It may return as
   soon as the data is handed to the transport (written or copied); until it returns the
@@ -29,10 +30,47 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["P2P", "TAG_LIMIT", "LocalP2P", "LocalWorld", "local_world"]
+__all__ = ["P2P", "TAG_LIMIT", "CHANNEL_TAG_LIMIT", "SubP2P", "LocalP2P", "LocalWorld", "local_world"]
 
-#: Tags fit a transport header's 31-bit field.
+#: An algorithm's tags are below this (and a user's p2p tags: torch's int).
 TAG_LIMIT = 1 << 31
+#: What a P2P takes: the bits from 31 up number the sub-ops of one op (``SubP2P``); the
+#: transport's striping keeps the bits from 40 up for itself.
+CHANNEL_TAG_LIMIT = 1 << 36
+_SUB_OPS = CHANNEL_TAG_LIMIT // TAG_LIMIT - 1
+
+
+class SubP2P:
+    """Sub-op ``index`` of an op that runs several algorithms one after another on one P2P (e.g.
+    ``all_reduce_coalesced`` with one buffer per dtype): the same peers, its tags moved above
+    every algorithm tag, so its messages never meet another sub-op's."""
+
+    __slots__ = ("_p2p", "_base")
+
+    def __init__(self, p2p: P2P, index: int) -> None:
+        if not 0 <= index < _SUB_OPS:
+            raise ValueError(f"sub-op index {index} is outside [0, {_SUB_OPS})")
+        self._p2p = p2p
+        self._base = (index + 1) * TAG_LIMIT
+
+    @property
+    def rank(self) -> int:
+        return self._p2p.rank
+
+    @property
+    def size(self) -> int:
+        return self._p2p.size
+
+    def _tag(self, tag: int) -> int:
+        if not isinstance(tag, int) or not 0 <= tag < TAG_LIMIT:
+            raise ValueError(f"tag {tag!r} is outside [0, 2**31)")
+        return self._base + tag
+
+    async def send(self, peer: int, buf: np.ndarray, tag: int) -> None:
+        await self._p2p.send(peer, buf, self._tag(tag))
+
+    async def recv(self, peer: int, buf: np.ndarray, tag: int) -> None:
+        await self._p2p.recv(peer, buf, self._tag(tag))
 
 
 @runtime_checkable
@@ -155,8 +193,8 @@ class LocalP2P:
     def _check(self, peer: int, tag: int) -> None:
         if not isinstance(peer, int) or not 0 <= peer < self.size or peer == self.rank:
             raise ValueError(f"rank {self.rank}: peer {peer!r} is not another rank of a group of {self.size}")
-        if not isinstance(tag, int) or not 0 <= tag < TAG_LIMIT:
-            raise ValueError(f"rank {self.rank}: tag {tag!r} is outside [0, 2**31)")
+        if not isinstance(tag, int) or not 0 <= tag < CHANNEL_TAG_LIMIT:
+            raise ValueError(f"rank {self.rank}: tag {tag!r} is outside [0, 2**36)")
 
     def _what(self, src: int, dst: int, tag: int) -> str:
         return f"message from rank {src} to rank {dst} with tag {tag}"

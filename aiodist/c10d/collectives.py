@@ -23,13 +23,13 @@ import numpy as np
 
 from aiodist._time import TimeoutLike, to_seconds
 from aiodist.algorithms import collectives as alg
-from aiodist.algorithms.p2p import P2P, byte_view
+from aiodist.algorithms.p2p import P2P, SubP2P, byte_view
 from aiodist.c10d._args import buf, bufs, check_async_op, group_root, same_dtype, split_sizes
 from aiodist.c10d._device import device_backend, issue_on_device
 from aiodist.c10d.init import GroupArg, not_member, resolve_group
 from aiodist.c10d.work import Work
 from aiodist.errors import DistTimeoutError
-from aiodist.types import Buffer, ReduceOp, ReduceOpLike, combiner, finalize, premultiply, to_reduce_op
+from aiodist.types import Buffer, ReduceOp, ReduceOpLike, check_reduce, combiner, finalize, premultiply, to_reduce_op
 
 __all__ = [
     "broadcast",
@@ -90,9 +90,9 @@ async def _finish(work: Work, async_op: bool) -> Work | None:
     return None
 
 
-def _reduction(op: object, b: Buffer) -> tuple[ReduceOp, Callable[[np.ndarray, np.ndarray], None]]:
+def _reduction(op: object, dtype: str, what: str) -> tuple[ReduceOp, Callable[[np.ndarray, np.ndarray], None]]:
     rop = to_reduce_op(op)
-    return rop, combiner(rop, b.dtype_name)  # checks the pair once, here, before anything is sent
+    return rop, combiner(rop, dtype, what)  # checks the pair once, here, before anything is sent
 
 
 def _same_size(a: Buffer, size: int, what: str) -> None:
@@ -137,7 +137,7 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
     if (dev := device_backend(pg, tensor, "all_reduce tensor")) is not None:
         return await issue_on_device(dev, pg, "all_reduce", {"tensor": tensor, "op": op}, asy)
     b = buf(tensor, "all_reduce tensor", writable=True)
-    rop, combine = _reduction(op, b)
+    rop, combine = _reduction(op, b.dtype_name, "all_reduce")
     flat, name, n, th = b.flat, b.dtype_name, pg.size(), pg.thresholds
 
     async def body(p2p: P2P) -> None:
@@ -166,7 +166,7 @@ async def reduce(
         return await issue_on_device(dev, pg, "reduce", {"tensor": tensor, "op": op, "root": root}, asy)
     is_root = pg.rank() == root
     b = buf(tensor, "reduce tensor", writable=is_root)
-    rop, combine = _reduction(op, b)
+    rop, combine = _reduction(op, b.dtype_name, "reduce")
     flat, name, n, th = b.flat, b.dtype_name, pg.size(), pg.thresholds
 
     async def body(p2p: P2P) -> None:
@@ -323,7 +323,7 @@ async def reduce_scatter(
     ins = bufs(input_list, "reduce_scatter input_list", pg.size(), writable=False)
     same_dtype(ins, out, "reduce_scatter input_list")
     _same_size(ins[pg.rank()], out.flat.size, f"reduce_scatter input_list[{pg.rank()}] (this rank's part)")
-    rop, combine = _reduction(op, out)
+    rop, combine = _reduction(op, out.dtype_name, "reduce_scatter")
     return await _finish(_issue_reduce_scatter(pg, "reduce_scatter", out, [i.flat for i in ins], rop, combine, output), asy)
 
 
@@ -352,7 +352,7 @@ async def _reduce_scatter_one(name: str, output: Any, input: Any, op: ReduceOpLi
     inp = buf(input, f"{name} input", writable=False)
     same_dtype([inp], out, f"{name} input")
     _same_size(inp, pg.size() * out.flat.size, f"{name} input (world size x output size)")
-    rop, combine = _reduction(op, out)
+    rop, combine = _reduction(op, out.dtype_name, name)
     return await _finish(_issue_reduce_scatter(pg, name, out, _chunks(inp.flat, pg.size()), rop, combine, output), asy)
 
 
@@ -476,9 +476,11 @@ def _list(objs: object, what: str) -> Sequence[Any]:
 async def all_reduce_coalesced(
     tensors: Sequence[Any] | Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False
 ) -> Work | None:
-    """Reduce every tensor of ``tensors`` (a list of one dtype, or one tensor) across the group as
-    one op: one flattened buffer, one all_reduce, the results copied back in place (bitwise
-    identical on every rank)."""
+    """Reduce every tensor of ``tensors`` (a list, or one tensor) across the group as one op: one
+    flattened buffer per dtype, reduced in the order the dtypes first appear, the results copied
+    back in place (bitwise identical on every rank). The dtypes may differ, as in torch (which
+    reduces ``[float, float, cfloat]``): complex tensors under SUM, AVG and PREMUL_SUM travel as
+    their real and imaginary parts, so they join the buffer of their parts' dtype."""
     if not_member(group, "all_reduce_coalesced"):
         return None
     pg = resolve_group(group, what="all_reduce_coalesced")
@@ -487,19 +489,31 @@ async def all_reduce_coalesced(
         return await issue_on_device(dev, pg, "all_reduce_coalesced", {"tensors": tensors, "op": op}, asy)
     ts = [tensors] if isinstance(tensors, np.ndarray) or _is_torch_tensor(tensors) else _list(tensors, "all_reduce_coalesced tensors")
     bs = [buf(t, f"all_reduce_coalesced tensors[{i}]", writable=True) for i, t in enumerate(ts)]
-    same_dtype(bs, bs[0], "all_reduce_coalesced tensors")
-    rop, combine = _reduction(op, bs[0])
-    flats, name, n, th = [b.flat for b in bs], bs[0].dtype_name, pg.size(), pg.thresholds
+    rop = to_reduce_op(op)
+    by_parts = rop.op in (ReduceOp.RedOpType.SUM, ReduceOp.RedOpType.AVG, ReduceOp.RedOpType.PREMUL_SUM)
+    for b in bs:  # a complex refusal first, as torch's (whatever the other tensors are)
+        if b.flat.dtype.kind == "c":
+            check_reduce(rop, b.dtype_name, "all_reduce_coalesced")
+    buckets: dict[str, list[np.ndarray]] = {}  # dtype -> the flat arrays reduced in its buffer
+    for b in bs:
+        flat, name = b.flat, b.dtype_name
+        if by_parts and flat.dtype.kind == "c":  # elementwise on the parts is the complex result
+            flat = flat.view(flat.real.dtype)
+            name = flat.dtype.name
+        buckets.setdefault(name, []).append(flat)
+    plans = [(name, flats, _reduction(rop, name, "all_reduce_coalesced")[1]) for name, flats in buckets.items()]
+    n, th = pg.size(), pg.thresholds
 
     async def body(p2p: P2P) -> None:
-        joined = np.concatenate(flats)
-        _premultiply(joined, rop, dtype=name)
-        await alg.all_reduce(p2p, joined, combine, thresholds=th)
-        _finalize(joined, rop, n, dtype=name)
-        at = 0
-        for f in flats:
-            np.copyto(f, joined[at : at + f.size])
-            at += f.size
+        for k, (name, flats, combine) in enumerate(plans):
+            joined = np.concatenate(flats) if len(flats) > 1 else flats[0].copy()
+            _premultiply(joined, rop, dtype=name)
+            await alg.all_reduce(p2p if k == 0 else SubP2P(p2p, k), joined, combine, thresholds=th)
+            _finalize(joined, rop, n, dtype=name)
+            at = 0
+            for f in flats:
+                np.copyto(f, joined[at : at + f.size])
+                at += f.size
 
     return await _finish(pg.issue("all_reduce_coalesced", body, list(ts), meta=_meta(tensors=[_t(b) for b in bs], op=_opname(rop))), asy)
 

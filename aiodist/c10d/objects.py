@@ -313,6 +313,7 @@ async def send_object_list(
     if payload.size:  # both issued at once: no window between the two messages
         works.append(await isend(payload, group=pg, group_dst=peer))
     for w in works:
+        assert w is not None  # pg is a live group of this rank
         await w
 
 

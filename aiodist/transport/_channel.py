@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from aiodist.algorithms.p2p import TAG_LIMIT
+from aiodist.algorithms.p2p import CHANNEL_TAG_LIMIT, TAG_LIMIT
 from aiodist.errors import DistBackendError
 
 if TYPE_CHECKING:
@@ -49,8 +49,8 @@ class Channel:
     def _global(self, peer: int, tag: int) -> int:
         if not isinstance(peer, int) or not 0 <= peer < len(self.ranks):
             raise ValueError(f"group rank {self._rank}: peer {peer!r} is not a rank of a group of {len(self.ranks)}")
-        if not isinstance(tag, int) or not 0 <= tag < TAG_LIMIT:
-            raise ValueError(f"tag {tag!r} is outside [0, 2**31)")
+        if not isinstance(tag, int) or not 0 <= tag < CHANNEL_TAG_LIMIT:
+            raise ValueError(f"tag {tag!r} is outside [0, 2**36)")
         return self.ranks[peer]
 
     async def send(self, peer: int, buf: np.ndarray, tag: int) -> None:
