@@ -106,12 +106,12 @@ async def test_monitored_barrier_names_the_ranks_that_did_not_come(wait_all: boo
     out = await run_world(4, fn, backend="gloo", timeout=20)
     msg0, t0 = out[0]
     if wait_all:
-        assert "Ranks [1, 3] failed to pass monitored_barrier in 500 ms" in msg0
+        assert "[Rank 0]: Ranks 1, 3 failed to pass monitoredBarrier in 500 ms" in msg0  # torch's words
     else:
-        assert "Rank 1 failed to pass monitored_barrier in 500 ms" in msg0
+        assert "[Rank 0]: Rank 1 failed to pass monitoredBarrier in 500 ms" in msg0
     assert "monitored_barrier on default_pg" in msg0 and "seq 0" in msg0
     msg2, t2 = out[2]
-    assert "failed to pass monitored_barrier" in msg2  # rank 0's verdict reached rank 2
+    assert "failed to pass monitoredBarrier" in msg2 and "timeout" in msg2  # rank 0's verdict reached rank 2
     assert t0 < 1.4 and t2 < 1.4
 
 

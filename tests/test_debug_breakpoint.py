@@ -162,7 +162,7 @@ async def test_waiting_ranks_time_out() -> None:
         return str(info.value) + " ".join(getattr(info.value, "__notes__", []))
 
     msg = (await run_world(2, fn, backend="memory", pg_timeout=10))[0]
-    assert "Rank 1 failed to pass monitored_barrier in 200 ms" in msg
+    assert "Rank 1 failed to pass monitoredBarrier in 200 ms" in msg
     assert "aiodist.breakpoint: the ranks waited up to 0.2 s for rank 1's debugger" in msg
 
 

@@ -301,3 +301,64 @@ def test_torch_refuses_max_on_complex_and_coalesces_mixed_dtypes(torch_dist, tmp
         assert all((t == 1).all() for t in ts)
     finally:
         torch_dist.destroy_process_group()
+
+
+# -- monitored_barrier: torch's words ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wait_all", [False, True])
+async def test_monitored_barrier_names_absent_ranks_in_torchs_words(wait_all: bool) -> None:
+    """Ranks that never enter the barrier at all: rank 0 says torch's sentence (group ranks),
+    with the global ranks where they differ and the word timeout."""
+    import asyncio
+
+    import aiodist as dist
+    from aiodist.testing import run_world
+
+    async def fn(rank: int) -> str:
+        sub = await dist.new_group([0, 2, 3, 4])  # group ranks 0..3 are global 0, 2, 3, 4
+        if rank in (1, 3, 4):
+            await asyncio.sleep(1.2)  # 3 and 4 never call it; 1 is not in the group
+            return ""
+        with pytest.raises(dist.DistError) as e:  # rank 0: DistTimeoutError; rank 2: its verdict
+            await dist.monitored_barrier(sub, timeout=0.4, wait_all_ranks=wait_all)
+        assert rank != 0 or isinstance(e.value, dist.DistTimeoutError)
+        return str(e.value)
+
+    out = await run_world(5, fn, timeout=20)
+    if wait_all:
+        assert "[Rank 0]: Ranks 2, 3 failed to pass monitoredBarrier in 400 ms (global ranks 3, 4)" in out[0]
+    else:
+        assert "[Rank 0]: Rank 2 failed to pass monitoredBarrier in 400 ms (global rank 3)" in out[0]
+    assert re.search(r"[Tt]imeout", out[0]) and "seq 0" in out[0]
+    assert "failed to pass monitoredBarrier" in out[2]  # rank 0's verdict reached global rank 2
+
+
+_TORCH_MONITORED = """
+import datetime, sys, time
+import torch.distributed as dist
+rank, path = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", store=dist.FileStore(path, 2), rank=rank, world_size=2)
+if rank == 0:
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(milliseconds=700))
+    except RuntimeError as e:
+        print(str(e).splitlines()[0])
+else:
+    time.sleep(1.2)
+"""
+
+
+def test_torch_says_the_same_monitored_barrier_words(torch_dist, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "store")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TORCH_MONITORED, str(r), path], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert outs[0].strip() == "[Rank 0]: Rank 1 failed to pass monitoredBarrier in 700 ms"

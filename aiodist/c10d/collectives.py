@@ -586,6 +586,16 @@ async def all_gather_coalesced(
 _ARRIVE, _RELEASE = 0, 1
 
 
+def _late_verdict(late: Sequence[int], ranks: Sequence[int], seconds: float) -> str:
+    """Rank 0's verdict in torch's words: ``[Rank 0]: Rank 1 failed to pass monitoredBarrier in
+    2000 ms`` (``Ranks 1, 3`` for ``wait_all_ranks``; group ranks, as torch's), then the global
+    ranks where they differ and the word "timeout" that user code matches."""
+    who = f"Ranks {', '.join(map(str, late))}" if len(late) > 1 else f"Rank {late[0]}"
+    glob = [ranks[r] for r in late]
+    extra = "" if glob == list(late) else f" (global rank{'s' if len(glob) > 1 else ''} {', '.join(map(str, glob))})"
+    return f"[Rank 0]: {who} failed to pass monitoredBarrier in {round(seconds * 1000)} ms{extra}; monitored_barrier timeout {seconds:g} s"
+
+
 async def monitored_barrier(group: GroupArg = None, timeout: TimeoutLike | None = None, wait_all_ranks: bool = False) -> None:
     """A barrier that names the ranks that did not arrive (torch's): every rank reports to group
     rank 0, which waits up to ``timeout`` (default: the group's) and then releases them all. If
@@ -620,9 +630,7 @@ async def monitored_barrier(group: GroupArg = None, timeout: TimeoutLike | None 
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         if late:
-            ms = round(seconds * 1000)
-            who = f"Ranks {[ranks[r] for r in late]}" if wait_all_ranks else f"Rank {ranks[late[0]]}"
-            err = DistTimeoutError(f"{who} failed to pass monitored_barrier in {ms} ms")
+            err = DistTimeoutError(_late_verdict(late if wait_all_ranks else late[:1], ranks, seconds))
             err.verdict = True  # type: ignore[attr-defined]  # the group reports it as is
             raise err
         await asyncio.gather(*(p2p.send(r, token, _RELEASE) for r in range(1, p)))
