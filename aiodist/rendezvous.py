@@ -4,7 +4,8 @@ Built-in schemes: ``env://`` (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, as tor
 them; else Slurm's or MPI's variables, see ``aiodist._schedulers``),
 ``tcp://host:port?rank=R&world_size=N`` and ``file:///path?rank=R&world_size=N``.
 More schemes plug in with ``register_rendezvous_handler``. This module is the only place that
-reads the environment for initialisation.
+reads the environment for initialisation (but for ``TCPStore``, which, as torch's, reads
+``TORCHELASTIC_USE_AGENT_STORE`` and ``MASTER_PORT`` when a master's port is taken).
 
 A handler is called as ``handler(url, **kwargs)`` (``timeout`` among the kwargs) and may be an
 async function returning the triple, or an async generator yielding it (torch's handlers are
@@ -26,7 +27,15 @@ from aiodist.constants import default_pg_timeout
 from aiodist.store.base import Store
 from aiodist.store.tcp import TCPStore
 
-__all__ = ["rendezvous", "register_rendezvous_handler", "RendezvousRegistry", "UnknownSchemeError", "create_c10d_store"]
+__all__ = [
+    "rendezvous",
+    "register_rendezvous_handler",
+    "RendezvousRegistry",
+    "UnknownSchemeError",
+    "RendezvousArgumentError",
+    "RendezvousTypeError",
+    "create_c10d_store",
+]
 
 RendezvousResult = tuple[Store, int, int]
 Handler = Callable[..., Any]
@@ -36,6 +45,17 @@ class UnknownSchemeError(ValueError, RuntimeError):
     """No handler for a rendezvous URL's scheme. torch raises RuntimeError here; aiodist raised
     ValueError before, so this is both: ``except RuntimeError`` (torch code) and ``except
     ValueError`` both catch it."""
+
+
+class RendezvousArgumentError(ValueError, AssertionError):
+    """A rendezvous URL that contradicts the arguments (``rank``/``world_size`` in both) or has
+    no host. torch raises AssertionError here; aiodist raised ValueError (and a bare assert for
+    the host) before, so this is both."""
+
+
+class RendezvousTypeError(TypeError, RuntimeError):
+    """A rendezvous argument of the wrong type (a url that is not a str, a rank that is not an
+    int). torch raises RuntimeError; aiodist raised TypeError before, so this is both."""
 
 
 class RendezvousRegistry:
@@ -81,20 +101,20 @@ async def rendezvous(
     """Run the handler for ``url``'s scheme and return ``(store, rank, world_size)``.
 
     ``rank``/``world_size`` given here are added to the URL's query; giving them both here and
-    in the URL is a ValueError.
+    in the URL is a ``RendezvousArgumentError`` (a ValueError and, as torch raises, an AssertionError).
     """
     if not isinstance(url, str):
-        raise TypeError(f"rendezvous url must be a str, got {type(url).__name__}")
+        raise RendezvousTypeError(f"`url` must be a string. rendezvous url must be a str, got {type(url).__name__}")
     for name, v in (("rank", rank), ("world_size", world_size)):
         if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{name} must be an int, got {v!r}")
+            raise RendezvousTypeError(f"`{name}` must be an integer. {name} must be an int, got {v!r}")
     parsed = urlparse(url)
     if not parsed.scheme:
         raise ValueError(f"rendezvous url {url!r} has no scheme (expected e.g. env://, tcp://host:port, file:///path)")
     query = dict(parse_qsl(parsed.query))
     if rank != -1 or world_size != -1:
         if "rank" in query or "world_size" in query:
-            raise ValueError(f"The url: {url} has node-specific arguments(rank, world_size) already.")
+            raise RendezvousArgumentError(f"The url: {url} has node-specific arguments(rank, world_size) already.")
         if rank != -1:
             query["rank"] = str(rank)
         if world_size != -1:
@@ -179,7 +199,8 @@ async def _tcp_handler(url: str, timeout: timedelta = default_pg_timeout, **kwar
     query = dict(parse_qsl(result.query))
     rank = _query_int(query, "rank", url)
     world_size = _query_int(query, "world_size", url)
-    assert result.hostname is not None
+    if result.hostname is None:
+        raise RendezvousArgumentError(f"hostname cannot be None: no host in rendezvous url {url!r}")  # torch: AssertionError
     store = await create_c10d_store(result.hostname, result.port, rank, world_size, timeout, _use_libuv(query))
     return store, rank, world_size
 

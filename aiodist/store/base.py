@@ -79,9 +79,21 @@ def pair_up(keys: Sequence[str], values: Sequence[ValueLike]) -> tuple[list[str]
     return ks, vs
 
 
-def store_timeout(store: str, op: str, missing: Sequence[str], waited: float) -> StoreTimeoutError:
-    shown = ", ".join(repr(k) for k in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-    return StoreTimeoutError(f"{store}: {op} timed out after {waited:g} s; key(s) not set: {shown}")
+def first_few(items: Sequence[str], sep: str = ", ") -> str:
+    return sep.join(items[:8]) + (f" and {len(items) - 8} more" if len(items) > 8 else "")
+
+
+def ms(seconds: float) -> int:
+    """A timeout as torch's messages give it: whole milliseconds."""
+    return round(seconds * 1000)
+
+
+def store_timeout(store: str, op: str, missing: Sequence[str], waited: float, torch_words: str) -> StoreTimeoutError:
+    """A wait's timeout error: aiodist's detail (the call, the keys still missing, how long it
+    waited), then, in brackets, what torch's store of that kind says (``wait timeout after
+    300ms, keys: /k``, ``Wait timeout``), so code that matches torch's text matches ours."""
+    shown = first_few([repr(k) for k in missing])
+    return StoreTimeoutError(f"{store}: {op} timed out after {waited:g} s; key(s) not set: {shown} ({torch_words})")
 
 
 class Store(abc.ABC):
@@ -191,7 +203,7 @@ class Store(abc.ABC):
             await self.wait([f"{key}/done"], seconds)
         except StoreTimeoutError:
             raise StoreTimeoutError(
-                f"{self._describe()}: barrier {key!r} timed out after {seconds:g} s with "
+                f"{self._describe()}: barrier {key!r} timed out after {seconds:g} s (barrier timeout) with "
                 f"{arrived}/{world_size} arrived when this rank entered"
             ) from None
 

@@ -18,7 +18,8 @@ Record types: SET (the whole resulting value: set, add, append, compare_set and 
 write one), DELETE (the key's value; a queue of that name stays), QUEUE_PUSH, QUEUE_POP (pops the head),
 QUEUE_PUSH_FRONT (returns an item popped by a cancelled ``queue_pop``) and USERS (empty key;
 value: i64 change of the number of live users, i64 change of the number of closed users).
-The user counts live outside the key space, so ``num_keys``/``list_keys`` never see them.
+The user counts live outside the key space: ``list_keys`` never shows them; ``num_keys`` adds
+one for them, because torch's FileStore keeps its user count as a key and counts it.
 A transaction's records go out in one write; a torn record at the end (a writer died in the
 middle of a write) is ignored by readers and cut off by the next writer. Anything else that is
 not this format raises ``DistStoreError`` naming the path and the offset.
@@ -57,6 +58,7 @@ from aiodist.store.base import (
     ValueLike,
     check_key,
     check_keys,
+    ms,
     pair_up,
     store_timeout,
     to_amount,
@@ -351,7 +353,10 @@ class FileStore(Store):
             if cancel.is_set():
                 raise _Abandoned
             if time.monotonic() >= deadline:
-                raise StoreTimeoutError(f"{self._describe()}: timed out waiting for this object's other operations")
+                raise StoreTimeoutError(
+                    f"{self._describe()}: timed out waiting for this object's other operations (store timeout "
+                    f"{max(self._timeout_s, _MIN_LOCK_WAIT):g} s)"
+                )
 
     def _lock_file(self, exclusive: bool, deadline: float, cancel: threading.Event, create: bool) -> int | None:
         """Flock the file (opening it first if this object has no descriptor on it yet) and
@@ -382,7 +387,8 @@ class FileStore(Store):
                     raise _Abandoned
                 if time.monotonic() >= deadline:
                     raise StoreTimeoutError(
-                        f"{self._describe()}: timed out waiting for the lock of {self._path} (another process holds it)"
+                        f"{self._describe()}: timed out waiting for the lock of {self._path} (another process holds it; "
+                        f"store timeout {max(self._timeout_s, _MIN_LOCK_WAIT):g} s)"
                     )
                 time.sleep(delay)
                 delay = min(delay * 2, 0.005)
@@ -530,9 +536,10 @@ class FileStore(Store):
         self._check_open()
         return await self._run(self._txn, lambda fd: probe(), False, fast=lambda: (True, probe()))
 
-    async def _poll(self, attempt: Callable[[], Any], seconds: float, op: str) -> Any:
+    async def _poll(self, attempt: Callable[[], Any], seconds: float, op: str, per_key: bool = False) -> Any:
         """Repeat ``await attempt()`` -> (done, value or missing keys) until done or the
-        timeout; see _POLL_MIN for the pacing."""
+        timeout; see _POLL_MIN for the pacing. The timeout error adds torch's FileStore words:
+        ``Timeout waiting for key: k after 300 ms`` for reads (``per_key``), else ``Wait timeout``."""
         start = time.monotonic()
         deadline = start + seconds
         delay = _POLL_MIN
@@ -543,7 +550,8 @@ class FileStore(Store):
                 return value
             now = time.monotonic()
             if now >= deadline:
-                raise store_timeout(self._describe(), op, value, now - start)
+                words = f"Timeout waiting for key: {value[0]} after {ms(seconds)} ms" if per_key and value else "Wait timeout"
+                raise store_timeout(self._describe(), op, value, now - start, words)
             if self._cache.offset != seen:
                 seen = self._cache.offset
                 delay = _POLL_MIN
@@ -567,7 +575,7 @@ class FileStore(Store):
                 return False, [key]
             return True, self._cache.data.get(k, b"")  # as torch: a key naming only a queue reads as empty
 
-        return await self._poll(lambda: self._read(probe), self._timeout_s, f"get({key!r})")
+        return await self._poll(lambda: self._read(probe), self._timeout_s, f"get({key!r})", per_key=True)
 
     async def add(self, key: str, amount: int) -> int:
         k, n = _b(check_key(key)), to_amount(amount)
@@ -624,7 +632,9 @@ class FileStore(Store):
         return await self._write(body)
 
     async def num_keys(self) -> int:
-        return await self._read(lambda: len(self._cache.data))
+        """The keys, plus one, as torch's FileStore counts: its file always holds its user
+        counter as a key (torch lists it too, as ``efcount/``; aiodist's ``list_keys`` does not)."""
+        return await self._read(lambda: len(self._cache.data) + 1)
 
     async def list_keys(self) -> list[str]:
         return await self._read(lambda: [k.decode(errors="replace") for k in self._cache.data])
@@ -642,7 +652,7 @@ class FileStore(Store):
                 return False, missing
             return True, [self._cache.data.get(_b(k), b"") for k in ks]
 
-        return await self._poll(lambda: self._read(probe), self._timeout_s, f"multi_get({ks!r})")
+        return await self._poll(lambda: self._read(probe), self._timeout_s, f"multi_get({ks!r})", per_key=True)
 
     async def multi_set(self, keys: Sequence[str], values: Sequence[ValueLike]) -> None:
         ks, vs = pair_up(keys, values)

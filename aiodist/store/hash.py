@@ -44,7 +44,7 @@ class HashStore(Store):
         start = time.monotonic()
         if not await self._state.settle(w, seconds):
             missing = [k.decode() for k in self._state.missing(bkeys)]
-            raise store_timeout(self._describe(), op, missing or keys, time.monotonic() - start)
+            raise store_timeout(self._describe(), op, missing or keys, time.monotonic() - start, "Wait timeout")  # torch's words
 
     async def set(self, key: str, value: ValueLike) -> None:
         self._state.set(_b(check_key(key)), to_value(value))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import functools
 import logging
 import math
@@ -48,7 +49,7 @@ from aiodist.wire.store import (
     encode_u32,
 )
 
-__all__ = ["TCPStoreServer", "ServerThread", "INIT_KEY", "new_event_loop"]
+__all__ = ["TCPStoreServer", "ServerThread", "ListenError", "INIT_KEY", "new_event_loop"]
 
 log = logging.getLogger("aiodist.store.server")
 
@@ -77,33 +78,64 @@ def local_socket_name(port: int) -> str | None:
     return f"\0aiodist-tcpstore-{port}"
 
 
-def bind_listener(host: str | None, port: int, backlog: int = 2048) -> socket.socket:
-    """A listening socket on ``host:port``. With no host: one dual-stack socket on every
-    interface (IPv6 ``::`` with IPv4 mapped, else ``0.0.0.0``), as torch's server does, so
-    port 0 yields one port for both families."""
+class ListenError(DistNetworkError):
+    """The server socket could not bind or listen (say, the port is in use). A subclass so that
+    ``TCPStore`` can tell it from other start-up failures (torch's TCPStore catches its
+    ``SocketError`` there, for ``TORCHELASTIC_USE_AGENT_STORE``)."""
+
+
+def _listen_error(host: str | None, port: int, ipv6: bool, exc: OSError) -> ListenError:
+    """torch's words for a socket that cannot listen, then aiodist's. torch's server is
+    libuv's, which names errors by the negative errno, its symbol and a lowercase text."""
+    code = exc.errno or 0
+    if isinstance(exc, socket.gaierror):  # a host that does not resolve: getaddrinfo's own codes
+        name = next((n for n in dir(socket) if n.startswith("EAI_") and getattr(socket, n) == code), "EAI_UNKNOWN")
+        code = -abs(code)
+    else:
+        name = errno.errorcode.get(code, "UNKNOWN")
+    text = exc.strerror or str(exc)
+    return ListenError(
+        f"The server socket has failed to listen on any local network address. port: {port}, "
+        f"useIpv6: {str(ipv6).lower()}, code: {-abs(code)}, name: {name}, message: {text[:1].lower() + text[1:]} "
+        f"(could not start a TCPStore server on {host or '*'}:{port}: {exc})"
+    )
+
+
+def _bound(family: socket.AddressFamily, type_: int, proto: int, addr: tuple[Any, ...], backlog: int, dual: bool) -> socket.socket:
+    sock = socket.socket(family, type_, proto)
     try:
-        if host in (None, ""):
-            try:
-                sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-                addr: tuple[Any, ...] = ("::", port)
-            except OSError:
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                addr = ("0.0.0.0", port)
-        else:
-            family, type_, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-            sock = socket.socket(family, type_, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(addr)
-            sock.listen(backlog)
-        except BaseException:
-            sock.close()
-            raise
-    except OSError as exc:
-        raise DistNetworkError(f"could not start a TCPStore server on {host or '*'}:{port}: {exc}") from exc
+        if dual:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
     sock.setblocking(False)
     return sock
+
+
+def bind_listener(host: str | None, port: int, backlog: int = 2048) -> socket.socket:
+    """A listening socket on ``host:port``. With no host: one dual-stack socket on every
+    interface (IPv6 ``::`` with IPv4 mapped), else, as torch's server does when IPv6 fails,
+    ``0.0.0.0``; port 0 yields one port for both families. Failure is a ``ListenError`` in
+    torch's words (``The server socket has failed to listen on any local network address...``)."""
+    if host in (None, ""):
+        try:
+            return _bound(socket.AF_INET6, socket.SOCK_STREAM, 0, ("::", port), backlog, True)
+        except OSError:
+            pass  # no IPv6, or the port is taken there: try IPv4, as torch's server does
+        try:
+            return _bound(socket.AF_INET, socket.SOCK_STREAM, 0, ("0.0.0.0", port), backlog, False)
+        except OSError as exc:
+            raise _listen_error(host, port, False, exc) from exc
+    family = socket.AF_INET
+    try:
+        family, type_, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        return _bound(family, type_, proto, addr, backlog, False)
+    except OSError as exc:
+        raise _listen_error(host, port, family == socket.AF_INET6, exc) from exc
 
 
 class _Conn(asyncio.Protocol):

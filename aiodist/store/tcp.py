@@ -42,15 +42,17 @@ from aiodist.store.base import (
     ValueLike,
     check_key,
     check_keys,
+    first_few,
+    ms,
     pair_up,
     store_timeout,
     to_amount,
     to_value,
 )
-from aiodist.store.server import INIT_KEY, ServerThread, TCPStoreServer, local_socket_name
+from aiodist.store.server import INIT_KEY, ListenError, ServerThread, TCPStoreServer, local_socket_name
 from aiodist.wire.store import CHECK_READY, STOP_WAITING, Limits, Op, ProtocolError, Reply, ReplyParser, encode
 
-__all__ = ["TCPStore"]
+__all__ = ["TCPStore", "InvalidEnvError"]
 
 _U8 = ((Reply.U8, 0),)
 _U32 = ((Reply.U32, 0),)
@@ -238,6 +240,36 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+class InvalidEnvError(ValueError, RuntimeError):
+    """An environment variable torch's TCPStore reads holds a value it refuses. torch raises a
+    RuntimeError; a wrong setting is a ValueError in aiodist: this is both."""
+
+
+_TRUE = ("1", "t", "true", "y", "yes")
+_FALSE = ("0", "f", "false", "n", "no")
+
+
+def _agent_store_serves(port: int) -> bool:
+    """Whether a master that cannot bind ``port`` should connect to it instead, as torch's
+    TCPStore constructor decides: ``TORCHELASTIC_USE_AGENT_STORE`` is true (torch's boolean
+    spelling: any case of 1/t/true/y/yes, or 0/f/false/n/no for false) and ``MASTER_PORT`` is
+    this port. Like torch, read only after the bind failed; a value torch refuses raises."""
+    raw = os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+    if raw is None:
+        return False
+    if raw.lower() not in _TRUE + _FALSE:
+        raise InvalidEnvError(f"Invalid value for environment variable: TORCHELASTIC_USE_AGENT_STORE (got {raw!r})")
+    if raw.lower() in _FALSE:
+        return False
+    master_port = os.environ.get("MASTER_PORT")
+    if master_port is None:
+        return False  # torch's default, 0, is never a port that failed to bind
+    try:
+        return int(master_port) == port
+    except ValueError:
+        raise InvalidEnvError(f"Invalid value for environment variable: MASTER_PORT (got {master_port!r})") from None
+
+
 class _Tenants:
     """Process-wide servers shared by ``multi_tenant=True`` stores with the same host:port."""
 
@@ -275,8 +307,10 @@ class TCPStore(Store):
     """torch's TCPStore, awaitable. See the module docstring for how requests travel.
 
     Arguments as torch's. ``limits`` (aiodist's) bounds what clients may send to the server
-    this store hosts. ``use_libuv`` is accepted for compatibility; the server is asyncio's
-    (uvloop, itself libuv-based, when installed).
+    this store hosts. A master whose port is taken becomes a client when
+    ``TORCHELASTIC_USE_AGENT_STORE`` is true and ``MASTER_PORT`` is that port, as torch's
+    (torchrun's agent already serves it). ``use_libuv`` is accepted for compatibility; the
+    server is asyncio's (uvloop, itself libuv-based, when installed).
     """
 
     def __init__(
@@ -381,6 +415,17 @@ class TCPStore(Store):
             starting = asyncio.ensure_future(asyncio.to_thread(start))
         try:
             self._server = await asyncio.shield(starting)
+        except ListenError:
+            if not _agent_store_serves(self._port):
+                raise
+            # torch's TCPStore does the same (and logs it as an error, in these words): under
+            # torchrun the agent already serves MASTER_PORT, so this "master" is one more client.
+            log.error(
+                "[c10d] The server socket on %d has failed to bind. TORCHELASTIC_USE_AGENT_STORE is enabled so "
+                "ignoring the error (this store connects to the agent's server as a client).",
+                self._port,
+            )
+            return
         except asyncio.CancelledError:
             # The thread finishes starting the server anyway; stop it rather than leak it.
             try:
@@ -476,12 +521,15 @@ class TCPStore(Store):
                         str(exc) or "no answer in time",
                         max(0.0, deadline - now),
                     )
-                if time.monotonic() + delay >= deadline:
+                now = time.monotonic()
+                if now >= deadline:
                     raise DistNetworkError(
-                        f"could not connect to the TCPStore server at {self._describe_addr()} "
-                        f"after trying for {time.monotonic() - start:.1f} s: {str(exc) or 'no answer in time'}"
+                        f"The client socket has timed out after {round((deadline - start) * 1000)}ms while trying to "
+                        f"connect to ({self._host}, {self._port}). Could not connect to the TCPStore server at "
+                        f"{self._describe_addr()} within the connect timeout (tried for {now - start:.1f} s): "
+                        f"{str(exc) or 'no answer in time'}"
                     ) from None
-                await asyncio.sleep(delay)
+                await asyncio.sleep(min(delay, deadline - now))  # the last try comes at the deadline
                 delay = min(delay * 2, 1.0)
                 continue
             if got != nonce:
@@ -569,7 +617,9 @@ class TCPStore(Store):
                     await conn.drain()
                 return await fut
             except _NoReply:
-                raise StoreTimeoutError(f"{self._describe()}: {_what(op, arg)}: no reply from the server within {seconds:g} s") from None
+                raise StoreTimeoutError(
+                    f"{self._describe()}: {_what(op, arg)}: no reply from the server within {seconds:g} s (request timeout)"
+                ) from None
             except _Lost as exc:
                 if repeatable and attempt == 0:
                     continue
@@ -581,8 +631,9 @@ class TCPStore(Store):
                 ) from None
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _wait_keys(self, keys: list[bytes], seconds: float, what: str) -> None:
-        """WAIT on a waiter connection until ``keys`` all exist or ``seconds`` pass."""
+    async def _wait_keys(self, keys: list[bytes], seconds: float, what: str, timeout_s: float) -> None:
+        """WAIT on a waiter connection until ``keys`` all exist or ``seconds`` pass. ``timeout_s``
+        is the call's whole timeout, which the error names as torch's does."""
         self._check_loop()
         self._counts["waits"] += 1
         start = time.monotonic()
@@ -604,9 +655,9 @@ class TCPStore(Store):
             if conn is not None:
                 conn.close()
             missing = await self._missing(keys)
-            raise store_timeout(
-                self._describe(), what, missing or [k[1:].decode(errors="replace") for k in keys], time.monotonic() - start
-            ) from None
+            names = [k.decode(errors="replace") for k in keys]  # torch names them with the wire's "/"
+            torch_words = f"wait timeout after {ms(timeout_s)}ms, keys: {first_few(names)}"
+            raise store_timeout(self._describe(), what, missing or [n[1:] for n in names], time.monotonic() - start, torch_words) from None
         except _Lost as exc:
             conn.close()  # type: ignore[union-attr]
             raise DistStoreError(f"{self._describe()}: {what}: the waiter connection broke: {exc}") from None
@@ -651,7 +702,7 @@ class TCPStore(Store):
             ready, value = await self._request(payload, _CHECK_GET, "get", key)
             if ready == CHECK_READY:
                 return value  # type: ignore[no-any-return]
-            await self._wait_keys([k], max(0.0, deadline - time.monotonic()), f"get({key!r})")
+            await self._wait_keys([k], max(0.0, deadline - time.monotonic()), f"get({key!r})", self._timeout_s)
 
     async def add(self, key: str, amount: int) -> int:
         k, n = _wire_key(key), to_amount(amount)
@@ -670,7 +721,7 @@ class TCPStore(Store):
         bkeys = [b"/" + k.encode() for k in ks]
         (ready,) = await self._request(encode(Op.CHECK, bkeys), _U8, "wait", ks, timeout=seconds)
         if ready != CHECK_READY:
-            await self._wait_keys(bkeys, seconds, f"wait({ks!r})")
+            await self._wait_keys(bkeys, seconds, f"wait({ks!r})", seconds)
 
     async def check(self, keys: Sequence[str]) -> bool:
         ks = check_keys(keys)
@@ -706,7 +757,7 @@ class TCPStore(Store):
             ready, values = await self._request(payload, shapes, "multi_get", ks)
             if ready == CHECK_READY:
                 return values  # type: ignore[no-any-return]
-            await self._wait_keys(bkeys, max(0.0, deadline - time.monotonic()), f"multi_get({ks!r})")
+            await self._wait_keys(bkeys, max(0.0, deadline - time.monotonic()), f"multi_get({ks!r})", self._timeout_s)
 
     async def multi_set(self, keys: Sequence[str], values: Sequence[ValueLike]) -> None:
         ks, vs = pair_up(keys, values)
@@ -734,7 +785,7 @@ class TCPStore(Store):
                 continue
             if ready == CHECK_READY:
                 raise QueueEmptyError(VALUE_NOT_QUEUE.format(store=self._describe(), key=key))
-            await self._wait_keys([k], max(0.0, deadline - time.monotonic()), f"queue_pop({key!r})")
+            await self._wait_keys([k], max(0.0, deadline - time.monotonic()), f"queue_pop({key!r})", self._timeout_s)
 
     async def queue_len(self, key: str) -> int:
         k = _wire_key(key)
