@@ -7,6 +7,8 @@ is sent.
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "DistError",
     "DistBackendError",
@@ -38,8 +40,20 @@ class QueueEmptyError(DistStoreError):
     """``queue_pop(key, block=False)`` found the queue empty."""
 
 
+_TIMEOUT_WORD = re.compile(r"[Tt]imeout|^Timed out")
+
+
 class DistTimeoutError(DistError, TimeoutError):
-    """A deadline passed. Also a builtin ``TimeoutError``, so ``except TimeoutError`` catches it."""
+    """A deadline passed. Also a builtin ``TimeoutError``, so ``except TimeoutError`` catches it.
+
+    Its message always has the word "timeout", which torch's have and user code matches
+    (``[Tt]imeout``): a message without it is prefixed ``Timeout: ``. Sentences that copy torch's
+    own ``Timed out ...`` words exactly are left as they are."""
+
+    def __init__(self, *args: object) -> None:
+        if args and isinstance(args[0], str) and not _TIMEOUT_WORD.search(args[0]):
+            args = (f"Timeout: {args[0]}", *args[1:])
+        super().__init__(*args)
 
 
 class StoreTimeoutError(DistStoreError, DistTimeoutError):

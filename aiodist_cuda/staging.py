@@ -173,6 +173,7 @@ class CudaStager(DeviceBackend):
                 work = await fn(host, group=pg, tag=o["tag"], **{key: o["peer"]})
             finally:
                 _STAGING.reset(token)
+            assert work is not None  # pg is a live group of this rank
             work._outputs = [o["tensor"]]
             works.append(work)
         self.ops += 1

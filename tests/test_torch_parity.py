@@ -362,3 +362,121 @@ def test_torch_says_the_same_monitored_barrier_words(torch_dist, tmp_path) -> No
     ]
     outs = [p.communicate(timeout=60)[0] for p in procs]
     assert outs[0].strip() == "[Rank 0]: Rank 1 failed to pass monitoredBarrier in 700 ms"
+
+
+# -- new_subgroups / new_subgroups_by_enumeration -------------------------------------------------
+
+
+async def test_new_subgroups_splits_the_world_as_torch() -> None:
+    import numpy as np
+
+    import aiodist as dist
+    from aiodist.testing import run_world
+
+    async def fn(rank: int) -> None:
+        mine, subs = await dist.new_subgroups(group_size=2)
+        assert len(subs) == 2 and subs[rank // 2] is mine
+        assert subs[1 - rank // 2] == dist.NON_GROUP_MEMBER
+        assert isinstance(mine, dist.ProcessGroup) and dist.get_process_group_ranks(mine) == [rank // 2 * 2, rank // 2 * 2 + 1]
+        x = np.array([float(rank)])
+        await dist.all_reduce(x, group=mine)
+        assert x[0] == (1.0 if rank < 2 else 5.0)
+        # by enumeration: the odd and the even ranks; a rank in no list gets None
+        mine2, subs2 = await dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+        assert len(subs2) == 2 and mine2 is subs2[rank % 2] and dist.get_process_group_ranks(mine2) == [rank % 2, rank % 2 + 2]
+        none, subs3 = await dist.new_subgroups_by_enumeration([[0, 1]])
+        assert (none is None) == (rank >= 2) and len(subs3) == 1
+        # of a group: its ranks, in consecutive pairs
+        pairs_of_evens, _ = await dist.new_subgroups(group_size=1, group=mine2)
+        assert dist.get_process_group_ranks(pairs_of_evens) == [rank]  # type: ignore[arg-type]
+        # refusals, in torch's words, before any group is made (the counter stays in step)
+        for kw, words in (
+            ({"group_size": 0}, r"The arg 'group_size' \(0\) must be positive"),
+            ({"group_size": 8}, r"The arg 'group_size' \(8\) must not exceed the world size \(4\)"),
+            ({"group_size": 3}, r"The world size \(4\) must be divisible by 'group_size=3'"),
+            ({}, r"Default group size only takes effect when CUDA is available"),
+        ):
+            with pytest.raises(ValueError, match=words):
+                await dist.new_subgroups(**kw)
+        with pytest.raises(ValueError, match=r"Rank 1 has appeared in both subgroup \[0, 1\] and \[1, 2\]"):
+            await dist.new_subgroups_by_enumeration([[0, 1], [1, 2]])
+        with pytest.raises(ValueError, match=r"The arg 'ranks_per_subgroup_list' cannot be empty"):
+            await dist.new_subgroups_by_enumeration([])
+        after = await dist.new_group([0, 1, 2, 3])
+        y = np.ones(1)
+        await dist.all_reduce(y, group=after)
+        assert y[0] == 4
+
+    await run_world(4, fn, timeout=20)
+
+
+def test_torch_new_subgroups_says_the_same(torch_dist, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    store = torch_dist.FileStore(str(tmp_path / "store"), 1)
+    torch_dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match=r"^Default group size only takes effect when CUDA is available"):
+            torch_dist.new_subgroups()
+        with pytest.raises(ValueError, match=r"^The arg 'group_size' \(2\) must not exceed the world size \(1\)$"):
+            torch_dist.new_subgroups(group_size=2)
+        with pytest.raises(ValueError, match=r"^The arg 'ranks_per_subgroup_list' cannot be empty$"):
+            torch_dist.new_subgroups_by_enumeration([])
+        mine, subs = torch_dist.new_subgroups(group_size=1)
+        assert len(subs) == 1 and subs[0] is mine
+    finally:
+        torch_dist.destroy_process_group()
+
+
+# -- "timeout" in every timeout message --------------------------------------------------------------
+
+
+async def test_every_timeout_message_says_timeout() -> None:
+    """torch users match ``[Tt]imeout``: a collective's, a barrier's, ``Work.wait``'s and init's
+    timeouts all say it (aiodist's detail kept after it)."""
+    import asyncio
+
+    import numpy as np
+
+    import aiodist as dist
+    from aiodist.errors import DistTimeoutError
+    from aiodist.testing import run_world
+
+    async def fn(rank: int) -> list[str]:
+        msgs = []
+        if rank == 0:
+            with pytest.raises(DistTimeoutError) as e:
+                await dist.all_reduce(np.ones(2))
+            msgs.append(str(e.value))
+        else:
+            await asyncio.sleep(0.8)
+        return msgs
+
+    out = await run_world(2, fn, timeout=20, pg_timeout=0.3)
+    assert out[0] and all(re.search(r"[Tt]imeout", m) for m in out[0]), out[0]
+    assert "all_reduce on default_pg" in out[0][0] and "timed out after" in out[0][0]  # the detail stays
+
+    async def wait_fn(rank: int) -> str:
+        if rank == 1:
+            await asyncio.sleep(0.5)
+            await dist.barrier()
+            return ""
+        w = await dist.barrier(async_op=True)
+        with pytest.raises(DistTimeoutError) as e:
+            await w.wait(timeout=0.1)
+        await w
+        return str(e.value)
+
+    msg = (await run_world(2, wait_fn, timeout=20))[0]
+    assert re.search(r"[Tt]imeout", msg) and "Work.wait: barrier" in msg
+
+    with pytest.raises(DistTimeoutError) as e:  # init: the other rank never comes
+        await dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=2, timeout=0.5)
+    assert re.search(r"[Tt]imeout", str(e.value))
+    assert not dist.is_initialized()
+
+
+def test_a_timeout_error_without_the_word_gets_it() -> None:
+    from aiodist.errors import DistTimeoutError, StoreTimeoutError
+
+    assert str(DistTimeoutError("x timed out after 1 s")) == "Timeout: x timed out after 1 s"
+    assert str(DistTimeoutError("wait timeout after 3 ms")) == "wait timeout after 3 ms"
+    assert str(StoreTimeoutError("Timed out after 2 seconds waiting for clients.")) == "Timed out after 2 seconds waiting for clients."  # torch's own

@@ -48,6 +48,8 @@ from aiodist.c10d.init import (
     is_ucc_available,
     is_xccl_available,
     new_group,
+    new_subgroups,
+    new_subgroups_by_enumeration,
     shrink_group,
     split_group,
 )
@@ -121,6 +123,8 @@ __all__ = [
     "is_xccl_available",
     "isend",
     "new_group",
+    "new_subgroups",
+    "new_subgroups_by_enumeration",
     "recv",
     "reduce",
     "reduce_scatter",

@@ -46,6 +46,8 @@ __all__ = [
     "init_process_group",
     "destroy_process_group",
     "new_group",
+    "new_subgroups",
+    "new_subgroups_by_enumeration",
     "split_group",
     "shrink_group",
     "SHRINK_DEFAULT",
@@ -437,6 +439,89 @@ async def new_group(
     if not use_local_synchronization:  # every rank of the parent is here: device backends may split
         await _device_new_group(world, parent, pg, gid, members)
     return pg
+
+
+def _local_device_count() -> int:
+    """How many GPUs this host has, through CuPy (aiodist's GPU path); 0 without CuPy or a GPU."""
+    try:
+        import cupy  # type: ignore[import-not-found,unused-ignore]
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # no CuPy, no driver, no device: torch's "CUDA is not available"
+        return 0
+
+
+async def new_subgroups(
+    group_size: int | None = None,
+    group: GroupArg = None,
+    timeout: TimeoutLike | None = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
+) -> tuple[ProcessGroup | int | None, list[ProcessGroup | int]]:
+    """Split ``group`` (default: the whole world) into consecutive subgroups of ``group_size``
+    ranks each, as torch's: every rank calls it alike; returns ``(this rank's subgroup, every
+    subgroup)``, the other subgroups being ``NON_GROUP_MEMBER`` here, as ``new_group`` returns.
+    ``group_size=None`` is the number of GPUs on this host (torch's intra-node default), refused
+    with torch's words where there are none."""
+    if group_size is None:
+        group_size = _local_device_count()
+        if group_size == 0:
+            raise ValueError(
+                "Default group size only takes effect when CUDA is available.If your subgroup using a backend "
+                "that does not depend on CUDA,please pass in 'group_size' correctly."
+            )
+    group_size = _int(group_size, "group_size")
+    if group_size <= 0:
+        raise ValueError(f"The arg 'group_size' ({group_size}) must be positive")
+    world_size = get_world_size(group)
+    if world_size < group_size:
+        raise ValueError(f"The arg 'group_size' ({group_size}) must not exceed the world size ({world_size})")
+    if world_size % group_size != 0:
+        raise ValueError(f"The world size ({world_size}) must be divisible by 'group_size={group_size}'")
+    ranks = get_process_group_ranks(group)
+    split = [ranks[i : i + group_size] for i in range(0, len(ranks), group_size)]
+    return await new_subgroups_by_enumeration(split, timeout=timeout, backend=backend, pg_options=pg_options, group_desc=group_desc)
+
+
+async def new_subgroups_by_enumeration(
+    ranks_per_subgroup_list: Sequence[Sequence[int]],
+    timeout: TimeoutLike | None = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+    group_desc: str | None = None,
+) -> tuple[ProcessGroup | int | None, list[ProcessGroup | int]]:
+    """One ``new_group`` per list of global ranks, in order, as torch's: every rank of the world
+    calls it alike; returns ``(this rank's subgroup or None, every subgroup)``. The lists must
+    not overlap; unlike torch, that (and every other argument error) is refused before any group
+    is made, so a refusal leaves the group counter where it was on every rank."""
+    if ranks_per_subgroup_list is None or isinstance(ranks_per_subgroup_list, (str, bytes)) or len(ranks_per_subgroup_list) == 0:
+        raise ValueError("The arg 'ranks_per_subgroup_list' cannot be empty")
+    lists = [_ranks_list(r, f"ranks_per_subgroup_list[{i}]") for i, r in enumerate(ranks_per_subgroup_list)]
+    owner: dict[int, list[int]] = {}
+    for ranks in lists:
+        for r in ranks:
+            if r in owner and owner[r] is not ranks:
+                raise ValueError(f"Rank {r} has appeared in both subgroup {owner[r]} and {ranks}")
+            owner[r] = ranks
+    world = current_world()
+    for ranks in lists:  # new_group's own checks, all before the first group is made
+        if not ranks:
+            raise ValueError("new_subgroups_by_enumeration: a subgroup's rank list is empty")
+        for r in ranks:
+            if not 0 <= r < world.world_size:
+                raise ValueError(f"new_subgroups_by_enumeration: rank {r} is out of range for world_size {world.world_size}")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"new_subgroups_by_enumeration: {ranks} has duplicates")
+    subgroups: list[ProcessGroup | int] = []
+    mine: ProcessGroup | int | None = None
+    for ranks in lists:
+        sub = await new_group(ranks, timeout=timeout, backend=backend, pg_options=pg_options, group_desc=group_desc)
+        subgroups.append(sub)
+        if world.rank in ranks:
+            mine = sub
+            log.info("Rank %s is assigned to subgroup %s", world.rank, ranks)
+    return mine, subgroups
 
 
 async def _device_new_group(world: Any, parent: ProcessGroup, pg: ProcessGroup | None, gid: int, members: Sequence[int]) -> None:
