@@ -479,4 +479,59 @@ def test_a_timeout_error_without_the_word_gets_it() -> None:
 
     assert str(DistTimeoutError("x timed out after 1 s")) == "Timeout: x timed out after 1 s"
     assert str(DistTimeoutError("wait timeout after 3 ms")) == "wait timeout after 3 ms"
-    assert str(StoreTimeoutError("Timed out after 2 seconds waiting for clients.")) == "Timed out after 2 seconds waiting for clients."  # torch's own
+    assert (
+        str(StoreTimeoutError("Timed out after 2 seconds waiting for clients.")) == "Timed out after 2 seconds waiting for clients."
+    )  # torch's own
+
+
+# -- argument errors keep torch's words -------------------------------------------------------------
+
+
+async def test_rank_argument_errors_say_torchs_words() -> None:
+    import numpy as np
+
+    import aiodist as dist
+    from aiodist.testing import run_world
+
+    async def fn(rank: int) -> None:
+        x = np.ones(1)
+        with pytest.raises(ValueError, match=r"^Can't specify both group_rank and global_rank"):
+            await dist.broadcast(x, src=0, group_src=0)
+        with pytest.raises(ValueError, match=r"^Must specify global_rank or group_rank"):
+            await dist.broadcast(x)
+        with pytest.raises(
+            ValueError, match=r"^Invalid destination rank: destination rank should not be the same as the rank of the current process\."
+        ):
+            await dist.send(x, dst=rank)
+        g = dist.group.WORLD
+        for call in (lambda: dist.get_group_rank(g, 5), lambda: dist.get_global_rank(g, 5)):
+            with pytest.raises(ValueError, match=r"rank 5 is not part of group") as e:  # torch 2.13's type
+                call()
+            assert isinstance(e.value, RuntimeError)  # aiodist's type before (and torch's docs')
+        await dist.barrier()
+
+    await run_world(2, fn, timeout=20)
+
+
+def test_torch_rank_argument_words(torch_dist, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    store = torch_dist.FileStore(str(tmp_path / "store"), 1)
+    torch_dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        x = torch.ones(1)
+        with pytest.raises(ValueError, match=r"^Can't specify both group_rank and global_rank$"):
+            torch_dist.broadcast(x, src=0, group_src=0)
+        with pytest.raises(ValueError, match=r"^Must specify global_rank or group_rank$"):
+            torch_dist.broadcast(x)
+        with pytest.raises(
+            ValueError, match=r"^Invalid destination rank: destination rank should not be the same as the rank of the current process\.$"
+        ):
+            torch_dist.send(x, dst=0)
+        sub = torch_dist.new_group([0])  # (torch answers for the WORLD group without checking)
+        with pytest.raises(ValueError, match=r"^Global rank 5 is not part of group"):
+            torch_dist.get_group_rank(sub, 5)
+        with pytest.raises(ValueError, match=r"^Group rank 5 is not part of group"):
+            torch_dist.get_global_rank(sub, 5)
+    finally:
+        torch_dist.destroy_process_group()

@@ -24,7 +24,7 @@ def group_root(
     """The group rank named by ``src``/``dst`` (a global rank) or ``group_src``/``group_dst``."""
     group_name = f"group_{global_name}"
     if global_rank is not None and group_rank is not None:
-        raise ValueError(f"{op}: give {global_name} or {group_name}, not both")
+        raise ValueError(f"Can't specify both group_rank and global_rank: {op} takes {global_name} or {group_name}, not both")
     if group_rank is not None:
         g = _int(group_rank, f"{op}: {group_name}")
         if not 0 <= g < pg.size():
@@ -32,7 +32,7 @@ def group_root(
         return g
     if global_rank is None:
         if default_global is None:
-            raise ValueError(f"{op}: must specify {global_name} or {group_name}")
+            raise ValueError(f"Must specify global_rank or group_rank ({op}: must specify {global_name} or {group_name})")
         global_rank = default_global
     r = _int(global_rank, f"{op}: {global_name}")
     if r not in pg.ranks:

@@ -697,11 +697,16 @@ def get_process_group_ranks(group: GroupArg) -> list[int]:
     return list(resolve_group(group, what="get_process_group_ranks").ranks)
 
 
+class NotInGroupError(ValueError, RuntimeError):
+    """``get_group_rank``/``get_global_rank`` of a rank outside the group: torch 2.13's code raises
+    ValueError (its docs say RuntimeError, aiodist's type before), so this is both."""
+
+
 def get_group_rank(group: GroupArg, global_rank: int) -> int:
     pg = resolve_group(group, what="get_group_rank")
     _int(global_rank, "global_rank")
     if global_rank not in pg.ranks:
-        raise RuntimeError(f"Global rank {global_rank} is not part of {pg.describe()}")
+        raise NotInGroupError(f"Global rank {global_rank} is not part of group {pg.describe()}")
     return pg.ranks.index(global_rank)
 
 
@@ -709,5 +714,5 @@ def get_global_rank(group: GroupArg, group_rank: int) -> int:
     pg = resolve_group(group, what="get_global_rank")
     _int(group_rank, "group_rank")
     if not 0 <= group_rank < pg.size():
-        raise RuntimeError(f"Group rank {group_rank} is not part of {pg.describe()}")
+        raise NotInGroupError(f"Group rank {group_rank} is not part of group {pg.describe()}")
     return pg.ranks[group_rank]

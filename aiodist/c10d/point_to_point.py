@@ -145,7 +145,8 @@ def _check(
         peer = pg.ranks[g]
         if sending and blocking and peer == pg.ranks[pg.rank()]:
             raise ValueError(
-                f"{op}: invalid destination rank {peer}: it is this rank (a blocking send to oneself would never return; use isend and irecv)"
+                "Invalid destination rank: destination rank should not be the same as the rank of the current process. "
+                f"({op} to rank {peer}, this rank: a blocking send to oneself would never return; use isend and irecv)"
             )
     t = _tag(tag, op)
     dev = device_backend(pg, tensor, f"{op} tensor")
