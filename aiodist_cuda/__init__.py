@@ -18,7 +18,7 @@ from __future__ import annotations
 from aiodist_cuda import _cupy
 from aiodist_cuda.backend import SUPPORTED_OPS, NcclOptions
 
-__all__ = ["register", "is_available", "unavailable_reason", "nccl_version", "NcclOptions", "SUPPORTED_OPS"]
+__all__ = ["register", "is_available", "unavailable_reason", "device_count", "nccl_version", "NcclOptions", "SUPPORTED_OPS"]
 
 _registered: list[bool] = []
 
@@ -26,6 +26,13 @@ _registered: list[bool] = []
 def is_available() -> bool:
     """Whether the NCCL backend can run here: CuPy, its NCCL library and a GPU."""
     return _cupy.reason() == ""
+
+
+def device_count() -> int:
+    """How many GPUs CUDA shows this process (0 where the backend cannot run): the default
+    ``group_size`` of ``aiodist.new_subgroups``, as torch's ``torch.cuda.device_count()``."""
+    cupy, _, why = _cupy._get()
+    return int(cupy.cuda.runtime.getDeviceCount()) if cupy is not None and not why else 0
 
 
 def unavailable_reason() -> str:

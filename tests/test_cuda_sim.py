@@ -519,6 +519,18 @@ async def test_sub_groups_get_their_own_communicator(sim: fake_cupy.Installed) -
     assert sim.sim.calls["get_unique_id"] == 2 and sim.sim.calls["ncclCommInitRank"] == 5
 
 
+async def test_new_subgroups_defaults_to_the_hosts_gpu_count(sim: fake_cupy.Installed) -> None:
+    """torch's ``new_subgroups()`` makes one group per node of ``torch.cuda.device_count()``
+    ranks; aiodist asks aiodist_cuda (2 simulated GPUs: pairs of ranks)."""
+    sim.sim.device_count = 2
+
+    async def fn(rank: int) -> None:
+        mine, subs = await dist.new_subgroups()
+        assert len(subs) == 2 and dist.get_process_group_ranks(mine) == [rank // 2 * 2, rank // 2 * 2 + 1]
+
+    await run_world(4, fn, backend=GLOO, timeout=10)
+
+
 async def test_sub_groups_split_from_a_parent_communicator(sim: fake_cupy.Installed) -> None:
     """Once the default group has a communicator, new_group and split_group split it
     (ncclCommSplit on every rank of the parent; ranks outside the new group with no color)."""

@@ -442,13 +442,13 @@ async def new_group(
 
 
 def _local_device_count() -> int:
-    """How many GPUs this host has, through CuPy (aiodist's GPU path); 0 without CuPy or a GPU."""
-    try:
-        import cupy  # type: ignore[import-not-found,unused-ignore]
+    """How many GPUs this host shows, through aiodist_cuda (aiodist never imports CuPy itself);
+    0 without it or without a GPU: torch's "CUDA is not available"."""
+    from aiodist.c10d.backend_registry import _nccl_module
 
-        return int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:  # no CuPy, no driver, no device: torch's "CUDA is not available"
-        return 0
+    mod = _nccl_module()
+    count = getattr(mod, "device_count", None)
+    return int(count()) if count is not None else 0
 
 
 async def new_subgroups(
