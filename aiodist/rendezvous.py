@@ -15,12 +15,14 @@ generators; aiodist takes the first item).
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
+from aiodist import _startup
 from aiodist._schedulers import resolve_env
 from aiodist._time import TimeoutLike, to_timedelta
 from aiodist.constants import default_pg_timeout
@@ -39,6 +41,8 @@ __all__ = [
 
 RendezvousResult = tuple[Store, int, int]
 Handler = Callable[..., Any]
+
+log = logging.getLogger("aiodist.rendezvous")
 
 
 class UnknownSchemeError(ValueError, RuntimeError):
@@ -121,16 +125,50 @@ async def rendezvous(
             query["world_size"] = str(world_size)
         url = urlunparse(parsed._replace(query=urlencode(query)))
     handler = registry.get(parsed.scheme)
-    result = handler(url, timeout=to_timedelta(timeout), **kwargs)
-    if inspect.isasyncgen(result):
-        triple = await anext(result)
-    elif inspect.isawaitable(result):
-        triple = await result
-    elif inspect.isgenerator(result):
-        triple = next(result)
-    else:
-        raise TypeError(f"rendezvous handler for {parsed.scheme}:// must be an async function or an async generator")
+    with _startup.phase(caller=None if _startup.current().caller else "rendezvous"):
+        warn_if_launcher_disagrees(_maybe_int(query.get("rank")), _maybe_int(query.get("world_size")))
+        result = handler(url, timeout=to_timedelta(timeout), **kwargs)
+        if inspect.isasyncgen(result):
+            triple = await anext(result)
+        elif inspect.isawaitable(result):
+            triple = await result
+        elif inspect.isgenerator(result):
+            triple = next(result)
+        else:
+            raise TypeError(f"rendezvous handler for {parsed.scheme}:// must be an async function or an async generator")
     return _check_result(parsed.scheme, triple)
+
+
+def warn_if_launcher_disagrees(rank: int | None, world_size: int | None, caller: str | None = None) -> None:
+    """Warn, at once, when ``rank``/``world_size`` given in code differ from the launcher's
+    ``RANK``/``WORLD_SIZE`` (set by aiodist-run, torchrun): under a 2-process launcher,
+    ``world_size=3`` waits the whole timeout for a rank that was never started. ``caller``
+    names who was given them (default: the start-up phase's caller, else rendezvous)."""
+    for name, value, var in (("world_size", world_size, "WORLD_SIZE"), ("rank", rank, "RANK")):
+        raw = os.environ.get(var, "").strip()
+        if value is None or value < 0 or not raw:
+            continue
+        try:
+            launched = int(raw)
+        except ValueError:
+            continue  # env:// refuses it with its own error when it is used
+        if launched != value:
+            if name == "rank":
+                then = "two processes may claim one rank while another rank is never filled"
+            elif value > launched:
+                then = f"the ranks will wait, until the timeout, for {value - launched} rank(s) the launcher never started"
+            else:
+                then = f"the launcher's ranks {value} to {launched - 1} do not fit in a world of {value}"
+            log.warning(
+                "%s: %s=%d was passed in code, but the launcher's %s is %d (in the environment): %s. "
+                "Pass the launcher's value (env:// reads it itself when none is passed).",
+                caller or _startup.current().caller or "rendezvous",
+                name,
+                value,
+                var,
+                launched,
+                then,
+            )
 
 
 def _check_result(scheme: str, triple: Any) -> RendezvousResult:
@@ -153,6 +191,13 @@ def _query_int(query: dict[str, str], name: str, url: str) -> int:
         return int(query[name])
     except ValueError:
         raise ValueError(f"{name} parameter in rendezvous url {url!r} is not an integer: {query[name]!r}") from None
+
+
+def _maybe_int(value: str | None) -> int | None:
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None  # the handler refuses it in its own words
 
 
 def _env(name: str) -> str:
@@ -184,9 +229,12 @@ async def create_c10d_store(hostname: str, port: int, rank: int, world_size: int
     no per-attempt prefix (the agent makes a new store for every restart), nor does aiodist."""
     if not 0 <= port < 2**16:
         raise ValueError(f"port must have value from 0 to 65535 but was {port}.")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return await TCPStore(hostname, port, world_size, False, timeout, use_libuv=use_libuv)
-    return await TCPStore(hostname, port, world_size, rank == 0, timeout, multi_tenant=True, use_libuv=use_libuv)
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    # the store's progress warnings name this rank and whose server it waits for
+    with _startup.phase(rank=rank, world_size=world_size, server_of="the launcher agent" if agent else "rank 0"):
+        if agent:
+            return await TCPStore(hostname, port, world_size, False, timeout, use_libuv=use_libuv)
+        return await TCPStore(hostname, port, world_size, rank == 0, timeout, multi_tenant=True, use_libuv=use_libuv)
 
 
 # ---------------------------------------------------------------- built-in handlers
@@ -201,7 +249,8 @@ async def _tcp_handler(url: str, timeout: timedelta = default_pg_timeout, **kwar
     world_size = _query_int(query, "world_size", url)
     if result.hostname is None:
         raise RendezvousArgumentError(f"hostname cannot be None: no host in rendezvous url {url!r}")  # torch: AssertionError
-    store = await create_c10d_store(result.hostname, result.port, rank, world_size, timeout, _use_libuv(query))
+    with _startup.phase(addr_from="the init_method URL"):
+        store = await create_c10d_store(result.hostname, result.port, rank, world_size, timeout, _use_libuv(query))
     return store, rank, world_size
 
 
@@ -214,7 +263,8 @@ async def _env_handler(url: str, timeout: timedelta = default_pg_timeout, **kwar
     )
     if found.scheduler is not None and found.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(found.local_rank))  # for get_node_local_rank(), as torchrun sets it
-    store = await create_c10d_store(found.master_addr, found.master_port, found.rank, found.world_size, timeout, _use_libuv(query))
+    with _startup.phase(addr_from=found.sources.get("master_addr")):
+        store = await create_c10d_store(found.master_addr, found.master_port, found.rank, found.world_size, timeout, _use_libuv(query))
     return store, found.rank, found.world_size
 
 

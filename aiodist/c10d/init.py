@@ -27,6 +27,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from aiodist import _startup
 from aiodist._time import TimeoutLike, to_seconds, to_timedelta
 from aiodist.backends.base import CommBackend
 from aiodist.backends.device import DeviceBackend
@@ -36,7 +37,7 @@ from aiodist.c10d.world import NON_GROUP_MEMBER, current_world, default_group
 from aiodist.constants import default_pg_timeout
 from aiodist.debug.levels import DebugLevel, get_debug_level
 from aiodist.errors import DistBackendError, DistTimeoutError
-from aiodist.rendezvous import rendezvous
+from aiodist.rendezvous import rendezvous, warn_if_launcher_disagrees
 from aiodist.store.base import Store
 from aiodist.store.prefix import PrefixStore
 
@@ -185,8 +186,10 @@ async def init_process_group(
             raise ValueError("world_size must be positive if using store")
         if rank < 0:
             raise ValueError("rank must be non-negative if using store")
+        warn_if_launcher_disagrees(rank, world_size, "init_process_group")
     else:
-        owned, rank, world_size = await rendezvous(init_method or "env://", rank, world_size, timeout=td)
+        with _startup.phase(caller="init_process_group"):  # names the waits' progress warnings
+            owned, rank, world_size = await rendezvous(init_method or "env://", rank, world_size, timeout=td)
         store = PrefixStore("default_pg", owned)
     if not 0 <= rank < world_size:
         if owned is not None:
@@ -194,7 +197,8 @@ async def init_process_group(
         raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
     made: list[CommBackend | DeviceBackend] = []
     try:
-        comm, devices = await _create_backends(config, store, rank, world_size, td, pg_options, made)
+        with _startup.phase(caller="init_process_group", rank=rank):
+            comm, devices = await _create_backends(config, store, rank, world_size, td, pg_options, made)
         if device_id is not None:  # torch's eager init: connect to every peer now, not on first use
             try:
                 async with asyncio.timeout(td.total_seconds()):

@@ -49,11 +49,21 @@ from aiodist.wire.store import (
     encode_u32,
 )
 
-__all__ = ["TCPStoreServer", "ServerThread", "ListenError", "INIT_KEY", "new_event_loop"]
+__all__ = ["TCPStoreServer", "ServerThread", "ListenError", "INIT_KEY", "init_rank_key", "new_event_loop"]
 
 log = logging.getLogger("aiodist.store.server")
 
 INIT_KEY = b"init/"
+_MAX_NAMED_RANKS = 1 << 16  # a bigger world's progress warnings give counts, not names
+
+
+def init_rank_key(rank: int) -> bytes:
+    """Where an aiodist client that joins as ``rank`` says so, just before its ``init/`` ADD
+    (so the master's progress warnings name the missing ranks). Without the ``/`` of user keys,
+    so ``list_keys`` does not show it (as ``init/``); ``num_keys`` counts it."""
+    return b"init/rank/%d" % rank
+
+
 _STOP = encode_u8(STOP_WAITING)
 _READY = encode_u8(CHECK_READY)
 _NOT_READY = encode_u8(CHECK_NOT_READY)
@@ -425,6 +435,21 @@ class TCPStoreServer:
             joined = self.state.get(INIT_KEY) or b"0"
             shown = math.ceil(timeout if shown_s is None else shown_s)
             raise StoreTimeoutError(f"Timed out after {shown} seconds waiting for clients. {int(joined)}/{world_size} clients joined.")
+
+    def joined(self, world_size: int) -> tuple[int, list[int] | None]:
+        """How many have joined (the ``init/`` counter), and the ranks still missing when every
+        one that joined said its rank (``init_rank_key``); else None."""
+        raw = self.state.get(INIT_KEY) or b"0"
+        try:
+            count = int(raw)
+        except ValueError:
+            return 0, None
+        if world_size > _MAX_NAMED_RANKS:
+            return count, None
+        absent = self.state.missing([init_rank_key(r) for r in range(world_size)])
+        if world_size - len(absent) != count:
+            return count, None  # a client that did not say its rank (torch's), or a store joined twice
+        return count, sorted(int(k.rsplit(b"/", 1)[1]) for k in absent)
 
     async def close(self) -> None:
         if self._server is None:

@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Generator, Sequence
 from typing import Any
 
+from aiodist import _startup
 from aiodist._time import TimeoutLike
 from aiodist.errors import DistNetworkError, DistStoreError, QueueEmptyError, StoreTimeoutError
 from aiodist.store.base import (
@@ -49,7 +50,7 @@ from aiodist.store.base import (
     to_amount,
     to_value,
 )
-from aiodist.store.server import INIT_KEY, ListenError, ServerThread, TCPStoreServer, local_socket_name
+from aiodist.store.server import INIT_KEY, ListenError, ServerThread, TCPStoreServer, init_rank_key, local_socket_name
 from aiodist.wire.store import CHECK_READY, STOP_WAITING, Limits, Op, ProtocolError, Reply, ReplyParser, encode
 
 __all__ = ["TCPStore", "InvalidEnvError"]
@@ -61,7 +62,6 @@ _BYTES = ((Reply.BYTES, 0),)
 _CHECK_GET = ((Reply.U8, 0), (Reply.BYTES, 0))
 _MAX_IDLE_WAITERS = 8
 _CONNECT_ATTEMPT_S = 5.0  # one connect attempt's deadline
-_CONNECT_WARN_EVERY_S = 3.0  # a connect that keeps failing is logged this often (torch: every second)
 
 log = logging.getLogger("aiodist.store")
 
@@ -384,22 +384,43 @@ class TCPStore(Store):
         deadline = time.monotonic() + self._timeout_s
         if self._is_master:
             await self._start_server()
+        rank = _startup.current().rank  # set by the rendezvous: the progress warnings name ranks
         try:
-            self._main = await self._open(deadline)
+            self._main = await self._open(deadline, starting=True)
             if self._world_size is not None and self._wait_for_workers:
-                await self._request(encode(Op.ADD, (INIT_KEY,), number=1), _I64, "join (init/ counter)", repeatable=False)
+                # The rank first, in the same write: the master then knows who is missing.
+                say = encode(Op.SET, (init_rank_key(rank),), (b"1",)) if rank is not None else b""
+                await self._request(say + encode(Op.ADD, (INIT_KEY,), number=1), _I64, "join (init/ counter)", repeatable=False)
                 if self._server is not None:
                     fut = self._server.submit(
                         self._server.server.wait_for_workers(
                             self._world_size, max(0.0, deadline - time.monotonic()), shown_s=self._timeout_s
                         )
                     )
-                    await asyncio.wrap_future(fut)
+                    async with _startup.warn_while(self._join_progress, self._join_progress_failed, log):
+                        await asyncio.wrap_future(fut)
         except BaseException:
             await self.close()
             raise
         self._started = True
         return self
+
+    async def _join_progress(self, elapsed: float) -> str:
+        """The master's progress line while it waits for the workers to join."""
+        assert self._server is not None and self._world_size is not None
+        n = self._world_size
+        count, missing = self._server.server.joined(n)
+        who = f"ranks {_startup.ranks(missing)}" if missing is not None else f"{max(0, n - count)} more client(s)"
+        return (
+            f"{_startup.who(self._describe())} waiting for {who} to join the store at {self._describe_addr()} "
+            f"({min(count, n)}/{n} joined, {_startup.waited(elapsed, self._timeout_s)})"
+        )
+
+    def _join_progress_failed(self, elapsed: float, exc: BaseException) -> str:
+        return (
+            f"{_startup.who(self._describe())} waiting for clients to join the store at {self._describe_addr()} "
+            f"({_startup.waited(elapsed, self._timeout_s)}; the count is unknown: {exc!r})"
+        )
 
     async def _start_server(self) -> None:
         limits = self._limits
@@ -493,13 +514,15 @@ class TCPStore(Store):
 
     # -- connections ----------------------------------------------------------------------
 
-    async def _open(self, deadline: float) -> _Connection:
+    async def _open(self, deadline: float, starting: bool = False) -> _Connection:
         """A new validated connection, retrying with backoff until ``deadline``: a refused
         connect, and a connection the server drops during the handshake (a server that is
-        starting or stopping), are both retried."""
+        starting or stopping), are both retried. A host name that does not resolve is warned
+        about at the first failure; any failure that lasts, every ``AIODIST_INIT_WARN_INTERVAL``
+        seconds. ``starting``: the store's first connect, whose warnings name the start-up phase."""
         loop = asyncio.get_running_loop()
         delay, start = 0.01, time.monotonic()
-        warned = start
+        warned, every, unresolved, why = start, _startup.warn_interval(), False, ""
         while True:
             try:
                 conn = await self._open_local(loop)
@@ -512,22 +535,20 @@ class TCPStore(Store):
                 raise DistNetworkError(f"{self._describe()}: handshake failed: {exc}; is this a TCPStore server?") from None
             except (OSError, TimeoutError, _Lost) as exc:
                 now = time.monotonic()
-                if now - warned >= _CONNECT_WARN_EVERY_S:  # a wrong MASTER_ADDR shows within seconds, not at the timeout
+                # an attempt cut short by the deadline says nothing new: keep the error before it
+                why = str(exc) or why or "no answer in time"
+                if isinstance(exc, socket.gaierror) and not unresolved:  # a misspelt MASTER_ADDR: say so at once
+                    unresolved, warned = True, now
+                    log.warning("%s", self._unresolved(exc, deadline - start, starting))
+                elif now - warned >= every:
                     warned = now
-                    log.warning(
-                        "[c10d] cannot reach the TCPStore server at %s for %.0f s so far (%s); still trying for %.0f s more",
-                        self._describe_addr(),
-                        now - start,
-                        str(exc) or "no answer in time",
-                        max(0.0, deadline - now),
-                    )
+                    log.warning("%s", self._unreachable(why, now - start, deadline - start, starting))
                 now = time.monotonic()
                 if now >= deadline:
                     raise DistNetworkError(
                         f"The client socket has timed out after {round((deadline - start) * 1000)}ms while trying to "
                         f"connect to ({self._host}, {self._port}). Could not connect to the TCPStore server at "
-                        f"{self._describe_addr()} within the connect timeout (tried for {now - start:.1f} s): "
-                        f"{str(exc) or 'no answer in time'}"
+                        f"{self._describe_addr()} within the connect timeout (tried for {now - start:.1f} s): {why}"
                     ) from None
                 await asyncio.sleep(min(delay, deadline - now))  # the last try comes at the deadline
                 delay = min(delay * 2, 1.0)
@@ -536,6 +557,27 @@ class TCPStore(Store):
                 conn.close()
                 raise DistNetworkError(f"{self._describe()}: handshake failed (ping echo {got} != {nonce}); is this a TCPStore server?")
             return conn
+
+    def _waiter(self, starting: bool) -> tuple[str, str]:
+        """Who waits and for what: ``("init_process_group: rank 1", "rank 0's TCPStore server")``
+        during start-up, else this store and "the TCPStore server"."""
+        if not starting:
+            return self._describe(), "the TCPStore server"
+        p = _startup.current()
+        return _startup.who(self._describe()), f"{p.server_of}'s TCPStore server" if p.server_of else "the TCPStore server"
+
+    def _unresolved(self, exc: OSError, total: float, starting: bool) -> str:
+        who, server = self._waiter(starting)
+        source = _startup.current().addr_from if starting else None
+        return (
+            f"{who} cannot resolve {self._host!r}, the host of {server} at {self._describe_addr()}"
+            f"{f' (from {source})' if source else ''}: {exc}; is the name right? Still trying, "
+            f"until the timeout ({_startup.seconds(total)})"
+        )
+
+    def _unreachable(self, why: str, elapsed: float, total: float, starting: bool) -> str:
+        who, server = self._waiter(starting)
+        return f"{who} waiting for {server} at {self._describe_addr()} to accept a connection ({_startup.waited(elapsed, total)}; last error: {why})"
 
     async def _handshake(self, conn: _Connection, deadline: float) -> tuple[int, int]:
         """VALIDATE, then a PING with this process's pid as the nonce (as torch's client): (the echo, the nonce)."""

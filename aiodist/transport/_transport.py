@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from aiodist import _startup
 from aiodist.algorithms.p2p import byte_view
 from aiodist.backends.base import P2P_SEQ
 from aiodist.errors import DistBackendError, DistError, DistNetworkError, DistTimeoutError
@@ -72,7 +73,7 @@ _NOWAIT_MAX_BYTES = 64 * 1024  # send_nowait only tries messages this small (the
 _CONNECT_ATTEMPT_S = 5.0  # one connect attempt's deadline (a dropped SYN would otherwise wait minutes)
 _DIAGNOSE_S = 5.0  # how long a failed exchange() may spend finding the ranks it waited for
 _WARN_AFTER_S = 1.0  # a peer that cannot be connected to for this long gets a warning ...
-_WARN_EVERY_S = 5.0  # ... and another this often while it lasts
+_WARN_EVERY_S: float | None = None  # ... and another this often while it lasts (None: AIODIST_INIT_WARN_INTERVAL, default 10 s)
 STRIPE_MIN_BYTES = 256 * 1024  # collective messages this big are split across the lanes (AIODIST_STRIPE_MIN_BYTES)
 _STRIPE_TAG = 1 << _PART_SHIFT  # part j of a striped message travels under tag + (j + 1) * _STRIPE_TAG (tags stay below 2**31)
 _STRIPE_ALIGN = 64
@@ -255,8 +256,28 @@ class Transport:
         if (await store.add(f"{base}{rnd}/counted", 1)) == world:
             await store.set(f"{base}{rnd}/all", "1")
         keys = [address_key(r) for r in range(world)]
+        who, there = _startup.who(f"rank {self.rank}"), _startup.where(store)
+
+        async def progress(elapsed: float) -> str:
+            if world > 4096:  # too many to ask one by one every few seconds: count them
+                n = await store.add(f"{base}{rnd}/counted", 0)
+                return f"{who} waiting for {world - n} ranks to publish their transport addresses in {there} ({n}/{world} counted in, {_startup.waited(elapsed, timeout)})"
+            have = await asyncio.gather(*(store.check([k]) for k in keys))
+            missing = [r for r, ok in enumerate(have) if not ok]
+            return (
+                f"{who} waiting for ranks {_startup.ranks(missing)} to publish their transport addresses in {there} "
+                f"({world - len(missing)}/{world} published, {_startup.waited(elapsed, timeout)})"
+            )
+
+        def unknown(elapsed: float, exc: BaseException) -> str:
+            return (
+                f"{who} waiting for every rank's transport address in {there} ({_startup.waited(elapsed, timeout)}; "
+                f"the store did not say which ranks are missing: {exc!r})"
+            )
+
         try:
-            await store.wait([f"{base}{rnd}/all"], timeout)
+            async with _startup.warn_while(progress, unknown, log):
+                await store.wait([f"{base}{rnd}/all"], timeout)
         except TimeoutError:
             try:
                 async with asyncio.timeout(_DIAGNOSE_S):  # naming the absent ranks is best effort
@@ -729,15 +750,16 @@ class Transport:
         if rec is None:
             rec = self._connect_errors[k] = [now, 0.0, "", ""]
         rec[2], rec[3] = addr.describe(lane), why
-        if now - rec[0] >= _WARN_AFTER_S and now - rec[1] >= _WARN_EVERY_S:
+        every = _startup.warn_interval() if _WARN_EVERY_S is None else _WARN_EVERY_S
+        if now - rec[0] >= _WARN_AFTER_S and now - rec[1] >= every:
             rec[1] = now
             log.warning(
-                "rank %d: cannot connect to rank %d%s at %s for %.0f s so far (last error: %s); still trying, until the timeout",
+                "rank %d: cannot connect to rank %d%s at %s, waiting for it to accept a connection (%s, until the op's timeout; last error: %s)",
                 self.rank,
                 addr.rank,
                 f" on lane {lane} ({self.advertised.ifnames[lane]})" if lane and lane < len(self.advertised.ifnames) else "",
                 rec[2],
-                now - rec[0],
+                _startup.waited(now - rec[0], None),
                 why,
             )
 
