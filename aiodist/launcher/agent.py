@@ -28,6 +28,7 @@ from typing import IO, Any, TextIO, TypeVar
 
 from aiodist.elastic.errors import ChildFailedError, ProcessFailure
 from aiodist.errors import DistError
+from aiodist.launcher._tracebacks import TracebackScanner
 from aiodist.launcher.rendezvous import AgentRendezvous, Assignment, RendezvousError
 
 __all__ = ["SignalException", "WorkerSpec", "LocalAgent", "Std"]
@@ -135,15 +136,29 @@ def _why(exc: BaseException) -> str:
 
 
 async def _cancel(task: asyncio.Task[Any] | None) -> None:
-    """Cancel ``task`` (if any and not done) and wait for it; its outcome is dropped."""
+    """Cancel ``task`` (if any and not done) and wait for it; its outcome is dropped. A
+    cancellation of the calling task that arrives meanwhile is not: it propagates (``task``,
+    cancelled twice, may then still be winding down). One already under way when this is
+    called (a ``finally`` cleaning up) is not raised again here."""
     if task is None:
         return
+    me = asyncio.current_task()
+    before = me.cancelling() if me is not None else 0
     if not task.done():
         task.cancel()
     try:
         await task
-    except BaseException:  # noqa: S110 - cancelled on purpose, or a failure nobody waits for any more
+    except asyncio.CancelledError:
+        if me is not None and me.cancelling() > before:
+            raise
+    except Exception:  # noqa: S110 - a failure nobody waits for any more
         pass
+
+
+def _cause_key(f: ProcessFailure) -> tuple[bool, int, int]:
+    """Order of failures for the root cause, as ``ChildFailedError.get_first_failure``:
+    communication errors (usually a peer's exit seen from here) after the others, then time."""
+    return (f.is_comm_error, f.timestamp_ns, f.rank)
 
 
 def _check_std(v: int) -> int:
@@ -194,6 +209,8 @@ class _Worker:
     exit_ns: int = 0
     signalled: bool = False
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
+    # What it died of, read from stderr as the lines arrive: for a worker without @record.
+    tracebacks: TracebackScanner = field(default_factory=TracebackScanner)
     pumps: list[asyncio.Task[None]] = field(default_factory=list)
     watcher: asyncio.Task[None] | None = None
     files: list[IO[bytes]] = field(default_factory=list)
@@ -378,11 +395,7 @@ class LocalAgent:
             await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
             if self._signal is not None and not task.done():
-                task.cancel()
-                try:
-                    await task
-                except BaseException:  # noqa: S110 - cancelled on purpose
-                    pass
+                await _cancel(task)
                 self._check_signal()
         return task.result()
 
@@ -524,7 +537,7 @@ class LocalAgent:
         failures = self._failures()
         if a.nnodes == 1:
             return _RoundResult(False, failures)
-        first = min(failures.values(), key=lambda f: (f.timestamp_ns, f.rank)).to_dict()
+        first = min(failures.values(), key=_cause_key).to_dict()
         mine = [f.to_dict() for f in failures.values()]
         try:
             remote = await self._bounded(lambda: self.rdzv.report_failure(a.round, first))
@@ -573,7 +586,7 @@ class LocalAgent:
         await self._stop_workers(signal.SIGTERM)
         failures = self._failures()
         mine = [f.to_dict() for f in failures.values()]
-        first = min(failures.values(), key=lambda f: (f.timestamp_ns, f.rank)).to_dict() if failures else res.agent_failures[0].to_dict()
+        first = min(failures.values(), key=_cause_key).to_dict() if failures else res.agent_failures[0].to_dict()
         failures.update(self._stopped(f"stopped by this node's launcher: {res.store_down}", failures))
         res.failures, res.unpublished = failures, (first, mine)
         return res
@@ -678,6 +691,10 @@ class LocalAgent:
             if w.rc in (None, 0) or (w.signalled and not os.path.exists(w.error_file)):
                 continue
             assert w.proc is not None and w.rc is not None
+            # Without an error file (no @record) the failure is the last traceback on stderr,
+            # timed when it arrived: closer to when the error happened than the exit, which
+            # comes after the worker's teardown (and whose order among workers is a race).
+            cause = w.tracebacks.last
             out[w.rank] = ProcessFailure(
                 local_rank=w.local_rank,
                 rank=w.rank,
@@ -687,6 +704,8 @@ class LocalAgent:
                 stderr_tail="".join(w.tail),
                 observed_ns=w.exit_ns,
                 hostname=self._host_name(self._assignment),
+                message=cause.message if cause is not None else "",
+                timestamp_ns=cause.time_ns if cause is not None else 0,
             )
         return out
 
@@ -821,12 +840,18 @@ class LocalAgent:
                 cut = True
             if lines:
                 if is_err:
-                    w.tail.extend(line.decode(errors="replace") + "\n" for line in lines)
+                    now = time.time_ns()
+                    for line in lines:
+                        text = line.decode(errors="replace")
+                        w.tail.append(text + "\n")
+                        w.tracebacks.feed(text, now)
                 if write is not None and not write(b"".join(prefix + line + b"\n" for line in lines)):
                     write = None
         if pending:
             if is_err:
-                w.tail.append(pending.decode(errors="replace") + "\n")
+                text = pending.decode(errors="replace")
+                w.tail.append(text + "\n")
+                w.tracebacks.feed(text, time.time_ns())
             if write is not None:
                 write(prefix + pending + b"\n")
 
