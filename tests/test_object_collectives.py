@@ -386,13 +386,13 @@ async def test_object_collectives_in_a_subgroup() -> None:
         g = await dist.new_group([1, 2, 4])
         if not isinstance(g, dist.ProcessGroup):
             for call in (
-                broadcast_object_list([None], src=1, group=g),
-                all_gather_object([None] * 3, rank, group=g),
-                gather_object(rank, None, dst=1, group=g),
-                scatter_object_list([None], None, src=1, group=g),
+                lambda: broadcast_object_list([None], src=1, group=g),
+                lambda: all_gather_object([None] * 3, rank, group=g),
+                lambda: gather_object(rank, None, dst=1, group=g),
+                lambda: scatter_object_list([None], None, src=1, group=g),
             ):
                 with pytest.warns(UserWarning, match="which does not belong to the given group"):  # as torch
-                    assert await call is None
+                    assert await call() is None
             return
         objs: list[Any] = ["from 4"] if rank == 4 else [None]
         await broadcast_object_list(objs, src=4, group=g)  # src: a global rank

@@ -212,11 +212,11 @@ async def test_an_op_complex_tensors_lack_is_torchs_value_error(op: str) -> None
     async def fn(rank: int) -> None:
         x = np.ones(3, np.complex64)
         for call, name in (
-            (dist.all_reduce(x, op=getattr(dist.ReduceOp, op)), "all_reduce"),
-            (dist.all_reduce_coalesced([np.ones(2), x], op=getattr(dist.ReduceOp, op)), "all_reduce_coalesced"),
+            (lambda: dist.all_reduce(x, op=getattr(dist.ReduceOp, op)), "all_reduce"),
+            (lambda: dist.all_reduce_coalesced([np.ones(2), x], op=getattr(dist.ReduceOp, op)), "all_reduce_coalesced"),
         ):
             with pytest.raises(ValueError, match=rf"^{name} does not support RedOpType\.{op} on complex tensors") as e:
-                await call
+                await call()  # the call itself raises: arguments are checked when it is made
             assert isinstance(e.value, TypeError)  # aiodist's type before: still caught
         assert (x == 1).all()
         await dist.barrier()  # nothing was sent: the group still works

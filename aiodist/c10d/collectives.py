@@ -26,6 +26,7 @@ from aiodist.algorithms import collectives as alg
 from aiodist.algorithms.p2p import P2P, SubP2P, byte_view
 from aiodist.c10d._args import buf, bufs, check_async_op, group_root, same_dtype, split_sizes
 from aiodist.c10d._device import device_backend, issue_on_device
+from aiodist.c10d._pending import communicating
 from aiodist.c10d.init import GroupArg, not_member, resolve_group
 from aiodist.c10d.work import Work
 from aiodist.errors import DistTimeoutError
@@ -108,6 +109,7 @@ def _chunks(flat: np.ndarray, n: int) -> list[np.ndarray]:
 # -- broadcast / all_reduce / reduce -----------------------------------------------------------
 
 
+@communicating
 async def broadcast(
     tensor: Any, src: int | None = None, group: GroupArg = None, async_op: bool = False, group_src: int | None = None
 ) -> Work | None:
@@ -128,6 +130,7 @@ async def broadcast(
     return await _finish(pg.issue("broadcast", body, [tensor], meta=_meta(tensor=_t(b), root=pg.ranks[root])), asy)
 
 
+@communicating
 async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` across the group, in place; the same bits on every rank."""
     if not_member(group, "all_reduce"):
@@ -148,6 +151,7 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
     return await _finish(pg.issue("all_reduce", body, [tensor], meta=_meta(tensor=_t(b), op=_opname(rop))), asy)
 
 
+@communicating
 async def reduce(
     tensor: Any,
     dst: int | None = None,
@@ -182,6 +186,7 @@ async def reduce(
 # -- all_gather / gather / scatter -------------------------------------------------------------
 
 
+@communicating
 async def all_gather(tensor_list: Sequence[Any], tensor: Any, group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Every rank's ``tensor`` into ``tensor_list[that rank]`` on every rank (sizes may differ per rank)."""
     if not_member(group, "all_gather"):
@@ -202,18 +207,20 @@ async def all_gather(tensor_list: Sequence[Any], tensor: Any, group: GroupArg = 
     return await _finish(pg.issue("all_gather", body, list(tensor_list), meta=_meta(dtype=inp.dtype_name, local={"input": _t(inp)})), asy)
 
 
+@communicating
 async def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Every rank's ``input_tensor`` concatenated (or stacked) into ``output_tensor`` in rank order."""
     return await _all_gather_one("all_gather_into_tensor", output_tensor, input_tensor, group, async_op)
 
 
+@communicating
 async def all_gather_single(output_tensor: Any, input_tensor: Any, group: GroupArg = None, async_op: bool = False) -> Work | None:
     """The newer name of ``all_gather_into_tensor`` (concatenation and stack forms)."""
     return await _all_gather_one("all_gather_single", output_tensor, input_tensor, group, async_op)
 
 
 async def _all_gather_one(op: str, output_tensor: Any, input_tensor: Any, group: GroupArg, async_op: bool) -> Work | None:
-    if not_member(group, op, stacklevel=4):
+    if not_member(group, op):
         return None
     pg = resolve_group(group, what=op)
     asy = check_async_op(async_op)
@@ -249,6 +256,7 @@ def _root_list(
     return [b.flat for b in items]
 
 
+@communicating
 async def gather(
     tensor: Any,
     gather_list: Sequence[Any] | None = None,
@@ -278,6 +286,7 @@ async def gather(
     )
 
 
+@communicating
 async def scatter(
     tensor: Any,
     scatter_list: Sequence[Any] | None = None,
@@ -309,6 +318,7 @@ async def scatter(
 # -- reduce_scatter / all_to_all / barrier -----------------------------------------------------
 
 
+@communicating
 async def reduce_scatter(
     output: Any, input_list: Sequence[Any], op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False
 ) -> Work | None:
@@ -327,6 +337,7 @@ async def reduce_scatter(
     return await _finish(_issue_reduce_scatter(pg, "reduce_scatter", out, [i.flat for i in ins], rop, combine, output), asy)
 
 
+@communicating
 async def reduce_scatter_tensor(
     output: Any, input: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False
 ) -> Work | None:
@@ -334,6 +345,7 @@ async def reduce_scatter_tensor(
     return await _reduce_scatter_one("reduce_scatter_tensor", output, input, op, group, async_op)
 
 
+@communicating
 async def reduce_scatter_single(
     output: Any, input: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False
 ) -> Work | None:
@@ -342,7 +354,7 @@ async def reduce_scatter_single(
 
 
 async def _reduce_scatter_one(name: str, output: Any, input: Any, op: ReduceOpLike, group: GroupArg, async_op: bool) -> Work | None:
-    if not_member(group, name, stacklevel=4):
+    if not_member(group, name):
         return None
     pg = resolve_group(group, what=name)
     asy = check_async_op(async_op)
@@ -372,6 +384,7 @@ def _issue_reduce_scatter(pg: Any, name: str, out: Buffer, parts: list[np.ndarra
     return work
 
 
+@communicating
 async def all_to_all(
     output_tensor_list: Sequence[Any], input_tensor_list: Sequence[Any], group: GroupArg = None, async_op: bool = False
 ) -> Work | None:
@@ -404,6 +417,7 @@ def _split_bounds(b: Buffer, sizes: Sequence[int] | None, n: int, what: str) -> 
     return bounds, row
 
 
+@communicating
 async def all_to_all_single(
     output: Any,
     input: Any,
@@ -447,6 +461,7 @@ def _issue_all_to_all(pg: Any, name: str, outs: list[np.ndarray], ins: list[np.n
     return work
 
 
+@communicating
 async def barrier(group: GroupArg = None, async_op: bool = False, device_ids: Any = None) -> Work | None:
     """Return once every rank of the group has entered (``device_ids`` is ignored on CPU)."""
     if not_member(group, "barrier"):
@@ -473,6 +488,7 @@ def _list(objs: object, what: str) -> Sequence[Any]:
     return objs
 
 
+@communicating
 async def all_reduce_coalesced(
     tensors: Sequence[Any] | Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False
 ) -> Work | None:
@@ -523,6 +539,7 @@ def _is_torch_tensor(obj: object) -> bool:
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
+@communicating
 async def all_gather_coalesced(
     output_tensor_lists: Sequence[Sequence[Any]], input_tensor_list: Sequence[Any], group: GroupArg = None, async_op: bool = False
 ) -> Work | None:
@@ -596,6 +613,7 @@ def _late_verdict(late: Sequence[int], ranks: Sequence[int], seconds: float) -> 
     return f"[Rank 0]: {who} failed to pass monitoredBarrier in {round(seconds * 1000)} ms{extra}; monitored_barrier timeout {seconds:g} s"
 
 
+@communicating
 async def monitored_barrier(group: GroupArg = None, timeout: TimeoutLike | None = None, wait_all_ranks: bool = False) -> None:
     """A barrier that names the ranks that did not arrive (torch's): every rank reports to group
     rank 0, which waits up to ``timeout`` (default: the group's) and then releases them all. If

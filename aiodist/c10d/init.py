@@ -20,17 +20,20 @@ Decisions (see docs/c10d.md):
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import os
+import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from aiodist import _startup
 from aiodist._time import TimeoutLike, to_seconds, to_timedelta
 from aiodist.backends.base import CommBackend
 from aiodist.backends.device import DeviceBackend
+from aiodist.c10d._pending import Pending, _site, communicating
 from aiodist.c10d.backend_registry import Backend, create_backend, is_backend_available, is_nccl_available, parse_backend_config
 from aiodist.c10d.process_group import ProcessGroup
 from aiodist.c10d.world import NON_GROUP_MEMBER, current_world, default_group
@@ -77,6 +80,7 @@ __all__ = [
 ]
 
 GroupArg = ProcessGroup | int | None
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _int(value: object, what: str) -> int:
@@ -99,13 +103,18 @@ def resolve_group(group: GroupArg, *, what: str = "this op") -> ProcessGroup:
     return group
 
 
-def not_member(group: object, op: str, *, stacklevel: int = 3) -> bool:
+def not_member(group: object, op: str, *, stacklevel: int | None = None) -> bool:
     """True when ``group`` is ``NON_GROUP_MEMBER`` (new_group's answer on a rank outside the
     group), after warning as torch does: the caller then returns without communicating, as
     torch's ops do on such a rank."""
     if not (isinstance(group, int) and not isinstance(group, bool) and group == NON_GROUP_MEMBER):
         return False
     world = current_world()
+    if stacklevel is None:  # the caller's line: the first frame outside aiodist
+        stacklevel = 2
+        f: Any = sys._getframe(1)
+        while f is not None and f.f_code.co_filename.startswith(_PKG_DIR):
+            stacklevel, f = stacklevel + 1, f.f_back
     warnings.warn(f"Running {op} on global rank {world.rank} which does not belong to the given group.", UserWarning, stacklevel=stacklevel)
     return True
 
@@ -150,6 +159,28 @@ def get_default_backend_for_device(device: Any) -> str:
 # -- init / destroy ----------------------------------------------------------------------------
 
 
+def _tracked_init(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., Pending]:
+    """``communicating`` for init_process_group, which also records in the World where it was
+    called until it ends, so that the next call of an init that was never awaited names it."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Pending:
+        world = current_world()
+        site = _site(2)
+
+        async def run() -> None:
+            world.init_site = site
+            try:
+                await fn(*args, **kwargs)
+            finally:
+                world.init_site = None
+
+        return Pending("init_process_group", run(), site)
+
+    return call
+
+
+@_tracked_init
 async def init_process_group(
     backend: str | None = None,
     init_method: str | None = None,
@@ -340,6 +371,7 @@ def is_initialized() -> bool:
     return current_world().default_pg is not None
 
 
+@communicating
 async def destroy_process_group(group: GroupArg = None) -> None:
     """Destroy ``group`` (its pending ops fail, it refuses new ones); None or the default group
     destroys every group and deinitialises the World. ``NON_GROUP_MEMBER`` (new_group's answer on
@@ -386,6 +418,7 @@ def _local_group_id(ranks: tuple[int, ...], occurrence: int) -> int:
     return int.from_bytes(digest, "little") | (1 << 31)
 
 
+@communicating
 async def new_group(
     ranks: Sequence[int] | None = None,
     timeout: TimeoutLike | None = None,
@@ -455,6 +488,7 @@ def _local_device_count() -> int:
     return int(count()) if count is not None else 0
 
 
+@communicating
 async def new_subgroups(
     group_size: int | None = None,
     group: GroupArg = None,
@@ -488,6 +522,7 @@ async def new_subgroups(
     return await new_subgroups_by_enumeration(split, timeout=timeout, backend=backend, pg_options=pg_options, group_desc=group_desc)
 
 
+@communicating
 async def new_subgroups_by_enumeration(
     ranks_per_subgroup_list: Sequence[Sequence[int]],
     timeout: TimeoutLike | None = None,
@@ -550,6 +585,7 @@ def _ranks_list(value: object, what: str) -> list[int]:
     return [_int(r, f"every rank in {what}") for r in value]
 
 
+@communicating
 async def split_group(
     parent_pg: GroupArg = None,
     split_ranks: Sequence[Sequence[int]] | None = None,
@@ -603,6 +639,7 @@ SHRINK_DEFAULT = 0
 SHRINK_ABORT = 1
 
 
+@communicating
 async def shrink_group(
     ranks_to_exclude: Sequence[int], group: GroupArg = None, shrink_flags: int = SHRINK_DEFAULT, pg_options: Any = None
 ) -> ProcessGroup:

@@ -47,6 +47,9 @@ class World:
         # ids are agreed without talking (every member sees every creation of its own groups)
         self.created: dict[tuple[int, ...], int] = {}
         self.next_group_id = 1
+        #: where an init_process_group still running was called (file, line): the next call
+        #: that needs the default group names it (a forgotten ``await``)
+        self.init_site: tuple[str, int] | None = None
 
     def __repr__(self) -> str:
         state = f"rank {self.rank}/{self.world_size}, backend {self.backend_name!r}" if self.default_pg else "not initialized"
@@ -101,9 +104,17 @@ def set_world(world: World) -> None:
 
 
 def default_group() -> ProcessGroup:
-    pg = current_world().default_pg
+    world = current_world()
+    pg = world.default_pg
     if pg is None:
-        raise ValueError("Default process group has not been initialized, please make sure to call init_process_group.")
+        msg = "Default process group has not been initialized, please make sure to call init_process_group."
+        if world.init_site is not None:
+            file, line = world.init_site
+            msg += (
+                f" (init_process_group was called at {file}:{line} but has not finished: "
+                "was it awaited? Write `await dist.init_process_group(...)`)"
+            )
+        raise ValueError(msg)
     return pg
 
 

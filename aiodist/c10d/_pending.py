@@ -1,0 +1,226 @@
+"""``Pending``: what every communicating call of aiodist's torch API returns, and
+``communicating``, the decorator that makes a coroutine function return one.
+
+Why (issue 13): a forgotten ``await`` used to leave an op unissued, so the ranks went out of
+step in silence, and torch's non-blocking forms (``req = dist.isend(...); req.wait()``) did not
+port by adding ``await``. Now a call *starts* its op when it is made, and returns a handle:
+
+- The call runs its coroutine's first step at once, in the caller's context, as an eager task
+  would: arguments are checked (a bad one raises from the call itself), the sequence number is
+  taken and the op is started. So ops issue in *call* order, as torch's do, whoever awaits what.
+- ``await handle`` finishes the call and gives what the coroutine returns (``None`` for a
+  blocking op, the ``Work`` for ``async_op=True``, the sender for ``recv``, ...).
+- Without a first ``await``, the handle answers torch's Work methods (``wait()``,
+  ``is_completed()``, ``is_success()``, ``source_rank()``, ...) when the call has produced its
+  Work, and iterates like the list ``batch_isend_irecv`` returns; ``await handle.wait()`` always
+  works.
+- A handle dropped without being awaited or waited on logs an ERROR naming the call and the
+  file:line it was made at, at once (CPython frees it when the statement ends), and hands what
+  is left of the call to a task, so the op still runs to its end and the ranks stay in step.
+- ``Pending`` is a ``collections.abc.Coroutine``, so ``asyncio.create_task``, ``gather`` and
+  ``wait_for`` take it as they took the coroutine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections.abc
+import functools
+import logging
+import sys
+from collections.abc import Callable, Coroutine, Generator
+from typing import Any, ParamSpec, TypeVar
+
+__all__ = ["Pending", "communicating"]
+
+log = logging.getLogger("aiodist.c10d")
+
+_DONE = object()
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def _site(depth: int) -> tuple[str, int]:
+    """The caller's file and line, ``depth`` frames up (2 from a decorated call: the line that
+    made it; aiodist's own calls name aiodist's line, and they always await)."""
+    f = sys._getframe(depth)
+    return (f.f_code.co_filename, f.f_lineno)
+
+
+class Pending(collections.abc.Coroutine[Any, Any, Any]):
+    """A communicating call, started (see the module docstring)."""
+
+    __slots__ = ("_op", "_coro", "_yielded", "_value", "_used", "_site", "_it")
+
+    def __init__(self, op: str, coro: Coroutine[Any, Any, Any], site: tuple[str, int]) -> None:
+        self._op = op
+        self._site = site
+        self._used = False
+        self._it: Generator[Any, Any, Any] | None = None
+        self._value: Any = _DONE
+        self._coro: Coroutine[Any, Any, Any] | None = coro
+        try:
+            self._yielded: Any = coro.send(None)  # the first step, now: checks, seq, issue
+        except StopIteration as stop:
+            self._coro, self._yielded, self._value = None, None, stop.value
+        except BaseException:
+            self._coro = None
+            self._used = True
+            raise
+
+    def __repr__(self) -> str:
+        state = "done" if self._coro is None else "running"
+        return f"<Pending {self._op} ({state}) from {self._site[0]}:{self._site[1]}>"
+
+    # -- awaiting ------------------------------------------------------------------------------
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        self._used = True
+        coro = self._coro
+        if coro is None:
+            return self._value
+        self._coro = None
+        try:
+            yield self._yielded  # the future the first step waits on: the awaiting task waits on it
+        except BaseException as exc:  # thrown in (cancellation): on into the call
+            return (yield from _resume(coro, exc))
+        value = yield from coro.__await__()  # resumes the call where it waits (C speed)
+        self._value = value
+        return value
+
+    # the Coroutine protocol, so that asyncio.create_task / gather / ensure_future take it
+    def send(self, value: Any) -> Any:
+        if self._it is None:
+            self._it = self.__await__()
+        return self._it.send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        if self._it is None:
+            self._it = self.__await__()
+        if val is None:
+            return self._it.throw(typ)
+        return self._it.throw(val)
+
+    def close(self) -> None:
+        self._used = True
+        if self._it is not None:
+            self._it.close()
+        elif self._coro is not None:
+            self._coro.close()
+            self._coro = None
+
+    # -- torch's Work methods, without a first await -------------------------------------------
+
+    def _work(self, what: str) -> Any:
+        self._used = True
+        if self._value is _DONE:
+            raise RuntimeError(
+                f"{self._op}(...).{what}(): the call has not produced its Work yet (it is still being issued); "
+                f"use `await {self._op}(...)` or `await handle.wait()`"
+            )
+        return self._value
+
+    async def wait(self, timeout: Any = None) -> bool:
+        """torch's ``req.wait()``: ``await dist.isend(...).wait()`` works without a first await."""
+        self._used = True
+        value = await self
+        if hasattr(value, "wait"):
+            return bool(await value.wait(timeout))
+        if isinstance(value, list):  # batch_isend_irecv
+            for w in value:
+                await w.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        self._used = True
+        if self._value is _DONE:
+            return False
+        v = self._value
+        return bool(v.is_completed()) if hasattr(v, "is_completed") else self._coro is None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self._work(name), name)
+
+    # batch_isend_irecv returns a list: iterate it as torch code does
+    def __iter__(self) -> Any:
+        return iter(self._work("__iter__"))
+
+    def __len__(self) -> int:
+        return len(self._work("__len__"))
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._work("__getitem__")[i]
+
+    # -- dropped without an await -------------------------------------------------------------------
+
+    def __del__(self) -> None:
+        if self._used:
+            return
+        try:
+            running = self._coro is not None
+            file, line = self._site
+            if running:
+                state = "the op was started when called; the rest of the call now runs in a task, but nothing waits for it"
+            elif _is_work(self._value):
+                state = "its Work was dropped without wait(): nothing learns whether the op succeeded"
+            else:
+                state = "it ran, but nothing waited for it"
+            log.error("%s(...) called at %s:%d was never awaited: %s. Write `await dist.%s(...)`.", self._op, file, line, state, self._op)
+            if running:
+                self._it = None
+                try:
+                    asyncio.get_running_loop().create_task(_finish_dropped(self))
+                except RuntimeError:  # no loop any more: nothing can finish it
+                    assert self._coro is not None
+                    self._coro.close()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+
+def _resume(coro: Any, exc: BaseException) -> Generator[Any, Any, Any]:
+    """What ``yield from`` does, for a coroutine past its first step, starting with a throw."""
+    try:
+        y = coro.throw(exc)
+    except StopIteration as stop:
+        return stop.value
+    while True:
+        try:
+            sent = yield y
+        except GeneratorExit:
+            coro.close()
+            raise
+        except BaseException as e:
+            try:
+                y = coro.throw(e)
+            except StopIteration as stop:
+                return stop.value
+            continue
+        try:
+            y = coro.send(sent)
+        except StopIteration as stop:
+            return stop.value
+
+
+async def _finish_dropped(p: Pending) -> None:
+    try:
+        await p
+    except Exception as exc:
+        log.error("%s(...) called at %s:%d (never awaited) failed: %s: %s", p._op, p._site[0], p._site[1], type(exc).__name__, exc)
+
+
+def _is_work(v: object) -> bool:
+    return hasattr(v, "is_completed") and hasattr(v, "seq")
+
+
+def communicating(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Pending]:
+    """Make the coroutine function ``fn`` return a started ``Pending`` (module docstring)."""
+    op = fn.__name__
+
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> Pending:
+        return Pending(op, fn(*args, **kwargs), _site(2))
+
+    call.__wrapped_coroutine__ = fn  # type: ignore[attr-defined]
+    return call

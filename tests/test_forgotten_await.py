@@ -1,0 +1,121 @@
+"""A forgotten ``await`` never goes silent and never puts the ranks out of step, and torch's
+non-blocking forms port by adding ``await`` to ``wait()`` alone (issue 13, aiodist.c10d._pending).
+
+Each test fails before: a communicating call was a bare coroutine, so ``dist.all_reduce(x)``
+issued nothing (only Python's "never awaited" RuntimeWarning, at collection), and
+``req = dist.isend(...); await req.wait()`` raised ``AttributeError: 'coroutine' object has no
+attribute 'wait'``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+import pytest
+
+import aiodist as dist
+from aiodist.testing import run_world
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _line_of(text: str) -> int:
+    """The line number of ``text`` in this file (where a call is made)."""
+    with open(__file__) as f:
+        for i, line in enumerate(f, 1):
+            if text in line and "_line_of" not in line:
+                return i
+    raise AssertionError(text)
+
+
+async def test_a_forgotten_await_on_a_collective_is_an_error_naming_the_line_and_the_op_still_runs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def fn(rank: int) -> float:
+        x = np.full(2, float(rank + 1))
+        if rank == 0:
+            dist.all_reduce(x)  # forgotten await (only on rank 0): the op is issued anyway
+        else:
+            await dist.all_reduce(x)
+        y = np.ones(1)
+        await dist.all_reduce(y)  # the ranks are still in step: seq 1 on both
+        assert y[0] == 2
+        return float(x[0])
+
+    with caplog.at_level(logging.ERROR, logger="aiodist.c10d"):
+        out = await run_world(2, fn, timeout=20)
+    assert out == [3.0, 3.0]  # rank 0's x was reduced too
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    line = _line_of("dist.all_reduce(x)  # forgotten await")
+    assert any(f"all_reduce(...) called at {__file__}:{line} was never awaited" in m and "await dist.all_reduce" in m for m in errors), errors
+    assert len(errors) == 1
+
+
+async def test_torchs_non_blocking_forms_port_by_adding_await_to_wait() -> None:
+    async def fn(rank: int) -> None:
+        t = np.full(3, float(rank))
+        if rank == 0:
+            req = dist.isend(t, 1)  # torch: req = dist.isend(t, 1); req.wait()
+            await req.wait()
+            assert req.is_completed()
+        else:
+            req = dist.irecv(t, 0)
+            await req.wait()
+            assert req.source_rank() == 0 and (t == 0).all()
+        x = np.ones(2)
+        work = dist.all_reduce(x, async_op=True)  # torch: work = dist.all_reduce(x, async_op=True); work.wait()
+        assert await work.wait() is True and work.is_completed() and work.is_success() and (x == 2).all()
+        peer = 1 - rank
+        a, b = np.full(2, float(rank)), np.zeros(2)
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, a, peer), dist.P2POp(dist.irecv, b, peer)])
+        for r in reqs:  # torch's loop over the returned list
+            await r.wait()
+        assert (b == peer).all() and len(reqs) == 2
+        # every form documented before keeps working
+        w = await dist.all_reduce(x, async_op=True)
+        assert isinstance(w, dist.Work) and (await w)[0] is x
+        if rank:
+            assert await dist.recv(b, src=peer) == peer
+        else:
+            assert await dist.send(a, dst=peer) is None
+        await asyncio.gather(dist.barrier(), asyncio.create_task(dist.all_reduce(np.ones(1))))
+
+    await run_world(2, fn, timeout=20)
+
+
+async def test_ops_issue_in_call_order_whoever_awaits_them() -> None:
+    """torch's order: the order of the calls, not of the awaits."""
+
+    async def fn(rank: int) -> list[float]:
+        a, b = np.full(1, float(rank + 1)), np.full(1, 10.0 * (rank + 1))
+        ha = dist.all_reduce(a)
+        hb = dist.all_reduce(b)
+        if rank == 0:
+            await hb
+            await ha
+        else:
+            await ha
+            await hb
+        return [float(a[0]), float(b[0])]
+
+    assert await run_world(2, fn, timeout=20) == [[3.0, 30.0], [3.0, 30.0]]
+
+
+async def test_an_init_never_awaited_is_named_by_the_next_call(caplog: pytest.LogCaptureFixture) -> None:
+    world = dist.World("unawaited")
+    with dist.use_world(world):
+        with caplog.at_level(logging.ERROR, logger="aiodist.c10d"):
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=2, timeout=0.5)  # forgotten await
+            with pytest.raises(ValueError) as e:
+                await dist.all_reduce(np.ones(1))
+        line = _line_of('dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=2, timeout=0.5)  # forgotten')
+        assert str(e.value).startswith("Default process group has not been initialized")
+        assert f"init_process_group was called at {__file__}:{line} but has not finished: was it awaited?" in str(e.value)
+        assert any("init_process_group(...) called at" in r.getMessage() for r in caplog.records)
+        for _ in range(50):  # the dropped init ran on in a task and failed at its timeout; let it end
+            if world.init_site is None:
+                break
+            await asyncio.sleep(0.05)
+        assert world.init_site is None and not dist.is_initialized()
