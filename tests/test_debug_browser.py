@@ -1,6 +1,7 @@
 """The debug server's page in a real browser: headless Chromium loads ``/`` of a 2-rank job where
-rank 1 never issues the all_reduce rank 0 waits in, and the DOM it built says so. Skipped where
-no Chromium is installed (Debian: ``apt-get install chromium``)."""
+rank 1 never issues the all_reduce rank 0 waits in, and of one where rank 1's event loop is
+blocked, and the DOM it built says so. .ci/run installs Debian's chromium; elsewhere these skip
+where no Chromium is installed (``apt-get install chromium``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 from aiohttp import ClientSession
-from test_debug_server import stuck_job
+from test_debug_server import blocked_job, blocked_line, stuck_job
 
 CHROMIUM = next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)
 
@@ -68,3 +69,17 @@ async def test_page_in_chromium_names_the_stuck_rank() -> None:
     assert row0 is not None
     assert "all_reduce seq 1 of group 'default_pg' (started)" in text_of(row0.group(1))
     assert "rank 1 never issued seq 1 (all_reduce) of group 'default_pg'; rank 0 is waiting in it" in text
+
+
+async def test_page_in_chromium_names_the_blocked_loop() -> None:
+    async def probe(url: str, s: ClientSession) -> Any:
+        return await chromium("--dump-dom", url + "/")
+
+    dom, took = await blocked_job(probe)
+    text = text_of(dom)
+    assert took < 5.0, took  # Chromium's start included
+    assert "BLOCKED: rank 1: event loop blocked for " in text and f"at {blocked_line()}" in text, text[:2000]
+    row1 = re.search(r"<tr class=\"stuck\" id=\"rank1\">(.*?)</tr>", dom, re.S)
+    assert row1 is not None, dom[:2000]
+    assert "BLOCKED" in text_of(row1.group(1)) and blocked_line() in text_of(row1.group(1))
+    assert "Stuck: rank 1" in text

@@ -299,3 +299,115 @@ async def test_page_when_rank_1_waits_in_another_group() -> None:
     assert row1["where"].startswith("barrier seq 0 of group 'side'")
     assert "never issued seq 0 (barrier) of group 'side' that rank 1 is waiting in" in row0["why"]
     assert "never issued seq 1 (all_reduce) of group 'default_pg' that rank 0 is waiting in" in row1["why"]
+
+
+async def blocked_job(probe: Probe) -> tuple[Any, float]:
+    """A 2-rank gloo job on two event loops (rank 1's in a thread, as two processes would have):
+    rank 1 blocks its loop in ``step`` (``time.sleep`` until the probe is done, at most 20 s);
+    ``probe(frontend_url, session)`` runs on rank 0 meanwhile. Returns what probe returned and how
+    long it took. AIODIST_LOOP_BLOCKED_WARN is what the caller set (default 2 s)."""
+    import threading
+    import time
+
+    from aiodist.c10d.world import World, use_world
+
+    master = await dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False, timeout=10)
+    ready, go, done, released = threading.Event(), threading.Event(), threading.Event(), threading.Event()
+    failure: list[BaseException] = []
+
+    async def step() -> None:
+        end = time.monotonic() + 20
+        while not released.is_set() and time.monotonic() < end:  # the loop does not run meanwhile
+            time.sleep(0.05)  # noqa: ASYNC251 - the blocked loop under test  (rank-1-blocks-here)
+
+    async def rank1() -> None:
+        with use_world(World("rank 1")):
+            store = await dist.TCPStore("127.0.0.1", master.port, 2, False, timeout=10)
+            await dist.init_process_group("gloo", store=store, rank=1, world_size=2)
+            await start_debug_server(port=0, fetch_timeout=10)
+            await dist.all_reduce(np.ones(2, np.float32))
+            ready.set()
+            await asyncio.to_thread(go.wait, 10)
+            await step()
+            await stop_debug_server()
+            await dist.destroy_process_group()
+            await store.close()
+
+    def thread_main() -> None:
+        try:
+            asyncio.run(rank1())
+        except BaseException as exc:  # reported by the test
+            failure.append(exc)
+            ready.set()
+        finally:
+            done.set()
+
+    t = threading.Thread(target=thread_main, name="rank 1 loop")
+    t.start()
+    try:
+        with use_world(World("rank 0")):
+            await dist.init_process_group("gloo", store=master, rank=0, world_size=2)
+            await start_debug_server(port=0, fetch_timeout=10)
+            await dist.all_reduce(np.ones(2, np.float32))
+            assert await asyncio.to_thread(ready.wait, 10) and not failure, failure
+            url = frontend_url()
+            assert url is not None
+            go.set()
+            await asyncio.sleep(0.2)  # rank 1 is in time.sleep now
+            async with ClientSession(timeout=ClientTimeout(total=20)) as s:
+                t0 = time.monotonic()
+                try:
+                    result = await probe(url, s)
+                finally:
+                    took = time.monotonic() - t0
+                    released.set()
+            await asyncio.to_thread(done.wait, 15)
+            await stop_debug_server()
+            await dist.destroy_process_group()
+    finally:
+        go.set()
+        released.set()
+        await asyncio.to_thread(t.join, 15)
+        await master.close()
+    assert not failure, failure
+    return result, took
+
+
+def blocked_line() -> str:
+    lines = open(__file__).read().splitlines()  # noqa: SIM115 - a test reading its own source
+    n = 1 + next(i for i, line in enumerate(lines) if "(rank-1-blocks-here)" in line and "lines" not in line)
+    return f"tests/test_debug_server.py:{n} in step: time.sleep(0.05)"
+
+
+async def test_page_names_a_blocked_loop_within_5_s() -> None:
+    async def probe(url: str, s: ClientSession) -> dict[str, Any]:
+        out = {"index": await get_json(s, url + "/")}
+        out["html"] = (await get(s, url + "/"))[1]
+        out["stacks"] = await get_json(s, url + "/stacks")
+        out["health"] = await get_json(s, url + "/health")
+        return out
+
+    pages, took = await blocked_job(probe)
+    where = blocked_line()
+    index = pages["index"]
+    assert took < 5.0, took  # four pages, each answered without rank 1's loop
+    print(f"four pages with rank 1's loop blocked: {took:.2f} s")
+    assert index["summary"].startswith("BLOCKED: rank 1: event loop blocked for "), index["summary"]
+    assert f"at {where}" in index["summary"] and "OK: 2/2 ranks responded" in index["summary"]
+    row1 = index["rows"][1]
+    assert row1["state"] == "blocked" and row1["why"].startswith("event loop blocked for ") and where in row1["why"]
+    assert index["rows"][0]["state"] != "blocked" and index["stuck_ranks"] == [1] and index["blocked_ranks"] == [1]
+    assert "rank 1: event loop blocked for" in pages["html"] and where in html_unescape(pages["html"])
+    blocked = pages["stacks"]["blocked"]["1"]
+    assert where in blocked["at"] and any("in rank1: await step()" in f for f in blocked["stack"])
+    threads = pages["stacks"]["ranks"]["1"]["threads"]
+    assert any(th["name"] == "rank 1 loop" and any(f["function"] == "step" for f in th["stack"]) for th in threads)
+    health1 = pages["health"]["ranks"]["1"]
+    assert health1["loop_turn_ms"] is None and health1["loop_blocked"]["at"].startswith(where)
+    assert pages["health"]["ranks"]["0"]["loop"]["blocked"] is False
+
+
+def html_unescape(text: str) -> str:
+    import html
+
+    return html.unescape(text)

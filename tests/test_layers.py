@@ -1,5 +1,7 @@
 """Import layering, checked on the source: wire/ is sans-I/O (no asyncio, no sockets), and
-aiodist never imports aiodist_cuda or cupy. Plus the public surface and the error tree."""
+aiodist never imports aiodist_cuda or cupy; the debug instrumentation (aiodist/_instrument) sits
+below c10d and the debug tools above it, and ``import aiodist`` loads no aiohttp. Plus the public
+surface and the error tree."""
 
 from __future__ import annotations
 
@@ -42,6 +44,47 @@ def test_import_aiodist_loads_no_cuda_module() -> None:
     code = "import sys, aiodist; print(sorted(m for m in sys.modules if m.startswith(('cupy', 'aiodist_cuda', 'torch'))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.strip() == "[]"
+
+
+def imported_names(path: pathlib.Path) -> set[str]:
+    """Every absolute module name ``path`` imports, in full (``aiodist.c10d.world``), at any depth."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+#: the debug tools, above c10d (they read Worlds and groups); c10d and the instrumentation never import them
+DEBUG_TOOLS = ("aiodist.debug.server", "aiodist.debug.handlers", "aiodist.debug.analyze", "aiodist.debug.breakpoint")
+
+
+def test_debug_instrumentation_is_below_c10d() -> None:
+    """aiodist/_instrument (levels, logs, recorder, desync, loop watchdog) imports nothing from
+    c10d, the debug tools or aiohttp, even inside functions: c10d passes its groups in."""
+    files = list((ROOT / "_instrument").glob("*.py"))
+    assert len(files) >= 5
+    for f in files:
+        names = imported_names(f)
+        bad = {n for n in names if n.startswith(("aiodist.c10d", "aiodist.debug", "aiohttp"))}
+        assert not bad, f"{f.name} imports {sorted(bad)}: the instrumentation stays below c10d"
+
+
+def test_debug_tools_are_above_c10d() -> None:
+    """Neither c10d nor the instrumentation imports the debug tools (or aiohttp), even inside
+    functions; ``import aiodist`` loading none of them is checked by running it (below)."""
+    for f in [*(ROOT / "c10d").glob("*.py"), *(ROOT / "_instrument").glob("*.py")]:
+        bad = {n for n in imported_names(f) if n.startswith((*DEBUG_TOOLS, "aiohttp"))}
+        assert not bad, f"{f.relative_to(ROOT.parent)} imports {sorted(bad)}: the debug tools sit above c10d"
+
+
+def test_import_aiodist_loads_no_aiohttp() -> None:
+    code = "import sys, aiodist; print('aiohttp' in sys.modules, 'aiodist.debug.server' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.strip() == "False False"
 
 
 def test_public_surface() -> None:

@@ -15,23 +15,30 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
 from aiodist.algorithms.p2p import P2P, TAG_LIMIT
 from aiodist.errors import DistBackendError
 
-if TYPE_CHECKING:
-    from aiodist.c10d.process_group import ProcessGroup
-
 __all__ = ["check_fingerprint", "describe_mismatch", "DesyncError", "FINGERPRINT_BYTES", "FINGERPRINT_TAG"]
 
-log = logging.getLogger("aiodist.debug.desync")
-_TRACE = 5  # aiodist.debug.logs.TRACE
+log = logging.getLogger("aiodist.debug.desync")  # the documented logger name (docs/debugging.md)
+_TRACE = 5  # aiodist._instrument.logs.TRACE
 
 FINGERPRINT_BYTES = 2048
 FINGERPRINT_TAG = TAG_LIMIT - 1  # the schedules' tags stay far below
+
+
+class _Group(Protocol):
+    """What the check reads of a group (c10d's ProcessGroup; this layer does not import c10d)."""
+
+    @property
+    def ranks(self) -> Sequence[int]: ...
+    @property
+    def group_desc(self) -> str: ...
 
 
 class DesyncError(DistBackendError):
@@ -109,7 +116,7 @@ def describe_mismatch(fps: list[dict[str, Any]], ranks: list[int], desc: str) ->
     return f"{op} seq {seq} on group '{desc}': " + _sides(ranks, shown_digests, "has")
 
 
-async def check_fingerprint(p2p: P2P, pg: ProcessGroup, op: str, seq: int, meta: dict[str, Any] | None) -> None:
+async def check_fingerprint(p2p: P2P, pg: _Group, op: str, seq: int, meta: dict[str, Any] | None) -> None:
     """Exchange this call's fingerprint with every other rank of the op; raise ``DesyncError``
     (on every rank: each sees all fingerprints) when they differ."""
     from aiodist.algorithms.collectives import _all
@@ -129,4 +136,4 @@ async def check_fingerprint(p2p: P2P, pg: ProcessGroup, op: str, seq: int, meta:
     if msg is not None:
         raise DesyncError(f"desync detected (AIODIST_DEBUG=DETAIL): {msg}")
     if log.isEnabledFor(_TRACE):
-        log.log(_TRACE, "rank %d: %s seq %d on group '%s': %d ranks agree on %s", pg.backend.rank, op, seq, pg.group_desc, n, mine["same"])
+        log.log(_TRACE, "rank %d: %s seq %d on group '%s': %d ranks agree on %s", pg.ranks[me], op, seq, pg.group_desc, n, mine["same"])

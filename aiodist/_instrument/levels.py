@@ -36,7 +36,7 @@ def get_debug_level() -> DebugLevel:
 def set_debug_level(level: DebugLevel | str | int) -> None:
     """Set the process-wide debug level (a ``DebugLevel``, its name, or 0-2); groups made from now
     on use it, groups that exist keep theirs. A bad value is a ``ValueError``. The ``aiodist``
-    loggers' level follows where it was set from ``AIODIST_LOG_LEVEL`` (aiodist.debug.logs)."""
+    loggers' level follows where it was set from ``AIODIST_LOG_LEVEL`` (aiodist._instrument.logs)."""
     global _level
     if isinstance(level, str):
         _level = _parse(level, "debug level")
@@ -45,7 +45,7 @@ def set_debug_level(level: DebugLevel | str | int) -> None:
             _level = DebugLevel(level)
         except ValueError:
             raise ValueError(f"debug level {level!r}: expected OFF, INFO or DETAIL (0, 1, 2)") from None
-    from aiodist.debug import logs  # the log level depends on the debug level (torch's matrix)
+    from aiodist._instrument import logs  # the log level depends on the debug level (torch's matrix)
 
     logs._refresh()
 
@@ -64,7 +64,7 @@ set_debug_level_from_env()
 
 
 def _configure_logging() -> None:
-    from aiodist.debug.logs import configure_logging_at_import
+    from aiodist._instrument.logs import configure_logging_at_import
 
     configure_logging_at_import()
 

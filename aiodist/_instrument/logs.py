@@ -18,7 +18,7 @@ by default). When the variable is set and nothing handles log records yet (no ha
 root logger or the ``aiodist`` logger), a stderr handler is added to ``aiodist`` so the chosen
 level is actually seen, as torch's C++ logs are.
 
-``configure_logging()`` runs when ``aiodist.debug`` is imported, and again whenever
+``configure_logging()`` runs when ``aiodist`` is imported, and again whenever
 ``set_debug_level`` changes the debug level (the matrix depends on it).
 """
 
@@ -29,7 +29,7 @@ import os
 import sys
 import warnings
 
-from aiodist.debug.levels import DebugLevel, get_debug_level
+from aiodist._instrument.levels import DebugLevel, get_debug_level
 
 __all__ = ["TRACE", "configure_logging", "effective_log_level", "LOG_LEVEL_VARS"]
 

@@ -4,8 +4,8 @@
 (issued, started, completed, failed, timed out) and timestamps; at DETAIL also the issuing
 coroutine's stack (its user frames: see ``user_stack``). Format and costs: docs/debugging.md.
 
-``dump_flight_recorder(path=None)`` returns (and writes, given a path) one rank's recorders as a
-JSON-able dict; ``AIODIST_FR_DUMP_ON_TIMEOUT=1`` dumps automatically when an op times out, into
+``dump_groups(rank, world_size, groups, path=None)`` returns (and writes, given a path) one rank's
+recorders as a JSON-able dict (``aiodist.debug.dump_flight_recorder`` passes the current World's groups); ``AIODIST_FR_DUMP_ON_TIMEOUT=1`` dumps automatically when an op times out, into
 ``AIODIST_FR_DUMP_DIR`` (default: the current directory) as ``aiodist_fr_rank<N>.json``.
 """
 
@@ -19,7 +19,7 @@ import linecache
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from types import FrameType
 from typing import Any, TypeAlias
 
@@ -28,7 +28,8 @@ __all__ = [
     "Entry",
     "record_comm",
     "current_comm_name",
-    "dump_flight_recorder",
+    "dump_groups",
+    "dump_dir_on_timeout",
     "buffer_size",
     "FORMAT_VERSION",
     "user_stack",
@@ -201,6 +202,20 @@ class FlightRecorder:
             self._t_started[i] = self._t_done[i] = self._error[i] = None
         return n
 
+    def note(
+        self, op: str, kind: str, meta: dict[str, Any] | None, t_start: float, t_done: float, error: str | None = None
+    ) -> Entry | None:
+        """Record an event that is not an op of the group, already over (the loop watchdog's
+        ``loop_blocked``: ``kind="loop"``, seq -1; the analyzer compares collectives only)."""
+        n = self.issued(op, -1, kind, meta)
+        if n is None:
+            return None
+        i = n % self.size
+        self._fixed[i] = (n, op, None, -1, kind, t_start)
+        self._state[i] = "completed"
+        self._t_started[i], self._t_done[i], self._error[i] = t_start, t_done, error
+        return n
+
     def _slot(self, n: Entry) -> int | None:
         i = n % self.size
         return i if self._fixed[i][_ID] == n else None  # None: the slot holds a newer op now
@@ -274,16 +289,15 @@ class FlightRecorder:
         return [self.entry_json(i) for i in self._order()]
 
 
-def dump_flight_recorder(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """This rank's flight recorders (every live group of the current World) as a dict; written as
-    JSON to ``path`` when given (a directory gets ``aiodist_fr_rank<N>.json`` inside it)."""
-    from aiodist.c10d.world import current_world
-
-    world = current_world()
+def dump_groups(rank: int, world_size: int, groups: Iterable[Any], path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """One rank's recorders, every group of ``groups`` (c10d's ProcessGroups, passed in: this
+    layer does not import c10d), as a dict; written as JSON to ``path`` when given (a directory
+    gets ``aiodist_fr_rank<N>.json`` inside it). ``aiodist.debug.dump_flight_recorder`` calls it
+    with the current World's groups."""
     data: dict[str, Any] = {
         "version": FORMAT_VERSION,
-        "rank": world.rank,
-        "world_size": world.world_size,
+        "rank": rank,
+        "world_size": world_size,
         "pid": os.getpid(),
         "time": time.time(),
         "groups": [
@@ -299,13 +313,13 @@ def dump_flight_recorder(path: str | os.PathLike[str] | None = None) -> dict[str
                 "timeout_s": g.timeout_s,
                 "entries": g.recorder.to_json(),
             }
-            for g in world.groups.values()
+            for g in groups
         ],
     }
     if path is not None:
         target = os.fspath(path)
         if os.path.isdir(target):
-            target = os.path.join(target, f"aiodist_fr_rank{world.rank}.json")
+            target = os.path.join(target, f"aiodist_fr_rank{rank}.json")
         tmp = f"{target}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump(data, f, indent=1, default=str)
@@ -313,10 +327,10 @@ def dump_flight_recorder(path: str | os.PathLike[str] | None = None) -> dict[str
     return data
 
 
-def dump_on_timeout() -> None:
-    """``AIODIST_FR_DUMP_ON_TIMEOUT=1``: write this rank's dump (called when an op times out)."""
+def dump_dir_on_timeout() -> str | None:
+    """Where ``AIODIST_FR_DUMP_ON_TIMEOUT=1`` dumps (made if missing), or None when it is off."""
     if os.environ.get("AIODIST_FR_DUMP_ON_TIMEOUT", "") not in ("1", "true", "True", "yes"):
-        return
+        return None
     directory = os.environ.get("AIODIST_FR_DUMP_DIR") or os.getcwd()
     os.makedirs(directory, exist_ok=True)
-    dump_flight_recorder(directory)
+    return directory

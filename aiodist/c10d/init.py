@@ -30,6 +30,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from aiodist import _startup
+from aiodist._instrument.loop_watchdog import unwatch_loop, watch_loop  # issue 13: the loop watchdog
 from aiodist._time import TimeoutLike, to_seconds, to_timedelta
 from aiodist.backends.base import CommBackend
 from aiodist.backends.device import DeviceBackend
@@ -254,6 +255,7 @@ async def init_process_group(
     pg = _make_group(world, 0, range(world_size), td.total_seconds(), name=group_name or "0", desc="default_pg")
     world.groups[0] = pg
     world.default_pg = pg
+    watch_loop(world, pg.recorder, f"rank {rank}")  # issue 13: the loop watchdog (docs/debugging.md); stopped in destroy
     if device_id is not None:  # eager device communicators too (torch's device_id contract)
         try:
             async with asyncio.timeout(td.total_seconds()):
@@ -381,6 +383,7 @@ async def destroy_process_group(group: GroupArg = None) -> None:
         return
     pg = resolve_group(group, what="destroy_process_group")
     if pg is world.default_pg:
+        unwatch_loop(world)  # issue 13: the loop watchdog stops with the World's default group
         for g in list(world.groups.values()):
             await g.shutdown("the group was destroyed")
         backend, owned, devices = world.backend, world.owned_store, list(dict.fromkeys(world.devices.values()))

@@ -229,6 +229,11 @@ class ProcessGroup:
     def global_rank(self, group_rank: int) -> int:
         return self.ranks[group_rank]
 
+    def pending(self) -> dict[asyncio.Task[None], Work]:
+        """The ops of this group still running on this rank: each op's task -> its Work (a
+        copy, for the debug server's stacks and the test watchdogs)."""
+        return dict(self._pending)
+
     def stats(self) -> dict[str, Any]:
         return {
             "group_id": self.group_id,

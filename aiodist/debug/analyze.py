@@ -218,6 +218,8 @@ def _rank_summary(d: dict[str, Any]) -> dict[str, Any]:
     pending, last = [], None
     for g in d["groups"]:
         for e in g["entries"]:
+            if e.get("kind") == "loop":  # the loop watchdog's notes (loop_blocked) are not ops
+                continue
             item = {
                 "group_id": g["group_id"],
                 "group": g.get("desc"),

@@ -19,6 +19,7 @@ import time
 import traceback
 from typing import Any
 
+from aiodist._instrument.loop_watchdog import loop_state
 from aiodist.c10d.world import current_world
 from aiodist.debug.analyze import analyze, format_report
 
@@ -81,12 +82,16 @@ class HealthHandler(DebugHandler):
         self.started = time.time()
 
     async def dump(self) -> Any:
-        w = current_world()
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         await asyncio.sleep(0)
-        lag = loop.time() - t0
-        groups = [g.stats() for g in w.groups.values()]
+        return self.snapshot(current_world(), loop_turn_ms=(loop.time() - t0) * 1000, started=self.started)
+
+    @staticmethod
+    def snapshot(w: Any, loop_turn_ms: float | None, started: float | None = None) -> dict[str, Any]:
+        """The health record of World ``w``; from any thread (the worker calls it from its own when
+        the loop is blocked: then ``loop_turn_ms`` is None and ``tasks`` is not counted)."""
+        groups = [g.stats() for g in list(w.groups.values())]
         return {
             "rank": w.rank,
             "world_size": w.world_size,
@@ -95,9 +100,10 @@ class HealthHandler(DebugHandler):
             "pid": os.getpid(),
             "host": os.uname().nodename,
             "time": time.time(),
-            "uptime_s": time.time() - self.started,
-            "loop_turn_ms": lag * 1000,
-            "tasks": len(asyncio.all_tasks()),
+            "uptime_s": None if started is None else time.time() - started,
+            "loop_turn_ms": loop_turn_ms,
+            "loop": loop_state(w),
+            "tasks": len(asyncio.all_tasks()) if loop_turn_ms is not None else None,
             "threads": threading.active_count(),
             "pending_ops": sum(g["pending"] for g in groups),
             "broken_groups": [g["desc"] for g in groups if g["broken"]],
@@ -109,17 +115,23 @@ class HealthHandler(DebugHandler):
         for r in sorted(per_rank):
             d = per_rank[r]
             broken = ", ".join(d["broken_groups"]) or "-"
+            turn = _esc(d["loop_blocked"]["sentence"]) if d.get("loop_blocked") else _num(d["loop_turn_ms"], "{:.2f}")
+            loop = d.get("loop") or {}
             rows.append(
                 f"<tr><td>{r}</td><td>{_esc(d['host'])}</td><td>{d['pid']}</td><td>{_esc(d['backend'])}</td>"
-                f"<td>{d['pending_ops']}</td><td>{len(d['groups'])}</td><td>{d['tasks']}</td><td>{d['threads']}</td>"
-                f"<td>{d['loop_turn_ms']:.2f}</td><td>{d['uptime_s']:.0f}</td><td>{_esc(broken)}</td></tr>"
+                f"<td>{d['pending_ops']}</td><td>{len(d['groups'])}</td><td>{_num(d['tasks'], '{}')}</td><td>{d['threads']}</td>"
+                f"<td>{turn}</td><td>{_num(loop.get('max_lag_ms'), '{:.1f}')}</td><td>{_num(d['uptime_s'], '{:.0f}')}</td><td>{_esc(broken)}</td></tr>"
             )
         return (
             "<table><tr><th>rank</th><th>host</th><th>pid</th><th>backend</th><th>pending ops</th><th>groups</th>"
-            "<th>tasks</th><th>threads</th><th>loop turn (ms)</th><th>uptime (s)</th><th>broken groups</th></tr>"
+            "<th>tasks</th><th>threads</th><th>loop turn (ms)</th><th>max loop lag (ms)</th><th>uptime (s)</th><th>broken groups</th></tr>"
             + "".join(rows)
             + "</table>"
         )
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None else fmt.format(x)
 
 
 def task_stack(task: asyncio.Task[Any]) -> list[dict[str, Any]]:
@@ -153,9 +165,7 @@ def _task_world(task: asyncio.Task[Any]) -> Any:
     get_context = getattr(task, "get_context", None)  # Python 3.12+
     if get_context is None:
         return None
-    from aiodist.c10d import world as world_mod
-
-    return get_context().get(world_mod._CURRENT, world_mod._PROCESS_WORLD)
+    return get_context().run(current_world)  # the World the task's own Context points at
 
 
 class StacksHandler(DebugHandler):
@@ -165,12 +175,24 @@ class StacksHandler(DebugHandler):
     title = "Stacks"
 
     async def dump(self) -> Any:
-        w = current_world()
-        me = asyncio.current_task()
-        op_tasks = {t: g.describe() for g in w.groups.values() for t in list(g._pending)}
+        return self.snapshot(current_world(), asyncio.get_running_loop(), asyncio.current_task())
+
+    @staticmethod
+    def snapshot(w: Any, loop: asyncio.AbstractEventLoop, me: asyncio.Task[Any] | None) -> dict[str, Any]:
+        """World ``w``'s tasks on ``loop`` and the process's threads; from any thread (the worker
+        calls it from its own when the loop is blocked: the loop is not changing its tasks then)."""
+        op_tasks = {t: g.describe() for g in list(w.groups.values()) for t in g.pending()}
         tasks = []
         filtered = hasattr(asyncio.Task, "get_context")
-        for t in asyncio.all_tasks():
+        for _ in range(3):
+            try:
+                every = list(asyncio.all_tasks(loop))
+                break
+            except RuntimeError:  # the task set changed while it was copied
+                time.sleep(0.01)
+        else:
+            every = []
+        for t in every:
             if t is me or t.done():
                 continue
             if filtered and t not in op_tasks and _task_world(t) is not w:
@@ -198,6 +220,11 @@ class StacksHandler(DebugHandler):
         for r in sorted(per_rank):
             d = per_rank[r]
             out.append(f"<h2 id='rank{r}'>rank {r} (pid {d['pid']}): {len(d['tasks'])} tasks, {len(d['threads'])} threads</h2>")
+            if d.get("loop_blocked"):
+                b = d["loop_blocked"]
+                out.append(
+                    f"<pre class='bad' id='blocked{r}'>rank {r}: {_esc(b['sentence'])}\n\nthe loop thread, innermost last:\n{_esc(chr(10).join(b['stack'] or []))}</pre>"
+                )
             if not d["tasks_of_this_rank_only"]:
                 out.append(
                     "<p class='small'>Every task of the process (Python &lt; 3.12 cannot tell apart the tasks of ranks that share a process); the rank's own ops come first.</p>"

@@ -1,4 +1,5 @@
-"""The debug HTTP server, served from each rank's own event loop (aiohttp).
+"""The debug HTTP server: a worker on every rank (a stdlib HTTP server on its own thread, whose
+handlers run on the rank's loop) and the frontend on rank 0 (aiohttp, on rank 0's loop).
 
 ``await start_debug_server()`` on every rank of an initialised World starts a *worker* server on
 that rank (its URL registered in the World's store under ``aiodist/debug/worker/<rank>``); rank
@@ -15,8 +16,10 @@ ranks responded; no answer from rank 1 (...)"). Routes on the frontend (each als
 - ``/health``: pid, host, pending ops, broken groups, loop responsiveness per rank;
 - ``/<name>`` of every extra ``DebugHandler`` given in ``handlers``.
 
-Because the servers run on the ranks' own loops, a rank whose coroutines are stuck in a collective
-still answers (only a rank whose *loop* is blocked does not, and that is then reported).
+A rank whose coroutines are stuck in a collective still answers (its loop runs the handlers); a
+rank whose *loop* is blocked is answered for by its worker thread, from the loop watchdog's state:
+"event loop blocked for 6.9 s at train.py:42 in step: time.sleep(60)", with the stacks and the
+flight recorders as they stand (docs/debug_server.md, "A blocked loop").
 
 The server is not secure: no authentication, stacks and store values for anyone who can connect.
 It binds 127.0.0.1 unless ``host`` says otherwise; expose it only on a trusted network.
@@ -25,30 +28,48 @@ It binds 127.0.0.1 unless ``host`` says otherwise; expose it only on a trusted n
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import html
 import json
 import logging
 import os
 import socket
+import sys
+import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
+from aiodist._instrument.loop_watchdog import blame, loop_stack, loop_state
+from aiodist._instrument.recorder import dump_groups
 from aiodist.c10d.world import World, current_world, use_world
 from aiodist.debug.analyze import analyze
-from aiodist.debug.handlers import DebugHandler, FlightRecorderHandler, default_handlers
+from aiodist.debug.handlers import DebugHandler, FlightRecorderHandler, HealthHandler, StacksHandler, default_handlers
 
-__all__ = ["start_debug_server", "stop_debug_server", "frontend_url", "worker_url", "DebugServer", "WORKER_KEY", "STUCK_AFTER_S"]
+__all__ = [
+    "start_debug_server",
+    "stop_debug_server",
+    "frontend_url",
+    "worker_url",
+    "DebugServer",
+    "WORKER_KEY",
+    "STUCK_AFTER_S",
+    "BLOCKED_ANSWER_S",
+]
 
 log = logging.getLogger("aiodist.debug.server")
 
 WORKER_KEY = "aiodist/debug/worker/{rank}"
 #: an op unfinished for longer than this is shown as waiting on the page
 STUCK_AFTER_S = 3.0
+#: a worker whose loop has not taken up a request for this long (or AIODIST_LOOP_BLOCKED_WARN, if
+#: shorter) answers from its own thread that the loop is blocked, with the loop thread's stack
+BLOCKED_ANSWER_S = 3.0
 _RESERVED = {"", "dump", "status", "index"}
 _SERVERS: weakref.WeakKeyDictionary[World, DebugServer] = weakref.WeakKeyDictionary()
 
@@ -103,7 +124,6 @@ class DebugServer:
         self.dump_dir = dump_dir
         self.dump_interval = dump_interval
         self.enabled_dumps = enabled_dumps
-        self.worker_runner: web.AppRunner | None = None
         self.frontend_runner: web.AppRunner | None = None
         self.worker_url: str | None = None
         self.frontend_url: str | None = None
@@ -111,39 +131,127 @@ class DebugServer:
         self.dump_task: asyncio.Task[None] | None = None
         self.dumps_written = 0
         self._status = FlightRecorderHandler(tail=64)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop_thread = 0
+        self.httpd: ThreadingHTTPServer | None = None
+        self.worker_thread: threading.Thread | None = None
+        self._stopping = False
 
     def __repr__(self) -> str:
         return f"<DebugServer rank {self.rank}: worker {self.worker_url}, frontend {self.frontend_url}>"
 
-    # -- worker --------------------------------------------------------------------------------
+    # -- worker: served from its own thread, so that a blocked loop is still described --------
 
-    async def _run_dump(self, handler: DebugHandler) -> Any:
+    async def _run_dump(self, handler: DebugHandler, picked: threading.Event | None = None) -> Any:
+        if picked is not None:
+            picked.set()  # the loop took the request up: it is not blocked, whatever dump() takes
         with use_world(self.world):
             async with asyncio.timeout(self.fetch_timeout):
                 return await handler.dump()
 
-    async def _worker_dump(self, request: web.Request) -> web.Response:
-        name = request.match_info["name"]
-        handler = self._status if name == "status" else self.handlers.get(name)
-        if handler is None:
-            return web.json_response({"rank": self.rank, "error": f"no handler {name!r}"}, status=404)
+    def answer(self, path: str) -> tuple[int, dict[str, Any]]:
+        """One worker request (on an HTTP thread): ``/`` or ``/dump/<name>``. The dump runs on the
+        rank's loop; when the loop does not take it up (the watchdog says it is blocked, or it has
+        not run for ``BLOCKED_ANSWER_S``), the answer is made here, from this thread: the flight
+        recorders, health and stacks as they can be read without the loop, and ``loop_blocked``
+        (for how long, where)."""
+        path = path.split("?", 1)[0]
+        if path == "/":
+            return 200, {
+                "rank": self.rank,
+                "handlers": sorted(self.handlers),
+                "frontend": self.frontend_url,
+                "loop": loop_state(self.world),
+            }
+        name = path[len("/dump/") :] if path.startswith("/dump/") else None
+        handler = self._status if name == "status" else self.handlers.get(name or "")
+        if name is None or handler is None:
+            return 404, {"rank": self.rank, "error": f"no handler {name!r}" if name is not None else f"no route {path!r}"}
+        picked = threading.Event()
+        assert self.loop is not None  # set by start_worker, before the server answers anything
         try:
-            data = await self._run_dump(handler)
-        except TimeoutError:
-            return web.json_response({"rank": self.rank, "error": f"{name} took longer than {self.fetch_timeout:g} s"}, status=504)
-        except Exception as exc:
-            log.exception("rank %d: debug handler %s failed", self.rank, name)
-            return web.json_response({"rank": self.rank, "error": f"{type(exc).__name__}: {exc}"}, status=500)
-        return web.json_response({"rank": self.rank, "name": name, "data": data}, dumps=_dumps)
+            fut = asyncio.run_coroutine_threadsafe(self._run_dump(handler, picked), self.loop)
+        except RuntimeError as exc:  # the loop is closed
+            return 503, {"rank": self.rank, "error": f"the rank's event loop is gone ({exc})"}
+        t0 = time.monotonic()
+        while True:
+            done, _ = concurrent.futures.wait([fut], timeout=0.05)
+            if done:
+                if fut.cancelled():
+                    return 503, {"rank": self.rank, "error": f"{name} was cancelled (the server is stopping)"}
+                failure = fut.exception()
+                if failure is None:
+                    return 200, {"rank": self.rank, "name": name, "data": fut.result()}
+                if isinstance(failure, TimeoutError):
+                    return 504, {"rank": self.rank, "error": f"{name} took longer than {self.fetch_timeout:g} s"}
+                log.error("rank %d: debug handler %s failed", self.rank, name, exc_info=failure)
+                return 500, {"rank": self.rank, "error": f"{type(failure).__name__}: {failure}"}
+            now = time.monotonic()
+            state = loop_state(self.world)
+            lag = now - t0 if state is None else max(state["lag_s"], 0.0)
+            limit = BLOCKED_ANSWER_S if state is None else min(BLOCKED_ANSWER_S, state["warn_s"])
+            if (state is not None and state["blocked"]) or (not picked.is_set() and lag >= limit):
+                fut.cancel()
+                return self._blocked_answer(name, lag, state)
+            if now - t0 >= self.fetch_timeout or self._stopping:
+                fut.cancel()
+                return 504, {"rank": self.rank, "error": f"{name} took longer than {self.fetch_timeout:g} s"}
 
-    async def _worker_index(self, request: web.Request) -> web.Response:
-        return web.json_response({"rank": self.rank, "handlers": sorted(self.handlers), "frontend": self.frontend_url})
+    def _blocked_answer(self, name: str, lag: float, state: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
+        at, stack = (state["at"], state["stack"]) if state is not None and state["at"] else (None, None)
+        if at is None:  # no watchdog (AIODIST_LOOP_BLOCKED_WARN=0), or it has not looked yet
+            frame = sys._current_frames().get(self.loop_thread)
+            at, stack = blame(frame), loop_stack(frame)
+            del frame
+        blocked = {
+            "for_s": lag,
+            "at": at,
+            "stack": stack,
+            "since": time.time() - lag,
+            "sentence": f"event loop blocked for {lag:.1f} s at {at}",
+        }
+        data: Any
+        if name in ("status", "fr_trace"):
+            data = self._thread_fr(64 if name == "status" else None)
+        elif name == "health":
+            data = HealthHandler.snapshot(self.world, loop_turn_ms=None)
+        elif name == "stacks":
+            data = StacksHandler.snapshot(self.world, self.loop, None) if self.loop is not None else {}
+        else:
+            return 503, {"rank": self.rank, "error": blocked["sentence"], "loop_blocked": blocked}
+        if isinstance(data, dict):
+            data["loop_blocked"] = blocked
+        return 200, {"rank": self.rank, "name": name, "data": data, "loop_blocked": blocked}
+
+    def _thread_fr(self, tail: int | None) -> dict[str, Any]:
+        """The rank's flight recorders, read from this thread while the loop is stuck in user code
+        (it is not writing them); a read that races a write is tried again."""
+        w = self.world
+        for _ in range(3):
+            try:
+                d = dump_groups(w.rank, w.world_size, list(w.groups.values()))
+                break
+            except RuntimeError:  # a dict changed size meanwhile: the loop ran after all
+                time.sleep(0.01)
+        else:
+            d = dump_groups(w.rank, w.world_size, [])
+        if tail is not None:
+            for g in d["groups"]:
+                g["entries"] = g["entries"][-tail:]
+        return d
 
     async def start_worker(self, port: int) -> None:
-        app = web.Application()
-        app.router.add_get("/", self._worker_index)
-        app.router.add_get("/dump/{name}", self._worker_dump)
-        self.worker_runner, self.worker_url = await _serve(app, self.host, port)
+        self.loop = asyncio.get_running_loop()
+        self.loop_thread = threading.get_ident()
+        cls = _WorkerHTTP6 if ":" in self.host else _WorkerHTTP
+        httpd = cls((self.host, port), _WorkerRequest)
+        httpd.debug = self
+        self.httpd = httpd
+        self.worker_thread = threading.Thread(
+            target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, name=f"aiodist debug worker rank {self.rank}", daemon=True
+        )
+        self.worker_thread.start()
+        self.worker_url = _url(self.host, httpd.server_address[1])
 
     # -- frontend ------------------------------------------------------------------------------
 
@@ -156,7 +264,8 @@ class DebugServer:
             await store.wait([key], max(deadline - asyncio.get_running_loop().time(), 0.001))
         return (await store.get(key)).decode()
 
-    async def _fetch(self, rank: int, name: str) -> tuple[int, Any, str | None]:
+    async def _fetch(self, rank: int, name: str) -> tuple[int, Any, str | None, dict[str, Any] | None]:
+        """(rank, its data or None, why not, its ``loop_blocked`` when its worker says so)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.fetch_timeout
         url = None
@@ -167,18 +276,20 @@ class DebugServer:
                 except TimeoutError:
                     raise  # the store's own timeout (StoreTimeoutError) or ours: reported below
                 except Exception as exc:
-                    return rank, None, f"no worker registered in the store ({type(exc).__name__}: {str(exc)[:200]})"
+                    return rank, None, f"no worker registered in the store ({type(exc).__name__}: {str(exc)[:200]})", None
                 assert self.session is not None
                 async with self.session.get(f"{url}/dump/{name}") as resp:
                     body = await resp.json(content_type=None)
+                    blocked = body.get("loop_blocked") if isinstance(body, dict) else None
                     if resp.status != 200:
-                        return rank, None, f"{url} answered HTTP {resp.status}: {body.get('error') if isinstance(body, dict) else body}"
-                    return rank, body["data"], None
+                        why = body.get("error") if isinstance(body, dict) else body
+                        return rank, None, why if blocked else f"{url} answered HTTP {resp.status}: {why}", blocked
+                    return rank, body["data"], None, blocked
         except TimeoutError:
             where = f"{url}" if url else "(its worker never registered in the store: not started, or stopped)"
-            return rank, None, f"no answer within {self.fetch_timeout:g} s from {where}"
+            return rank, None, f"no answer within {self.fetch_timeout:g} s from {where}", None
         except (ClientError, OSError, ValueError, KeyError) as exc:
-            return rank, None, f"{url}: {type(exc).__name__}: {exc}"
+            return rank, None, f"{url}: {type(exc).__name__}: {exc}", None
 
     async def gather(self, name: str) -> dict[str, Any]:
         """Every rank's dump of handler ``name``: ``per_rank``, ``missing`` (rank -> why) and a
@@ -191,17 +302,21 @@ class DebugServer:
             except Exception as exc:
                 per_rank, missing = {}, {self.rank: f"{type(exc).__name__}: {exc}"}
             summary = f"OK: read on rank {self.rank}" if per_rank else f"FAILED on rank {self.rank}: {missing[self.rank]}"
-            return {"per_rank": per_rank, "missing": missing, "partial": bool(missing), "summary": summary, "expected": 1}
+            return {"per_rank": per_rank, "missing": missing, "blocked": {}, "partial": bool(missing), "summary": summary, "expected": 1}
         results = await asyncio.gather(*(self._fetch(r, name) for r in range(self.world_size)))
-        per_rank = {r: d for r, d, err in results if err is None}
-        missing = {r: err for r, _, err in results if err is not None}
+        per_rank = {r: d for r, d, err, _ in results if err is None}
+        missing = {r: err for r, _, err, _ in results if err is not None}
+        blocked = {r: b for r, _, _, b in results if b}
         n = self.world_size
         if missing:
             why = "; ".join(f"rank {r}: {e}" for r, e in sorted(missing.items()))
             summary = f"PARTIAL: {len(per_rank)}/{n} ranks responded; missing ranks {sorted(missing)} ({why})"
         else:
             summary = f"OK: {n}/{n} ranks responded"
-        return {"per_rank": per_rank, "missing": missing, "partial": bool(missing), "summary": summary, "expected": n}
+        if blocked:  # said first: it is why the page looks the way it does
+            lines = "; ".join(f"rank {r}: {b['sentence']}" for r, b in sorted(blocked.items()) if r not in missing)
+            summary = f"BLOCKED: {lines}. {summary}" if lines else summary
+        return {"per_rank": per_rank, "missing": missing, "blocked": blocked, "partial": bool(missing), "summary": summary, "expected": n}
 
     async def _handler_page(self, name: str, request: web.Request) -> web.Response:
         handler = self.handlers[name]
@@ -219,6 +334,7 @@ class DebugServer:
                     "partial": g["partial"],
                     "responded": sorted(g["per_rank"]),
                     "missing": {str(r): e for r, e in g["missing"].items()},
+                    "blocked": {str(r): b for r, b in g["blocked"].items()},
                     "ranks": {str(r): d for r, d in g["per_rank"].items()},
                     **extra,
                 }
@@ -231,7 +347,7 @@ class DebugServer:
 
     async def _index(self, request: web.Request) -> web.Response:
         g = await self.gather("status")
-        view = index_view(g["per_rank"], g["missing"], self.world_size)
+        view = index_view(g["per_rank"], g["missing"], self.world_size, blocked=g["blocked"])
         view["summary"] = g["summary"]
         view["partial"] = g["partial"]
         if _wants_json(request):
@@ -246,7 +362,7 @@ class DebugServer:
 
     def _page(self, title: str, g: dict[str, Any], body: str, refresh: str | None = None) -> web.Response:
         nav = "".join(f"<a href='{_esc(p)}'>{_esc(p)}</a>" for p in ["/", *(r for h in self.handlers.values() for r in h.routes())])
-        cls = "bad" if g["partial"] else "ok"
+        cls = "bad" if g["partial"] or g.get("blocked") else "ok"
         meta = ""
         if refresh and refresh.isdigit() and int(refresh) > 0:
             meta = f"<meta http-equiv='refresh' content='{int(refresh)}'>"
@@ -311,13 +427,19 @@ class DebugServer:
                 log.debug("rank %d: could not delete the debug worker key: %s", self.rank, exc)
         if self.session is not None:
             await self.session.close()
-        for runner in (self.frontend_runner, self.worker_runner):
-            if runner is not None:
-                try:
-                    async with asyncio.timeout(5):
-                        await runner.cleanup()
-                except TimeoutError:
-                    log.warning("rank %d: the debug server took over 5 s to shut down", self.rank)
+        if self.frontend_runner is not None:
+            try:
+                async with asyncio.timeout(5):
+                    await self.frontend_runner.cleanup()
+            except TimeoutError:
+                log.warning("rank %d: the debug frontend took over 5 s to shut down", self.rank)
+        self._stopping = True  # requests waiting on the loop give up
+        httpd = self.httpd
+        if httpd is not None:
+            self.httpd = None
+            if self.worker_thread is not None and self.worker_thread.is_alive():
+                await asyncio.to_thread(httpd.shutdown)  # returns within the 50 ms poll interval
+            httpd.server_close()
 
 
 def _dumps(obj: Any) -> str:
@@ -348,21 +470,63 @@ async def _serve(app: web.Application, host: str, port: int) -> tuple[web.AppRun
     except BaseException:
         await runner.cleanup()
         raise
-    bound = runner.addresses[0][1]
+    return runner, _url(host, runner.addresses[0][1])
+
+
+def _url(host: str, bound: int) -> str:
     shown = host
     if host in ("", "0.0.0.0", "::"):
         shown = socket.gethostname()
     if ":" in shown:
         shown = f"[{shown}]"
-    return runner, f"http://{shown}:{bound}"
+    return f"http://{shown}:{bound}"
+
+
+class _WorkerHTTP(ThreadingHTTPServer):
+    """The worker's server: stdlib, one thread per request, none of them on the rank's loop."""
+
+    daemon_threads = True
+    debug: DebugServer
+
+
+class _WorkerHTTP6(_WorkerHTTP):
+    address_family = socket.AF_INET6
+
+
+class _WorkerRequest(BaseHTTPRequestHandler):
+    server: _WorkerHTTP
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        try:
+            status, body = self.server.debug.answer(self.path)
+        except Exception as exc:  # never a silent dropped connection: say what broke
+            log.exception("debug worker: %s failed", self.path)
+            status, body = 500, {"error": f"{type(exc).__name__}: {exc}"}
+        raw = json.dumps(body, default=str).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
+        log.debug("debug worker: " + format, *args)
 
 
 # -- the index page ------------------------------------------------------------------------------
 
 
-def index_view(per_rank: dict[int, Any], missing: dict[int, str], world_size: int, stuck_after: float = STUCK_AFTER_S) -> dict[str, Any]:
-    """The rows of ``/``: per rank its state (ok / waiting / stuck / no answer), where it is, and
-    why it is highlighted; computed from the ranks' flight-recorder tails."""
+def index_view(
+    per_rank: dict[int, Any],
+    missing: dict[int, str],
+    world_size: int,
+    stuck_after: float = STUCK_AFTER_S,
+    blocked: dict[int, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The rows of ``/``: per rank its state (ok / waiting / stuck / blocked / no answer), where it
+    is, and why it is highlighted; computed from the ranks' flight-recorder tails and, for a rank
+    whose worker says its event loop is blocked, that (``blocked``: rank -> its ``loop_blocked``)."""
+    blocked = blocked or {}
     analysis = analyze([per_rank[r] for r in sorted(per_rank)]) if per_rank else None
     blame: dict[int, list[str]] = {}
     waits: dict[int, list[str]] = {}
@@ -425,10 +589,13 @@ def index_view(per_rank: dict[int, Any], missing: dict[int, str], world_size: in
             why = blame[r] + why
         elif why:
             state, cls = "waiting", "waiting"
+        if r in blocked:
+            state, cls = "blocked", "stuck"
+            why = [blocked[r]["sentence"], *why]
         seqs = [{"group": desc, "issued": n, "behind": n < newest[desc]} for desc, n in sorted(issued.get(r, {}).items())]
         rows.append({"rank": r, "state": state, "class": cls, "where": where, "age_s": age, "issued": seqs, "why": "; ".join(why)})
     stuck = [row["rank"] for row in rows if row["class"] == "stuck"]
-    return {"rows": rows, "stuck_ranks": stuck, "analysis": analysis}
+    return {"rows": rows, "stuck_ranks": stuck, "blocked_ranks": sorted(blocked), "analysis": analysis}
 
 
 def _index_html(view: dict[str, Any]) -> str:

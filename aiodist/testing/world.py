@@ -79,7 +79,7 @@ async def run_world(
             print_async_stack(tasks[r])
         for r in stuck:
             for g in worlds[r].groups.values():
-                for t in list(g._pending):
+                for t in g.pending():
                     print_async_stack(t)
         await _cancel(tasks)
         raise DistTimeoutError(f"run_world({n}) timed out after {seconds:g} s; ranks still running: {stuck} (stacks printed to stderr)")

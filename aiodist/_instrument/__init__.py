@@ -1,0 +1,4 @@
+"""The instrumentation layer, below c10d: debug levels, logging levels, the flight recorder,
+DETAIL's desync check and the loop watchdog. Nothing here imports ``aiodist.c10d`` or aiohttp
+(groups are passed in); the tools above c10d (the debug server, its handlers, the analyzer,
+``breakpoint``) are in ``aiodist.debug``. tests/test_layers.py keeps it so."""
