@@ -1,9 +1,12 @@
-"""Timeout arguments: torch takes ``datetime.timedelta``; aiodist also takes seconds."""
+"""Timeout arguments (torch takes ``datetime.timedelta``; aiodist also takes seconds), and
+``Deadline``, the one way aiodist bounds an operation in time."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from datetime import timedelta
+from types import TracebackType
 
 TimeoutLike = timedelta | float | int
 
@@ -30,3 +33,31 @@ def to_timedelta(timeout: TimeoutLike, what: str = "timeout") -> timedelta:
 
 def fmt_seconds(seconds: float) -> str:
     return f"{seconds:g} s"
+
+
+class Deadline:
+    """``async with Deadline(seconds):`` -- ``asyncio.timeout`` that remembers whether *its own*
+    deadline fired. A ``TimeoutError`` that leaves the block is this deadline's only when
+    ``fired`` is true; one raised by the code inside (a user's, a store's or a backend's own
+    deadline) leaves with ``fired`` false and is that code's failure, not this deadline's.
+    Cancellation from outside passes through unchanged (``fired`` stays false)."""
+
+    __slots__ = ("seconds", "_cm")
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._cm: asyncio.Timeout | None = None
+
+    async def __aenter__(self) -> Deadline:
+        self._cm = asyncio.timeout(self.seconds)
+        await self._cm.__aenter__()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        assert self._cm is not None
+        await self._cm.__aexit__(exc_type, exc, tb)  # raises TimeoutError where it fired
+
+    @property
+    def fired(self) -> bool:
+        """Whether this deadline passed and cancelled the block (``asyncio.Timeout.expired``)."""
+        return self._cm is not None and self._cm.expired()

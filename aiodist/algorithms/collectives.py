@@ -117,12 +117,11 @@ async def _all(*aws: Coroutine[Any, Any, None]) -> None:
 
 async def _exchange(p2p: P2P, to: int, out: np.ndarray, into: np.ndarray, tag: int, frm: int | None = None) -> None:
     """Send ``out`` to ``to`` and receive ``into`` from ``frm`` (default: ``to``), concurrently.
-    A P2P with ``send_nowait`` (the socket transport's channel) may do the send at once, when the
-    bytes go straight into the kernel: then the receive is simply awaited, without a task (the
+    Where the P2P can send at once (``P2P.send_nowait``: the socket transport's channel, when the
+    bytes go straight into the kernel), the receive is simply awaited, without a task (the
     latency-bound schedules' common case)."""
     src = to if frm is None else frm
-    nowait = getattr(p2p, "send_nowait", None)
-    sent = False if nowait is None else nowait(to, out, tag)
+    sent = p2p.send_nowait(to, out, tag)
     if sent is False:
         await _all(p2p.send(to, out, tag), p2p.recv(src, into, tag))
         return

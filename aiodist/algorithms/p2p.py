@@ -19,6 +19,10 @@ The contract a ``P2P`` keeps (a backend's transport implements it; ``LocalP2P`` 
   send concurrent with the receives it might wait on: any transport that eventually moves a
   message once its receive is posted runs them without deadlock.
 - Cancelling a ``send``/``recv`` abandons it; the op is then broken and its P2P is dropped.
+- ``send_nowait(peer, buf, tag)`` is a declared capability: do the send at once where that
+  needs no waiting and return True (done) or a future (written, still draining: await it before
+  changing ``buf``); return False where it cannot, and nothing is sent (then use ``send``).
+  A P2P without a fast path returns False always (``LocalP2P``, ``SubP2P``'s inner may differ).
 """
 
 from __future__ import annotations
@@ -72,6 +76,9 @@ class SubP2P:
     async def recv(self, peer: int, buf: np.ndarray, tag: int) -> None:
         await self._p2p.recv(peer, buf, self._tag(tag))
 
+    def send_nowait(self, peer: int, buf: np.ndarray, tag: int) -> bool | asyncio.Future[None]:
+        return self._p2p.send_nowait(peer, buf, self._tag(tag))
+
 
 @runtime_checkable
 class P2P(Protocol):
@@ -86,6 +93,11 @@ class P2P(Protocol):
     async def send(self, peer: int, buf: np.ndarray, tag: int) -> None: ...
 
     async def recv(self, peer: int, buf: np.ndarray, tag: int) -> None: ...
+
+    def send_nowait(self, peer: int, buf: np.ndarray, tag: int) -> bool | asyncio.Future[None]:
+        """Send without waiting where possible: True, or a future to await before changing
+        ``buf``; False where this P2P cannot (nothing was sent: use ``send``)."""
+        ...
 
 
 def byte_view(buf: np.ndarray, *, writable: bool = False) -> np.ndarray:
@@ -198,6 +210,10 @@ class LocalP2P:
 
     def _what(self, src: int, dst: int, tag: int) -> str:
         return f"message from rank {src} to rank {dst} with tag {tag}"
+
+    def send_nowait(self, peer: int, buf: np.ndarray, tag: int) -> bool:
+        """Not supported: every send goes through ``send`` (its staging and jitter are the test)."""
+        return False
 
     async def send(self, peer: int, buf: np.ndarray, tag: int) -> None:
         self._check(peer, tag)

@@ -35,7 +35,10 @@ P2P_TAG_LIMIT = 1 << 31
 
 class PeerOps:
     """What a point-to-point op's body uses: the backend's p2p calls on global ranks, counting
-    what is pending so a timeout can name the ranks not heard from."""
+    what is pending so a timeout can name the ranks not heard from (a ``Tracker``,
+    aiodist.c10d._runner)."""
+
+    diagnose = False  # p2p numbering is each rank's own: there is no seq to compare through the store
 
     def __init__(self, backend: CommBackend, group_id: int, ranks: Sequence[int]) -> None:
         self.backend = backend
@@ -56,6 +59,16 @@ class PeerOps:
         if src is None and got not in self.ranks:
             raise ValueError(f"an any-source receive got a message from rank {got}, which is not in the group {list(self.ranks)}")
         return got
+
+    def silent(self) -> list[int]:
+        """The global ranks a receive of this op waits on (any source: every other rank)."""
+        out = {r for r, n in self.waiting_recv.items() if n > 0 and r is not None}
+        if self.waiting_recv.get(None):
+            out |= {r for r in self.ranks if r != self.backend.rank}
+        return sorted(out)
+
+    def heard(self) -> dict[int, float]:
+        return {}  # not asked for: a p2p op's timeout does not follow waits through the store
 
     def peers(self) -> list[int]:
         """The global ranks this op still waits on (any source: every other rank)."""

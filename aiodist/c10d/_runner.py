@@ -1,0 +1,496 @@
+"""The op runner: how a ``ProcessGroup`` runs one op under its deadline, explains a timeout with
+the culprit first, and breaks the group when an op fails.
+
+Rules:
+- One deadline per op (``aiodist._time.Deadline``). A ``TimeoutError`` is the group's timeout
+  only when that deadline fired; one raised inside the op's body (user code, a store's or a
+  backend's own deadline) fails the op as what it is.
+- With a store, an op keeps the last part of its time (10 %, at least 50 ms, at most 5 s) to
+  consult it on a timeout: the rank writes what it is doing and whom it waits on, reads what the
+  ranks it waits on wrote (and theirs), and the message's first clause names the culprit and
+  what it did. Reading is an effect (``consult``); naming is a pure function of what was read
+  (``explain``). A store that does not answer in time is said to, and no rank is blamed by
+  inference.
+- Any failure of an op breaks its group (``break_group``): the group's other pending ops fail,
+  later ops are refused, and the peers are told.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from aiodist._time import Deadline
+from aiodist.algorithms.p2p import P2P
+from aiodist.debug.recorder import Entry, dump_on_timeout
+from aiodist.errors import DistBackendError, DistError, DistTimeoutError
+from aiodist.store.base import Store
+
+if TYPE_CHECKING:
+    from aiodist.c10d.process_group import ProcessGroup
+    from aiodist.c10d.work import Work
+
+__all__ = ["Tracker", "TrackedP2P", "DeviceTracker", "Report", "Note", "Findings", "run", "explain", "break_group"]
+
+log = logging.getLogger("aiodist.c10d")
+
+#: the end of a timeout message whose diagnosis DETAIL would have taken further
+DETAIL_HINT = "; rerun with AIODIST_DEBUG=DETAIL to compare every rank's call before it runs"
+#: ``NOTES + str(rank)``: one JSON line per op of that rank that timed out, in any group
+NOTES = "aiodist/hang/rank/"
+_POLL_S = 0.02
+
+
+class Tracker(Protocol):
+    """What the runner asks of the object an op's body runs on: a CPU collective's
+    ``TrackedP2P``, a point-to-point op's ``PeerOps``, a device op's ``DeviceTracker``."""
+
+    #: whether a timeout follows the waits through the store: true where the op's seq names the
+    #: same op on every rank (collectives), false for point-to-point (each rank's own numbering)
+    diagnose: bool
+
+    def silent(self) -> list[int]:
+        """The global ranks a receive of this op is still waiting on."""
+        ...
+
+    def peers(self) -> list[int]:
+        """Every global rank this op still waits on, either way."""
+        ...
+
+    def heard(self) -> dict[int, float]:
+        """Global rank -> when (``time.time()``) a message of this op last came from it."""
+        ...
+
+    def describe_waiting(self) -> str:
+        """The timeout message's part on whom this op waits (``"; ranks not heard from: [1]"``),
+        empty when it waits on nobody."""
+        ...
+
+
+class TrackedP2P:
+    """A collective's P2P that remembers which peers it is still waiting on, and when it last
+    heard from each (for the timeout message)."""
+
+    diagnose = True
+
+    def __init__(self, inner: P2P, ranks: Sequence[int]) -> None:
+        self.inner = inner
+        self.ranks = ranks
+        self.rank = inner.rank
+        self.size = inner.size
+        self.waiting_recv: Counter[int] = Counter()
+        self.waiting_send: Counter[int] = Counter()
+        self._heard: dict[int, float] = {}
+
+    async def send(self, peer: int, buf: np.ndarray, tag: int) -> None:
+        await self._track(self.waiting_send, peer, self.inner.send(peer, buf, tag))
+
+    async def recv(self, peer: int, buf: np.ndarray, tag: int) -> None:
+        await self._track(self.waiting_recv, peer, self.inner.recv(peer, buf, tag))
+        self._heard[peer] = time.time()
+
+    def send_nowait(self, peer: int, buf: np.ndarray, tag: int) -> bool | asyncio.Future[None]:
+        sent = self.inner.send_nowait(peer, buf, tag)
+        if isinstance(sent, asyncio.Future) and not sent.done():  # written, still draining: a wait on the peer
+            self.waiting_send[peer] += 1
+            sent.add_done_callback(lambda _: self.waiting_send.subtract([peer]))
+        return sent
+
+    def silent(self) -> list[int]:
+        return sorted(self.ranks[p] for p, n in self.waiting_recv.items() if n > 0)
+
+    def unsent(self) -> list[int]:
+        """The global ranks a send of this op was still waiting on."""
+        return sorted(self.ranks[p] for p, n in self.waiting_send.items() if n > 0)
+
+    def peers(self) -> list[int]:
+        return sorted({*self.silent(), *self.unsent()})
+
+    def heard(self) -> dict[int, float]:
+        return {self.ranks[p]: t for p, t in self._heard.items()}
+
+    def describe_waiting(self) -> str:
+        out = ""
+        silent = self.silent()
+        unsent = self.unsent()
+        if silent:
+            out += f"; ranks not heard from: {silent}"
+        if unsent:
+            out += f"; ranks not taking delivery: {unsent}"
+        return out
+
+    @staticmethod
+    async def _track(counter: Counter[int], peer: int, transfer: Awaitable[None]) -> None:
+        counter[peer] += 1
+        try:
+            await transfer
+        except (asyncio.CancelledError, TimeoutError):
+            raise  # still counted: the timeout message reads what was pending when it fired
+        except BaseException:
+            counter[peer] -= 1
+            raise
+        counter[peer] -= 1
+
+
+class DeviceTracker:
+    """A device op's tracker: the device library does not say which peer it waits on, so a
+    timed-out collective reports waiting on every other rank and lets the store find the ranks
+    that never reached the op."""
+
+    def __init__(self, pg: ProcessGroup, waiting: Callable[[], str] | None, *, diagnose: bool) -> None:
+        self._pg = pg
+        self._waiting = waiting
+        self.diagnose = diagnose
+
+    def silent(self) -> list[int]:
+        me = self._pg.backend.rank
+        return [r for r in self._pg.ranks if r != me]
+
+    def peers(self) -> list[int]:
+        return self.silent()
+
+    def heard(self) -> dict[int, float]:
+        return {}
+
+    def describe_waiting(self) -> str:
+        return self._waiting() if self._waiting is not None else "; the device op had not completed"
+
+
+# -- what ranks write through the store at a timeout, and what is read back ---------------------
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a timed-out rank writes under ``aiodist/hang/<group id>/<seq>/<rank>``: the op it
+    issued at that seq, whom its receives wait on, and when it last heard from each peer."""
+
+    op: str
+    waits: tuple[int, ...]
+    heard: dict[int, float] = field(default_factory=dict)
+
+    def encode(self) -> str:
+        return json.dumps({"op": self.op, "waits": list(self.waits), "heard": {str(r): t for r, t in self.heard.items()}})
+
+    @staticmethod
+    def decode(raw: bytes) -> Report:
+        d = json.loads(raw)
+        return Report(str(d["op"]), tuple(int(r) for r in d["waits"]), {int(r): float(t) for r, t in d.get("heard", {}).items()})
+
+
+@dataclass(frozen=True)
+class Note:
+    """One line of ``aiodist/hang/rank/<rank>``: an op of that rank that timed out, in any group
+    (point-to-point too), so a rank missing from one op can be found in another."""
+
+    group: int
+    label: str  # "seq 3", "p2p seq 0 (tag 1, peers [1])"
+    op: str
+    t: float  # time.time() when it was written
+
+    def encode(self) -> str:
+        return json.dumps({"group": self.group, "label": self.label, "op": self.op, "t": self.t})
+
+    @staticmethod
+    def decode_lines(raw: bytes) -> list[Note]:
+        out = []
+        for line in raw.decode().splitlines():
+            if line.strip():
+                d = json.loads(line)
+                out.append(Note(int(d["group"]), str(d["label"]), str(d["op"]), float(d["t"])))
+        return out
+
+    def where(self) -> str:
+        return f"{self.op} {self.label} of group {self.group}"
+
+
+@dataclass
+class Findings:
+    """What one rank learnt through the store in its grace."""
+
+    reports: dict[int, Report]  # this rank's own included
+    notes: dict[int, list[Note]] = field(default_factory=dict)  # ranks without a report here, seen timing out elsewhere
+    answered: bool = True  # False: the store did not answer every request in time
+
+
+@dataclass
+class _Walk:
+    """The waits followed from this rank: where each chain ends."""
+
+    mismatched: dict[str, list[int]] = field(default_factory=dict)  # op name -> ranks that issued it at this seq instead
+    missing: list[int] = field(default_factory=list)  # waited on, no report
+    idle: list[int] = field(default_factory=list)  # waited on, reported, waiting on nobody
+    followed: list[int] = field(default_factory=list)  # reported the same op, waiting on someone
+
+
+def _walk(me: int, op: str, reports: dict[int, Report]) -> _Walk:
+    w = _Walk()
+    seen = {me}
+    frontier = list(reports[me].waits)
+    while frontier:
+        r = frontier.pop(0)
+        if r in seen:
+            continue
+        seen.add(r)
+        rep = reports.get(r)
+        if rep is None:
+            w.missing.append(r)
+        elif rep.op != op:
+            w.mismatched.setdefault(rep.op, []).append(r)
+        elif not rep.waits:
+            w.idle.append(r)
+        else:
+            w.followed.append(r)
+            frontier.extend(rep.waits)
+    w.missing.sort()
+    w.idle.sort()
+    return w
+
+
+def _ranks(rs: Sequence[int]) -> str:
+    return f"rank {rs[0]}" if len(rs) == 1 else f"ranks {sorted(rs)}"
+
+
+def explain(me: int, op: str, seq: int, group_id: int, found: Findings, *, since: float, now: float, grace: float) -> tuple[str, str, bool]:
+    """``(headline, tail, hint)`` of a timed-out collective from what the store gave: the
+    headline names the culprit and what it did (empty if nothing is known), the tail keeps the
+    waits seen and the ranks by kind, ``hint`` says whether DETAIL would have told more.
+    ``since`` is when this rank's op started (``time.time()``), ``now`` when it gave up."""
+    walk = _walk(me, op, found.reports)
+    heard: dict[int, float] = {}
+    for rep in found.reports.values():
+        for r, t in rep.heard.items():
+            heard[r] = max(t, heard.get(r, t))
+    head: list[str] = []
+    hint = False
+    if not found.answered:
+        head.append(f"the store did not answer within {grace:g} s, so no rank is named as the cause (is the store's host stopped?)")
+        hint = True
+    if walk.mismatched:
+        hint = True
+        parts = [f"{_ranks(rs)} issued {other} at seq {seq}" for other, rs in sorted(walk.mismatched.items())]
+        head.append(", ".join(parts) + f", not {op}")
+    elsewhere = [r for r in walk.missing if r in found.notes]
+    in_op = [r for r in walk.missing if r not in found.notes and r in heard]
+    absent = [r for r in walk.missing if r not in found.notes and r not in heard]
+    if found.answered:
+        for r in elsewhere:
+            head.append(f"rank {r} never issued {op} seq {seq} of group {group_id}: it is in {found.notes[r][-1].where()}")
+        if absent:
+            head.append(
+                f"{_ranks(absent)} never issued {op} seq {seq} of group {group_id} "
+                "(or stopped before sending anything: no report and no message from it in this op)"
+            )
+    for r in in_op:  # evidence from messages, not an inference from silence
+        head.append(f"rank {r} is in the op but sent nothing for {now - heard[r]:.1f} s (stopped or overloaded)")
+    if found.answered:
+        for r in walk.idle:
+            head.append(
+                f"rank {r} is in the op but sent nothing for {now - heard.get(r, since):.1f} s (it waits on no peer: overloaded, or a message was lost)"
+            )
+        if not head and walk.followed:
+            head.append(
+                f"{_ranks(sorted({me, *walk.followed}))} wait on each other in this op (none is outside it: a lost message, or calls that differ)"
+            )
+            hint = True
+    chain = ", ".join(
+        f"rank {r} on {list(rep.waits)}" for r, rep in sorted(found.reports.items()) if r != me and rep.op == op and rep.waits
+    )
+    tail = f"; waits seen through the store: {chain}" if chain else ""
+    if found.answered and (elsewhere or absent):
+        tail += f"; ranks stuck outside this op (never reported being in it): {sorted(elsewhere + absent)}"
+    if in_op:
+        tail += f"; ranks in this op but silent (no report, earlier messages seen): {in_op}"
+    return "; ".join(head), tail, hint
+
+
+async def consult(store: Store, group_id: int, seq: int, me: int, mine: Report, note: Note, grace: float, *, since: float) -> Findings:
+    """Write this rank's report and note, then read the reports of the ranks it waits on (and
+    theirs) for most of ``grace`` seconds; a rank with no report here is looked for in the notes
+    of ops it timed out in since ``since``. ``answered`` is False when some store call did not
+    return within ``grace``, or failed."""
+    prefix = f"aiodist/hang/{group_id}/{seq}/"
+    found = Findings({me: mine})
+    loop = asyncio.get_running_loop()
+    stop = loop.time() + grace * 0.75  # the rest is the margin a slow answer may take
+
+    def unknown() -> list[int]:
+        return [r for r in _walk(me, mine.op, found.reports).missing if r not in found.notes]
+
+    try:
+        async with Deadline(grace):
+            await store.set(prefix + str(me), mine.encode())
+            await store.append(NOTES + str(me), note.encode() + "\n")
+            while True:
+                for r in unknown():
+                    if await store.check([prefix + str(r)]):
+                        found.reports[r] = Report.decode(await store.get(prefix + str(r)))
+                    elif await store.check([NOTES + str(r)]):
+                        fresh = [n for n in Note.decode_lines(await store.get(NOTES + str(r))) if n.t >= since]
+                        if fresh:
+                            found.notes[r] = fresh
+                if not unknown() or loop.time() + _POLL_S >= stop:
+                    break
+                await asyncio.sleep(_POLL_S)
+    except (TimeoutError, DistError, ValueError, KeyError) as exc:  # the deadline, the store's own, a bad value
+        log.debug("rank %d: consulting the store on seq %d of group %d: %r", me, seq, group_id, exc)
+        found.answered = False
+    return found
+
+
+async def _note_only(store: Store, me: int, note: Note, grace: float) -> None:
+    """A point-to-point op's timeout: leave the note, so the ranks that wait on this rank in a
+    collective find where it is."""
+    try:
+        async with Deadline(grace):
+            await store.append(NOTES + str(me), note.encode() + "\n")
+    except (TimeoutError, DistError) as exc:
+        log.debug("rank %d: noting a timeout in the store: %r", me, exc)
+
+
+# -- running an op ---------------------------------------------------------------------------------
+
+
+def grace_for(limit: float) -> float:
+    """The part of an op's time kept to consult the store on a timeout."""
+    return min(max(limit * 0.1, 0.05), 5.0)
+
+
+async def run(
+    pg: ProcessGroup,
+    op: str,
+    label: str,
+    tracker: Tracker,
+    body: Callable[[Any], Coroutine[Any, Any, None]],
+    work: Work,
+    limit: float,
+    entry: Entry | None = None,
+) -> None:
+    """Run one op of ``pg`` to its end: complete ``work``, or fail it (and break the group)."""
+    if entry is not None:
+        pg.recorder.started(entry)
+    what = f"{op} on {pg.describe()}, {label}"
+    grace = grace_for(limit) if pg.store is not None else 0.0
+    since = time.time()
+    deadline = Deadline(limit - grace)
+    try:
+        async with deadline:
+            await body(tracker)
+    except asyncio.CancelledError:
+        work._fail(DistBackendError(f"{what} was aborted: {pg.broken or 'the group was torn down'}"))
+        raise
+    except Exception as exc:
+        if deadline.fired:
+            await _timed_out(pg, op, label, what, tracker, work, limit, grace, entry, since)
+        else:  # the body's own failure, a TimeoutError of its own included
+            _failed(pg, op, label, what, work, exc)
+        return
+    finally:  # every way out: the Work is failed by now, or the op completed (just below)
+        if entry is not None:
+            pg.recorder.ended(entry, work)
+    pg.completed += 1
+    work._complete()
+
+
+async def _timed_out(
+    pg: ProcessGroup,
+    op: str,
+    label: str,
+    what: str,
+    tracker: Tracker,
+    work: Work,
+    limit: float,
+    grace: float,
+    entry: Entry | None,
+    since: float,
+) -> None:
+    me = pg.backend.rank
+    msg = f"{what} timed out after {limit:g} s on rank {me}"
+    waiting = tracker.describe_waiting()
+    msg += waiting or "; it was not waiting on any peer (the group was still running it)"
+    if waiting:
+        msg += pg.backend.connection_report(tracker.peers())
+    if pg.store is not None and grace > 0:
+        note = Note(pg.group_id, label, op, time.time())
+        if tracker.diagnose and len(pg.ranks) > 1:
+            mine = Report(op, tuple(tracker.silent()), tracker.heard())
+            found = await consult(pg.store, pg.group_id, work.seq, me, mine, note, grace, since=since)
+            headline, tail, hint = explain(me, op, work.seq, pg.group_id, found, since=since, now=time.time(), grace=grace)
+            if headline:
+                msg = f"{headline}; {msg}"
+            msg += tail
+            if hint and not pg.detail:
+                msg += DETAIL_HINT
+        else:
+            await _note_only(pg.store, me, note, grace)
+    err = DistTimeoutError(msg)
+    if entry is not None:
+        pg.recorder.timed_out(entry, msg)
+    try:
+        dump_on_timeout()  # AIODIST_FR_DUMP_ON_TIMEOUT=1
+    except OSError as dump_err:
+        log.warning("rank %d: could not dump the flight recorder: %s", me, dump_err)
+    work._fail(err)
+    break_group(pg, msg, err)
+
+
+def _failed(pg: ProcessGroup, op: str, label: str, what: str, work: Work, exc: Exception) -> None:
+    """The op's body raised: a DistError keeps its type, with the op, group and seq in front;
+    anything else is wrapped in a DistBackendError naming it."""
+    named: DistError
+    if isinstance(exc, DistError):
+        try:
+            named = type(exc)(f"{what} failed on rank {pg.backend.rank}: {exc}")
+        except Exception:  # pragma: no cover - a subclass with another constructor
+            named = exc
+    else:
+        named = DistBackendError(f"{what} failed on rank {pg.backend.rank}: {type(exc).__name__}: {exc}")
+    if named is not exc:
+        named.__cause__ = exc
+    work._fail(named)
+    break_group(pg, f"{op} {label} failed: {exc}", named)
+
+
+# -- breaking a group -------------------------------------------------------------------------------
+
+
+def break_group(
+    pg: ProcessGroup, reason: str, cause: BaseException | None = None, *, tell_peers: bool = True, abort_devices: bool = True
+) -> None:
+    """Mark ``pg`` broken (once, with ``reason``), fail its other pending ops, and (for a
+    failure here, ``tell_peers``) let the peers' pending ops on the group fail now."""
+    if pg.broken is None:
+        pg.broken = reason
+        for dev in set(pg.devices.values()) if abort_devices else ():  # e.g. abort the group's NCCL communicator
+            try:
+                dev.abort_group(pg.group_id, reason)
+            except Exception as exc:  # best effort, like telling the peers
+                log.warning("rank %d: aborting %s on %s: %s", pg.backend.rank, pg.describe(), getattr(dev, "name", dev), exc)
+        if tell_peers:
+            t = asyncio.get_running_loop().create_task(_tell_peers(pg, reason), name=f"aiodist abort {pg.group_desc}")
+            pg._aborting.add(t)
+            t.add_done_callback(pg._aborting.discard)
+    current_task = asyncio.current_task()
+    for task, work in list(pg._pending.items()):
+        if task is not current_task:
+            err = DistBackendError(f"{work.op} on {pg.describe()}, {work.label} aborted: the group broke ({pg.broken})")
+            err.__cause__ = cause
+            work._fail(err)
+            # A consequence of the failure the user already sees: awaiting it still raises,
+            # but asyncio must not log one "exception was never retrieved" per pending op.
+            work.exception()
+            task.cancel()
+
+
+async def _tell_peers(pg: ProcessGroup, reason: str) -> None:
+    try:
+        await pg.backend.abort_group(pg.group_id, f"{pg.describe()} broke on rank {pg.backend.rank}: {reason}")
+    except Exception as exc:  # best effort: the peers still have their own timeouts
+        log.warning("rank %d: could not tell peers that %s broke: %s", pg.backend.rank, pg.describe(), exc)

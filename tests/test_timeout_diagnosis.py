@@ -1,0 +1,262 @@
+"""A group timeout's message leads with the culprit and what it did (docs/c10d.md, "Timeouts and
+broken groups"): a rank that never issued the op, a rank at another op, a store that cannot be
+asked (its host stopped: SIGSTOP), and a TimeoutError raised inside an op body, which is that
+body's failure, not the group's deadline. Also the pure ``explain`` on hand-made findings."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import aiodist as dist
+from aiodist._time import Deadline
+from aiodist.c10d._runner import DETAIL_HINT, Findings, Note, Report, explain
+from aiodist.elastic.utils import get_free_port
+from aiodist.testing import run_world
+
+LIMIT_S = 1.0
+
+
+async def _fail_text(aw: Any) -> str:
+    """The error an op fails with, as its type's name and message."""
+    try:
+        await aw
+    except dist.DistError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    raise AssertionError("the op completed")
+
+
+async def _warm_up() -> None:
+    for _ in range(2):  # seq 0 and 1 complete: the case is at seq 2
+        await dist.all_reduce(np.ones(4, np.float32))
+
+
+# -- (b) a rank that never issues the op ----------------------------------------------------------------
+
+
+async def test_a_rank_that_never_issues_the_op_is_named_first() -> None:
+    done = asyncio.Event()
+    failed: list[int] = []
+
+    async def fn(rank: int) -> str | None:
+        if rank == 3:  # alive, never calls it
+            await asyncio.wait_for(done.wait(), 10)
+            return None
+        try:
+            return await _fail_text(dist.all_reduce(np.ones(4, np.float32)))
+        finally:
+            failed.append(rank)
+            if len(failed) == 3:
+                done.set()
+
+    start = time.monotonic()
+    msgs = await run_world(4, fn, backend="gloo", timeout=15, pg_timeout=LIMIT_S)
+    assert time.monotonic() - start < LIMIT_S + 3
+    for rank, msg in enumerate(msgs[:3]):
+        assert msg is not None
+        assert msg.startswith("DistTimeoutError: Timeout: rank 3 never issued all_reduce seq 0 of group 0"), msg
+        assert f"seq 0 timed out after 1 s on rank {rank}" in msg, msg  # the detail stays, after
+        assert "ranks stuck outside this op (never reported being in it): [3]" in msg, msg
+
+
+# -- (a) ranks at different ops ---------------------------------------------------------------------------
+
+
+async def test_a_rank_at_another_op_on_the_same_seq_is_named_with_that_op() -> None:
+    """Rank 0 calls broadcast at seq 2, the others all_reduce. Frames of the two ops may meet, so
+    a desync check (when frames carry digests) may fail the op first; otherwise the timeout's
+    headline names rank 0 and its broadcast."""
+
+    async def fn(rank: int) -> str:
+        await _warm_up()
+        if rank == 0:
+            return await _fail_text(dist.broadcast(np.ones(4, np.float32), src=1))
+        return await _fail_text(dist.all_reduce(np.ones(4, np.float32)))
+
+    msgs = await run_world(4, fn, backend="gloo", timeout=15, pg_timeout=LIMIT_S)
+    for msg in msgs[1:]:
+        if "desync" in msg.lower():  # the always-on digest saw it first
+            assert "broadcast" in msg and "all_reduce" in msg, msg
+            continue
+        assert "DistTimeoutError: Timeout: rank 0 issued broadcast at seq 2, not all_reduce;" in msg, msg
+        assert msg.endswith(DETAIL_HINT), msg
+
+
+async def test_a_rank_in_another_op_where_no_frames_meet_is_found_there() -> None:
+    """Rank 0 waits in a point-to-point receive (its own numbering, no frame of the collective
+    meets it) while the others call all_reduce at seq 2: they find it through its note."""
+
+    async def fn(rank: int) -> str:
+        await _warm_up()
+        if rank == 0:
+            return await _fail_text(dist.recv(np.ones(4, np.float32), src=1))
+        return await _fail_text(dist.all_reduce(np.ones(4, np.float32)))
+
+    msgs = await run_world(4, fn, backend="gloo", timeout=15, pg_timeout=LIMIT_S)
+    assert "recv on default_pg" in msgs[0] and "timed out after 1 s on rank 0" in msgs[0], msgs[0]
+    for msg in msgs[1:]:
+        assert msg.startswith("DistTimeoutError: Timeout: rank 0 never issued all_reduce seq 2 of group 0: it is in recv p2p seq 0"), msg
+        assert "of group 0;" in msg and "all_reduce on default_pg" in msg, msg
+
+
+# -- (d) a TimeoutError of the op body's own ----------------------------------------------------------------
+
+
+async def test_a_timeout_error_raised_inside_an_op_body_is_not_the_groups_deadline() -> None:
+    """A backend whose receive gives up on its own (a builtin TimeoutError after 50 ms) fails the
+    op at once as that error; the group's 5 s deadline did not fire and is not reported."""
+
+    class GivesUp:
+        def __init__(self, inner: Any) -> None:
+            self.inner, self.rank, self.size = inner, inner.rank, inner.size
+
+        async def send(self, peer: int, buf: np.ndarray, tag: int) -> None:
+            await self.inner.send(peer, buf, tag)
+
+        def send_nowait(self, peer: int, buf: np.ndarray, tag: int) -> bool:
+            return False
+
+        async def recv(self, peer: int, buf: np.ndarray, tag: int) -> None:
+            await asyncio.sleep(0.05)
+            raise TimeoutError("the backend's own receive deadline (50 ms)")
+
+    async def fn(rank: int) -> tuple[str, float]:
+        pg = dist.GroupMember.WORLD
+        assert isinstance(pg, dist.ProcessGroup)
+        real = pg.backend.channel
+        pg.backend.channel = lambda *a: GivesUp(real(*a))  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        msg = await _fail_text(dist.all_reduce(np.ones(4, np.float32)))
+        return msg, time.monotonic() - t0
+
+    for msg, took in await run_world(2, fn, timeout=15, pg_timeout=5.0):
+        assert took < 2.5, (msg, took)
+        assert msg.startswith("DistBackendError: all_reduce on default_pg"), msg
+        assert "TimeoutError: the backend's own receive deadline (50 ms)" in msg, msg
+        assert "timed out after 5 s" not in msg, msg
+
+
+async def test_deadline_knows_whether_it_fired() -> None:
+    d = Deadline(0.01)
+    with pytest.raises(TimeoutError):
+        async with d:
+            await asyncio.sleep(1)
+    assert d.fired
+    mine = Deadline(5)
+    with pytest.raises(TimeoutError, match="inner"):
+        async with mine:
+            raise TimeoutError("inner")
+    assert not mine.fired
+
+
+# -- (c) the store's host is stopped ---------------------------------------------------------------------------
+
+_WORKER = textwrap.dedent(
+    """
+    import asyncio, json, os, sys
+    import numpy as np
+    import aiodist as dist
+
+    async def main(port, rank):
+        await dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+        await dist.all_reduce(np.ones(4, np.float32))  # everyone connected, in step (the default group's 30 min)
+        g = await dist.new_group(timeout=0.6)
+        print("ready", flush=True)
+        if rank == 0:  # the store's host: the test stops this process now
+            await asyncio.sleep(60)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # rank 0 is stopped
+        try:
+            await dist.all_reduce(np.ones(4, np.float32), group=g)
+            out = {"error": None}
+        except dist.DistError as exc:
+            out = {"error": type(exc).__name__, "message": str(exc)}
+        print(json.dumps(out), flush=True)
+        os._exit(0)  # no teardown: the store's host is stopped
+
+    asyncio.run(main(int(sys.argv[1]), int(sys.argv[2])))
+    """
+)
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(60)
+def test_a_stopped_store_host_is_said_and_no_live_rank_is_blamed(tmp_path: Path) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    port = get_free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("AIODIST_DEBUG", None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(port), str(r)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in range(3)
+    ]
+    try:
+        for p in procs:  # every rank past the first op (each readline bounded by the test's timeout)
+            assert p.stdout is not None
+            line = p.stdout.readline()
+            assert line.strip() == "ready", (line, p.poll())
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        for p in procs[1:]:  # all at once: their all_reduce starts together
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        outs = [p.communicate(timeout=20) for p in procs[1:]]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+                p.communicate(timeout=10)
+    for rank, (out, err) in enumerate(outs, start=1):
+        res = json.loads(out.strip().splitlines()[-1])
+        msg = res.get("message", "")
+        assert res["error"] in ("DistTimeoutError", "DistBackendError"), (res, err)
+        assert "the store did not answer within 0.06 s, so no rank is named as the cause" in msg, (rank, msg)
+        assert "never issued" not in msg and "stuck outside" not in msg, (rank, msg)  # nobody blamed by inference
+        assert " is in " not in msg and "in the op but" not in msg and "issued" not in msg, (rank, msg)
+        assert DETAIL_HINT in msg, (rank, msg)  # (inside a peer's abort, where that came first)
+
+
+# -- the decision alone ------------------------------------------------------------------------------------------
+
+
+def test_explain_names_a_silent_rank_in_the_op_and_what_it_did() -> None:
+    now = 100.0
+    found = Findings({1: Report("all_reduce", (0,), {0: 90.0}), 2: Report("all_reduce", (1,))})
+    head, tail, hint = explain(2, "all_reduce", 5, 7, found, since=89.0, now=now, grace=0.5)
+    assert head == "rank 0 is in the op but sent nothing for 10.0 s (stopped or overloaded)"
+    assert "waits seen through the store: rank 1 on [0]" in tail and "in this op but silent" in tail and not hint
+
+    found = Findings({0: Report("all_reduce", (3,))})
+    head, tail, _ = explain(0, "all_reduce", 0, 7, found, since=0.0, now=1.0, grace=0.1)
+    assert head.startswith("rank 3 never issued all_reduce seq 0 of group 7")
+
+    found = Findings({0: Report("all_reduce", (3,))}, notes={3: [Note(1, "seq 4", "barrier", 0.5)]})
+    head, _, _ = explain(0, "all_reduce", 0, 7, found, since=0.0, now=1.0, grace=0.1)
+    assert head == "rank 3 never issued all_reduce seq 0 of group 7: it is in barrier seq 4 of group 1"
+
+    found = Findings({0: Report("all_reduce", (1, 2)), 1: Report("broadcast", ()), 2: Report("broadcast", ())})
+    head, _, hint = explain(0, "all_reduce", 2, 0, found, since=0.0, now=1.0, grace=0.1)
+    assert head == "ranks [1, 2] issued broadcast at seq 2, not all_reduce" and hint
+
+    found = Findings({2: Report("all_reduce", (1,))}, answered=False)
+    head, tail, hint = explain(2, "all_reduce", 0, 0, found, since=0.0, now=1.0, grace=0.1)
+    assert head.startswith("the store did not answer within 0.1 s") and tail == "" and hint
