@@ -61,9 +61,11 @@ class AioBackend(CommBackend):
         super().__init__(rank, world_size)
         self.transport = transport
 
-    def channel(self, group_id: int, seq: int, global_ranks: Sequence[int]) -> P2P:
-        ch: P2P = self.transport.channel(group_id, seq, global_ranks)
+    def channel(self, group_id: int, seq: int, global_ranks: Sequence[int], digest: int = 0, call: Any = None) -> P2P:
+        ch: P2P = self.transport.channel(group_id, seq, global_ranks, digest, call)
         return ch
+
+    carries_digests = True  # the transport checks each collective frame's digest (aiodist.c10d._digest)
 
     async def p2p_send(self, group_id: int, dst: int, buf: np.ndarray, tag: int) -> None:
         await self.transport.send(dst, buf, group=group_id, seq=P2P_SEQ, tag=tag)

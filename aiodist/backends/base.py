@@ -51,10 +51,15 @@ class CommBackend(abc.ABC):
         self.rank = rank
         self.world_size = world_size
 
+    #: whether ``channel`` takes a ``digest`` and fails an op whose peers' frames carry another
+    #: one (always-on desync detection, aiodist.c10d._digest); the socket backend does
+    carries_digests = False
+
     @abc.abstractmethod
-    def channel(self, group_id: int, seq: int, global_ranks: Sequence[int]) -> P2P:
+    def channel(self, group_id: int, seq: int, global_ranks: Sequence[int], digest: int = 0, call: Any = None) -> P2P:
         """A fresh P2P for one op (see the module docstring for the naming rules). Must not
-        suspend: the caller opens it in the op's first step."""
+        suspend: the caller opens it in the op's first step. ``digest``/``call``: see
+        ``carries_digests`` (a backend that does not carry them ignores them)."""
 
     async def p2p_send(self, group_id: int, dst: int, buf: np.ndarray, tag: int) -> None:
         """Send ``buf`` to global rank ``dst`` (see the module docstring for matching)."""

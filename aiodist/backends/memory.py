@@ -21,6 +21,7 @@ import secrets
 import weakref
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 
@@ -89,7 +90,7 @@ class MemoryBackend(CommBackend):
         super().__init__(rank, world_size)
         self.hub = hub
 
-    def channel(self, group_id: int, seq: int, global_ranks: Sequence[int]) -> LocalP2P:
+    def channel(self, group_id: int, seq: int, global_ranks: Sequence[int], digest: int = 0, call: Any = None) -> LocalP2P:
         if self.rank not in global_ranks:
             raise ValueError(f"rank {self.rank} opened a channel of group {group_id} it is not a member of ({list(global_ranks)})")
         return self.hub.channel(self.rank, group_id, seq, global_ranks)

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import collections.abc
+import contextvars
 import functools
 import logging
 import sys
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any, ParamSpec, TypeVar
 
-__all__ = ["Pending", "communicating"]
+__all__ = ["Pending", "communicating", "communicating_in_context"]
 
 log = logging.getLogger("aiodist.c10d")
 
@@ -50,17 +51,22 @@ def _site(depth: int) -> tuple[str, int]:
 class Pending(collections.abc.Coroutine[Any, Any, Any]):
     """A communicating call, started (see the module docstring)."""
 
-    __slots__ = ("_op", "_coro", "_yielded", "_value", "_used", "_site", "_it")
+    __slots__ = ("_op", "_coro", "_yielded", "_value", "_used", "_site", "_it", "_ctx")
 
-    def __init__(self, op: str, coro: Coroutine[Any, Any, Any], site: tuple[str, int]) -> None:
+    def __init__(self, op: str, coro: Coroutine[Any, Any, Any], site: tuple[str, int], *, own_context: bool = False) -> None:
         self._op = op
         self._site = site
         self._used = False
         self._it: Generator[Any, Any, Any] | None = None
         self._value: Any = _DONE
         self._coro: Coroutine[Any, Any, Any] | None = coro
+        # own_context: every step runs in one Context, a copy of the caller's, so that a ContextVar
+        # set in the first step and reset in a later one stays valid whichever task awaits the
+        # handle (init_process_group's). The ops set none across a suspension: their first step
+        # runs in the caller's Context and the rest in the awaiting task's (C speed).
+        self._ctx = contextvars.copy_context() if own_context else None
         try:
-            self._yielded: Any = coro.send(None)  # the first step, now: checks, seq, issue
+            self._yielded: Any = coro.send(None) if self._ctx is None else self._ctx.run(coro.send, None)  # the first step, now
         except StopIteration as stop:
             self._coro, self._yielded, self._value = None, None, stop.value
         except BaseException:
@@ -80,11 +86,19 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
         if coro is None:
             return self._value
         self._coro = None
-        try:
-            yield self._yielded  # the future the first step waits on: the awaiting task waits on it
-        except BaseException as exc:  # thrown in (cancellation): on into the call
-            return (yield from _resume(coro, exc))
-        value = yield from coro.__await__()  # resumes the call where it waits (C speed)
+        if self._ctx is None:
+            try:
+                yield self._yielded  # the future the first step waits on: the awaiting task waits on it
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # thrown in (cancellation): on into the call
+                value = yield from _steps(coro, exc, _plain)
+            else:
+                value = yield from coro.__await__()  # resumes the call where it waits
+            self._value = value
+            return value
+        value = yield from _steps(coro, None, self._ctx.run, self._yielded)
         self._value = value
         return value
 
@@ -179,10 +193,16 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
             pass
 
 
-def _resume(coro: Any, exc: BaseException) -> Generator[Any, Any, Any]:
-    """What ``yield from`` does, for a coroutine past its first step, starting with a throw."""
+def _plain(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+def _steps(coro: Any, exc: BaseException | None, run: Callable[..., Any], y: Any = None) -> Generator[Any, Any, Any]:
+    """What ``yield from`` does, for a call past its first step, each step through ``run`` (a
+    Context's): first throwing ``exc`` in, or (``exc`` None) yielding ``y``, its pending future."""
     try:
-        y = coro.throw(exc)
+        if exc is not None:
+            y = run(coro.throw, exc)
     except StopIteration as stop:
         return stop.value
     while True:
@@ -193,12 +213,12 @@ def _resume(coro: Any, exc: BaseException) -> Generator[Any, Any, Any]:
             raise
         except BaseException as e:
             try:
-                y = coro.throw(e)
+                y = run(coro.throw, e)
             except StopIteration as stop:
                 return stop.value
             continue
         try:
-            y = coro.send(sent)
+            y = run(coro.send, sent)
         except StopIteration as stop:
             return stop.value
 
@@ -221,6 +241,19 @@ def communicating(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Pendin
     @functools.wraps(fn)
     def call(*args: P.args, **kwargs: P.kwargs) -> Pending:
         return Pending(op, fn(*args, **kwargs), _site(2))
+
+    call.__wrapped_coroutine__ = fn  # type: ignore[attr-defined]
+    return call
+
+
+def communicating_in_context(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Pending]:
+    """``communicating`` for calls that set a ContextVar in one step and reset it in a later
+    one (group creation, init): every step runs in one Context."""
+    op = fn.__name__
+
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> Pending:
+        return Pending(op, fn(*args, **kwargs), _site(2), own_context=True)
 
     call.__wrapped_coroutine__ = fn  # type: ignore[attr-defined]
     return call

@@ -176,7 +176,7 @@ def _tracked_init(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[...,
             finally:
                 world.init_site = None
 
-        return Pending("init_process_group", run(), site)
+        return Pending("init_process_group", run(), site, own_context=True)
 
     return call
 
@@ -305,7 +305,7 @@ class _Hostless(CommBackend):
             f"pass CPU and device backends, e.g. init_process_group('cpu:gloo,{spec}')"
         )
 
-    def channel(self, group_id: int, seq: int, global_ranks: Sequence[int]) -> Any:
+    def channel(self, group_id: int, seq: int, global_ranks: Sequence[int], digest: int = 0, call: Any = None) -> Any:
         raise DistBackendError(self.refusal)
 
 

@@ -29,6 +29,7 @@ from typing import Any
 from aiodist.algorithms.p2p import P2P
 from aiodist.algorithms.thresholds import Thresholds, current
 from aiodist.backends.base import CommBackend
+from aiodist.c10d._digest import op_digest
 from aiodist.c10d._runner import DeviceTracker, Tracker, break_group, run
 from aiodist.c10d._runner import TrackedP2P as _Tracked
 from aiodist.c10d.work import Work
@@ -103,6 +104,8 @@ class ProcessGroup:
         self.recorder = FlightRecorder()
         level = get_debug_level()
         self.detail = level >= DebugLevel.DETAIL  # read once: a group keeps the level it was made at
+        # always-on desync detection: each collective's frames carry its digest (DETAIL checks more)
+        self._digests = bool(getattr(backend, "carries_digests", False)) and not self.detail
         # INFO: per-op-name tallies for the summary logged when the group ends (None at OFF: no cost)
         self._op_stats: dict[str, list[float]] | None = {} if level >= DebugLevel.INFO else None
         if level >= DebugLevel.INFO:
@@ -253,7 +256,12 @@ class ProcessGroup:
         entry: Entry | None = None,
         meta: dict[str, Any] | None = None,
     ) -> Work:
-        p2p = _Tracked(self.backend.channel(self.group_id, seq, ranks), ranks)
+        if self._digests and meta is not None:  # what every rank must agree on, sent with the op's frames
+            same = meta.get("same")
+            channel = self.backend.channel(self.group_id, seq, ranks, op_digest(op, same), (op, same))
+        else:
+            channel = self.backend.channel(self.group_id, seq, ranks)
+        p2p = _Tracked(channel, ranks)
         work = Work(op, self.describe(), seq, outputs, source_rank=source_rank)
         if self.detail:  # compare the call across ranks before running it (aiodist.debug.desync)
             body = _checked_body(self, op, seq, meta, body)

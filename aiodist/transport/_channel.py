@@ -21,9 +21,9 @@ class Channel:
     """The ``P2P`` (aiodist.algorithms.p2p) of one op of one group over a ``Transport``:
     group ranks in, global ranks and the key ``(group_id, seq, tag)`` on the wire."""
 
-    __slots__ = ("transport", "group_id", "seq", "ranks", "_rank")
+    __slots__ = ("transport", "group_id", "seq", "ranks", "_rank", "digest")
 
-    def __init__(self, transport: Transport, group_id: int, seq: int, global_ranks: Sequence[int]) -> None:
+    def __init__(self, transport: Transport, group_id: int, seq: int, global_ranks: Sequence[int], digest: int = 0) -> None:
         ranks = tuple(global_ranks)
         if transport.rank not in ranks:
             raise ValueError(f"rank {transport.rank} is not in the group's ranks {list(ranks)}")
@@ -34,6 +34,7 @@ class Channel:
         self.seq = seq
         self.ranks = ranks
         self._rank = ranks.index(transport.rank)
+        self.digest = digest  # the op's digest, sent with every frame (aiodist.c10d._digest)
 
     def __repr__(self) -> str:
         return f"Channel(group={self.group_id}, seq={self.seq}, rank={self._rank}, size={len(self.ranks)})"
@@ -54,12 +55,12 @@ class Channel:
         return self.ranks[peer]
 
     async def send(self, peer: int, buf: np.ndarray, tag: int) -> None:
-        await self.transport.send(self._global(peer, tag), buf, group=self.group_id, seq=self.seq, tag=tag)
+        await self.transport.send(self._global(peer, tag), buf, group=self.group_id, seq=self.seq, tag=tag, digest=self.digest)
 
     def send_nowait(self, peer: int, buf: np.ndarray, tag: int) -> bool | asyncio.Future[None]:
         """Send now where it can be done without waiting (see ``Transport.send_nowait``): False
         (nothing sent), True (sent), or a future to await before changing ``buf``."""
-        return self.transport.send_nowait(self._global(peer, tag), buf, group=self.group_id, seq=self.seq, tag=tag)
+        return self.transport.send_nowait(self._global(peer, tag), buf, group=self.group_id, seq=self.seq, tag=tag, digest=self.digest)
 
     async def recv(self, peer: int, buf: np.ndarray, tag: int) -> None:
         await self.transport.recv(self._global(peer, tag), buf, group=self.group_id, seq=self.seq, tag=tag)

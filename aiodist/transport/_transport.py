@@ -69,6 +69,7 @@ log = logging.getLogger("aiodist.transport")
 
 _CLOSE_WAIT = 2.0  # seconds close() waits for connections to finish closing
 _DIAL_GRACE = 0.05  # seconds a waiting receive gives its peer to connect before dialing it
+_DIGESTS_KEPT = 4096  # per group: a collective digest is kept until its op is this many seqs old
 _NOWAIT_MAX_BYTES = 64 * 1024  # send_nowait only tries messages this small (the kernel takes them at once)
 _CONNECT_ATTEMPT_S = 5.0  # one connect attempt's deadline (a dropped SYN would otherwise wait minutes)
 _DIAGNOSE_S = 5.0  # how long a failed exchange() may spend finding the ranks it waited for
@@ -167,6 +168,10 @@ class Transport:
         self._order: dict[Any, asyncio.Lock] = {}  # per peer (or (peer, lane)): sends waiting for the connection, in call order
         self._queued: dict[Any, int] = {}  # per peer (or (peer, lane)): how many sends wait in that line
         self.staged_total = 0  # messages ever staged (came before their receive)
+        # always-on desync detection (aiodist.c10d._digest): (group, seq) -> (digest, op, args) of
+        # this rank's own collectives, and the digest of a message that came before its op
+        self._digests: dict[tuple[int, int], tuple[int, str, Any]] = {}
+        self._early_digests: dict[tuple[int, int], tuple[int, int]] = {}
         self._dead: dict[int, DistNetworkError] = {}
         self._aborted: dict[int, str] = {}
         self._self_staged = 0
@@ -334,12 +339,48 @@ class Transport:
 
     # -- public API ------------------------------------------------------------------------
 
-    def channel(self, group_id: int, seq: int, global_ranks: Sequence[int]) -> Channel:
+    def channel(self, group_id: int, seq: int, global_ranks: Sequence[int], digest: int = 0, call: Any = None) -> Channel:
         """The ``P2P`` of op ``seq`` of group ``group_id``, whose rank i is global rank
-        ``global_ranks[i]``; this rank must be one of them."""
-        return Channel(self, group_id, seq, global_ranks)
+        ``global_ranks[i]``; this rank must be one of them. ``digest`` (not 0) is what every rank
+        must agree on for this op, sent with its frames; ``call`` is ``(op, args)`` for the
+        sentence when a peer's digest differs (aiodist.c10d._digest)."""
+        ch = Channel(self, group_id, seq, global_ranks, digest)
+        if digest:
+            k = (group_id, seq)
+            mine = (digest, *(call or ("an op", None)))
+            self._digests[k] = mine
+            self._digests.pop((group_id, seq - _DIGESTS_KEPT), None)  # ops that old are over
+            early = self._early_digests.pop(k, None)
+            if early is not None and early[0] != digest:
+                self._desync(group_id, seq, mine, early[1], early[0])
+        return ch
 
-    async def send(self, dst: int, buf: np.ndarray, *, group: int = 0, seq: int = 0, tag: int = 0) -> None:
+    def _check_digest(self, header: FrameHeader) -> bool:
+        """A collective's frame: True when its digest disagrees with this rank's own op at that
+        seq (the group is then broken, on every rank); a frame that comes before this rank's op
+        keeps its digest for the op to check when it is issued."""
+        k = (header.group, header.seq)
+        mine = self._digests.get(k)
+        if mine is None:
+            if len(self._early_digests) < _DIGESTS_KEPT:
+                self._early_digests.setdefault(k, (header.digest, header.source))
+            return False
+        if mine[0] == header.digest:
+            return False
+        self._desync(header.group, header.seq, mine, header.source, header.digest)
+        return True
+
+    def _desync(self, group: int, seq: int, mine: tuple[int, str, Any], peer: int, theirs: int) -> None:
+        from aiodist.c10d._digest import describe_mismatch
+
+        reason = describe_mismatch(f"group {group}", seq, self.rank, mine, peer, theirs)
+        log.error("rank %d: %s", self.rank, reason)
+        frame = abort_frame(self.rank, group, 0, reason)
+        for conn in list(self._send_conn.values()):
+            conn.write_control(frame)
+        self._abort_local(group, f"rank {self.rank} aborted group {group}: {reason}")
+
+    async def send(self, dst: int, buf: np.ndarray, *, group: int = 0, seq: int = 0, tag: int = 0, digest: int = 0) -> None:
         """Send ``buf``'s bytes to global rank ``dst`` as message ``(group, seq, tag)``.
         Returns once the bytes are in the kernel (or copied, to self): ``buf`` may then change.
         Sends to one peer go out in the order they were called (their first steps' order)."""
@@ -357,14 +398,16 @@ class Transport:
             return
         if self._splits(dst, view.nbytes, seq):
             parts = stripe_parts(view.nbytes, self.lanes)
-            await _parts([self._send_lane(dst, j, view[a:b], (group, seq, tag + (j + 1) * _STRIPE_TAG)) for j, (a, b) in enumerate(parts)])
+            await _parts(
+                [self._send_lane(dst, j, view[a:b], (group, seq, tag + (j + 1) * _STRIPE_TAG), digest) for j, (a, b) in enumerate(parts)]
+            )
             return
-        await self._send_lane(dst, 0, view, key)
+        await self._send_lane(dst, 0, view, key, digest)
 
-    async def _send_lane(self, dst: int, lane: int, view: np.ndarray, key: Key) -> None:
+    async def _send_lane(self, dst: int, lane: int, view: np.ndarray, key: Key, digest: int = 0) -> None:
         """One frame to ``dst`` on ``lane``'s connection (lane 0's is the usual one)."""
         group, seq, tag = key
-        header = FrameHeader(FrameKind.DATA, group, seq, tag, self.rank, view.nbytes)
+        header = FrameHeader(FrameKind.DATA, group, seq, tag, self.rank, view.nbytes, 0, digest)
         conns: dict[Any, Connection] = self._send_conn if lane == 0 else self._lane_conn
         k: Any = dst if lane == 0 else (dst, lane)
         conn = conns.get(k)
@@ -404,7 +447,9 @@ class Transport:
             raise self._abort_error(key)
         return drained
 
-    def send_nowait(self, dst: int, buf: np.ndarray, *, group: int = 0, seq: int = 0, tag: int = 0) -> bool | asyncio.Future[None]:
+    def send_nowait(
+        self, dst: int, buf: np.ndarray, *, group: int = 0, seq: int = 0, tag: int = 0, digest: int = 0
+    ) -> bool | asyncio.Future[None]:
         """``send`` without waiting, where it can be done: False (nothing sent) when ``send`` would
         have to wait for a connection or for earlier sends in line; True when the bytes are in the
         kernel; a future when they were written but the kernel did not take them all at once: the
@@ -420,7 +465,7 @@ class Transport:
         conn = self._send_conn.get(dst)
         if conn is None or self._queued.get(dst) or not conn.can_write_now():
             return False
-        header = FrameHeader(FrameKind.DATA, group, seq, tag, self.rank, view.nbytes)
+        header = FrameHeader(FrameKind.DATA, group, seq, tag, self.rank, view.nbytes, 0, digest)
         drained = self._write(conn, header, view, key, dst)
         if drained is None:
             return True
@@ -850,6 +895,8 @@ class Transport:
     def _match(self, header: FrameHeader) -> PostedRecv | None:
         if header.group in self._aborted:
             return None  # staged, and dropped when it completes
+        if header.digest and self._check_digest(header):
+            return None  # the group is aborted now: staged, and dropped
         return self._mailbox.match((header.group, header.seq, header.tag), header.source)
 
     def _size_mismatch(self, recv: PostedRecv, header: FrameHeader) -> None:
@@ -875,6 +922,8 @@ class Transport:
     def _arrived(self, header: FrameHeader, data: memoryview, release: Any) -> None:
         """A whole payload that no receive claimed when its header came."""
         key = (header.group, header.seq, header.tag)
+        if header.digest and not data.nbytes and header.group not in self._aborted:
+            self._check_digest(header)  # a zero-length payload comes without a _match
         if header.group in self._aborted:
             release(data.nbytes)
             return

@@ -68,7 +68,7 @@ __all__ = [
 BufferLike: TypeAlias = Any
 
 MAGIC = 0xA0  # high nibble: "aiodist frame"; low nibble: the version
-VERSION = 1
+VERSION = 2  # 2: bytes 28-31 carry the op's digest (was reserved, 0)
 _MAGIC_BYTE = MAGIC | VERSION
 
 # offset size field
@@ -80,7 +80,7 @@ _MAGIC_BYTE = MAGIC | VERSION
 #   8    8   sequence number (u64): the op's per-group sequence number
 #  16    8   tag (i64): the user's p2p tag, or an algorithm's step/chunk index
 #  24    4   source rank (u32, global)
-#  28    4   reserved, 0
+#  28    4   digest (u32): what every rank must agree on for this op (0: none); see aiodist.c10d._digest
 #  32    8   payload length (u64)
 # Every field sits at its natural alignment, so a C or numpy reader can map the header as is.
 HEADER = struct.Struct("<BBBBIQqIIQ")
@@ -117,9 +117,10 @@ class FrameHeader(NamedTuple):
     source: int
     length: int
     flags: int = 0
+    digest: int = 0
 
     def encode(self) -> bytes:
-        return encode_header(self.kind, self.group, self.seq, self.tag, self.source, self.length, self.flags)
+        return encode_header(self.kind, self.group, self.seq, self.tag, self.source, self.length, self.flags, self.digest)
 
 
 class FrameProtocolError(Exception):
@@ -170,16 +171,16 @@ class FrameLimits:
 # ---------------------------------------------------------------- encoding
 
 
-def encode_header(kind: FrameKind, group: int, seq: int, tag: int, source: int, length: int, flags: int = 0) -> bytes:
+def encode_header(kind: FrameKind, group: int, seq: int, tag: int, source: int, length: int, flags: int = 0, digest: int = 0) -> bytes:
     """The 40 header bytes of one frame. Refuses values that do not fit their fields."""
     if not isinstance(kind, int) or not 0 <= kind <= 0xFF or _KINDS[kind] is None:
         raise ValueError(f"unknown frame kind {kind!r}")
     try:
-        return HEADER.pack(_MAGIC_BYTE, kind, flags, 0, group, seq, tag, source, 0, length)
+        return HEADER.pack(_MAGIC_BYTE, kind, flags, 0, group, seq, tag, source, digest, length)
     except struct.error:
         raise ValueError(
             f"frame header field out of range: flags={flags!r} (u8), group={group!r} (u32), seq={seq!r} (u64), "
-            f"tag={tag!r} (i64), source={source!r} (u32), length={length!r} (u64)"
+            f"tag={tag!r} (i64), source={source!r} (u32), digest={digest!r} (u32), length={length!r} (u64)"
         ) from None
 
 
@@ -241,7 +242,7 @@ def frame_parts(header: FrameHeader, payload: BufferLike | None = None, *, join_
     bytes object instead (copying a few bytes is cheaper than another buffer, and it frees
     the caller's array at once).
     """
-    head = encode_header(header.kind, header.group, header.seq, header.tag, header.source, header.length, header.flags)
+    head = encode_header(header.kind, header.group, header.seq, header.tag, header.source, header.length, header.flags, header.digest)
     if payload is None:
         if header.length:
             raise ValueError(f"header says {header.length} payload bytes, but no payload was given")
@@ -574,12 +575,12 @@ class FrameDecoder:
         pos, end = self._pos, self._end
         lim = self.limits
         while end - pos >= HEADER_SIZE:
-            magic, code, flags, r1, group, seq, tag, source, r2, length = HEADER.unpack_from(ra, pos)
+            magic, code, flags, r1, group, seq, tag, source, digest, length = HEADER.unpack_from(ra, pos)
             kind = _KINDS[code]
-            if magic != _MAGIC_BYTE or kind is None or r1 or r2:
+            if magic != _MAGIC_BYTE or kind is None or r1:
                 self._pos = pos
                 raise self._fail(RemoteProtocolError(_bad_header(ra[pos : pos + HEADER_SIZE], self._peer)))
-            header = FrameHeader(kind, group, seq, tag, source, length, flags)
+            header = FrameHeader(kind, group, seq, tag, source, length, flags, digest)
             if source != self._peer:
                 self._check_source(header)
             pos += HEADER_SIZE
@@ -731,7 +732,7 @@ def _from(peer: int | None) -> str:
 
 
 def _bad_header(raw: bytes | bytearray, peer: int | None) -> str:
-    magic, code, r1, r2 = raw[0], raw[1], raw[3], raw[28:32]
+    magic, code, r1 = raw[0], raw[1], raw[3]
     who = _from(peer)
     if magic >> 4 != MAGIC >> 4:
         return f"bad frame magic 0x{magic:02X}{who} (not an aiodist transport peer?); header bytes {bytes(raw).hex()}"
@@ -739,4 +740,4 @@ def _bad_header(raw: bytes | bytearray, peer: int | None) -> str:
         return f"frame version {magic & 0x0F}{who}, this side speaks version {VERSION}"
     if _KINDS[code] is None:
         return f"unknown frame kind {code}{who}"
-    return f"non-zero reserved header bytes{who}: byte 3 = {r1}, bytes 28-31 = {bytes(r2).hex()}"
+    return f"non-zero reserved header byte{who}: byte 3 = {r1}"
