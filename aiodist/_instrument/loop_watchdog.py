@@ -28,6 +28,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -133,6 +134,11 @@ class LoopWatchdog:
         self.warn_s = warn_s
         self.interval = min(_INTERVAL_S, warn_s / 4)
         self.owners: weakref.WeakKeyDictionary[Any, tuple[Any, str]] = weakref.WeakKeyDictionary()  # owner -> (recorder, label)
+        # owner -> publish(text): tells the owner's peers (c10d: a store key, written with a
+        # blocking socket from this thread) that its loop is blocked ("<since> <at>"), or "" when
+        # it runs again; peers' timeout messages then name the block
+        self.publishers: weakref.WeakKeyDictionary[Any, Callable[[str], None]] = weakref.WeakKeyDictionary()
+        self._clear = False  # the loop ran again after a published block: publish "" (thread)
         self.beats = 0
         self.max_lag_s = 0.0
         self.last_block: dict[str, Any] | None = None  # the latest block that ended
@@ -157,6 +163,9 @@ class LoopWatchdog:
             if loop.is_closed():
                 break
             now = time.monotonic()
+            if self._clear:
+                self._clear = False
+                self._publish("")
             if not loop.is_running():  # between run_until_complete calls: stopped, not blocked
                 self._last_answer, self._posted = now, None
                 continue
@@ -172,6 +181,13 @@ class LoopWatchdog:
                 self._report(lag)
         _forget(self)
 
+    def _publish(self, text: str) -> None:
+        for publish in list(self.publishers.values()):
+            try:
+                publish(text)
+            except Exception as exc:  # a store that is gone: the warning above still says it
+                log.debug("%s: could not publish the loop's state: %r", self.labels(), exc)
+
     def _report(self, lag: float) -> None:
         frame = sys._current_frames().get(self.loop_thread)
         stack, at = loop_stack(frame), blame(frame)
@@ -186,6 +202,8 @@ class LoopWatchdog:
             self.warn_s,
             "\n    ".join(stack),
         )
+        if self.publishers:
+            self._publish(f"{self._blocked['since']:.3f} {at}")
 
     # -- on the loop ---------------------------------------------------------------------------
 
@@ -197,6 +215,7 @@ class LoopWatchdog:
         b = self._blocked
         if b is not None:
             self._blocked = None
+            self._clear = bool(self.publishers)
             self._woke(b, now)
 
     def _woke(self, b: dict[str, Any], now: float) -> None:
@@ -242,7 +261,7 @@ def _forget(dog: LoopWatchdog) -> None:
             del _BY_OWNER[owner]
 
 
-def watch_loop(owner: Any, recorder: Any = None, label: str = "") -> LoopWatchdog | None:
+def watch_loop(owner: Any, recorder: Any = None, label: str = "", publish: Callable[[str], None] | None = None) -> LoopWatchdog | None:
     """Watch the running loop on behalf of ``owner`` (c10d: a World, at init), recording blocks in
     ``recorder`` (a FlightRecorder) and naming the loop ``label`` ("rank 0") in the warnings.
     Starts the loop's watchdog thread if it has none. None when ``AIODIST_LOOP_BLOCKED_WARN``
@@ -260,6 +279,8 @@ def watch_loop(owner: Any, recorder: Any = None, label: str = "") -> LoopWatchdo
             dog = _BY_LOOP[loop] = LoopWatchdog(loop, warn_s)
             dog.thread.start()
         dog.owners[owner] = (recorder, label or repr(owner))
+        if publish is not None:
+            dog.publishers[owner] = publish
         _BY_OWNER[owner] = dog
     return dog
 
@@ -272,6 +293,7 @@ def unwatch_loop(owner: Any) -> None:
         if dog is None:
             return
         dog.owners.pop(owner, None)
+        dog.publishers.pop(owner, None)
         if len(dog.owners):
             return
         if _BY_LOOP.get(dog.loop) is dog:

@@ -30,6 +30,8 @@ import numpy as np
 
 from aiodist._time import Deadline
 from aiodist.algorithms.p2p import P2P
+from aiodist.c10d._blocked import BLOCKED_KEY
+from aiodist.c10d._blocked import describe as describe_block
 from aiodist.debug.recorder import Entry, dump_on_timeout
 from aiodist.errors import DistBackendError, DistError, DistTimeoutError
 from aiodist.store.base import Store
@@ -218,6 +220,7 @@ class Findings:
     reports: dict[int, Report]  # this rank's own included
     notes: dict[int, list[Note]] = field(default_factory=dict)  # ranks without a report here, seen timing out elsewhere
     answered: bool = True  # False: the store did not answer every request in time
+    blocked: dict[int, str] = field(default_factory=dict)  # ranks whose loop watchdog says their loop is blocked
 
 
 @dataclass
@@ -277,9 +280,13 @@ def explain(me: int, op: str, seq: int, group_id: int, found: Findings, *, since
         hint = True
         parts = [f"{_ranks(rs)} issued {other} at seq {seq}" for other, rs in sorted(walk.mismatched.items())]
         head.append(", ".join(parts) + f", not {op}")
-    elsewhere = [r for r in walk.missing if r in found.notes]
-    in_op = [r for r in walk.missing if r not in found.notes and r in heard]
-    absent = [r for r in walk.missing if r not in found.notes and r not in heard]
+    for r in walk.missing:  # the rank's own watchdog said so: no inference needed
+        if r in found.blocked:
+            head.append(found.blocked[r])
+    missing = [r for r in walk.missing if r not in found.blocked]
+    elsewhere = [r for r in missing if r in found.notes]
+    in_op = [r for r in missing if r not in found.notes and r in heard]
+    absent = [r for r in missing if r not in found.notes and r not in heard]
     if found.answered:
         for r in elsewhere:
             head.append(f"rank {r} never issued {op} seq {seq} of group {group_id}: it is in {found.notes[r][-1].where()}")
@@ -330,6 +337,10 @@ async def consult(store: Store, group_id: int, seq: int, me: int, mine: Report, 
             await store.append(NOTES + str(me), note.encode() + "\n")
             while True:
                 for r in unknown():
+                    if r not in found.blocked and await store.check([BLOCKED_KEY + str(r)]):
+                        said = describe_block(r, await store.get(BLOCKED_KEY + str(r)))
+                        if said is not None:
+                            found.blocked[r] = said
                     if await store.check([prefix + str(r)]):
                         found.reports[r] = Report.decode(await store.get(prefix + str(r)))
                     elif await store.check([NOTES + str(r)]):

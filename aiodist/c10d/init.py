@@ -34,6 +34,7 @@ from aiodist._instrument.loop_watchdog import unwatch_loop, watch_loop  # issue 
 from aiodist._time import TimeoutLike, to_seconds, to_timedelta
 from aiodist.backends.base import CommBackend
 from aiodist.backends.device import DeviceBackend
+from aiodist.c10d._blocked import publisher
 from aiodist.c10d._pending import Pending, _site, communicating
 from aiodist.c10d.backend_registry import Backend, create_backend, is_backend_available, is_nccl_available, parse_backend_config
 from aiodist.c10d.process_group import ProcessGroup
@@ -255,7 +256,9 @@ async def init_process_group(
     pg = _make_group(world, 0, range(world_size), td.total_seconds(), name=group_name or "0", desc="default_pg")
     world.groups[0] = pg
     world.default_pg = pg
-    watch_loop(world, pg.recorder, f"rank {rank}")  # issue 13: the loop watchdog (docs/debugging.md); stopped in destroy
+    # issue 13: the loop watchdog (docs/debugging.md), which also tells the peers through the
+    # store when this rank's loop is blocked (aiodist.c10d._blocked); stopped in destroy
+    watch_loop(world, pg.recorder, f"rank {rank}", publisher(world.store, rank))
     if device_id is not None:  # eager device communicators too (torch's device_id contract)
         try:
             async with asyncio.timeout(td.total_seconds()):
