@@ -76,3 +76,8 @@ async def test_agreeing_ranks_and_detail_are_unaffected() -> None:
         assert (out[1] == 1).all()
 
     await run_world(2, fn, backend="gloo", timeout=20)
+
+
+def test_equal_arguments_give_equal_digests_whatever_their_python_type() -> None:
+    assert op_digest("broadcast", {"root": 2}) == op_digest("broadcast", {"root": 2.0})
+    assert op_digest("x", {"a": [1, 2]}) == op_digest("x", {"a": [1, 2]})  # unhashable: not cached, still equal

@@ -59,6 +59,14 @@ FAIL_ENV = "AIODIST_BENCH_FAIL_RANK"  # tests: the rank (of either side) that ra
 STARTUP = 120.0  # seconds a rank may take to start (import, spawn) and join, on top of --timeout
 
 
+def _is_comm(errors: dict[int, str]) -> bool:
+    """Every traceback ends in an aiodist communication error (a peer's exit seen)."""
+    return all(t.strip().splitlines()[-1:] and t.strip().splitlines()[-1].startswith(_COMM_ERRORS) for t in errors.values())
+
+
+_COMM_ERRORS = ("aiodist.errors.DistNetworkError", "aiodist.errors.DistBackendError", "DistNetworkError", "DistBackendError")
+
+
 class BenchError(Exception):
     """The benchmark could not run, or a result was wrong."""
 
@@ -338,13 +346,31 @@ class Side:
                         self.procs[r].join(5)
                         raise BenchError(f"{impl} rank {r} died (exit code {self.procs[r].exitcode}) during {what}") from None
                     if msg[0] == "error":
-                        raise BenchError(f"{impl} rank {r} failed during {what}:\n{msg[1]}")
+                        raise self._root_cause(r, msg[1], what)
                     if msg[0] != kind:
                         raise BenchError(f"{impl} rank {r}: expected {kind!r}, got {msg[0]!r} during {what}")
                     got[r] = msg[1] if len(msg) > 1 else None
                 elif not self.procs[r].is_alive():
                     raise BenchError(f"{impl} rank {r} died (exit code {self.procs[r].exitcode}) during {what}")
         return [got[r] for r in range(len(self.conns))]
+
+    def _root_cause(self, r: int, tb: str, what: str) -> BenchError:
+        """The run's error: rank ``r``'s, unless it is a communication error (its peer's exit)
+        and another rank reports a different one within half a second (the rank that failed
+        first often closes its connections before its own report arrives)."""
+        errors = {r: tb}
+        deadline = time.monotonic() + 0.5
+        while _is_comm(errors) and time.monotonic() < deadline:
+            for q, conn in enumerate(self.conns):
+                if q not in errors and conn.poll(0.05):
+                    try:
+                        msg = conn.recv()
+                    except EOFError:
+                        continue
+                    if msg[0] == "error":
+                        errors[q] = msg[1]
+        first = next((q for q, t in sorted(errors.items()) if not _is_comm({q: t})), r)
+        return BenchError(f"{self.plan.impl} rank {first} failed during {what}:\n{errors[first]}")
 
     def row(self, op: str, count: int, warmup: int, iters: int) -> list[float]:
         """Run one row on every rank: the slowest rank's time of each iteration."""

@@ -3,6 +3,8 @@
 Each configuration runs as a fresh 2-process job (``--ranks``) over the socket backend
 ("gloo"), since groups read the debug level and the flight recorder's size when they are made:
 
+- ``OFF, no FR, no digests``: also ``AIODIST_DESYNC_DIGESTS=0`` (no always-on desync digest in
+  the frames: what the digests cost is the next row's ratio to this one)
 - ``OFF, no FR``: ``AIODIST_DEBUG=OFF`` with ``AIODIST_FR_BUFFER_SIZE=0`` (nothing recorded:
   what aiodist cost before the debug core)
 - ``OFF``: the default (the flight recorder on, 2000 entries)
@@ -14,7 +16,7 @@ Every rank warms up (``--warmup``, by default past the recorder's 2000 entries: 
 state), meets the others at a barrier, then times ``--iters`` all_reduces of
 ``--floats`` float32 values with ``time.perf_counter``; a job's figure is the slowest rank's
 mean time per op. The configurations run in turn, ``--repeats`` rounds (so a noisy neighbour
-hits them alike), and the table shows each one's median with its ratio to ``OFF, no FR``.
+hits them alike), and the table shows each one's median with its ratio to ``OFF, no FR, no digests``.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ __all__ = ["main", "CONFIGS"]
 
 # name -> environment
 CONFIGS: dict[str, dict[str, str]] = {
+    "OFF, no FR, no digests": {"AIODIST_DEBUG": "OFF", "AIODIST_FR_BUFFER_SIZE": "0", "AIODIST_DESYNC_DIGESTS": "0"},
     "OFF, no FR": {"AIODIST_DEBUG": "OFF", "AIODIST_FR_BUFFER_SIZE": "0"},
     "OFF": {"AIODIST_DEBUG": "OFF"},
     "INFO": {"AIODIST_DEBUG": "INFO"},
     "DETAIL": {"AIODIST_DEBUG": "DETAIL"},
 }
-BASELINE = "OFF, no FR"
+BASELINE = "OFF, no FR, no digests"
 _JOB_TIMEOUT_S = 120.0
 
 

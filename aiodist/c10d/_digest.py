@@ -39,10 +39,35 @@ OPS: tuple[str, ...] = (
 _CODE = {name: i for i, name in enumerate(OPS)}
 
 
+_CACHE: dict[tuple[Any, ...], int] = {}
+_CACHE_MAX = 4096
+
+
 def op_digest(op: str, same: dict[str, Any] | None) -> int:
-    """The op's digest (see the module docstring)."""
+    """The op's digest (see the module docstring). A training loop repeats a few calls, so the
+    digests are cached by (op, arguments): a lookup instead of a CRC on the hot path."""
+    key = (op, *same.values()) if same else (op,)
+    try:
+        hit = _CACHE.get(key)
+    except TypeError:  # an unhashable argument (a list): no cache
+        return _compute(op, same)
+    if hit is None:
+        hit = _compute(op, same)
+        if len(_CACHE) < _CACHE_MAX:
+            _CACHE[key] = hit
+    return hit
+
+
+def _canon(v: Any) -> str:
+    """One text per value that compares equal (2 == 2.0 on every rank, as DETAIL compares)."""
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return str(v)
+
+
+def _compute(op: str, same: dict[str, Any] | None) -> int:
     code = _CODE.get(op, 0) or 0xFF
-    args = "\x1f".join(map(str, same.values())) if same else ""
+    args = "\x1f".join(map(_canon, same.values())) if same else ""
     return (code << 24) | (zlib.crc32(args.encode()) & 0xFFFFFF) or 1
 
 

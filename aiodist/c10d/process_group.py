@@ -22,6 +22,7 @@ import asyncio
 import contextvars
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -105,7 +106,10 @@ class ProcessGroup:
         level = get_debug_level()
         self.detail = level >= DebugLevel.DETAIL  # read once: a group keeps the level it was made at
         # always-on desync detection: each collective's frames carry its digest (DETAIL checks more)
-        self._digests = bool(getattr(backend, "carries_digests", False)) and not self.detail
+        # (AIODIST_DESYNC_DIGESTS=0 turns it off, for measuring its cost: python -m aiodist.bench debug)
+        self._digests = (
+            bool(getattr(backend, "carries_digests", False)) and not self.detail and os.environ.get("AIODIST_DESYNC_DIGESTS", "1") != "0"
+        )
         # INFO: per-op-name tallies for the summary logged when the group ends (None at OFF: no cost)
         self._op_stats: dict[str, list[float]] | None = {} if level >= DebugLevel.INFO else None
         if level >= DebugLevel.INFO:
