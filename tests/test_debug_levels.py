@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import aiodist as dist
-from aiodist.debug import DebugLevel, desync, get_debug_level, logs, set_debug_level, set_debug_level_from_env
+from aiodist._instrument import desync  # the module c10d calls (aiodist.debug.desync re-exports it)
+from aiodist.debug import DebugLevel, get_debug_level, logs, set_debug_level, set_debug_level_from_env
 from aiodist.testing.world import run_world
 
 PG_TIMEOUT = 30.0  # the group's timeout: a mismatch must be caught far sooner

@@ -28,11 +28,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from aiodist._instrument.recorder import Entry
 from aiodist._time import Deadline
 from aiodist.algorithms.p2p import P2P
 from aiodist.c10d._blocked import BLOCKED_KEY
 from aiodist.c10d._blocked import describe as describe_block
-from aiodist.debug.recorder import Entry, dump_on_timeout
+from aiodist.debug.recorder import dump_on_timeout  # it dumps the World's groups: a tool above c10d
 from aiodist.errors import DistBackendError, DistError, DistTimeoutError
 from aiodist.store.base import Store
 

@@ -30,6 +30,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from aiodist import _startup
+from aiodist._instrument.levels import DebugLevel, get_debug_level
 from aiodist._instrument.loop_watchdog import unwatch_loop, watch_loop  # issue 13: the loop watchdog
 from aiodist._time import TimeoutLike, to_seconds, to_timedelta
 from aiodist.backends.base import CommBackend
@@ -40,7 +41,6 @@ from aiodist.c10d.backend_registry import Backend, create_backend, is_backend_av
 from aiodist.c10d.process_group import ProcessGroup
 from aiodist.c10d.world import NON_GROUP_MEMBER, current_world, default_group
 from aiodist.constants import default_pg_timeout
-from aiodist.debug.levels import DebugLevel, get_debug_level
 from aiodist.errors import DistBackendError, DistTimeoutError
 from aiodist.rendezvous import rendezvous, warn_if_launcher_disagrees
 from aiodist.store.base import Store

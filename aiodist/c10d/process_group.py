@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
+from aiodist._instrument.levels import DebugLevel, get_debug_level
+from aiodist._instrument.recorder import Entry, FlightRecorder
 from aiodist.algorithms.p2p import P2P
 from aiodist.algorithms.thresholds import Thresholds, current
 from aiodist.backends.base import CommBackend
@@ -34,8 +36,6 @@ from aiodist.c10d._digest import op_digest
 from aiodist.c10d._runner import DeviceTracker, Tracker, break_group, run
 from aiodist.c10d._runner import TrackedP2P as _Tracked
 from aiodist.c10d.work import Work
-from aiodist.debug.levels import DebugLevel, get_debug_level
-from aiodist.debug.recorder import Entry, FlightRecorder
 from aiodist.errors import DistBackendError
 from aiodist.store.base import Store
 
@@ -62,7 +62,7 @@ def _staged_body(staging: Any, body: Body) -> Body:
 
 def _checked_body(pg: ProcessGroup, op: str, seq: int, meta: dict[str, Any] | None, body: Body) -> Body:
     """DETAIL: the op's body, preceded by a comparison of the call across the group's ranks."""
-    from aiodist.debug.desync import check_fingerprint
+    from aiodist._instrument.desync import check_fingerprint
 
     async def checked(p2p: P2P) -> None:
         await check_fingerprint(p2p, pg, op, seq, meta)
