@@ -262,7 +262,7 @@ class ProcessGroup:
     ) -> Work:
         if self._digests and meta is not None:  # what every rank must agree on, sent with the op's frames
             same = meta.get("same")
-            channel = self.backend.channel(self.group_id, seq, ranks, op_digest(op, same), (op, same))
+            channel = self.backend.channel(self.group_id, seq, ranks, op_digest(op, same), (op, same, self.group_desc))
         else:
             channel = self.backend.channel(self.group_id, seq, ranks)
         p2p = _Tracked(channel, ranks)

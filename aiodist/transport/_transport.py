@@ -170,7 +170,7 @@ class Transport:
         self.staged_total = 0  # messages ever staged (came before their receive)
         # always-on desync detection (aiodist.c10d._digest): (group, seq) -> (digest, op, args) of
         # this rank's own collectives, and the digest of a message that came before its op
-        self._digests: dict[tuple[int, int], tuple[int, str, Any]] = {}
+        self._digests: dict[tuple[int, int], tuple[int, str, Any, str | None]] = {}
         self._early_digests: dict[tuple[int, int], tuple[int, int]] = {}
         self._dead: dict[int, DistNetworkError] = {}
         self._aborted: dict[int, str] = {}
@@ -347,7 +347,7 @@ class Transport:
         ch = Channel(self, group_id, seq, global_ranks, digest)
         if digest:
             k = (group_id, seq)
-            mine = (digest, *(call or ("an op", None)))
+            mine = (digest, *(call or ("an op", None, None)))
             self._digests[k] = mine
             self._digests.pop((group_id, seq - _DIGESTS_KEPT), None)  # ops that old are over
             early = self._early_digests.pop(k, None)
@@ -370,10 +370,11 @@ class Transport:
         self._desync(header.group, header.seq, mine, header.source, header.digest)
         return True
 
-    def _desync(self, group: int, seq: int, mine: tuple[int, str, Any], peer: int, theirs: int) -> None:
+    def _desync(self, group: int, seq: int, mine: tuple[int, str, Any, str | None], peer: int, theirs: int) -> None:
         from aiodist.c10d._digest import describe_mismatch
 
-        reason = describe_mismatch(f"group {group}", seq, self.rank, mine, peer, theirs)
+        name = f"group {group}" if mine[3] is None else f"group {group} ({mine[3]!r})"
+        reason = describe_mismatch(name, seq, self.rank, mine[:3], peer, theirs)
         log.error("rank %d: %s", self.rank, reason)
         frame = abort_frame(self.rank, group, 0, reason)
         for conn in list(self._send_conn.values()):
