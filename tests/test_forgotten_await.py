@@ -119,3 +119,30 @@ async def test_an_init_never_awaited_is_named_by_the_next_call(caplog: pytest.Lo
                 break
             await asyncio.sleep(0.05)
         assert world.init_site is None and not dist.is_initialized()
+
+
+async def test_two_concurrent_inits_refuse_the_second_and_leak_nothing() -> None:
+    """Both used to pass the "already initialised" check (it is only true once one ends): the
+    first backend leaked. Now the second is refused at once, naming where the first was called."""
+    world = dist.World("twice")
+    with dist.use_world(world):
+        store = dist.HashStore()
+        first = dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=5)
+        with pytest.raises(ValueError, match=r"^trying to initialize the default process group twice! \(init_process_group called at "):
+            await dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=5)
+        await first
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        await dist.destroy_process_group()
+
+
+async def test_a_tiny_group_timeout_still_gives_the_op_its_time() -> None:
+    """A 50 ms timeout kept all 50 ms as the diagnosis grace: the op timed out at once."""
+    from aiodist.c10d._runner import grace_for
+
+    assert grace_for(0.05) == 0.025 and grace_for(1.0) == 0.1 and grace_for(100.0) == 5.0
+
+    async def fn(rank: int) -> None:
+        g = await dist.new_group([0, 1], timeout=0.05)
+        await dist.all_reduce(np.ones(1), group=g)  # in-process, well within its 25 ms (it had 0)
+
+    await run_world(2, fn, timeout=20)

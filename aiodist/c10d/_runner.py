@@ -371,8 +371,10 @@ async def _note_only(store: Store, me: int, note: Note, grace: float) -> None:
 
 
 def grace_for(limit: float) -> float:
-    """The part of an op's time kept to consult the store on a timeout."""
-    return min(max(limit * 0.1, 0.05), 5.0)
+    """The part of an op's time kept to consult the store on a timeout: 10 %, at least 50 ms,
+    at most 5 s, and never more than half the op's time (a 50 ms timeout kept 50 ms and left the
+    op none: it timed out at once)."""
+    return min(max(limit * 0.1, 0.05), 5.0, limit / 2)
 
 
 async def run(

@@ -171,6 +171,12 @@ def _tracked_init(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[...,
         site = _site(2)
 
         async def run() -> None:
+            if world.init_site is not None and world.default_pg is None:  # another init of this World is still running
+                file, line = world.init_site
+                raise ValueError(
+                    "trying to initialize the default process group twice! "
+                    f"(init_process_group called at {file}:{line} is still running; await it before calling it again)"
+                )
             world.init_site = site
             try:
                 await fn(*args, **kwargs)
