@@ -7,8 +7,10 @@
   CPU does not (it returns once the op is enqueued). ``wait(timeout)`` instead waits for the GPU
   to finish, at most ``timeout`` (torch: a timeout makes ``wait`` block the CPU).
 - ``synchronize()`` / ``block_current_stream()``: make the current stream wait; they return at
-  once where the op is enqueued (the usual case), else they wait for the enqueue, bounded by the
-  group's timeout (the group's communicator was still being made: see docs/cuda.md).
+  once where the op is enqueued (the usual case). Before the enqueue (the group's communicator
+  is still being made: see docs/cuda.md) they wait for it, bounded by the group's timeout, from
+  another thread; on the Work's own loop thread, which must run the enqueue, they raise at once
+  instead of blocking it (a deadlock until the group's timeout before, issue 14).
 - ``is_completed()``: True once the GPU has finished the op (the completion event has fired).
 """
 
@@ -77,6 +79,12 @@ class CudaWork(Work):
             if self.done():  # failed before it was enqueued: nothing for a stream to wait on
                 self.result()
                 return
+            if self._on_its_loop():  # the enqueue needs this very loop (the communicator's id exchange): never block it
+                raise DistBackendError(
+                    f"{self.op} on {self.group_desc} ({self.label}) is not enqueued yet (its group's NCCL communicator is still "
+                    "being made, on this event loop): synchronize()/block_current_stream() would block the loop that must "
+                    "enqueue it; `await work.wait()` instead, or call them from another thread"
+                )
             if not rec.enqueued.wait(rec.timeout_s):
                 raise DistBackendError(f"{self.op} on {self.group_desc} ({self.label}) was not enqueued within {rec.timeout_s:g} s")
         if rec.done_event is None:  # enqueue failed: the Work carries the error
@@ -84,6 +92,13 @@ class CudaWork(Work):
             return
         with self._cupy.cuda.Device(rec.device_id):
             self._cupy.cuda.get_current_stream().wait_event(rec.done_event)
+
+    def _on_its_loop(self) -> bool:
+        """Called on the thread running the loop this Work belongs to."""
+        try:
+            return asyncio.get_running_loop() is self.get_loop()
+        except RuntimeError:
+            return False
 
     async def wait(self, timeout: TimeoutLike | None = None) -> bool:
         """The current stream waits for the op (the CPU does not); ``timeout``: wait for the GPU."""

@@ -435,6 +435,24 @@ async def test_work_semantics(sim: fake_cupy.Installed) -> None:
     await run_world(2, fn, backend=GLOO, timeout=10)
 
 
+async def test_synchronize_on_the_loop_before_the_enqueue_raises_instead_of_deadlocking(sim: fake_cupy.Installed) -> None:
+    """A group's first op waits for its communicator, made on the loop: synchronize() on that
+    loop blocked the very thread that had to enqueue the op, until the group's timeout."""
+
+    async def fn(rank: int) -> None:
+        x = dev(sim, [rank + 1.0])
+        w = await dist.all_reduce(x, async_op=True)  # the first op: the communicator is being made
+        if not w._record.enqueued.is_set():
+            t0 = time.monotonic()
+            with pytest.raises(dist.DistBackendError, match=r"is not enqueued yet .*`await work.wait\(\)` instead"):
+                w.synchronize()
+            assert time.monotonic() - t0 < 0.5
+        await w
+        assert (await asyncio.to_thread(x.get)).tolist() == [3.0]
+
+    await run_world(2, fn, backend=GLOO, timeout=10)
+
+
 async def test_wait_makes_the_stream_wait_not_the_cpu(sim: fake_cupy.Installed) -> None:
     go = asyncio.Event()
 
