@@ -262,6 +262,10 @@ def exit_code(launch: Callable[[], None]) -> int:
         sys.stderr.flush()
         return 1
     except SignalException as e:
+        report = e.format_msg()
+        if report:
+            sys.stderr.write(report + "\n")
+            sys.stderr.flush()
         log.warning("stopped by %s: workers were stopped", e.sigval.name)
         return 128 + int(e.sigval)
     except RendezvousError as e:

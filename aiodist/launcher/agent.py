@@ -15,7 +15,6 @@ import collections
 import functools
 import os
 import pickle
-import select
 import shutil
 import signal
 import socket
@@ -28,6 +27,7 @@ from typing import IO, Any, TextIO, TypeVar
 
 from aiodist.elastic.errors import ChildFailedError, ProcessFailure
 from aiodist.errors import DistError
+from aiodist.launcher._console import Console
 from aiodist.launcher._tracebacks import TracebackScanner
 from aiodist.launcher.rendezvous import AgentRendezvous, Assignment, RendezvousError
 
@@ -41,20 +41,75 @@ _STORE_ERRORS = (DistError, OSError, TimeoutError)
 _CHUNK = 1 << 16
 T = TypeVar("T")
 
-# Workers start through this trampoline on Linux: it asks the kernel for SIGTERM when the
-# launcher dies (PR_SET_PDEATHSIG, kept across exec), checks the launcher did not die before
-# that, then execs the worker (same pid, same session). So even a SIGKILLed launcher leaves no
-# workers behind. (No preexec_fn: the launcher has threads, and preexec_fn is unsafe with them.)
-_TRAMPOLINE = (
-    "import ctypes,os,sys\n"
-    "try:\n"
-    "    ctypes.CDLL(None,use_errno=True).prctl(1,15)\n"
-    "except Exception:\n"
-    "    pass\n"
-    "if os.getppid()!=int(sys.argv[1]):\n"
-    "    os._exit(143)\n"
-    "os.execvp(sys.argv[2],sys.argv[2:])\n"
-)
+ORPHAN_GRACE_S = 2.0  # after the launcher died: how long its workers have between SIGTERM and SIGKILL
+
+# Workers start through this trampoline on Linux (no preexec_fn: the launcher has threads, and
+# preexec_fn is unsafe with them). It asks the kernel for SIGTERM when the launcher dies
+# (PR_SET_PDEATHSIG, kept across exec), checks the launcher did not die before that, starts the
+# worker's watchdog, then execs the worker (same pid, same session).
+#
+# The watchdog is what makes "a SIGKILLed launcher leaves no workers behind" hold for workers
+# that ignore SIGTERM, and for their children (which PR_SET_PDEATHSIG does not reach). It is a
+# double fork of the trampoline (so never the worker's child: nothing for the worker to reap),
+# its stdio on /dev/null (the worker's pipes see EOF when the worker exits), deaf to SIGTERM,
+# SIGINT, SIGHUP and SIGQUIT (a launcher stopping its workers, then killed itself before its
+# SIGKILL, must still leave nothing), and a member of the worker's process group: while it lives
+# the group's id cannot be reused, so its killpg never reaches a stranger. It waits on the
+# launcher's lifeline (a pipe whose write end only the launcher holds: EOF when it dies, however
+# it dies) and on the worker (a pidfd). Worker gone first: it exits. Lifeline gone first: SIGTERM
+# to the group, up to ORPHAN_GRACE_S for the worker to exit, then SIGKILL to the group (itself
+# included).
+_TRAMPOLINE = """\
+import ctypes,os,select,signal,sys,time
+launcher,life,grace=int(sys.argv[1]),int(sys.argv[2]),float(sys.argv[3])
+try:
+    ctypes.CDLL(None,use_errno=True).prctl(1,15)
+except Exception:
+    pass
+if os.getppid()!=launcher:
+    os._exit(143)
+me=os.getpid()
+kid=os.fork()
+if kid==0:
+    try:
+        if os.fork():
+            os._exit(0)
+        for s in (signal.SIGTERM,signal.SIGINT,signal.SIGHUP,signal.SIGQUIT):
+            signal.signal(s,signal.SIG_IGN)
+        null=os.open(os.devnull,os.O_RDWR)
+        for fd in (0,1,2):
+            os.dup2(null,fd)
+        try:
+            pid=os.pidfd_open(me)
+        except (AttributeError,OSError):
+            pid=-1
+        def gone():
+            try:
+                os.kill(me,0)
+            except ProcessLookupError:
+                return True
+            return False
+        p=select.poll()
+        p.register(life,select.POLLIN)
+        if pid>=0:
+            p.register(pid,select.POLLIN)
+        while True:
+            ev=dict(p.poll(None if pid>=0 else 500))
+            if life in ev and not os.read(life,1):
+                break
+            if pid in ev or (pid<0 and gone()):
+                os._exit(0)
+        os.killpg(me,signal.SIGTERM)
+        end=time.monotonic()+grace
+        while time.monotonic()<end and not gone():
+            time.sleep(0.05)
+        os.killpg(me,signal.SIGKILL)
+    finally:
+        os._exit(0)
+os.waitpid(kid,0)
+os.close(life)
+os.execvp(sys.argv[4],sys.argv[4:])
+"""
 
 
 class Std:
@@ -77,49 +132,6 @@ class Std:
             r, _, v = part.partition(":")
             out[int(r)] = _check_std(int(v))
         return out
-
-
-def _console_writer(console: TextIO | None) -> Callable[[bytes], bool] | None:
-    """A function writing bytes to ``console``; it answers False once the console is gone.
-
-    With a real file descriptor the bytes go out through ``os.write`` in a loop until all are
-    written: Python's buffered writer lost whole pieces of long lines when a slow reader on a
-    pipe met the launcher's signal handling (partial writes), and a descriptor someone made
-    non-blocking is waited on instead of dropping data. Without one (a replaced ``sys.stdout``)
-    the decoded text is written."""
-    if console is None:
-        return None
-    target = console
-    try:
-        fd: int | None = target.fileno()
-    except (OSError, ValueError, AttributeError):
-        fd = None
-
-    def write_fd(data: bytes) -> bool:
-        assert fd is not None
-        try:
-            target.flush()  # whatever the launcher itself printed first
-            view = memoryview(data)
-            while view:
-                try:
-                    n = os.write(fd, view)
-                except BlockingIOError:
-                    select.select([], [fd], [], 1.0)
-                    continue
-                view = view[n:]
-        except (OSError, ValueError):  # closed pipe or file: keep draining the worker, print nothing
-            return False
-        return True
-
-    def write_text(data: bytes) -> bool:
-        try:
-            target.write(data.decode(errors="replace"))
-            target.flush()
-        except (OSError, ValueError):
-            return False
-        return True
-
-    return write_fd if fd is not None else write_text
 
 
 def _open_log(path: str) -> IO[bytes]:
@@ -168,11 +180,19 @@ def _check_std(v: int) -> int:
 
 
 class SignalException(Exception):
-    """The launcher got SIGINT/SIGTERM (or SIGHUP/SIGQUIT): workers were stopped."""
+    """The launcher got SIGINT/SIGTERM (or SIGHUP/SIGQUIT): workers were stopped. ``failures``
+    names the round's workers when they were running (empty otherwise); ``format_msg()`` is
+    their report, as ``ChildFailedError``'s."""
 
-    def __init__(self, msg: str, sigval: signal.Signals) -> None:
+    def __init__(self, msg: str, sigval: signal.Signals, name: str = "", failures: dict[int, ProcessFailure] | None = None) -> None:
         super().__init__(msg)
         self.sigval = sigval
+        self.name = name
+        self.failures = failures or {}
+
+    def format_msg(self) -> str:
+        """The failure report of the stopped workers ('' when none were running)."""
+        return ChildFailedError(self.name, self.failures).format_msg() if self.failures else ""
 
 
 @dataclass
@@ -263,6 +283,10 @@ class LocalAgent:
         self._ok = False
         self._assignment: Assignment | None = None
         self._marked_done = False
+        # The workers' watchdogs hold the read end; only this process holds the write end (not
+        # inheritable), so they see EOF when the launcher dies, however it dies.
+        self._life: tuple[int, int] | None = None
+        self._consoles: list[Console] = []
         self._keep_run_dir = spec.log_dir is not None or any(spec.redirects.values()) or any(spec.tee.values())
         base = spec.log_dir
         if base is not None:
@@ -291,8 +315,32 @@ class LocalAgent:
             for sig in installed:
                 loop.remove_signal_handler(sig)
             await self.rdzv.close()
+            if self._life is not None:
+                for fd in self._life:
+                    os.close(fd)
+                self._life = None
+            # The workers' last lines before the launcher's own report (bounded: a console
+            # that takes nothing for a second is given up on).
+            consoles, self._consoles = self._consoles, []
+            for c in consoles:
+                await asyncio.to_thread(c.close)
             if not self._keep_run_dir and self._ok:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _lifeline(self) -> int:
+        """The read end of the launcher's lifeline, for the workers' watchdogs (see _TRAMPOLINE)."""
+        if self._life is None:
+            self._life = os.pipe()
+        return self._life[0]
+
+    def _console(self, target: TextIO) -> Console:
+        """The one ``Console`` of ``target`` (so lines of different workers never interleave)."""
+        for c in self._consoles:
+            if c.target is target:
+                return c
+        c = Console(target)
+        self._consoles.append(c)
+        return c
 
     def _on_signal(self, sig: signal.Signals) -> None:
         if self._signal is None:
@@ -300,9 +348,18 @@ class LocalAgent:
         self._signal = sig
         self._wake.set()
 
-    def _check_signal(self) -> None:
-        if self._signal is not None:
-            raise SignalException(f"Process {os.getpid()} got signal: {self._signal.value}", sigval=self._signal)
+    def _check_signal(self, report: bool = False) -> None:
+        """Raise ``SignalException`` if a signal came; with ``report``, it names this round's
+        workers (those that failed on their own, and those the launcher stopped)."""
+        if self._signal is None:
+            return
+        failures: dict[int, ProcessFailure] = {}
+        if report:
+            failures = self._failures()
+            failures.update(self._stopped(f"stopped by this node's launcher: it got {self._signal.name}", failures))
+        raise SignalException(
+            f"Process {os.getpid()} got signal: {self._signal.value}", sigval=self._signal, name=self.spec.name, failures=failures
+        )
 
     # -- the restart loop -----------------------------------------------------------------
 
@@ -459,7 +516,7 @@ class LocalAgent:
                     await self._stop_workers(self._signal)
                     if multi:
                         await self._publish_signal(a)
-                    self._check_signal()
+                    self._check_signal(report=True)
                 if any(w.rc not in (None, 0) for w in self.workers):
                     await _cancel(poll)
                     poll = None
@@ -779,10 +836,15 @@ class LocalAgent:
     async def _start_worker(self, w: _Worker, a: Assignment) -> None:
         spec = self.spec
         argv = self._argv(w)
+        pass_fds: tuple[int, ...] = ()
         if sys.platform.startswith("linux"):
-            argv = [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), *argv]
+            life = self._lifeline()
+            grace = min(spec.stop_timeout, ORPHAN_GRACE_S)
+            argv = [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), str(life), f"{grace:g}", *argv]
+            pass_fds = (life,)
         w.proc = await asyncio.create_subprocess_exec(
             *argv,
+            pass_fds=pass_fds,
             env=self._env(w, a),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
@@ -799,7 +861,8 @@ class LocalAgent:
                 f = _open_log(os.path.join(w.dir, "stdout.log" if bit == Std.OUT else "stderr.log"))
                 w.files.append(f)
             to_console = show and (teed or not redirected)
-            w.pumps.append(asyncio.ensure_future(self._pump(w, stream, console if to_console else None, f, bit == Std.ERR)))
+            out = self._console(console) if to_console else None
+            w.pumps.append(asyncio.ensure_future(self._pump(w, stream, out, f, bit == Std.ERR)))
         w.watcher = asyncio.ensure_future(self._watch(w))
 
     async def _watch(self, w: _Worker) -> None:
@@ -811,12 +874,12 @@ class LocalAgent:
             await asyncio.wait(w.pumps, timeout=1.0)
         self._wake.set()
 
-    async def _pump(self, w: _Worker, stream: asyncio.StreamReader, console: TextIO | None, f: IO[bytes] | None, is_err: bool) -> None:
+    async def _pump(self, w: _Worker, stream: asyncio.StreamReader, console: Console | None, f: IO[bytes] | None, is_err: bool) -> None:
         """Copy one stream of a worker: raw into its log file, whole lines with the prefix to
         the console, stderr lines into the tail. Always reads to EOF (a worker must never block
-        on a full pipe), whatever happens to the console or the file."""
+        on a full pipe), whatever happens to the console (it never blocks: ``Console``) or the
+        file."""
         prefix = self._prefix(w) + b" "
-        write = _console_writer(console)
         pending = b""
         cut = False
         while True:
@@ -845,15 +908,15 @@ class LocalAgent:
                         text = line.decode(errors="replace")
                         w.tail.append(text + "\n")
                         w.tracebacks.feed(text, now)
-                if write is not None and not write(b"".join(prefix + line + b"\n" for line in lines)):
-                    write = None
+                if console is not None:
+                    console.write(b"".join(prefix + line + b"\n" for line in lines))
         if pending:
             if is_err:
                 text = pending.decode(errors="replace")
                 w.tail.append(text + "\n")
                 w.tracebacks.feed(text, time.time_ns())
-            if write is not None:
-                write(prefix + pending + b"\n")
+            if console is not None:
+                console.write(prefix + pending + b"\n")
 
     async def _drain(self, w: _Worker) -> None:
         if w.pumps:
