@@ -125,8 +125,10 @@ def test_reply_parser_refuses_unexpected_bytes() -> None:
     p = ReplyParser()
     with pytest.raises(ProtocolError):
         p.feed(b"\x00")
+    p = ReplyParser()  # (the first one is dead now)
     p.expect(Reply.U8)
     p.feed(b"\x00\x01")
+    assert p.next_reply() == 0  # the reply owed is delivered; the byte after it is the error
     with pytest.raises(ProtocolError, match="unexpected"):
         p.next_reply()
 

@@ -62,6 +62,7 @@ _BYTES = ((Reply.BYTES, 0),)
 _CHECK_GET = ((Reply.U8, 0), (Reply.BYTES, 0))
 _MAX_IDLE_WAITERS = 8
 _CONNECT_ATTEMPT_S = 5.0  # one connect attempt's deadline
+_DIAGNOSIS_S = 0.1  # how long a timed-out wait may take to learn which keys are missing
 
 log = logging.getLogger("aiodist.store")
 
@@ -75,19 +76,30 @@ class _BadPeer(_Lost):
 
 
 class _NoReply(_Lost):
-    """The server did not answer a request within the store timeout; the connection is closed."""
+    """The server did not answer this request in time; the connection is closed."""
+
+
+class _Dropped(_Lost):
+    """The connection was closed because another request on it had no reply in time: this one
+    may be fine, and a read can be repeated on a new connection."""
 
 
 class _Pending:
-    """One request group in flight: the future of its replies, how many are still due, when."""
+    """One request group in flight: the future of its replies, how many are still due, when,
+    and what it was (``op``/``arg``, for the error of the others if it is the one overdue)."""
 
-    __slots__ = ("fut", "left", "values", "deadline")
+    __slots__ = ("fut", "left", "values", "deadline", "seconds", "op", "arg")
 
-    def __init__(self, fut: asyncio.Future[list[Any]], left: int, deadline: float | None) -> None:
+    def __init__(
+        self, fut: asyncio.Future[list[Any]], left: int, deadline: float | None, seconds: float | None, op: str, arg: object
+    ) -> None:
         self.fut = fut
         self.left = left
         self.values: list[Any] = []
         self.deadline = deadline
+        self.seconds = seconds
+        self.op = op
+        self.arg = arg
 
 
 class _Connection(asyncio.Protocol):
@@ -142,7 +154,9 @@ class _Connection(asyncio.Protocol):
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
 
-    def _fail(self, exc: Exception) -> None:
+    def _fail(self, exc: Exception, overdue: float | None = None) -> None:
+        """Fail every request in flight with ``exc``; with ``overdue`` (a loop time), those
+        whose deadline had passed by then with ``_NoReply`` instead."""
         if self.error is None:
             self.error = exc
         if self._drain is not None and not self._drain.done():
@@ -151,20 +165,30 @@ class _Connection(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
         while self.pending:
-            f = self.pending.popleft().fut
-            if not f.done():
-                f.set_exception(exc)
+            p = self.pending.popleft()
+            if not p.fut.done():
+                late = overdue is not None and p.deadline is not None and p.deadline <= overdue
+                p.fut.set_exception(_NoReply("no reply from the server in time") if late else exc)
 
     def _check_deadline(self) -> None:
         self._timer = None
-        due = min((p.deadline for p in self.pending if p.deadline is not None), default=None)
-        if due is None:
-            return
-        if self.loop.time() >= due:
-            self._fail(_NoReply("no reply from the server in time"))
+        now = self.loop.time()
+        late = next((p for p in self.pending if p.deadline is not None and p.deadline <= now), None)
+        if late is not None:
+            # One overdue reply means the server is stuck or the stream is lost: every reply
+            # behind it is stuck too. The others are told why, and reads among them are retried.
+            self._fail(
+                _Dropped(
+                    f"the connection was closed because {_what(late.op, late.arg)}, sent on it before or "
+                    f"with this request, had no reply from the server within {late.seconds:g} s"
+                ),
+                overdue=now,
+            )
             if self.transport is not None:
                 self.transport.abort()  # close() would wait to flush to a peer that is not reading
-        else:
+            return
+        due = min((p.deadline for p in self.pending if p.deadline is not None), default=None)
+        if due is not None:
             self._arm(due)
 
     def _arm(self, when: float) -> None:
@@ -179,9 +203,13 @@ class _Connection(asyncio.Protocol):
     def usable(self) -> bool:
         return self.error is None and self.transport is not None and not self.transport.is_closing()
 
-    def send(self, payload: bytes, shapes: tuple[tuple[Reply, int], ...], timeout: float | None) -> asyncio.Future[list[Any]]:
-        """Write one request group; a future of its replies. With ``timeout``, the connection
-        fails (``_NoReply``) if they are not all in by then."""
+    def send(
+        self, payload: bytes, shapes: tuple[tuple[Reply, int], ...], timeout: float | None, op: str = "request", arg: object = None
+    ) -> asyncio.Future[list[Any]]:
+        """Write one request group (``op(arg)``, as errors name it); a future of its replies.
+        With ``timeout``, the connection is closed if they are not all in by then: the group
+        fails with ``_NoReply``, every other one in flight with ``_Dropped``. A caller that
+        stops waiting earlier cancels the future; its replies are then read and dropped."""
         if self.error is not None:
             raise self.error
         assert self.transport is not None
@@ -189,7 +217,7 @@ class _Connection(asyncio.Protocol):
             self.parser.expect(shape, count)
         fut = self.loop.create_future()
         deadline = None if timeout is None else self.loop.time() + timeout
-        self.pending.append(_Pending(fut, len(shapes), deadline))
+        self.pending.append(_Pending(fut, len(shapes), deadline, timeout, op, arg))
         if deadline is not None:
             self._arm(deadline)
         self.transport.write(payload)
@@ -214,7 +242,7 @@ class _Connection(asyncio.Protocol):
         return "unix" if sock is not None and sock.family == socket.AF_UNIX else "tcp"
 
 
-_NO_ARG = object()
+_NO_ARG: Any = object()
 
 
 def _what(op: str, arg: object) -> str:
@@ -584,7 +612,11 @@ class TCPStore(Store):
         nonce = os.getpid() & 0xFFFFFFFF  # torch's client pings with its pid
         try:
             (got,) = await conn.send(
-                encode(Op.VALIDATE, number=0x3C85F7CE) + encode(Op.PING, number=nonce), _U32, max(0.001, deadline - time.monotonic())
+                encode(Op.VALIDATE, number=0x3C85F7CE) + encode(Op.PING, number=nonce),
+                _U32,
+                max(0.001, deadline - time.monotonic()),
+                "handshake",
+                _NO_ARG,
             )
         except BaseException:  # lost, or cancelled mid-handshake: do not leak the socket
             conn.close()
@@ -614,7 +646,9 @@ class TCPStore(Store):
         elif self._loop is not loop:
             raise DistStoreError(f"{self._describe()} belongs to another event loop; use store.clone() on this one")
 
-    async def _main_conn(self) -> _Connection:
+    async def _main_conn(self, deadline: float) -> _Connection:
+        """The main connection, reconnected if it broke; the reconnect (and the wait for another
+        task's) ends by ``deadline`` (``time.monotonic()``), the calling request's."""
         self._check_loop()
         conn = self._main
         if conn is not None and conn.usable:
@@ -627,12 +661,22 @@ class TCPStore(Store):
             )
         if self._connect_lock is None:
             self._connect_lock = asyncio.Lock()
-        async with self._connect_lock:
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                await self._connect_lock.acquire()
+        except TimeoutError:
+            raise DistNetworkError(
+                f"{self._describe()}: could not reconnect to the TCPStore server at {self._describe_addr()} in time "
+                f"(another task's reconnect was still trying)"
+            ) from None
+        try:
             conn = self._main
             if conn is None or not conn.usable:
                 if conn is not None:
                     self._counts["reconnects"] += 1
-                conn = self._main = await self._open(time.monotonic() + self._timeout_s)
+                conn = self._main = await self._open(deadline)
+        finally:
+            self._connect_lock.release()
         return conn
 
     async def _request(
@@ -644,27 +688,44 @@ class TCPStore(Store):
         repeatable: bool = True,
         timeout: float | None = None,
     ) -> list[Any]:
-        """Send on the main connection; the replies. A broken connection is retried once for
-        ``repeatable`` requests, else it is a DistStoreError naming the call (``op(arg)``,
-        formatted only when it fails: this is the hot path)."""
+        """Send on the main connection; the replies. The call ends within its ``timeout`` (the
+        store's by default), reconnects and the retry included. A broken connection is retried
+        once for ``repeatable`` requests, else it is a DistStoreError naming the call
+        (``op(arg)``, formatted only when it fails: this is the hot path)."""
         self._counts["requests"] += 1
+        seconds = self._timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + seconds
         for attempt in (0, 1):
             conn = self._main
             if conn is None or conn.error is not None or conn.loop is not asyncio.get_running_loop():
-                conn = await self._main_conn()
+                conn = await self._main_conn(deadline)
             try:
-                seconds = self._timeout_s if timeout is None else timeout
-                fut = conn.send(payload, shapes, seconds)
-                if conn.paused:
-                    await conn.drain()
-                return await fut
-            except _NoReply:
+                if attempt == 0 and timeout is None:
+                    # The hot path: the connection's own timer is this call's deadline.
+                    fut = conn.send(payload, shapes, seconds, op, arg)
+                    if conn.paused:
+                        await conn.drain()
+                    return await fut
+                # A shorter deadline than the store's (an explicit timeout, or a retry) ends this
+                # call only: the connection stays, and is closed only if the reply is overdue by
+                # the store timeout, so one short timeout does not fail the others on it.
+                left = deadline - time.monotonic()
+                fut = conn.send(payload, shapes, max(left, self._timeout_s), op, arg)
+                async with asyncio.timeout(max(0.0, left)):
+                    if conn.paused:
+                        await conn.drain()
+                    return await fut
+            except (_NoReply, TimeoutError):
                 raise StoreTimeoutError(
                     f"{self._describe()}: {_what(op, arg)}: no reply from the server within {seconds:g} s (request timeout)"
                 ) from None
             except _Lost as exc:
                 if repeatable and attempt == 0:
                     continue
+                if isinstance(exc, _Dropped):
+                    raise DistStoreError(
+                        f"{self._describe()}: {_what(op, arg)} failed: {exc}. Whether it took effect is unknown; the next call reconnects."
+                    ) from None
                 raise DistStoreError(
                     f"{self._describe()}: {_what(op, arg)} failed: {exc}. Whether it took effect is unknown. "
                     f"A TCPStore server closes a connection when it refuses any request on it (add on a key "
@@ -673,13 +734,12 @@ class TCPStore(Store):
                 ) from None
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _wait_keys(self, keys: list[bytes], seconds: float, what: str, timeout_s: float) -> None:
-        """WAIT on a waiter connection until ``keys`` all exist or ``seconds`` pass. ``timeout_s``
-        is the call's whole timeout, which the error names as torch's does."""
+    async def _wait_keys(self, keys: list[bytes], deadline: float, what: str, timeout_s: float) -> None:
+        """WAIT on a waiter connection until ``keys`` all exist or ``deadline`` (``time.monotonic()``)
+        passes. ``timeout_s`` is the call's whole timeout, which the error names as torch's does."""
         self._check_loop()
         self._counts["waits"] += 1
         start = time.monotonic()
-        deadline = start + seconds
         conn = None
         while self._idle and conn is None:
             c = self._idle.pop()
@@ -688,7 +748,7 @@ class TCPStore(Store):
             if conn is None:
                 conn = await self._open(deadline)
             self._busy.add(conn)
-            fut = conn.send(encode(Op.WAIT, keys), _U8, None)  # the wait's own deadline, below
+            fut = conn.send(encode(Op.WAIT, keys), _U8, None, "wait", keys)  # the wait's own deadline, below
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 (r,) = await fut
             if r != STOP_WAITING:
@@ -716,13 +776,20 @@ class TCPStore(Store):
             conn.close()
 
     async def _missing(self, keys: list[bytes]) -> list[str]:
-        """Which of ``keys`` (wire form) are missing now, for error messages."""
+        """Which of ``keys`` (wire form) are missing now, for a timeout's message; [] when unknown.
+        It asks on the main connection if that one is up (never a new one) and waits at most
+        ``_DIAGNOSIS_S``: the timeout it explains has already passed. A server that is late
+        leaves its answer to be dropped; the connection is not closed for it."""
+        conn = self._main
+        if conn is None or not conn.usable or conn.loop is not asyncio.get_running_loop():
+            return []
         keys = keys[:64]
+        payload = b"".join(encode(Op.CHECK, (k,)) for k in keys)
         try:
-            payload = b"".join(encode(Op.CHECK, (k,)) for k in keys)
-            # a short budget: this only improves an error message about a server that may be stuck
-            ready = await self._request(payload, tuple((Reply.U8, 0) for _ in keys), "check", keys, timeout=min(1.0, self._timeout_s))
-        except DistStoreError:
+            fut = conn.send(payload, tuple((Reply.U8, 0) for _ in keys), self._timeout_s, "check", keys)
+            async with asyncio.timeout(_DIAGNOSIS_S):
+                ready = await fut
+        except (_Lost, TimeoutError):
             return []
         return [k[1:].decode(errors="replace") for k, r in zip(keys, ready) if r != CHECK_READY]
 
@@ -744,7 +811,7 @@ class TCPStore(Store):
             ready, value = await self._request(payload, _CHECK_GET, "get", key)
             if ready == CHECK_READY:
                 return value  # type: ignore[no-any-return]
-            await self._wait_keys([k], max(0.0, deadline - time.monotonic()), f"get({key!r})", self._timeout_s)
+            await self._wait_keys([k], deadline, f"get({key!r})", self._timeout_s)
 
     async def add(self, key: str, amount: int) -> int:
         k, n = _wire_key(key), to_amount(amount)
@@ -760,10 +827,11 @@ class TCPStore(Store):
     async def wait(self, keys: Sequence[str], timeout: TimeoutLike | None = None) -> None:
         ks = check_keys(keys)
         seconds = self._wait_seconds(timeout)
+        deadline = time.monotonic() + seconds  # bounds the whole call: the CHECK, a reconnect, the WAIT
         bkeys = [b"/" + k.encode() for k in ks]
         (ready,) = await self._request(encode(Op.CHECK, bkeys), _U8, "wait", ks, timeout=seconds)
         if ready != CHECK_READY:
-            await self._wait_keys(bkeys, seconds, f"wait({ks!r})", seconds)
+            await self._wait_keys(bkeys, deadline, f"wait({ks!r})", seconds)
 
     async def check(self, keys: Sequence[str]) -> bool:
         ks = check_keys(keys)
@@ -799,7 +867,7 @@ class TCPStore(Store):
             ready, values = await self._request(payload, shapes, "multi_get", ks)
             if ready == CHECK_READY:
                 return values  # type: ignore[no-any-return]
-            await self._wait_keys(bkeys, max(0.0, deadline - time.monotonic()), f"multi_get({ks!r})", self._timeout_s)
+            await self._wait_keys(bkeys, deadline, f"multi_get({ks!r})", self._timeout_s)
 
     async def multi_set(self, keys: Sequence[str], values: Sequence[ValueLike]) -> None:
         ks, vs = pair_up(keys, values)
@@ -827,7 +895,7 @@ class TCPStore(Store):
                 continue
             if ready == CHECK_READY:
                 raise QueueEmptyError(VALUE_NOT_QUEUE.format(store=self._describe(), key=key))
-            await self._wait_keys([k], max(0.0, deadline - time.monotonic()), f"queue_pop({key!r})", self._timeout_s)
+            await self._wait_keys([k], deadline, f"queue_pop({key!r})", self._timeout_s)
 
     async def queue_len(self, key: str) -> int:
         k = _wire_key(key)

@@ -304,16 +304,24 @@ class RequestParser:
         try:
             next(gen)
         except StopIteration as done:
+            # Checked on the decoded size too, so a request over the cap is refused whether it
+            # arrived in pieces (caught by the check below) or in one chunk.
+            if self._st.pos > self.limits.max_request_bytes:
+                raise self._die(ProtocolError(f"request of over {self.limits.max_request_bytes} bytes")) from None
             self._gen = None
             self._st.consume()
             return done.value  # type: ignore[no-any-return]
         except ProtocolError as exc:
-            self._dead = exc
-            raise
+            raise self._die(exc)  # noqa: B904 - the parser's own error, raised as is
+        # Incomplete: every buffered byte belongs to this request.
         if len(self._st.buf) > self.limits.max_request_bytes:
-            self._dead = ProtocolError(f"request of over {self.limits.max_request_bytes} bytes")
-            raise self._dead
+            raise self._die(ProtocolError(f"request of over {self.limits.max_request_bytes} bytes"))
         return None
+
+    def _die(self, exc: ProtocolError) -> ProtocolError:
+        self._dead = exc
+        self._gen = None
+        return exc
 
     def _request(self) -> Generator[None, None, Request]:
         st, lim = self._st, self.limits
@@ -368,12 +376,23 @@ class RequestParser:
         return Request(op)
 
 
+def _unexpected(first: int) -> ProtocolError:
+    # No byte count: it would depend on how the stream was split.
+    return ProtocolError(f"unexpected byte(s) from the server with no reply outstanding (first byte 0x{first:02x})")
+
+
 class ReplyParser:
     """Client side: ``expect(shape)`` for each request sent, in order; ``feed`` bytes;
     ``next_reply()`` returns each decoded reply in that order (None until complete).
 
     Decoded values: U8/U32/I64 -> int; BYTES -> bytes; BYTES_LIST/COUNTED_LIST -> list[bytes];
     QUEUE_POP -> (length_before, bytes | None).
+
+    How the bytes are split never matters: the same stream gives the same replies and then the
+    same ``ProtocolError`` fed whole or byte by byte. A byte with no reply owed is an error
+    (raised by ``feed`` if it arrives then, else by the ``next_reply()`` after the last reply,
+    which is still returned first). After an error the parser is dead: ``feed`` and
+    ``next_reply`` raise it again.
     """
 
     def __init__(self, limits: Limits | None = None) -> None:
@@ -382,6 +401,7 @@ class ReplyParser:
         self._st = _Stream()
         self._gen: Generator[None, None, object] | None = None
         self._expected: deque[tuple[Reply, int]] = deque()
+        self._dead: ProtocolError | None = None
 
     @property
     def pending(self) -> int:
@@ -391,12 +411,18 @@ class ReplyParser:
         self._expected.append((shape, count))
 
     def feed(self, data: bytes) -> None:
-        if not self._expected and data:
-            raise ProtocolError(f"{len(data)} unexpected byte(s) from the server with no request outstanding")
+        if self._dead is not None:
+            raise self._dead
+        if data and not self._expected and not self._st.buf:
+            raise self._die(_unexpected(data[0]))
         self._st.buf += data
 
     def next_reply(self) -> object | None:
+        if self._dead is not None:
+            raise self._dead
         if not self._expected:
+            if self._st.buf:  # bytes past the last reply owed
+                raise self._die(_unexpected(self._st.buf[0]))
             return None
         gen = self._gen
         if gen is None:
@@ -408,10 +434,15 @@ class ReplyParser:
             self._gen = None
             self._st.consume()
             self._expected.popleft()
-            if not self._expected and self._st.buf:
-                raise ProtocolError(f"{len(self._st.buf)} unexpected byte(s) from the server after the last reply") from None
-            return done.value
+            return done.value  # bytes after it, if nothing more is owed, fail the next call
+        except ProtocolError as exc:
+            raise self._die(exc)  # noqa: B904 - the parser's own error, raised as is
         return None
+
+    def _die(self, exc: ProtocolError) -> ProtocolError:
+        self._dead = exc
+        self._gen = None
+        return exc
 
     def _reply(self, shape: Reply, count: int) -> Generator[None, None, object]:
         st, V = self._st, self.limits.max_value_bytes
