@@ -32,7 +32,9 @@ class Work(asyncio.Future[list[Any]]):
         self._source_rank = source_rank
 
     def __repr__(self) -> str:
-        state = "pending" if not self.done() else ("failed" if self.exception() is not None else "completed")
+        # not exception(): that marks a failure as retrieved, and asyncio would no longer warn
+        # about a failed Work nobody awaited (a repr is taken by loggers and debuggers)
+        state = "pending" if not self.done() else ("completed" if self.is_success_unseen() else "failed")
         return f"<Work {self.op} {self.group_desc} {self.label} {state}>"
 
     # -- cancellation refuses ----------------------------------------------------------------

@@ -20,6 +20,11 @@ Rules this module keeps:
   has been seen empty after its frame was written: every byte of it is then in the kernel,
   whatever the loop does with the memoryview it was given (asyncio on 3.11 copies a partial
   remainder, asyncio 3.12+ and uvloop keep a reference), so the caller may reuse its array.
+  The transport writes a DATA frame only to a connection that is not paused (``writable``):
+  at most one frame's remainder is ever buffered per connection, whatever the loop copies.
+- Handshake deadline: an accepted connection that has not completed its HELLO within the
+  transport's ``handshake_timeout`` is closed (and reported to the transport, which counts and
+  summarises them). Until then its decoder's read-ahead is small (``FIRST_READ_AHEAD``).
 - The transport owns matching and failure; this class only reports to it.
 """
 
@@ -34,6 +39,7 @@ from typing import TYPE_CHECKING, Any, cast
 from aiodist.errors import DistNetworkError
 from aiodist.transport._mailbox import PostedRecv
 from aiodist.wire.frame import (
+    FIRST_READ_AHEAD,
     HEADER_SIZE,
     AbortReceived,
     Event,
@@ -72,7 +78,7 @@ class Connection(asyncio.BufferedProtocol):
         self.dialed_peer = dialed_peer  # the rank we dialed; None for an accepted connection
         self.lane = lane  # which interface it runs over (the dialer's HELLO says, for an accepted one)
         self.peer: int | None = None
-        self.decoder = FrameDecoder(owner.limits)
+        self.decoder = FrameDecoder(owner.limits, first_read_ahead=FIRST_READ_AHEAD)  # small until HELLO
         self.transport: asyncio.Transport | None = None
         self.handshake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.current: PostedRecv | None = None  # the receive whose payload is being read
@@ -86,6 +92,8 @@ class Connection(asyncio.BufferedProtocol):
         self.held: FrameHeader | None = None  # a DATA header waiting (reading paused) for room or its receive
         self._grace: asyncio.TimerHandle | None = None  # the held header's grace before staging
         self._grace_over = False
+        self._deadline: asyncio.TimerHandle | None = None  # an accepted connection's handshake deadline
+        self.peername: object = None  # where an accepted connection came from (for the deadline's warning)
 
     def __repr__(self) -> str:
         return f"<Connection {self.kind} rank {self.owner.rank} <-> rank {self.peer}>"
@@ -100,6 +108,10 @@ class Connection(asyncio.BufferedProtocol):
         self.owner._connection_made(self)
         if self.dialed_peer is not None:
             transport.write(hello_frame(self.owner.hello, self.lane))
+        else:
+            # An accepted connection must say HELLO in time (a dialed one is bounded by its dial's deadline)
+            self.peername = transport.get_extra_info("peername")
+            self._deadline = asyncio.get_running_loop().call_later(self.owner.handshake_timeout, self._handshake_expired)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.decoder.get_buffer(sizehint)
@@ -137,7 +149,23 @@ class Connection(asyncio.BufferedProtocol):
             self.fail(DistNetworkError(f"rank {self.owner.rank}: {self._who()} closed the connection mid-frame: {exc}"))
         return False  # close our side too
 
+    def _handshake_expired(self) -> None:
+        # After a long block of the loop a HELLO that came meanwhile is read first: both loops
+        # poll before running the timers that fell due (asyncio; uvloop with libuv >= 1.45)
+        self._deadline = None
+        if self.handshake.done() or self._error is not None:
+            return
+        timeout = self.owner.handshake_timeout
+        self.fail(DistNetworkError(f"rank {self.owner.rank}: closed a {self.kind} connection that sent no HELLO within {timeout:g} s"))
+        self.owner._handshake_expired(self)
+
+    def _cancel_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
     def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_deadline()
         if self._error is None:
             if self.goodbye:
                 why = f"{self._who()} closed its transport (GOODBYE)"
@@ -253,6 +281,7 @@ class Connection(asyncio.BufferedProtocol):
             self.goodbye = True
 
     def _hello(self, hello: Hello, lane: int = 0) -> None:
+        self._cancel_deadline()
         owner = self.owner
         why = owner._check_hello(hello, self.dialed_peer)
         if why is None and self.dialed_peer is None:
@@ -278,6 +307,22 @@ class Connection(asyncio.BufferedProtocol):
         """Open, not paused, and nothing buffered: a small frame written now goes to the kernel."""
         tr = self.transport
         return self._error is None and tr is not None and not self._paused and not tr.is_closing() and tr.get_write_buffer_size() == 0
+
+    def writable(self, group: int | None) -> asyncio.Future[None] | None:
+        """None when the connection is not paused (a frame written now goes to the kernel, or
+        starts to); else a future that resolves when the protocol resumes (fails when the
+        connection dies, or when ``group`` is aborted). A frame is never written to a paused
+        connection: asyncio's selector transport would copy all of it that the kernel did not
+        take, so n sends queued behind a slow receiver would hold n copies of their arrays."""
+        if self._error is not None:
+            raise self._error
+        tr = self.transport
+        assert tr is not None
+        if not self._paused and tr.get_write_buffer_size() == 0:
+            return None
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._drain.append((group, fut))
+        return fut
 
     async def send_frame(self, header: FrameHeader, payload: object | None, group: int | None) -> None:
         """Write one frame; return once all of it is in the kernel (see the module docstring)."""

@@ -14,7 +14,9 @@ Rules this module keeps:
   in order) and RECEIVES on both. At most two connections per pair, never a race to close one.
 - Handshake: the dialer sends HELLO (job token, rank, world size), the acceptor checks it and
   answers with its own; the dialer checks that the answer comes from the rank it dialed. A
-  wrong token, world size or rank closes the connection and logs an error.
+  wrong token, world size or rank closes the connection and logs an error. An accepted
+  connection that sends no HELLO within ``handshake_timeout`` is closed; such closes are
+  summed up in one warning at most every 10 s.
 - Matching key: ``(group, seq, tag)`` plus the source rank (or any source). A payload whose
   receive is posted lands in the receive's array (zero-copy); one that comes first is staged
   and copied once when its receive is posted. Staging is bounded per connection by
@@ -28,7 +30,10 @@ Rules this module keeps:
   While a connection holds a payload it reads nothing, so a peer that dies then is noticed
   only when reading resumes or a send to it fails: its receives then end by their deadline.
 - ``send`` returns once the whole frame is in the kernel's socket buffer (or, to self, copied):
-  the array may then be changed. Send to self never touches a socket.
+  the array may then be changed. Send to self never touches a socket. A send never writes
+  to a paused connection (one with bytes still buffered): it waits in the peer's line for it
+  to resume, so at most one frame's remainder is buffered per connection (asyncio's loop
+  copies what it buffers).
 - Failure is fail-stop: a connection that dies (without GOODBYE, or after it) marks its peer
   dead for this transport: every pending and later receive from it, and every later send to
   it, fails with a ``DistNetworkError`` naming the peer (and the op's key). ``abort(group)``
@@ -75,6 +80,9 @@ _CONNECT_ATTEMPT_S = 5.0  # one connect attempt's deadline (a dropped SYN would 
 _DIAGNOSE_S = 5.0  # how long a failed exchange() may spend finding the ranks it waited for
 _WARN_AFTER_S = 1.0  # a peer that cannot be connected to for this long gets a warning ...
 _WARN_EVERY_S: float | None = None  # ... and another this often while it lasts (None: AIODIST_INIT_WARN_INTERVAL, default 10 s)
+HANDSHAKE_TIMEOUT_S = 10.0  # an accepted connection must complete its HELLO this soon (AIODIST_HANDSHAKE_TIMEOUT)
+_HANDSHAKE_WARN_EVERY_S = 10.0  # at most one warning this often about connections closed for want of a HELLO ...
+_HANDSHAKE_COALESCE_S = 0.5  # ... each summing up those closed within this long of the first
 STRIPE_MIN_BYTES = 256 * 1024  # collective messages this big are split across the lanes (AIODIST_STRIPE_MIN_BYTES)
 _STRIPE_TAG = 1 << _PART_SHIFT  # part j of a striped message travels under tag + (j + 1) * _STRIPE_TAG (tags stay below 2**31)
 _STRIPE_ALIGN = 64
@@ -99,6 +107,20 @@ def _stripe_min_bytes() -> int:
     if value < 1:
         raise ValueError(f"AIODIST_STRIPE_MIN_BYTES must be >= 1, got {value}")
     return value
+
+
+def _handshake_timeout(given: float | None) -> float:
+    if given is None:
+        raw = os.environ.get("AIODIST_HANDSHAKE_TIMEOUT", "").strip()
+        if not raw:
+            return HANDSHAKE_TIMEOUT_S
+        try:
+            given = float(raw)
+        except ValueError:
+            raise ValueError(f"AIODIST_HANDSHAKE_TIMEOUT must be a number of seconds, got {raw!r}") from None
+    if not 0 < given < float("inf"):
+        raise ValueError(f"the handshake timeout (AIODIST_HANDSHAKE_TIMEOUT) must be a finite number of seconds > 0, got {given!r}")
+    return float(given)
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:
@@ -136,11 +158,13 @@ class Transport:
         unix: bool,
         host: str | None,
         advertise: Advertised | None = None,
+        handshake_timeout: float | None = None,
     ) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
+        self.handshake_timeout = _handshake_timeout(handshake_timeout)
         self.limits = limits
         self.hello = Hello(token, rank, world_size)
         self._use_unix = unix and sys.platform.startswith("linux")
@@ -179,6 +203,11 @@ class Transport:
         self._retry_soon = False
         self._closed = False
         self._bytes_lost = [0, 0]  # bytes in/out of connections already gone
+        self.handshake_timeouts = 0  # accepted connections closed for sending no HELLO in time
+        self._late_count = 0  # ... of which not reported yet
+        self._late_from: list[str] = []  # a few of their peers' addresses, for the report
+        self._late_report: asyncio.TimerHandle | None = None
+        self._late_said = -float("inf")  # when the last report was logged (loop time)
 
     @classmethod
     async def start(
@@ -193,6 +222,7 @@ class Transport:
         unix: bool = True,
         host: str | None = None,
         advertise: Advertised | None = None,
+        handshake_timeout: float | None = None,
     ) -> Transport:
         """Listen, publish this rank's address in ``store``, and return the transport.
 
@@ -200,6 +230,8 @@ class Transport:
         bounds every wait; ``unix=False`` keeps same-host peers on TCP; ``host`` is the name or
         address peers on other hosts dial, or ``advertise`` the addresses, one per lane (default:
         ``aiodist.transport._ifaces.choose(None)``: this host's first non-loopback address).
+        ``handshake_timeout`` (seconds; default ``AIODIST_HANDSHAKE_TIMEOUT``, else 10) is how
+        long an accepted connection may take to say HELLO before it is closed.
         """
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -208,7 +240,7 @@ class Transport:
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         tok = token.encode() if isinstance(token, str) else bytes(token)
-        self = cls(store, rank, world_size, tok, float(timeout), limits or FrameLimits(), unix, host, advertise)
+        self = cls(store, rank, world_size, tok, float(timeout), limits or FrameLimits(), unix, host, advertise, handshake_timeout)
         try:
             await self._listen()
             assert self.address is not None
@@ -412,9 +444,10 @@ class Transport:
         conns: dict[Any, Connection] = self._send_conn if lane == 0 else self._lane_conn
         k: Any = dst if lane == 0 else (dst, lane)
         conn = conns.get(k)
-        if conn is not None and not self._queued.get(k):
-            # the fast path: connected and nobody waiting in line; most small sends end here,
-            # written straight into the kernel without arming a deadline
+        if conn is not None and not self._queued.get(k) and conn.can_write_now():
+            # the fast path: connected, not paused and nobody waiting in line; most small sends
+            # end here, written straight into the kernel without arming a deadline. A paused
+            # connection is waited for in line (never written to: see Connection.writable)
             drained = self._write(conn, header, view, key, dst)
             if drained is None:
                 return
@@ -426,9 +459,7 @@ class Transport:
                 if drained is not None:
                     await drained
                 else:
-                    conn = conns.get(k)
-                    if conn is None or self._queued.get(k):
-                        conn = await self._in_line(dst, lane)
+                    conn = await self._in_line(dst, lane, group)
                     await conn.send_frame(header, view, group)  # writes in this step, before any suspension
         except TimeoutError:
             raise DistTimeoutError(
@@ -548,6 +579,9 @@ class Transport:
         if self._closed:
             return
         self._closed = True
+        if self._late_report is not None:  # closes not reported yet: said now, below WARNING (one per period)
+            self._late_report.cancel()
+            self._report_late(logging.INFO)
         for t in [*self._dialing.values(), *self._watching.values(), *self._lane_dialing.values()]:
             t.cancel()
         err = DistBackendError(f"rank {self.rank}: the transport was closed")
@@ -610,6 +644,7 @@ class Transport:
             "staged_messages": self._mailbox.staged_messages,
             "staged_total": self.staged_total,
             "held_connections": len(self._held),
+            "handshake_timeouts": self.handshake_timeouts,
             "pending_receives": self._mailbox.pending,
             "dead_peers": sorted(self._dead),
             "aborted_groups": sorted(self._aborted),
@@ -642,11 +677,11 @@ class Transport:
 
     # -- connections -----------------------------------------------------------------------
 
-    async def _in_line(self, peer: int, lane: int = 0) -> Connection:
-        """The connection to ``peer`` (on ``lane``) for a send that must wait for it: sends to
-        one peer are written in the order they were called (an earlier one waiting for the
-        connection is never overtaken by a later one), which is what p2p's non-overtaking
-        matching relies on. Each lane keeps its own line."""
+    async def _in_line(self, peer: int, lane: int = 0, group: int | None = None) -> Connection:
+        """The connection to ``peer`` (on ``lane``) for a send that must wait for it, or for it to
+        resume writing (a paused connection is never written to): sends to one peer are written
+        in the order they were called (an earlier one waiting is never overtaken by a later one),
+        which is what p2p's non-overtaking matching relies on. Each lane keeps its own line."""
         k: Any = peer if lane == 0 else (peer, lane)
         self._queued[k] = self._queued.get(k, 0) + 1
         try:
@@ -654,7 +689,10 @@ class Transport:
             if lock is None:
                 lock = self._order[k] = asyncio.Lock()
             async with lock:  # FIFO; released before the caller writes, which it does in this step
-                return await self._connection(peer, lane)
+                conn = await self._connection(peer, lane)
+                while (resumed := conn.writable(group)) is not None:
+                    await resumed
+                return conn
         finally:
             self._queued[k] -= 1
 
@@ -843,6 +881,39 @@ class Transport:
 
     def _connection_made(self, conn: Connection) -> None:
         self._conns.add(conn)
+
+    def _handshake_expired(self, conn: Connection) -> None:
+        """``conn`` (accepted) was closed for sending no HELLO in time: count it, and sum such
+        closes up in one warning at most every ``_HANDSHAKE_WARN_EVERY_S`` (a flood of idle
+        connections must not flood the log)."""
+        self.handshake_timeouts += 1
+        self._late_count += 1
+        if len(self._late_from) < 3:
+            self._late_from.append(f"{conn.kind} {conn.peername!r}" if conn.peername else conn.kind)
+        if self._late_report is None and not self._closed:
+            loop = asyncio.get_running_loop()
+            delay = max(_HANDSHAKE_COALESCE_S, self._late_said + _HANDSHAKE_WARN_EVERY_S - loop.time())
+            self._late_report = loop.call_later(delay, self._report_late, logging.WARNING)
+
+    def _report_late(self, level: int) -> None:
+        n, peers = self._late_count, self._late_from
+        self._late_count, self._late_from, self._late_report = 0, [], None
+        self._late_said = asyncio.get_running_loop().time()
+        if not n:
+            return
+        log.log(
+            level,
+            "rank %d: closed %d connection%s to its transport listeners that sent no HELLO within %g s (AIODIST_HANDSHAKE_TIMEOUT; "
+            "not an aiodist rank of this job, or one that stalled while connecting); from %s%s; %d so far, at most one such warning every %g s",
+            self.rank,
+            n,
+            "" if n == 1 else "s",
+            self.handshake_timeout,
+            ", ".join(peers),
+            ", ..." if n > len(peers) else "",
+            self.handshake_timeouts,
+            _HANDSHAKE_WARN_EVERY_S,
+        )
 
     def _connection_ready(self, conn: Connection) -> None:
         assert conn.peer is not None

@@ -55,6 +55,7 @@ __all__ = [
     "frame_parts",
     "DecoderState",
     "FrameDecoder",
+    "FIRST_READ_AHEAD",
     "HeaderReceived",
     "PayloadReceived",
     "HelloReceived",
@@ -328,6 +329,9 @@ _ERROR = DecoderState.ERROR
 _TO_TARGET, _TO_STAGED, _TO_CONTROL = 0, 1, 2
 
 
+FIRST_READ_AHEAD = 256  # the transport's read-ahead until a connection's HELLO is in (then read_ahead)
+
+
 class FrameDecoder:
     """Decodes one connection's incoming frames, in the shape of an ``asyncio.BufferedProtocol``.
 
@@ -357,7 +361,10 @@ class FrameDecoder:
     past the payload's end. So a big payload is copied for at most ``read_ahead`` bytes (what
     shared a recv with its header); a stream of tiny frames costs one recv per ``read_ahead``
     bytes rather than two per frame. Between reads at most a partial header (< 40 bytes) is
-    left in the read-ahead buffer; it is moved to the front before the next read.
+    left in the read-ahead buffer; it is moved to the front before the next read. With
+    ``first_read_ahead`` (the transport passes ``FIRST_READ_AHEAD``) the read-ahead is that
+    small until the HELLO is in, so a connection that never says HELLO holds next to nothing;
+    it grows to ``read_ahead`` once the HELLO is decoded.
     """
 
     __slots__ = (
@@ -378,13 +385,29 @@ class FrameDecoder:
         "_require_hello",
         "_error",
         "_input",
+        "_ra_size",
+        "_small",
     )
 
-    def __init__(self, limits: FrameLimits | None = None, *, read_ahead: int = 64 * 1024, require_hello: bool = True) -> None:
+    def __init__(
+        self,
+        limits: FrameLimits | None = None,
+        *,
+        read_ahead: int = 64 * 1024,
+        require_hello: bool = True,
+        first_read_ahead: int | None = None,
+    ) -> None:
         if not isinstance(read_ahead, int) or read_ahead < HEADER_SIZE:
             raise ValueError(f"read_ahead must be an int of at least {HEADER_SIZE} (one header), got {read_ahead!r}")
+        if first_read_ahead is not None and (not isinstance(first_read_ahead, int) or first_read_ahead < HEADER_SIZE):
+            raise ValueError(f"first_read_ahead must be None or an int of at least {HEADER_SIZE} (one header), got {first_read_ahead!r}")
         self.limits = limits or FrameLimits()
-        self._ra = bytearray(read_ahead)
+        # With first_read_ahead, the read-ahead is that small until the peer's HELLO is in: a
+        # connection that never says HELLO (a port scanner, a stuck client) costs a few hundred
+        # bytes, not 64 KiB.
+        self._ra_size = read_ahead
+        self._small = require_hello and first_read_ahead is not None and first_read_ahead < read_ahead
+        self._ra = bytearray(first_read_ahead if self._small and first_read_ahead is not None else read_ahead)
         self._rav = memoryview(self._ra)
         self._pos = 0  # ra[pos:end] holds bytes read and not yet decoded
         self._end = 0
@@ -431,6 +454,8 @@ class FrameDecoder:
             assert self._target is not None
             buf = self._target[self._got :]
         elif st is _HEADER_ST or st is _CLOSED:
+            if self._small and self._hello is not None:
+                self._grow_read_ahead()
             pos = self._pos
             if pos:
                 n = self._end - pos  # < HEADER_SIZE: only a partial header is ever left
@@ -537,6 +562,15 @@ class FrameDecoder:
         if not 0 <= nbytes <= self._staged:
             raise LocalProtocolError(f"release_staged({nbytes}) with {self._staged} staged bytes outstanding")
         self._staged -= nbytes
+
+    def _grow_read_ahead(self) -> None:
+        """The HELLO is in: from now on, the full read-ahead (the unread bytes move along)."""
+        n = self._end - self._pos
+        ra = bytearray(self._ra_size)
+        ra[:n] = self._ra[self._pos : self._end]
+        self._ra, self._rav = ra, memoryview(ra)
+        self._pos, self._end = 0, n
+        self._small = False
 
     # ------------------------------------------------------------ the state machine
 
