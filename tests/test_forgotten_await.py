@@ -1,5 +1,5 @@
 """A forgotten ``await`` never goes silent and never puts the ranks out of step, and torch's
-non-blocking forms port by adding ``await`` to ``wait()`` alone (issue 13, aiodist.c10d._pending).
+non-blocking forms port by adding ``await`` to ``wait()`` alone (issue 13, aiodist._pending).
 
 Each test fails before: a communicating call was a bare coroutine, so ``dist.all_reduce(x)``
 issued nothing (only Python's "never awaited" RuntimeWarning, at collection), and
@@ -146,3 +146,19 @@ async def test_a_tiny_group_timeout_still_gives_the_op_its_time() -> None:
         await dist.all_reduce(np.ones(1), group=g)  # in-process, well within its 25 ms (it had 0)
 
     await run_world(2, fn, timeout=20)
+
+
+async def test_a_forgotten_await_on_a_store_method_still_sends_it_and_says_where(caplog: pytest.LogCaptureFixture) -> None:
+    async with dist.TCPStore("127.0.0.1", 0, 1, True, timeout=5) as store:
+        with caplog.at_level(logging.ERROR, logger="aiodist.c10d"):
+            store.set("k", "v")  # forgotten await: the request is sent anyway
+            assert await store.get("k") == b"v"
+        line = _line_of('store.set("k", "v")  # forgotten await')
+        assert any(f"store.set(...) called at {__file__}:{line} was never awaited" in r.getMessage() and "await store.set" in r.getMessage() for r in caplog.records)
+
+
+def test_a_call_made_outside_a_loop_starts_when_run() -> None:
+    """``asyncio.run(store.get(k))``: the handle is made before the loop runs, so it starts then."""
+    store = dist.HashStore(timeout=5)
+    asyncio.run(store.set("k", "v"))
+    assert asyncio.run(store.get("k")) == b"v"

@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
+from aiodist._pending import communicating
 from aiodist._time import TimeoutLike, to_seconds
 from aiodist.algorithms import collectives as alg
 from aiodist.algorithms.p2p import P2P, SubP2P, byte_view
 from aiodist.c10d._args import buf, bufs, check_async_op, group_root, same_dtype, split_sizes
 from aiodist.c10d._device import device_backend, issue_on_device
-from aiodist.c10d._pending import communicating
 from aiodist.c10d.init import GroupArg, not_member, resolve_group
 from aiodist.c10d.work import Work
 from aiodist.errors import DistTimeoutError

@@ -32,11 +32,11 @@ from typing import Any
 from aiodist import _startup
 from aiodist._instrument.levels import DebugLevel, get_debug_level
 from aiodist._instrument.loop_watchdog import unwatch_loop, watch_loop  # issue 13: the loop watchdog
+from aiodist._pending import Pending, _site, communicating
 from aiodist._time import TimeoutLike, to_seconds, to_timedelta
 from aiodist.backends.base import CommBackend
 from aiodist.backends.device import DeviceBackend
 from aiodist.c10d._blocked import publisher
-from aiodist.c10d._pending import Pending, _site, communicating
 from aiodist.c10d.backend_registry import Backend, create_backend, is_backend_available, is_nccl_available, parse_backend_config
 from aiodist.c10d.process_group import ProcessGroup
 from aiodist.c10d.world import NON_GROUP_MEMBER, current_world, default_group

@@ -27,8 +27,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from aiodist._pending import communicating
 from aiodist.c10d._args import group_root
-from aiodist.c10d._pending import communicating
 from aiodist.c10d.collectives import all_gather, broadcast, gather, scatter
 from aiodist.c10d.init import GroupArg, not_member, resolve_group
 from aiodist.c10d.point_to_point import isend, recv

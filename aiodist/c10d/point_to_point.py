@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from aiodist._pending import communicating
 from aiodist.backends.base import CommBackend
 from aiodist.c10d._args import buf, group_root
 from aiodist.c10d._device import device_backend
-from aiodist.c10d._pending import communicating
 from aiodist.c10d.init import GroupArg, not_member, resolve_group
 from aiodist.c10d.process_group import ProcessGroup
 from aiodist.c10d.work import Work

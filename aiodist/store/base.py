@@ -12,12 +12,14 @@ sent is undone (a ``set`` that reached the server stays set).
 from __future__ import annotations
 
 import abc
+import inspect
 import operator
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from types import TracebackType
 from typing import Any
 
+from aiodist._pending import communicating_method
 from aiodist._time import TimeoutLike, to_seconds
 from aiodist.errors import StoreTimeoutError
 
@@ -96,8 +98,28 @@ def store_timeout(store: str, op: str, missing: Sequence[str], waited: float, to
     return StoreTimeoutError(f"{store}: {op} timed out after {waited:g} s; key(s) not set: {shown} ({torch_words})")
 
 
+#: the data methods whose calls start when made and return a handle (aiodist._pending): a
+#: forgotten ``await`` still sends the request and logs an ERROR naming the call's line
+_COMMUNICATING = frozenset(
+    {
+        "set_timeout", "set", "get", "add", "compare_set", "wait", "check", "delete_key", "num_keys", "list_keys",
+        "append", "multi_get", "multi_set", "queue_push", "queue_pop", "queue_len", "barrier",
+    }
+)  # fmt: skip
+
+
 class Store(abc.ABC):
-    """Base of every key-value store. Subclasses implement the abstract coroutines."""
+    """Base of every key-value store. Subclasses implement the abstract coroutines; each data
+    method a subclass defines is wrapped (``__init_subclass__``) so that calling it starts it
+    and returns an awaitable handle, as the c10d calls do (docs/c10d.md, "Sequence numbers and
+    issue order")."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in _COMMUNICATING:
+            fn = cls.__dict__.get(name)
+            if fn is not None and inspect.iscoroutinefunction(fn):
+                setattr(cls, name, communicating_method(fn, cls.__name__))
 
     def __init__(self, timeout: TimeoutLike = DEFAULT_STORE_TIMEOUT) -> None:
         self._timeout_s = to_seconds(timeout)

@@ -32,11 +32,12 @@ import sys
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any, ParamSpec, TypeVar
 
-__all__ = ["Pending", "communicating", "communicating_in_context"]
+__all__ = ["Pending", "communicating", "communicating_in_context", "communicating_method"]
 
 log = logging.getLogger("aiodist.c10d")
 
 _DONE = object()
+_LAZY = object()  # a handle made outside a running loop: nothing started yet
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -65,8 +66,11 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
         # handle (init_process_group's). The ops set none across a suspension: their first step
         # runs in the caller's Context and the rest in the awaiting task's (C speed).
         self._ctx = contextvars.copy_context() if own_context else None
+        if asyncio._get_running_loop() is None:  # outside a loop (asyncio.run(store.get(k))): it starts when run
+            self._yielded: Any = _LAZY
+            return
         try:
-            self._yielded: Any = coro.send(None) if self._ctx is None else self._ctx.run(coro.send, None)  # the first step, now
+            self._yielded = coro.send(None) if self._ctx is None else self._ctx.run(coro.send, None)  # the first step, now
         except StopIteration as stop:
             self._coro, self._yielded, self._value = None, None, stop.value
         except BaseException:
@@ -86,6 +90,18 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
         if coro is None:
             return self._value
         self._coro = None
+        if self._yielded is _LAZY:  # made outside a loop: its first step is now
+            if self._ctx is None:
+                value = yield from coro.__await__()
+            else:
+                try:
+                    first = self._ctx.run(coro.send, None)
+                except StopIteration as stop:
+                    value = stop.value
+                else:
+                    value = yield from _steps(coro, None, self._ctx.run, first)
+            self._value = value
+            return value
         if self._ctx is None:
             try:
                 yield self._yielded  # the future the first step waits on: the awaiting task waits on it
@@ -175,18 +191,23 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
         try:
             running = self._coro is not None
             file, line = self._site
-            if running:
+            if running and self._yielded is _LAZY:
+                state = "it was made outside a running event loop and never run: nothing was sent"
+            elif running:
                 state = "the op was started when called; the rest of the call now runs in a task, but nothing waits for it"
             elif _is_work(self._value):
                 state = "its Work was dropped without wait(): nothing learns whether the op succeeded"
             else:
                 state = "it ran, but nothing waited for it"
-            log.error("%s(...) called at %s:%d was never awaited: %s. Write `await dist.%s(...)`.", self._op, file, line, state, self._op)
+            hint = self._op if "." in self._op else f"dist.{self._op}"  # "store.set" for a store's method
+            log.error("%s(...) called at %s:%d was never awaited: %s. Write `await %s(...)`.", self._op, file, line, state, hint)
             if running:
                 self._it = None
                 try:
+                    if self._yielded is _LAZY:
+                        raise RuntimeError("never started")
                     asyncio.get_running_loop().create_task(_finish_dropped(self))
-                except RuntimeError:  # no loop any more: nothing can finish it
+                except RuntimeError:  # no loop (any more): nothing can finish it
                     assert self._coro is not None
                     self._coro.close()
         except Exception:  # pragma: no cover - interpreter shutdown
@@ -256,4 +277,18 @@ def communicating_in_context(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callabl
         return Pending(op, fn(*args, **kwargs), _site(2), own_context=True)
 
     call.__wrapped_coroutine__ = fn  # type: ignore[attr-defined]
+    return call
+
+
+def communicating_method(fn: Callable[..., Coroutine[Any, Any, T]], owner: str) -> Callable[..., Pending]:
+    """``communicating`` for a store's coroutine method: its handle is named ``store.<name>``
+    (``owner`` is the class, for the repr)."""
+    op = f"store.{fn.__name__}"
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Pending:
+        return Pending(op, fn(*args, **kwargs), _site(2))
+
+    call.__wrapped_coroutine__ = fn  # type: ignore[attr-defined]
+    call.__qualname__ = f"{owner}.{fn.__name__}"
     return call
