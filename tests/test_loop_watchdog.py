@@ -58,7 +58,7 @@ async def test_blocked_loop_warns_with_the_sleeping_line(monkeypatch: pytest.Mon
 
 
 async def test_healthy_loop_is_not_warned_about(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setenv(WARN_ENV, "0.3")
+    monkeypatch.setenv(WARN_ENV, "0.6")  # 12x the longest synchronous step below: a loaded CI machine stays under it
 
     async def fn(rank: int) -> float:
         t = np.ones(256, np.float32)
@@ -74,7 +74,7 @@ async def test_healthy_loop_is_not_warned_about(monkeypatch: pytest.MonkeyPatch,
     with caplog.at_level(logging.WARNING, logger="aiodist.debug.loop"):
         lags = await run_world(2, fn, backend="gloo", timeout=10)
     assert [r.getMessage() for r in caplog.records if r.name == "aiodist.debug.loop"] == []
-    assert max(lags) < 0.3
+    assert max(lags) < 0.6
 
 
 async def test_watchdog_thread_shared_by_a_loop_and_gone_after_destroy(monkeypatch: pytest.MonkeyPatch) -> None:
