@@ -1,0 +1,124 @@
+"""SIGKILL of one of 4 ranks in the middle of an all_reduce loop (4 B and 16 MiB): every survivor
+raises a DistError that names the dead rank, within 2 s of the kill, for every victim including
+rank 0 (which hosts the env:// store). The group timeout is 20 s, so a pass shows the death was
+detected, not timed out. The victim is killed by pid once every rank has printed "running";
+each survivor prints the wall-clock time of its error, which the test compares with the kill's."""
+
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from aiodist.elastic.utils import get_free_port
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(60)]
+
+N = 4
+GROUP_TIMEOUT_S = 20.0
+DETECT_S = 2.0  # the bound under test
+START_S = 30.0  # a bound on start-up (4 interpreters importing numpy on 2 cores)
+EXIT_S = GROUP_TIMEOUT_S + 5.0  # survivors that never notice are caught by this
+
+ROOT = Path(__file__).resolve().parents[2]
+
+WORKER = """
+import asyncio, os, sys, time
+sys.path.insert(0, {root!r})
+import numpy as np
+import aiodist as dist
+
+async def main():
+    await dist.init_process_group("gloo", timeout={timeout})
+    rank = dist.get_rank()
+    x = np.ones({nbytes} // 4, dtype=np.float32)
+    await dist.all_reduce(x)  # every rank is connected and through one op before "running"
+    print("running", flush=True)
+    try:
+        while True:
+            await dist.all_reduce(x)
+    except dist.DistError as exc:
+        t = time.time()
+        msg = " ".join(str(exc).split())
+        print(f"ERROR {{t!r}} {{type(exc).__name__}}: {{msg}}", flush=True)
+    os._exit(0)  # a broken world's teardown is not what this test measures
+
+asyncio.run(main())
+"""
+
+
+def _read_lines_until(procs: dict[int, subprocess.Popen[str]], want: str, deadline: float, outs: dict[int, list[str]]) -> set[int]:
+    """Read each rank's stdout lines (into ``outs``) until every rank in ``procs`` has printed a
+    line starting with ``want`` or the deadline passes; the ranks that did."""
+    sel = selectors.DefaultSelector()
+    for rank, p in procs.items():
+        assert p.stdout is not None
+        sel.register(p.stdout, selectors.EVENT_READ, rank)
+    done: set[int] = set()
+    try:
+        while len(done) < len(procs) and (left := deadline - time.monotonic()) > 0:
+            for key, _ in sel.select(timeout=left):
+                rank = key.data
+                line = key.fileobj.readline()  # type: ignore[union-attr]
+                if not line:  # EOF: the rank exited
+                    sel.unregister(key.fileobj)
+                    done.add(rank)  # it will print nothing more; the caller's checks say what is missing
+                    continue
+                outs[rank].append(line.rstrip("\n"))
+                if line.startswith(want):
+                    done.add(rank)
+                    sel.unregister(key.fileobj)
+    finally:
+        sel.close()
+    return done
+
+
+CASES = [pytest.param(v, 4, id=f"victim{v}-4B") for v in range(N)] + [pytest.param(v, 16 << 20, id=f"victim{v}-16MiB") for v in range(N)]
+
+
+@pytest.mark.parametrize("victim,nbytes", CASES)
+def test_sigkill_of_one_rank_fails_every_survivor_within_2s(tmp_path: Path, victim: int, nbytes: int) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(WORKER.format(root=str(ROOT), timeout=GROUP_TIMEOUT_S, nbytes=nbytes))
+    port = get_free_port()
+    procs: dict[int, subprocess.Popen[str]] = {}
+    outs: dict[int, list[str]] = {r: [] for r in range(N)}
+    try:
+        for rank in range(N):
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(N))
+            procs[rank] = subprocess.Popen(
+                [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+            )
+        running = _read_lines_until(procs, "running", time.monotonic() + START_S, outs)
+        assert running == set(range(N)) and all(o and o[-1] == "running" for o in outs.values()), outs
+        time.sleep(0.2)  # let the loop run a few ops past the first
+        killed_at = time.time()
+        os.kill(procs[victim].pid, signal.SIGKILL)
+        survivors = {r: p for r, p in procs.items() if r != victim}
+        _read_lines_until(survivors, "ERROR", time.monotonic() + EXIT_S, outs)
+        for p in procs.values():
+            p.wait(timeout=5)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
+            if p.stdout is not None:
+                p.stdout.close()
+    took: dict[int, float] = {}
+    for rank in survivors:
+        errors = [line for line in outs[rank] if line.startswith("ERROR ")]
+        assert errors, f"rank {rank} raised no DistError after rank {victim} was killed: {outs[rank]}"
+        _, t, msg = errors[0].split(" ", 2)
+        took[rank] = float(t) - killed_at
+        assert re.search(rf"\brank {victim}\b", msg), f"rank {rank}'s error does not name rank {victim}: {msg}"
+    print(f"victim {victim}, {nbytes} B: time to error by survivor: " + ", ".join(f"rank {r} {s:.3f} s" for r, s in took.items()))
+    print(f"  e.g. {errors[0]}")
+    assert all(s < DETECT_S for s in took.values()), took
