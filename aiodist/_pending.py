@@ -32,7 +32,7 @@ import sys
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any, ParamSpec, TypeVar
 
-__all__ = ["Pending", "communicating", "communicating_in_context", "communicating_method"]
+__all__ = ["Pending", "communicating"]
 
 log = logging.getLogger("aiodist.c10d")
 
@@ -255,40 +255,14 @@ def _is_work(v: object) -> bool:
     return hasattr(v, "is_completed") and hasattr(v, "seq")
 
 
-def communicating(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Pending]:
-    """Make the coroutine function ``fn`` return a started ``Pending`` (module docstring)."""
-    op = fn.__name__
+def communicating(fn: Callable[P, Coroutine[Any, Any, T]], op: str | None = None) -> Callable[P, Pending]:
+    """Make the coroutine function ``fn`` return a started ``Pending`` (module docstring), named
+    ``op`` in its messages (default: ``fn``'s name; a store's methods pass ``store.<name>``)."""
+    name = op or fn.__name__
 
     @functools.wraps(fn)
     def call(*args: P.args, **kwargs: P.kwargs) -> Pending:
-        return Pending(op, fn(*args, **kwargs), _site(2))
+        return Pending(name, fn(*args, **kwargs), _site(2))
 
     call.__wrapped_coroutine__ = fn  # type: ignore[attr-defined]
-    return call
-
-
-def communicating_in_context(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Pending]:
-    """``communicating`` for calls that set a ContextVar in one step and reset it in a later
-    one (group creation, init): every step runs in one Context."""
-    op = fn.__name__
-
-    @functools.wraps(fn)
-    def call(*args: P.args, **kwargs: P.kwargs) -> Pending:
-        return Pending(op, fn(*args, **kwargs), _site(2), own_context=True)
-
-    call.__wrapped_coroutine__ = fn  # type: ignore[attr-defined]
-    return call
-
-
-def communicating_method(fn: Callable[..., Coroutine[Any, Any, T]], owner: str) -> Callable[..., Pending]:
-    """``communicating`` for a store's coroutine method: its handle is named ``store.<name>``
-    (``owner`` is the class, for the repr)."""
-    op = f"store.{fn.__name__}"
-
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Pending:
-        return Pending(op, fn(*args, **kwargs), _site(2))
-
-    call.__wrapped_coroutine__ = fn  # type: ignore[attr-defined]
-    call.__qualname__ = f"{owner}.{fn.__name__}"
     return call

@@ -1,4 +1,4 @@
-"""Always-on desync detection (issue 13, aiodist.c10d._digest): every collective frame of the
+"""Always-on desync detection (issue 13, aiodist._digest): every collective frame of the
 socket backend carries a digest of what all ranks must agree on; a receiver whose own op at that
 seq has another digest fails it at once, and the group breaks on every rank with one sentence.
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import aiodist as dist
-from aiodist.c10d._digest import op_digest, op_of
+from aiodist._digest import op_digest, op_of
 from aiodist.testing import run_world
 
 pytestmark = pytest.mark.timeout(30)
@@ -67,8 +67,9 @@ async def test_mismatched_shapes_are_said_in_the_users_terms() -> None:
         assert "receive buffer" not in msg
 
 
-async def test_agreeing_ranks_and_detail_are_unaffected() -> None:
-    """Concurrent ops, uneven all_gather sizes (not part of the digest) and DETAIL's own check."""
+async def test_agreeing_ranks_are_not_refused() -> None:
+    """No false desync: concurrent ops in flight, and uneven all_gather sizes (which are not part
+    of the digest: only the dtype must agree). Fails if the digest took a per-rank field."""
 
     async def fn(rank: int) -> None:
         works = [await dist.all_reduce(np.ones(3), async_op=True) for _ in range(5)]

@@ -49,7 +49,9 @@ async def test_a_forgotten_await_on_a_collective_is_an_error_naming_the_line_and
     assert out == [3.0, 3.0]  # rank 0's x was reduced too
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     line = _line_of("dist.all_reduce(x)  # forgotten await")
-    assert any(f"all_reduce(...) called at {__file__}:{line} was never awaited" in m and "await dist.all_reduce" in m for m in errors), errors
+    assert any(f"all_reduce(...) called at {__file__}:{line} was never awaited" in m and "await dist.all_reduce" in m for m in errors), (
+        errors
+    )
     assert len(errors) == 1
 
 
@@ -150,7 +152,10 @@ async def test_a_forgotten_await_on_a_store_method_still_sends_it_and_says_where
             store.set("k", "v")  # forgotten await: the request is sent anyway
             assert await store.get("k") == b"v"
         line = _line_of('store.set("k", "v")  # forgotten await')
-        assert any(f"store.set(...) called at {__file__}:{line} was never awaited" in r.getMessage() and "await store.set" in r.getMessage() for r in caplog.records)
+        assert any(
+            f"store.set(...) called at {__file__}:{line} was never awaited" in r.getMessage() and "await store.set" in r.getMessage()
+            for r in caplog.records
+        )
 
 
 def test_a_call_made_outside_a_loop_starts_when_run() -> None:

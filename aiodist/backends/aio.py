@@ -65,7 +65,7 @@ class AioBackend(CommBackend):
         ch: P2P = self.transport.channel(group_id, seq, global_ranks, digest, call)
         return ch
 
-    carries_digests = True  # the transport checks each collective frame's digest (aiodist.c10d._digest)
+    carries_digests = True  # the transport checks each collective frame's digest (aiodist._digest)
 
     async def p2p_send(self, group_id: int, dst: int, buf: np.ndarray, tag: int) -> None:
         await self.transport.send(dst, buf, group=group_id, seq=P2P_SEQ, tag=tag)

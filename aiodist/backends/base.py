@@ -52,7 +52,7 @@ class CommBackend(abc.ABC):
         self.world_size = world_size
 
     #: whether ``channel`` takes a ``digest`` and fails an op whose peers' frames carry another
-    #: one (always-on desync detection, aiodist.c10d._digest); the socket backend does
+    #: one (always-on desync detection, aiodist._digest); the socket backend does
     carries_digests = False
 
     @abc.abstractmethod

@@ -61,7 +61,7 @@ STARTUP = 120.0  # seconds a rank may take to start (import, spawn) and join, on
 
 def _is_comm(errors: dict[int, str]) -> bool:
     """Every traceback ends in an aiodist communication error (a peer's exit seen)."""
-    return all(t.strip().splitlines()[-1:] and t.strip().splitlines()[-1].startswith(_COMM_ERRORS) for t in errors.values())
+    return all(t.rstrip().rpartition("\n")[2].startswith(_COMM_ERRORS) for t in errors.values())
 
 
 _COMM_ERRORS = ("aiodist.errors.DistNetworkError", "aiodist.errors.DistBackendError", "DistNetworkError", "DistBackendError")

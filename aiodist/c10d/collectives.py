@@ -522,14 +522,15 @@ async def all_reduce_coalesced(
 
     async def body(p2p: P2P) -> None:
         for k, (name, flats, combine) in enumerate(plans):
-            joined = np.concatenate(flats) if len(flats) > 1 else flats[0].copy()
+            joined = np.concatenate(flats) if len(flats) > 1 else flats[0]  # one tensor: reduced in place, no copies
             _premultiply(joined, rop, dtype=name)
             await alg.all_reduce(p2p if k == 0 else SubP2P(p2p, k), joined, combine, thresholds=th)
             _finalize(joined, rop, n, dtype=name)
-            at = 0
-            for f in flats:
-                np.copyto(f, joined[at : at + f.size])
-                at += f.size
+            if len(flats) > 1:
+                at = 0
+                for f in flats:
+                    np.copyto(f, joined[at : at + f.size])
+                    at += f.size
 
     return await _finish(pg.issue("all_reduce_coalesced", body, list(ts), meta=_meta(tensors=[_t(b) for b in bs], op=_opname(rop))), asy)
 

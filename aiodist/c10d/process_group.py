@@ -27,12 +27,12 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
+from aiodist._digest import op_digest
 from aiodist._instrument.levels import DebugLevel, get_debug_level
 from aiodist._instrument.recorder import Entry, FlightRecorder
 from aiodist.algorithms.p2p import P2P
 from aiodist.algorithms.thresholds import Thresholds, current
 from aiodist.backends.base import CommBackend
-from aiodist.c10d._digest import op_digest
 from aiodist.c10d._runner import DeviceTracker, Tracker, break_group, run
 from aiodist.c10d._runner import TrackedP2P as _Tracked
 from aiodist.c10d.work import Work
@@ -107,9 +107,7 @@ class ProcessGroup:
         self.detail = level >= DebugLevel.DETAIL  # read once: a group keeps the level it was made at
         # always-on desync detection: each collective's frames carry its digest (DETAIL checks more)
         # (AIODIST_DESYNC_DIGESTS=0 turns it off, for measuring its cost: python -m aiodist.bench debug)
-        self._digests = (
-            bool(getattr(backend, "carries_digests", False)) and not self.detail and os.environ.get("AIODIST_DESYNC_DIGESTS", "1") != "0"
-        )
+        self._digests = backend.carries_digests and not self.detail and os.environ.get("AIODIST_DESYNC_DIGESTS", "1") != "0"
         # INFO: per-op-name tallies for the summary logged when the group ends (None at OFF: no cost)
         self._op_stats: dict[str, list[float]] | None = {} if level >= DebugLevel.INFO else None
         if level >= DebugLevel.INFO:

@@ -19,7 +19,7 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any
 
-from aiodist._pending import communicating_method
+from aiodist._pending import communicating
 from aiodist._time import TimeoutLike, to_seconds
 from aiodist.errors import StoreTimeoutError
 
@@ -119,7 +119,7 @@ class Store(abc.ABC):
         for name in _COMMUNICATING:
             fn = cls.__dict__.get(name)
             if fn is not None and inspect.iscoroutinefunction(fn):
-                setattr(cls, name, communicating_method(fn, cls.__name__))
+                setattr(cls, name, communicating(fn, f"store.{name}"))
 
     def __init__(self, timeout: TimeoutLike = DEFAULT_STORE_TIMEOUT) -> None:
         self._timeout_s = to_seconds(timeout)

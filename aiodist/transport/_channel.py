@@ -34,7 +34,7 @@ class Channel:
         self.seq = seq
         self.ranks = ranks
         self._rank = ranks.index(transport.rank)
-        self.digest = digest  # the op's digest, sent with every frame (aiodist.c10d._digest)
+        self.digest = digest  # the op's digest, sent with every frame (aiodist._digest)
 
     def __repr__(self) -> str:
         return f"Channel(group={self.group_id}, seq={self.seq}, rank={self._rank}, size={len(self.ranks)})"

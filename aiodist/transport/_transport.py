@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 
 from aiodist import _startup
+from aiodist._digest import describe_mismatch
 from aiodist.algorithms.p2p import byte_view
 from aiodist.backends.base import P2P_SEQ
 from aiodist.errors import DistBackendError, DistError, DistNetworkError, DistTimeoutError
@@ -192,7 +193,7 @@ class Transport:
         self._order: dict[Any, asyncio.Lock] = {}  # per peer (or (peer, lane)): sends waiting for the connection, in call order
         self._queued: dict[Any, int] = {}  # per peer (or (peer, lane)): how many sends wait in that line
         self.staged_total = 0  # messages ever staged (came before their receive)
-        # always-on desync detection (aiodist.c10d._digest): (group, seq) -> (digest, op, args) of
+        # always-on desync detection (aiodist._digest): (group, seq) -> (digest, op, args) of
         # this rank's own collectives, and the digest of a message that came before its op
         self._digests: dict[tuple[int, int], tuple[int, str, Any, str | None]] = {}
         self._early_digests: dict[tuple[int, int], tuple[int, int]] = {}
@@ -375,7 +376,7 @@ class Transport:
         """The ``P2P`` of op ``seq`` of group ``group_id``, whose rank i is global rank
         ``global_ranks[i]``; this rank must be one of them. ``digest`` (not 0) is what every rank
         must agree on for this op, sent with its frames; ``call`` is ``(op, args)`` for the
-        sentence when a peer's digest differs (aiodist.c10d._digest)."""
+        sentence when a peer's digest differs (aiodist._digest)."""
         ch = Channel(self, group_id, seq, global_ranks, digest)
         if digest:
             k = (group_id, seq)
@@ -403,15 +404,10 @@ class Transport:
         return True
 
     def _desync(self, group: int, seq: int, mine: tuple[int, str, Any, str | None], peer: int, theirs: int) -> None:
-        from aiodist.c10d._digest import describe_mismatch
-
         name = f"group {group}" if mine[3] is None else f"group {group} ({mine[3]!r})"
         reason = describe_mismatch(name, seq, self.rank, mine[:3], peer, theirs)
         log.error("rank %d: %s", self.rank, reason)
-        frame = abort_frame(self.rank, group, 0, reason)
-        for conn in list(self._send_conn.values()):
-            conn.write_control(frame)
-        self._abort_local(group, f"rank {self.rank} aborted group {group}: {reason}")
+        self._abort_now(group, reason)
 
     async def send(self, dst: int, buf: np.ndarray, *, group: int = 0, seq: int = 0, tag: int = 0, digest: int = 0) -> None:
         """Send ``buf``'s bytes to global rank ``dst`` as message ``(group, seq, tag)``.
@@ -568,6 +564,10 @@ class Transport:
     async def abort(self, group_id: int, reason: str) -> None:
         """Tell every connected peer that ``group_id`` is dead, and fail its local pending and
         later ops with ``DistBackendError(reason)``."""
+        self._abort_now(group_id, reason)
+
+    def _abort_now(self, group_id: int, reason: str) -> None:
+        """``abort``'s work, which does not suspend (a frame's handler calls it too)."""
         frame = abort_frame(self.rank, group_id, 0, reason)
         for conn in list(self._send_conn.values()):
             conn.write_control(frame)

@@ -81,7 +81,7 @@ _MAGIC_BYTE = MAGIC | VERSION
 #   8    8   sequence number (u64): the op's per-group sequence number
 #  16    8   tag (i64): the user's p2p tag, or an algorithm's step/chunk index
 #  24    4   source rank (u32, global)
-#  28    4   digest (u32): what every rank must agree on for this op (0: none); see aiodist.c10d._digest
+#  28    4   digest (u32): what every rank must agree on for this op (0: none); see aiodist._digest
 #  32    8   payload length (u64)
 # Every field sits at its natural alignment, so a C or numpy reader can map the header as is.
 HEADER = struct.Struct("<BBBBIQqIIQ")

@@ -16,6 +16,9 @@ from typing import Any
 
 __all__ = ["OPS", "op_digest", "op_of", "describe_mismatch"]
 
+# The codes are wire values (a frame's top digest byte): append new ops, never reorder. It is
+# not derived from aiodist.c10d.collectives.__all__ for that reason (and this module sits below
+# c10d: the transport reads it).
 OPS: tuple[str, ...] = (
     "?",
     "broadcast",
