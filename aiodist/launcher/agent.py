@@ -28,7 +28,9 @@ from typing import IO, Any, TextIO, TypeVar
 from aiodist.elastic.errors import ChildFailedError, ProcessFailure
 from aiodist.errors import DistError
 from aiodist.launcher._console import Console
+from aiodist.launcher._decide import Exit, Report, Restart, State, Stop, View, Wait, Why, next_action, root_cause
 from aiodist.launcher._tracebacks import TracebackScanner
+from aiodist.launcher._watch import RoundWatch
 from aiodist.launcher.rendezvous import AgentRendezvous, Assignment, RendezvousError
 
 __all__ = ["SignalException", "WorkerSpec", "LocalAgent", "Std"]
@@ -167,12 +169,6 @@ async def _cancel(task: asyncio.Task[Any] | None) -> None:
         pass
 
 
-def _cause_key(f: ProcessFailure) -> tuple[bool, int, int]:
-    """Order of failures for the root cause, as ``ChildFailedError.get_first_failure``:
-    communication errors (usually a peer's exit seen from here) after the others, then time."""
-    return (f.is_comm_error, f.timestamp_ns, f.rank)
-
-
 def _check_std(v: int) -> int:
     if v not in (0, 1, 2, 3):
         raise ValueError(f"redirects/tee must be 0, 1, 2 or 3, got {v}")
@@ -260,15 +256,6 @@ class _RoundResult:
     lost: set[int] = field(default_factory=set)
 
 
-@dataclass
-class _Poll:
-    """What one look at the rendezvous store found."""
-
-    remote: dict[str, Any] | None = None
-    all_done: bool = False
-    silent: int | None = None
-
-
 class LocalAgent:
     """Runs ``spec`` on this node through the rendezvous ``rdzv`` until success, or until a
     failure with no restarts left (``ChildFailedError``), or a signal (``SignalException``)."""
@@ -282,7 +269,6 @@ class LocalAgent:
         self._signal: signal.Signals | None = None
         self._ok = False
         self._assignment: Assignment | None = None
-        self._marked_done = False
         # The workers' watchdogs hold the read end; only this process holds the write end (not
         # inheritable), so they see EOF when the launcher dies, however it dies.
         self._life: tuple[int, int] | None = None
@@ -401,11 +387,24 @@ class LocalAgent:
                 await self._finish(a)
                 self._ok = True
                 return res.return_values
-            if restarts < spec.max_restarts:
-                restarts += 1
+            act = next_action(
+                View(
+                    now=time.monotonic(),
+                    state=State.FAILED,
+                    signal=self._signal.name if self._signal is not None else None,
+                    failures=tuple(res.failures.values()),
+                    restarts=restarts,
+                    max_restarts=spec.max_restarts,
+                )
+            )
+            if isinstance(act, Stop):  # a signal came meanwhile
+                self._check_signal()
+            if isinstance(act, Restart):
+                restarts = act.round
                 self.log.warning("worker group failed (round %d); restarting (%d/%d)", a.round, restarts, spec.max_restarts)
                 last = (a, res)
                 continue
+            assert isinstance(act, Report), act
             more: list[ProcessFailure] = []
             skip = set(res.lost)
             if a.nnodes > 1 and res.store_down is None:
@@ -498,70 +497,44 @@ class LocalAgent:
         except BaseException:
             await self._stop_workers(signal.SIGTERM)
             raise
-        multi = a.nnodes > 1
+        # Another node's news (a failure, every node done, heartbeats) arrives through the watch,
+        # beside this loop, so a store that stops answering (a lost link) never keeps the loop
+        # from seeing its workers exit; next_action judges a silent store by the clock.
+        watch = RoundWatch(self.rdzv, a.round, self._wake, self.log) if a.nnodes > 1 else None
         local_done = False
-        self._marked_done = False
-        # The rendezvous store is watched by one look at a time (``_poll``) running beside this
-        # loop, so a store that stops answering (a lost link) never keeps the loop from seeing
-        # its workers exit; a store not heard from for heartbeat_timeout is a lost store.
-        poll: asyncio.Task[_Poll] | None = None
-        last_ok = next_poll = time.monotonic()
-        store_exc: BaseException | None = None
         try:
             while True:
                 self._wake.clear()
-                if self._signal is not None:
-                    await _cancel(poll)
-                    poll = None
-                    await self._stop_workers(self._signal)
-                    if multi:
+                act = next_action(self._view(a, watch))
+                if isinstance(act, Wait):
+                    await self._sleep(act.seconds)
+                    continue
+                assert isinstance(act, Stop), act
+                if watch is not None:
+                    await watch.close()
+                if act.why is Why.SUCCEEDED:
+                    local_done = True
+                    break
+                if act.why is Why.SIGNAL:
+                    await self._stop_workers(self._signal or signal.SIGTERM)
+                    if watch is not None:
                         await self._publish_signal(a)
                     self._check_signal(report=True)
-                if any(w.rc not in (None, 0) for w in self.workers):
-                    await _cancel(poll)
-                    poll = None
-                    return await self._local_failure(a, last_ok)
-                if not local_done and all(w.rc == 0 for w in self.workers):
-                    local_done = True
-                    if not multi:
-                        break
-                if not multi:
-                    await self._wake.wait()
-                    continue
-                now = time.monotonic()
-                if poll is not None and poll.done():
-                    task, poll = poll, None
-                    try:
-                        found = task.result()
-                    except _STORE_ERRORS as exc:  # the next look reconnects; silence is judged below
-                        store_exc = exc
-                        self.log.debug("rendezvous store: %s", _why(exc))
-                        next_poll = now + max(spec.monitor_interval, 0.2)
-                    else:
-                        last_ok, store_exc = now, None
-                        if found.remote is not None:
-                            return await self._remote_failure(a, found.remote, local_done)
-                        if found.all_done:
-                            break
-                        if found.silent is not None:
-                            return await self._silent_failure(a, found.silent)
-                        next_poll = now + spec.monitor_interval
-                if now - last_ok > self.rdzv.heartbeat_timeout:
-                    await _cancel(poll)
-                    poll = None
-                    return await self._store_lost(a, store_exc, now - last_ok)
-                if poll is None and now >= next_poll:
-                    poll = asyncio.ensure_future(self._poll(a, local_done))
-                waiter = asyncio.ensure_future(self._wake.wait())
-                timeout = last_ok + self.rdzv.heartbeat_timeout - now + 0.01
-                if poll is None:
-                    timeout = min(timeout, next_poll - now)
-                await asyncio.wait(
-                    {waiter} if poll is None else {waiter, poll}, timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED
-                )
-                waiter.cancel()
+                assert watch is not None or act.why is Why.WORKER_FAILED, act
+                if act.why is Why.WORKER_FAILED:
+                    return await self._local_failure(a, watch.ok_at if watch is not None else time.monotonic())
+                assert watch is not None
+                if act.why is Why.REMOTE_FAILED:
+                    assert watch.remote is not None
+                    local_done = all(w.rc == 0 for w in self.workers)
+                    return await self._remote_failure(a, watch.remote, local_done)
+                if act.why is Why.NODE_SILENT:
+                    assert act.node is not None
+                    return await self._silent_failure(a, act.node)
+                return await self._store_lost(a, watch.error, time.monotonic() - watch.ok_at)
         finally:
-            await _cancel(poll)
+            if watch is not None:
+                await watch.close()
             # Every worker of this round is gone (or being torn down): a new round gets a new store.
             if not local_done:
                 await self._stop_workers(signal.SIGTERM)
@@ -570,19 +543,37 @@ class LocalAgent:
             await self._drain(w)
         return _RoundResult(True, return_values={w.rank: self._result(w) for w in self.workers})
 
-    async def _poll(self, a: Assignment, local_done: bool) -> _Poll:
-        """One look at the rendezvous store: a failure published by any node, whether every node
-        finished, heartbeats (ours counted, the others' watched)."""
-        remote = await self.rdzv.failure(a.round)
-        if remote is not None:
-            return _Poll(remote=remote)
-        if local_done:
-            if not self._marked_done:
-                await self.rdzv.mark(a.round, "done")
-                self._marked_done = True
-            if await self.rdzv.all_marked(a.round, "done"):
-                return _Poll(all_done=True)
-        return _Poll(silent=await self.rdzv.heartbeat(a.round))
+    def _view(self, a: Assignment, watch: RoundWatch | None) -> View:
+        """What this agent knows now, for ``next_action``; tells ``watch`` once this node's
+        workers are all done (so it marks the node done and waits for the others)."""
+        exits = tuple(Exit(w.rank, w.rc) for w in self.workers)
+        sig = self._signal.name if self._signal is not None else None
+        if watch is None:
+            return View(now=time.monotonic(), workers=exits, signal=sig)
+        if exits and all(e.rc == 0 for e in exits):
+            watch.local_done()
+        return View(
+            now=time.monotonic(),
+            workers=exits,
+            nnodes=a.nnodes,
+            signal=sig,
+            remote=watch.remote,
+            all_done=watch.all_done,
+            peers=dict(watch.peers),
+            store_ok_at=watch.ok_at,
+            heartbeat_timeout=self.rdzv.heartbeat_timeout,
+        )
+
+    async def _sleep(self, seconds: float | None) -> None:
+        """Until the wake event (a worker's exit, a signal, the watch's news), at most ``seconds``."""
+        if seconds is None:
+            await self._wake.wait()
+            return
+        try:
+            async with asyncio.timeout(seconds):
+                await self._wake.wait()
+        except TimeoutError:
+            pass
 
     async def _local_failure(self, a: Assignment, last_ok: float) -> _RoundResult:
         """A worker of this node failed: the others get ``FAILURE_SETTLE_S`` to exit on their own
@@ -594,7 +585,9 @@ class LocalAgent:
         failures = self._failures()
         if a.nnodes == 1:
             return _RoundResult(False, failures)
-        first = min(failures.values(), key=_cause_key).to_dict()
+        cause = root_cause(list(failures.values()))
+        assert cause is not None  # a worker failed on its own: it is in failures
+        first = cause.to_dict()
         mine = [f.to_dict() for f in failures.values()]
         try:
             remote = await self._bounded(lambda: self.rdzv.report_failure(a.round, first))
@@ -643,7 +636,7 @@ class LocalAgent:
         await self._stop_workers(signal.SIGTERM)
         failures = self._failures()
         mine = [f.to_dict() for f in failures.values()]
-        first = min(failures.values(), key=_cause_key).to_dict() if failures else res.agent_failures[0].to_dict()
+        first = (root_cause(list(failures.values())) or res.agent_failures[0]).to_dict()
         failures.update(self._stopped(f"stopped by this node's launcher: {res.store_down}", failures))
         res.failures, res.unpublished = failures, (first, mine)
         return res

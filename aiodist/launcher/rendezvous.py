@@ -34,15 +34,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiodist.errors import DistError, DistNetworkError
+from aiodist.launcher._decide import Close, Shortfall, close_round
 from aiodist.store.server import ServerThread, TCPStoreServer
 from aiodist.store.tcp import TCPStore
 
 __all__ = ["RendezvousError", "RendezvousTimeoutError", "NodeInfo", "Assignment", "AgentRendezvous", "format_endpoint", "parse_endpoint"]
 
 log = logging.getLogger("aiodist.run")
-
-_POLL_S = 0.05
-_CONNECT_ATTEMPT_S = 3.0  # one connection attempt to a store that did not answer (see _reconnect)
 
 
 class RendezvousError(DistError):
@@ -198,7 +196,6 @@ class AgentRendezvous:
         self.local_addr = local_addr
         self.heartbeat_timeout = heartbeat_timeout
         self._hb_round = -1
-        self._hb_sent = 0.0
         self._hb_seen: dict[int, tuple[int, float]] = {}
         self.server: ServerThread | None = None
         self.store: TCPStore | None = None
@@ -247,25 +244,18 @@ class AgentRendezvous:
     async def _reconnect(self) -> None:
         """A fresh client of the rendezvous store, after it did not answer (a lost link): the old
         connection's requests may be stuck behind TCP's retransmission backoff long after the
-        link is back. Attempts of at most ``_CONNECT_ATTEMPT_S`` each, until ``join_timeout``."""
+        link is back. The client's connect retries (with backoff, each attempt bounded) until
+        ``join_timeout``."""
         old, self.store = self.store, None
         if old is not None:
             await old.close()
         host = "127.0.0.1" if self.server is not None and self.host in ("localhost", "") else self.host
-        deadline = time.monotonic() + self.join_timeout
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                self.store = await TCPStore(host, self.port, None, False, max(0.1, min(_CONNECT_ATTEMPT_S, left)), wait_for_workers=False)
-            except (DistError, OSError) as exc:
-                if time.monotonic() + _POLL_S >= deadline:
-                    raise RendezvousTimeoutError(
-                        f"could not reach the rendezvous store at {self.endpoint} again within {self.join_timeout:g} s: {exc}"
-                    ) from exc
-                await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-                continue
-            await self.store.set_timeout(self.join_timeout)
-            return
+        try:
+            self.store = await TCPStore(host, self.port, None, False, self.join_timeout, wait_for_workers=False)
+        except (DistError, OSError) as exc:
+            raise RendezvousTimeoutError(
+                f"could not reach the rendezvous store at {self.endpoint} again within {self.join_timeout:g} s: {exc}"
+            ) from exc
 
     async def close(self) -> None:
         await self.stop_worker_store()
@@ -324,10 +314,13 @@ class AgentRendezvous:
             got = await store.compare_set(self.key(k, f"node/{idx}"), "", me)
             if got.decode() != me:
                 raise RendezvousError(f"node rank {idx} joined round {k} twice (another agent has --node-rank {idx})")
-            await store.add(self.key(k, "count"), 1)
+            arrival = await store.add(self.key(k, "count"), 1)
         else:
             idx = await store.add(self.key(k, "count"), 1) - 1
             await store.set(self.key(k, f"node/{idx}"), me)
+            arrival = idx + 1
+        # What the others wait on (no polling of the count): the arrival of the n-th node.
+        await store.set(self.key(k, f"arrived/{arrival}"), "1")
         final = await self._close_round(k)
         if idx >= final:
             raise RendezvousError(f"rendezvous round {k} closed with {final} nodes before this agent joined (arrival {idx + 1})")
@@ -346,10 +339,12 @@ class AgentRendezvous:
         return self.assignment
 
     async def _close_round(self, k: int) -> int:
+        """The number of nodes of round ``k``, once it is closed (by us or another agent): the
+        decision is ``close_round``'s; between looks the agent waits on the store (for the
+        arrival that matters, or for the close), never on a fixed sleep."""
         assert self.store is not None
         store = self.store
-        start = time.monotonic()
-        deadline = start + self.join_timeout
+        deadline = time.monotonic() + self.join_timeout
         min_at: float | None = None
         final_key = self.key(k, "final")
         while True:
@@ -359,13 +354,16 @@ class AgentRendezvous:
             now = time.monotonic()
             if count >= self.min_nodes and min_at is None:
                 min_at = now
-            if count >= self.max_nodes or (min_at is not None and now - min_at >= self.last_call_timeout):
-                return int(await store.compare_set(final_key, "", str(min(count, self.max_nodes))))
-            if now >= deadline:
-                if count >= self.min_nodes:
-                    return int(await store.compare_set(final_key, "", str(min(count, self.max_nodes))))
+            act = close_round(count, self.min_nodes, self.max_nodes, now, deadline, min_at, self.last_call_timeout)
+            if isinstance(act, Close):
+                return int(await store.compare_set(final_key, "", str(act.nodes)))
+            if isinstance(act, Shortfall):
                 raise RendezvousTimeoutError(await self._shortfall(k, count))
-            await asyncio.sleep(min(_POLL_S * (1 + (now - start)), 0.5, max(0.0, deadline - now)))
+            key = final_key if act.arrival is None else self.key(k, f"arrived/{act.arrival}")
+            try:
+                await store.wait([key], max(0.01, act.seconds))
+            except TimeoutError:
+                pass  # look again: the decision knows what a passed deadline means
 
     async def _shortfall(self, k: int, count: int) -> str:
         assert self.store is not None
@@ -418,28 +416,31 @@ class AgentRendezvous:
             return False
         return True
 
-    async def heartbeat(self, k: int) -> int | None:
-        """Count this agent's heartbeat of round ``k`` (at most every second) and look at the
-        others'; the index of a node whose count has not moved for ``heartbeat_timeout`` s."""
+    async def heartbeat(self, k: int) -> dict[int, float]:
+        """Count this agent's heartbeat of round ``k`` and look at the others' (one look; the
+        agent calls it every ``heartbeat_interval``): for each other node, when its count was
+        last seen moving (``time.monotonic()``)."""
         assert self.store is not None and self.assignment is not None
-        now = time.monotonic()
         if self._hb_round != k:
-            self._hb_round, self._hb_sent, self._hb_seen = k, 0.0, {}
-        if now - self._hb_sent < min(1.0, self.heartbeat_timeout / 3):
-            return None
-        self._hb_sent = now
+            self._hb_round, self._hb_seen = k, {}
         me = self.assignment.node_rank
         await self.store.add(self.key(k, f"alive/{me}"), 1)
-        for i in range(self.assignment.nnodes):
-            if i == me:
-                continue
-            v = await self.store.add(self.key(k, f"alive/{i}"), 0)
+        others = [i for i in range(self.assignment.nnodes) if i != me]
+        counts = await asyncio.gather(*(self.store.add(self.key(k, f"alive/{i}"), 0) for i in others))
+        now = time.monotonic()
+        for i, v in zip(others, counts, strict=True):
             seen = self._hb_seen.get(i)
             if seen is None or seen[0] != v:
                 self._hb_seen[i] = (v, now)
-            elif now - seen[1] > self.heartbeat_timeout:
-                return i
-        return None
+        return {i: t for i, (_, t) in self._hb_seen.items()}
+
+    async def wait_failure(self, k: int, timeout: float) -> dict[str, Any]:
+        """Round ``k``'s first failure, once some node published it (a store wait, at most
+        ``timeout`` s: then ``TimeoutError``)."""
+        assert self.store is not None
+        key = self.key(k, "failed")
+        await self.store.wait([key], timeout)
+        return dict(json.loads(await self.store.get(key)))
 
     def silence(self, k: int, node: int) -> float | None:
         """Seconds since node ``node``'s heartbeat of round ``k`` was last seen moving (None: not
