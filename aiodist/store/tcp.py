@@ -30,8 +30,8 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Generator, Sequence
-from typing import Any
+from collections.abc import Awaitable, Generator, Sequence
+from typing import Any, TypeVar
 
 from aiodist import _startup
 from aiodist._time import TimeoutLike
@@ -65,6 +65,28 @@ _CONNECT_ATTEMPT_S = 5.0  # one connect attempt's deadline
 _DIAGNOSIS_S = 0.1  # how long a timed-out wait may take to learn which keys are missing
 
 log = logging.getLogger("aiodist.store")
+T = TypeVar("T")
+
+
+async def _within(aw: Awaitable[T], seconds: float) -> T:
+    """What ``aw`` gives, or ``TimeoutError`` after ``seconds`` (``aw`` is then cancelled).
+
+    Not ``asyncio.timeout``: that one cancels the *task* that entered it, and a store call's first
+    step runs in the caller's task, the rest in whichever task awaits its handle
+    (aiodist/_pending.py). ``gather(store.wait(ks, 1), ...)`` had the wait's deadline cancel the
+    caller (and so every call gathered with it) while the wait itself never ended. This bound
+    lives on the loop, and ends the call in whatever task runs it."""
+    fut = asyncio.ensure_future(aw)
+    if not fut.done():
+        try:
+            await asyncio.wait((fut,), timeout=max(0.0, seconds))
+        except BaseException:  # cancelled from outside: the call ends, and what it waited on
+            fut.cancel()
+            raise
+        if not fut.done():
+            fut.cancel()
+            raise TimeoutError
+    return fut.result()
 
 
 class _Lost(Exception):
@@ -556,8 +578,10 @@ class TCPStore(Store):
                 conn = await self._open_local(loop)
                 if conn is None:
                     # one attempt is bounded too, so a host that drops SYNs is retried and warned about
-                    async with asyncio.timeout(max(0.001, min(deadline - time.monotonic(), _CONNECT_ATTEMPT_S))):
-                        _, conn = await loop.create_connection(lambda: _Connection(loop), self._host, self._port)
+                    _, conn = await _within(
+                        loop.create_connection(lambda: _Connection(loop), self._host, self._port),
+                        max(0.001, min(deadline - time.monotonic(), _CONNECT_ATTEMPT_S)),
+                    )
                 got, nonce = await self._handshake(conn, deadline)
             except _BadPeer as exc:
                 raise DistNetworkError(f"{self._describe()}: handshake failed: {exc}; is this a TCPStore server?") from None
@@ -574,7 +598,7 @@ class TCPStore(Store):
                 now = time.monotonic()
                 if now >= deadline:
                     raise DistNetworkError(
-                        f"The client socket has timed out after {round((deadline - start) * 1000)}ms while trying to "
+                        f"The client socket has timed out after {round(max(0.0, deadline - start) * 1000)}ms while trying to "
                         f"connect to ({self._host}, {self._port}). Could not connect to the TCPStore server at "
                         f"{self._describe_addr()} within the connect timeout (tried for {now - start:.1f} s): {why}"
                     ) from None
@@ -662,8 +686,7 @@ class TCPStore(Store):
         if self._connect_lock is None:
             self._connect_lock = asyncio.Lock()
         try:
-            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                await self._connect_lock.acquire()
+            await _within(self._connect_lock.acquire(), deadline - time.monotonic())
         except TimeoutError:
             raise DistNetworkError(
                 f"{self._describe()}: could not reconnect to the TCPStore server at {self._describe_addr()} in time "
@@ -711,17 +734,16 @@ class TCPStore(Store):
                 # the store timeout, so one short timeout does not fail the others on it.
                 left = deadline - time.monotonic()
                 fut = conn.send(payload, shapes, max(left, self._timeout_s), op, arg)
-                async with asyncio.timeout(max(0.0, left)):
-                    if conn.paused:
-                        await conn.drain()
-                    return await fut
+                if conn.paused:
+                    await _within(conn.drain(), left)
+                return await _within(fut, deadline - time.monotonic())
             except (_NoReply, TimeoutError):
                 raise StoreTimeoutError(
                     f"{self._describe()}: {_what(op, arg)}: no reply from the server within {seconds:g} s (request timeout)"
                 ) from None
             except _Lost as exc:
-                if repeatable and attempt == 0:
-                    continue
+                if repeatable and attempt == 0 and time.monotonic() < deadline:
+                    continue  # no time left for a retry: say why the first try failed, not "could not connect in 0 s"
                 if isinstance(exc, _Dropped):
                     raise DistStoreError(
                         f"{self._describe()}: {_what(op, arg)} failed: {exc}. Whether it took effect is unknown; the next call reconnects."
@@ -749,8 +771,7 @@ class TCPStore(Store):
                 conn = await self._open(deadline)
             self._busy.add(conn)
             fut = conn.send(encode(Op.WAIT, keys), _U8, None, "wait", keys)  # the wait's own deadline, below
-            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                (r,) = await fut
+            (r,) = await _within(fut, deadline - time.monotonic())
             if r != STOP_WAITING:
                 raise _Lost(f"unexpected reply {r} to WAIT")
         except TimeoutError:
@@ -787,8 +808,7 @@ class TCPStore(Store):
         payload = b"".join(encode(Op.CHECK, (k,)) for k in keys)
         try:
             fut = conn.send(payload, tuple((Reply.U8, 0) for _ in keys), self._timeout_s, "check", keys)
-            async with asyncio.timeout(_DIAGNOSIS_S):
-                ready = await fut
+            ready = await _within(fut, _DIAGNOSIS_S)
         except (_Lost, TimeoutError):
             return []
         return [k[1:].decode(errors="replace") for k, r in zip(keys, ready) if r != CHECK_READY]
