@@ -1,0 +1,72 @@
+"""An idle multi-node job does not poll its rendezvous store: two agents (one loop, real
+processes for workers) watch their round through store waits and heartbeats, so the server
+sees a few requests a second, not nodes x 10/s (the 0.1 s polling loops it replaced)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from aiodist.elastic.utils import get_free_port
+from aiodist.launcher.agent import LocalAgent
+from aiodist.launcher.api import LaunchConfig, _rendezvous, _worker_spec
+
+pytestmark = [pytest.mark.subprocess]
+
+WORKER = "import os, sys, time\nend = time.monotonic() + 60\nwhile not os.path.exists(sys.argv[1]) and time.monotonic() < end:\n    time.sleep(0.05)\n"
+MEASURE_S = 3.0
+# Measured on a loaded 2-core machine: ~2 requests/s per node (one heartbeat look: 2 adds);
+# the polling agent made ~22/s per node.
+MAX_PER_NODE_S = 6.0
+
+
+async def _until(cond: object, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {timeout:g} s")
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.timeout(90)
+async def test_idle_two_node_job_does_not_poll_the_store(tmp_path: Path) -> None:
+    port, go = get_free_port(), tmp_path / "go"
+    agents = []
+    for node in (0, 1):
+        config = LaunchConfig(
+            min_nodes=2,
+            max_nodes=2,
+            nproc_per_node=1,
+            run_id="idle",
+            rdzv_endpoint=f"127.0.0.1:{port}",
+            rdzv_configs={"rank": node, "join_timeout": 30},
+            max_restarts=0,
+        )
+        spec = _worker_spec(config, sys.executable, ["-c", WORKER, str(go)])
+        agents.append(LocalAgent(spec, _rendezvous(config), logging.getLogger("aiodist.run")))
+    runs = [asyncio.ensure_future(a.run()) for a in agents]
+    try:
+        await _until(lambda: all(a.workers and a.workers[0].proc is not None for a in agents), 30)
+        host = agents[0].rdzv.server
+        assert host is not None
+        await asyncio.sleep(1.5)  # both watches armed
+        r0, t0 = host.server.stats()["requests"], time.monotonic()
+        await asyncio.sleep(MEASURE_S)
+        r1, t1 = host.server.stats()["requests"], time.monotonic()
+        rate = (r1 - r0) / (t1 - t0) / len(agents)
+        print(f"idle 2-node job: {rate:.1f} store requests/s per node")
+        assert rate <= MAX_PER_NODE_S, f"{rate:.1f} store requests/s per node while idle"
+        go.write_text("")
+        results = await asyncio.wait_for(asyncio.gather(*runs), 30)
+        assert results == [{0: None}, {1: None}]
+    finally:
+        go.write_text("")
+        for r in runs:
+            if not r.done():
+                r.cancel()
+        await asyncio.gather(*runs, return_exceptions=True)
