@@ -64,6 +64,11 @@ class Thresholds:
     #: against 25 ms with 4). Across hosts, where the NIC moves the bytes, smaller pieces may pay:
     #: tune with AIODIST_ALGO_PIPELINE_PIECE.
     pipeline_piece: int = 4 * MiB
+    #: all_reduce through shared memory (aiodist.shm: every rank of the group on one host) from
+    #: this many bytes; negative: never.
+    allreduce_shm_min: int = 256 * KiB
+    #: all_gather through shared memory from this many bytes in total (the output); negative: never.
+    allgather_shm_min: int = 256 * KiB
 
     def __post_init__(self) -> None:
         if self.pipeline_piece < 1:
@@ -71,20 +76,21 @@ class Thresholds:
 
     @classmethod
     def latency_bound(cls, pipeline_piece: int = 1 * MiB) -> Thresholds:
-        """Every op on its small-message schedule, whatever the size (for tests and benchmarks)."""
+        """Every op on its small-message schedule, whatever the size (for tests and benchmarks);
+        never shared memory."""
         huge = 1 << 62
-        return cls(huge, huge, huge, huge, huge, huge, pipeline_piece)
+        return cls(huge, huge, huge, huge, huge, huge, pipeline_piece, -1, -1)
 
     @classmethod
     def bandwidth_bound(cls, pipeline_piece: int) -> Thresholds:
         """Every op on its pipelined (ring, chain, pairwise) schedule, in pieces of
         ``pipeline_piece`` bytes, whatever the size."""
-        return cls(-1, -1, 0, -1, -1, -1, pipeline_piece)
+        return cls(-1, -1, 0, -1, -1, -1, pipeline_piece, -1, -1)
 
     @classmethod
     def halving(cls, pipeline_piece: int) -> Thresholds:
         """all_reduce on recursive halving/doubling at every size; the others as by default."""
-        return cls(allreduce_rd_max=-1, allreduce_ring_min=1 << 62, pipeline_piece=pipeline_piece)
+        return cls(allreduce_rd_max=-1, allreduce_ring_min=1 << 62, pipeline_piece=pipeline_piece, allreduce_shm_min=-1)
 
     def piece_elems(self, itemsize: int) -> int:
         """Pipelining piece in elements of ``itemsize`` bytes (at least one)."""
@@ -99,6 +105,14 @@ class Thresholds:
         if nbytes >= self.allreduce_ring_min:
             return "ring"
         return "halving_doubling"
+
+    def all_reduce_shm(self, nbytes: int) -> bool:
+        """all_reduce of ``nbytes`` goes through shared memory where the group can."""
+        return 0 <= self.allreduce_shm_min <= nbytes
+
+    def all_gather_shm(self, total_nbytes: int) -> bool:
+        """all_gather of ``total_nbytes`` (every rank's part) goes through shared memory where the group can."""
+        return 0 <= self.allgather_shm_min <= total_nbytes
 
     def all_gather(self, total_nbytes: int) -> Literal["bruck", "ring"]:
         return "bruck" if total_nbytes <= self.allgather_bruck_max else "ring"

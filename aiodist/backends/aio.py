@@ -57,9 +57,11 @@ def transport_available() -> bool:
 class AioBackend(CommBackend):
     name = "aio"
 
-    def __init__(self, transport: Any, rank: int, world_size: int) -> None:
+    def __init__(self, transport: Any, rank: int, world_size: int, shm: Any = None) -> None:
         super().__init__(rank, world_size)
         self.transport = transport
+        #: same-host shared memory (aiodist.shm.SharedMemory); the collectives take its tickets
+        self.shm = shm
 
     def channel(self, group_id: int, seq: int, global_ranks: Sequence[int], digest: int = 0, call: Any = None) -> P2P:
         ch: P2P = self.transport.channel(group_id, seq, global_ranks, digest, call)
@@ -92,10 +94,14 @@ class AioBackend(CommBackend):
 
     async def close(self) -> None:
         await self.transport.close()
+        if self.shm is not None:
+            await self.shm.close()
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
         out["transport"] = self.transport.stats()
+        if self.shm is not None:
+            out["shm"] = self.shm.stats()
         return out
 
 
@@ -105,7 +111,8 @@ _TRANSPORT_BACKSTOP_S = 7 * 24 * 3600.0
 async def create_aio_backend(store: Store, rank: int, world_size: int, timeout: timedelta) -> AioBackend:
     """The "aio" backend's creator, as ``Backend.register_backend`` takes it."""
     try:
-        from aiodist.transport import Transport
+        from aiodist.shm import SharedMemory
+        from aiodist.transport import Transport, host_id
         from aiodist.transport._ifaces import choose
     except ImportError as exc:
         raise DistBackendError(
@@ -122,13 +129,18 @@ async def create_aio_backend(store: Store, rank: int, world_size: int, timeout: 
     transport = await Transport.start(
         store, rank, world_size, token=token, timeout=max(timeout.total_seconds(), _TRANSPORT_BACKSTOP_S), advertise=advertise
     )
+    shm = None
     try:
+        # published before the exchange, so every rank's record is in the store before any op
+        shm = await SharedMemory.start(store, rank, token.encode(), host_id())
         # every rank's address, and the same number of interfaces everywhere, before any op
         await transport.exchange(timeout.total_seconds())
     except BaseException:
+        if shm is not None:
+            await shm.close()
         await transport.close()
         raise
     assert transport.address is not None
     lanes = f"; interfaces {', '.join(f'{n}={h}' for n, h in zip(advertise.ifnames, advertise.hosts))}" if advertise.ifnames else ""
     log.info("rank %d advertises %s (chosen by %s)%s", rank, transport.address.describe(), advertise.why, lanes)
-    return AioBackend(transport, rank, world_size)
+    return AioBackend(transport, rank, world_size, shm)

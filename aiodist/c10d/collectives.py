@@ -30,6 +30,7 @@ from aiodist.c10d._device import device_backend, issue_on_device
 from aiodist.c10d.init import GroupArg, not_member, resolve_group
 from aiodist.c10d.work import Work
 from aiodist.errors import DistTimeoutError
+from aiodist.shm import Ticket, run_all_gather, run_all_reduce
 from aiodist.types import Buffer, ReduceOp, ReduceOpLike, check_reduce, combiner, finalize, premultiply, to_reduce_op
 
 __all__ = [
@@ -101,6 +102,27 @@ def _same_size(a: Buffer, size: int, what: str) -> None:
         raise ValueError(f"{what} has {a.flat.size} elements, expected {size}")
 
 
+def _shm_ticket(pg: Any, wanted: bool) -> Ticket | None:
+    """A place in the group's shared-memory line (aiodist.shm), taken in the issuing step, where
+    the size calls for it and the backend has shared memory; None for the socket path."""
+    shm = getattr(pg.backend, "shm", None) if wanted else None
+    return None if shm is None else shm.ticket(pg.group_id, pg.ranks)  # type: ignore[no-any-return]
+
+
+def _issue_with(pg: Any, ticket: Ticket | None, *args: Any, **kwargs: Any) -> Work:
+    """``pg.issue`` for an op holding ``ticket``: its turn passes on when the Work completes,
+    even where the body never ran."""
+    try:
+        work: Work = pg.issue(*args, **kwargs)
+    except BaseException:
+        if ticket is not None:
+            ticket.release()
+        raise
+    if ticket is not None:
+        work.add_done_callback(ticket.release)
+    return work
+
+
 def _chunks(flat: np.ndarray, n: int) -> list[np.ndarray]:
     m = flat.size // n
     return [flat[i * m : (i + 1) * m] for i in range(n)]
@@ -142,13 +164,15 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
     b = buf(tensor, "all_reduce tensor", writable=True)
     rop, combine = _reduction(op, b.dtype_name, "all_reduce")
     flat, name, n, th = b.flat, b.dtype_name, pg.size(), pg.thresholds
+    ticket = _shm_ticket(pg, th.all_reduce_shm(flat.nbytes))
 
     async def body(p2p: P2P) -> None:
         _premultiply(flat, rop, dtype=name)
-        await alg.all_reduce(p2p, flat, combine, thresholds=th)
+        if ticket is None or not await run_all_reduce(ticket, p2p, flat, combine):
+            await alg.all_reduce(p2p, flat, combine, thresholds=th)
         _finalize(flat, rop, n, dtype=name)
 
-    return await _finish(pg.issue("all_reduce", body, [tensor], meta=_meta(tensor=_t(b), op=_opname(rop))), asy)
+    return await _finish(_issue_with(pg, ticket, "all_reduce", body, [tensor], meta=_meta(tensor=_t(b), op=_opname(rop))), asy)
 
 
 @communicating
@@ -200,11 +224,15 @@ async def all_gather(tensor_list: Sequence[Any], tensor: Any, group: GroupArg = 
     same_dtype(outs, inp, "all_gather tensor_list")
     _same_size(outs[pg.rank()], inp.flat.size, f"all_gather tensor_list[{pg.rank()}] (this rank's own slot)")
     flats, mine, th = [o.flat for o in outs], inp.flat, pg.thresholds
+    ticket = _shm_ticket(pg, th.all_gather_shm(sum(f.nbytes for f in flats)))
 
     async def body(p2p: P2P) -> None:
-        await alg.all_gather(p2p, flats, mine, thresholds=th)
+        if ticket is None or not await run_all_gather(ticket, p2p, flats, mine):
+            await alg.all_gather(p2p, flats, mine, thresholds=th)
 
-    return await _finish(pg.issue("all_gather", body, list(tensor_list), meta=_meta(dtype=inp.dtype_name, local={"input": _t(inp)})), asy)
+    return await _finish(
+        _issue_with(pg, ticket, "all_gather", body, list(tensor_list), meta=_meta(dtype=inp.dtype_name, local={"input": _t(inp)})), asy
+    )
 
 
 @communicating
@@ -232,11 +260,13 @@ async def _all_gather_one(op: str, output_tensor: Any, input_tensor: Any, group:
     n = pg.size()
     _same_size(out, n * inp.flat.size, f"{op} output_tensor (world size x input size)")
     chunks, mine, th = _chunks(out.flat, n), inp.flat, pg.thresholds
+    ticket = _shm_ticket(pg, th.all_gather_shm(out.flat.nbytes))
 
     async def body(p2p: P2P) -> None:
-        await alg.all_gather(p2p, chunks, mine, thresholds=th)
+        if ticket is None or not await run_all_gather(ticket, p2p, chunks, mine):
+            await alg.all_gather(p2p, chunks, mine, thresholds=th)
 
-    return await _finish(pg.issue(op, body, [output_tensor], meta=_meta(output=_t(out), input=_t(inp))), asy)
+    return await _finish(_issue_with(pg, ticket, op, body, [output_tensor], meta=_meta(output=_t(out), input=_t(inp))), asy)
 
 
 def _root_list(

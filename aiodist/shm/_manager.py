@@ -1,0 +1,293 @@
+"""``SharedMemory``: one rank's shared segments, which groups may use them, and whose turn it is.
+
+Rules this module keeps:
+- Every rank of the CPU socket backend has one, even with shared memory off: the ranks of a
+  group agree (a one-byte MIN all_reduce on the op's own channel, at the group's first op big
+  enough) whether the group uses it, so a rank that cannot (``AIODIST_SHM_BYTES=0``, no memfd,
+  a peer on another host, a failed fd hand-over) sends the whole group down the socket path.
+  The agreement is made once per group (its id and member list) and kept.
+- Each group that uses shared memory has one segment per member rank (``AIODIST_SHM_BYTES``,
+  default 64 MiB, in two halves used in turn; pages are allocated as ops touch them). A group
+  of its own segments means ops of different groups never share memory, so they never wait on
+  each other, whatever order ranks issue them in.
+- Within a group, shared-memory ops run one at a time in issue order: each takes a ticket at
+  issue (its sequence number's step) and waits for its turn; the turn passes when its body ends
+  or, at the latest, when its Work completes (a body that never ran still passes it on).
+- Each rank publishes ``aiodist/shm/<rank>`` in the store (its fd server's socket name and host
+  id, or why it is off) before the transport's address exchange, so every record is there by
+  the time any op runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from aiodist.algorithms import collectives as alg
+from aiodist.algorithms.p2p import P2P, SubP2P
+from aiodist.algorithms.thresholds import Thresholds
+from aiodist.shm._segment import FdServer, Segment, fetch
+from aiodist.store.base import Store
+
+__all__ = ["SharedMemory", "GroupShm", "Ticket", "ENV_BYTES", "DEFAULT_BYTES", "segment_bytes"]
+
+log = logging.getLogger("aiodist.shm")
+
+ENV_BYTES = "AIODIST_SHM_BYTES"
+DEFAULT_BYTES = 64 << 20
+_MIN_BYTES = 4096
+_KEY = "aiodist/shm/"
+_SETUP_S = 10.0  # fetching the peers' segments; past it this rank votes for the socket path
+_AGREE_SUB = 30  # the agreement's sub-op index on the op's channel (SubP2P): the last one
+_ALIGN = 64
+_SIZE = re.compile(r"\s*(\d+)\s*([kmg]?)(?:i?b)?\s*", re.IGNORECASE)
+_UNIT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+_LATENCY = Thresholds.latency_bound()
+
+
+def segment_bytes(env: dict[str, str] | None = None) -> int:
+    """``AIODIST_SHM_BYTES`` (bytes, with an optional K/M/G suffix; 0 turns shared memory off),
+    default 64 MiB. A malformed or too small value is a ValueError naming the variable."""
+    raw = (os.environ if env is None else env).get(ENV_BYTES, "").strip()
+    if not raw:
+        return DEFAULT_BYTES
+    m = _SIZE.fullmatch(raw)
+    if m is None:
+        raise ValueError(f"{ENV_BYTES}={raw!r}: expected a byte count such as 67108864, 64M or 0 (off)")
+    value = int(m.group(1)) * _UNIT[m.group(2).lower()]
+    if 0 < value < _MIN_BYTES:
+        raise ValueError(f"{ENV_BYTES}={raw!r}: at least {_MIN_BYTES} bytes, or 0 to turn shared memory off")
+    return value
+
+
+@dataclass
+class GroupShm:
+    """A group's agreed shared memory: every member's segment by group rank, mapped here."""
+
+    segments: list[Segment]
+    half: int  # bytes of one half of the smallest segment (64-byte aligned): one round's slot
+    views: list[np.ndarray] = field(default_factory=list)
+    rounds: int = 0  # rounds ever run on this group: round c uses half c % 2 of every segment
+
+    def __post_init__(self) -> None:
+        self.views = [s.view for s in self.segments]  # type: ignore[misc]
+
+    def slots(self) -> list[np.ndarray]:
+        """The next round's slot (a half) of every member's segment, in group-rank order."""
+        h = self.rounds % 2
+        self.rounds += 1
+        return [v[h * self.half : (h + 1) * self.half] for v in self.views]
+
+
+class _Turns:
+    """Tickets and turns of one group's shared-memory ops (issue order)."""
+
+    __slots__ = ("issued", "serving", "released", "waiters", "state", "known")
+
+    def __init__(self) -> None:
+        self.issued = 0
+        self.serving = 0  # the ticket whose turn it is
+        self.released: set[int] = set()  # tickets passed on before their turn came (their op failed)
+        self.waiters: dict[int, asyncio.Future[None]] = {}
+        self.state: GroupShm | None = None
+        self.known = False  # the agreement was made (state None then means: the socket path)
+
+    def release(self, n: int) -> None:
+        self.released.add(n)
+        while self.serving in self.released:
+            self.released.discard(self.serving)
+            self.serving += 1
+        w = self.waiters.get(self.serving)
+        if w is not None and not w.done():
+            w.set_result(None)
+
+
+class Ticket:
+    """One op's place in its group's line for shared memory."""
+
+    __slots__ = ("_shm", "_turns", "_n", "_key", "_done")
+
+    def __init__(self, shm: SharedMemory, turns: _Turns, key: tuple[int, tuple[int, ...]]) -> None:
+        self._shm = shm
+        self._turns = turns
+        self._key = key
+        self._n = turns.issued
+        turns.issued += 1
+        self._done = False
+
+    def release(self, *_: Any) -> None:
+        """Pass the turn on (idempotent; also a Work's done callback)."""
+        if not self._done:
+            self._done = True
+            self._turns.release(self._n)
+
+    async def acquire(self, p2p: P2P) -> GroupShm | None:
+        """Wait for this op's turn; the group's shared memory, or None for the socket path (then
+        the turn is already passed on)."""
+        t = self._turns
+        if t.serving != self._n:
+            w = t.waiters[self._n] = asyncio.get_running_loop().create_future()
+            try:
+                await w
+            finally:
+                t.waiters.pop(self._n, None)
+        if not t.known:
+            t.state = await self._shm.agree(self._key, p2p)
+            t.known = True
+        if t.state is None:
+            self.release()
+        return t.state
+
+
+class SharedMemory:
+    """One rank's shared memory for its same-host peers (see the module docstring)."""
+
+    def __init__(self, store: Store, rank: int, token: bytes, size: int, off: str | None) -> None:
+        self.store = store
+        self.rank = rank
+        self.token = token
+        self.size = size
+        self.off = off  # why this rank cannot use shared memory, or None
+        self.server: FdServer | None = None
+        self._own: dict[int, Segment] = {}  # group id -> this rank's segment for it
+        self._mapped: list[Segment] = []  # peers' segments mapped here
+        self._turns: dict[tuple[int, tuple[int, ...]], _Turns] = {}
+        self._records: dict[int, dict[str, Any]] = {}
+        self._host_id = ""
+        self._closed = False
+
+    @classmethod
+    async def start(cls, store: Store, rank: int, token: bytes, host_id: str) -> SharedMemory:
+        """Start the fd server and publish this rank's record (or why it is off, said at INFO)."""
+        size = segment_bytes()
+        off = None if size else f"{ENV_BYTES}=0"
+        if off is None and not hasattr(os, "memfd_create"):
+            off = "os.memfd_create is not available on this platform"
+        self = cls(store, rank, token, size, off)
+        self._host_id = host_id
+        if off is None:
+            try:
+                self.server = FdServer(token, rank, self._segment_for)
+                self.server.start()
+            except OSError as exc:
+                self.off = f"no fd server socket ({exc})"
+        if self.off is not None:
+            log.info("rank %d: shared memory off (%s): same-host peers use the socket", rank, self.off)
+            record: dict[str, Any] = {"off": self.off, "host_id": host_id}
+        else:
+            assert self.server is not None
+            record = {"name": self.server.name.encode().hex(), "host_id": host_id, "pid": os.getpid()}
+        await store.set(f"{_KEY}{rank}", json.dumps(record))
+        return self
+
+    def ticket(self, group_id: int, ranks: Sequence[int]) -> Ticket | None:
+        """A place in line for a shared-memory op of this group, or None where the group is
+        known to use the socket path (or has one rank). Call in the op's issuing step."""
+        if len(ranks) < 2 or self._closed:
+            return None
+        key = (group_id, tuple(ranks))
+        turns = self._turns.get(key)
+        if turns is None:
+            turns = self._turns[key] = _Turns()
+        elif turns.known and turns.state is None:
+            return None
+        return Ticket(self, turns, key)
+
+    def _segment_for(self, group_id: int) -> Segment | None:
+        if self.off is not None or self._closed:
+            return None
+        seg = self._own.get(group_id)
+        if seg is None:
+            seg = self._own[group_id] = Segment.create(f"aiodist-shm-g{group_id}-r{self.rank}", self.size)
+        return seg
+
+    async def _record(self, rank: int) -> dict[str, Any]:
+        rec = self._records.get(rank)
+        if rec is None:
+            rec = self._records[rank] = json.loads(await self.store.get(f"{_KEY}{rank}"))
+        return rec
+
+    async def _map_all(self, group_id: int, ranks: tuple[int, ...]) -> GroupShm:
+        """Every member's segment for the group, mapped here (this rank's own made if need be)."""
+        recs = await asyncio.gather(*(self._record(r) for r in ranks if r != self.rank))
+        for r, rec in zip((r for r in ranks if r != self.rank), recs, strict=True):
+            if "off" in rec:
+                raise ValueError(f"rank {r} has it off ({rec['off']})")
+            if rec.get("host_id") != self._host_id:
+                raise ValueError(f"rank {r} is on another host")
+        own = self._segment_for(group_id)
+        if own is None:
+            raise ValueError(self.off or "closed")
+        fetched = await asyncio.gather(
+            *(fetch(bytes.fromhex(rec["name"]).decode(), self.token, group_id) for rec in recs), return_exceptions=True
+        )
+        segs = [s for s in fetched if isinstance(s, Segment)]
+        self._mapped.extend(segs)
+        errors = [e for e in fetched if not isinstance(e, Segment)]
+        if errors:
+            raise errors[0]  # type: ignore[misc]
+        it = iter(segs)
+        by_rank = [own if r == self.rank else next(it) for r in ranks]
+        half = min(s.size for s in by_rank) // 2 // _ALIGN * _ALIGN
+        return GroupShm(by_rank, half)
+
+    async def agree(self, key: tuple[int, tuple[int, ...]], p2p: P2P) -> GroupShm | None:
+        """Map the group's segments here and agree with its ranks whether all could; the group's
+        shared memory, or None (the socket path, said once at INFO)."""
+        group_id, ranks = key
+        state: GroupShm | None = None
+        why = self.off
+        if why is None:
+            try:
+                async with asyncio.timeout(_SETUP_S):
+                    state = await self._map_all(group_id, ranks)
+            except (OSError, ValueError, KeyError, TimeoutError) as exc:
+                why = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)
+        vote = np.array([1 if state is not None else 0], np.uint8)
+        await alg.all_reduce(SubP2P(p2p, _AGREE_SUB), vote, _min, thresholds=_LATENCY)
+        if vote[0] == 1:
+            assert state is not None
+            log.debug("rank %d: group %d uses shared memory (%d ranks, %d-byte rounds)", self.rank, group_id, len(ranks), state.half)
+            return state
+        if why is None:
+            why = "another rank of the group could not (see its log)"
+        if self.off is None:  # an off rank said so once, at start
+            log.info("rank %d: group %d does not use shared memory (%s): its same-host peers use the socket", self.rank, group_id, why)
+        return None
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for t in self._turns.values():
+            t.state = None
+            for w in t.waiters.values():
+                if not w.done():
+                    w.cancel()
+        if self.server is not None:
+            await self.server.close()
+        for seg in [*self._mapped, *self._own.values()]:
+            seg.close()
+        self._mapped.clear()
+        self._own.clear()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "off": self.off,
+            "segment_bytes": self.size,
+            "groups": sorted(k[0] for k, t in self._turns.items() if t.state is not None),
+            "own_segments": len(self._own),
+            "mapped_segments": len(self._mapped),
+        }
+
+
+def _min(dst: np.ndarray, src: np.ndarray) -> None:
+    np.minimum(dst, src, out=dst)
