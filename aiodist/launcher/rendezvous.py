@@ -6,7 +6,8 @@ backend the agent of node rank 0, with ``c10d`` the first agent on the endpoint'
 bind its port. Every agent (the host too) is a client of it. Round ``k`` (the restart count)
 lives under ``rdzv/<run_id>/<k>/``:
 
-- ``count``: how many agents joined; ``node/<i>``: agent ``i``'s JSON (nproc, the address other
+- ``count``: how many agents joined; ``arrived/<n>``: set by the ``n``-th to join (what the
+  others wait on instead of polling ``count``); ``node/<i>``: agent ``i``'s JSON (nproc, the address other
   nodes reach it at, host name, agent pid, whether it hosts the rendezvous store).
   ``static`` agents take ``i = --node-rank``; ``c10d`` agents take ``i`` in order of arrival.
 - ``final``: the number of nodes of the round, written once (compare-and-set) when ``count``
