@@ -69,6 +69,10 @@ _READY = encode_u8(CHECK_READY)
 _NOT_READY = encode_u8(CHECK_NOT_READY)
 _CANCELED = encode_u8(WAIT_CANCELED)
 _FLUSH_BYTES = 64 * 1024
+# The accept queue of each listener (the kernel caps it at net.core.somaxconn). Every rank of a
+# job connects at once; asyncio's create_server would listen again with its default of 100,
+# and a burst beyond that at a busy server has its SYNs dropped (retried after 1 s, 3 s, ...).
+LISTEN_BACKLOG = 2048
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -126,11 +130,12 @@ def _bound(family: socket.AddressFamily, type_: int, proto: int, addr: tuple[Any
     return sock
 
 
-def bind_listener(host: str | None, port: int, backlog: int = 2048) -> socket.socket:
+def bind_listener(host: str | None, port: int, backlog: int | None = None) -> socket.socket:
     """A listening socket on ``host:port``. With no host: one dual-stack socket on every
     interface (IPv6 ``::`` with IPv4 mapped), else, as torch's server does when IPv6 fails,
     ``0.0.0.0``; port 0 yields one port for both families. Failure is a ``ListenError`` in
     torch's words (``The server socket has failed to listen on any local network address...``)."""
+    backlog = LISTEN_BACKLOG if backlog is None else backlog
     if host in (None, ""):
         try:
             return _bound(socket.AF_INET6, socket.SOCK_STREAM, 0, ("::", port), backlog, True)
@@ -373,11 +378,11 @@ class TCPStoreServer:
         else:
             sock.setblocking(False)
             try:
-                sock.listen(2048)
+                sock.listen(LISTEN_BACKLOG)
             except OSError as exc:
                 raise DistNetworkError(f"master_listen_fd socket cannot listen: {exc}") from exc
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Conn(self), sock=sock)
+        self._server = await loop.create_server(lambda: _Conn(self), sock=sock, backlog=LISTEN_BACKLOG)
         self._port = sock.getsockname()[1]
         if sock.family == socket.AF_INET6 and self._host in (None, "") and self._sock is None:
             await self._start_local_listener(loop)
@@ -398,9 +403,9 @@ class TCPStoreServer:
         usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             usock.bind(name)
-            usock.listen(2048)
+            usock.listen(LISTEN_BACKLOG)
             usock.setblocking(False)
-            self._local = await loop.create_unix_server(lambda: _Conn(self), sock=usock)
+            self._local = await loop.create_unix_server(lambda: _Conn(self), sock=usock, backlog=LISTEN_BACKLOG)
         except OSError as exc:
             usock.close()
             log.debug("TCPStore server: no same-host Unix listener for port %d: %s", self._port, exc)

@@ -81,6 +81,7 @@ _CONNECT_ATTEMPT_S = 5.0  # one connect attempt's deadline (a dropped SYN would 
 _DIAGNOSE_S = 5.0  # how long a failed exchange() may spend finding the ranks it waited for
 _WARN_AFTER_S = 1.0  # a peer that cannot be connected to for this long gets a warning ...
 _WARN_EVERY_S: float | None = None  # ... and another this often while it lasts (None: AIODIST_INIT_WARN_INTERVAL, default 10 s)
+LISTEN_BACKLOG = 1024  # each listener's accept queue (the kernel caps it at net.core.somaxconn)
 HANDSHAKE_TIMEOUT_S = 10.0  # an accepted connection must complete its HELLO this soon (AIODIST_HANDSHAKE_TIMEOUT)
 _HANDSHAKE_WARN_EVERY_S = 10.0  # at most one warning this often about connections closed for want of a HELLO ...
 _HANDSHAKE_COALESCE_S = 0.5  # ... each summing up those closed within this long of the first
@@ -254,7 +255,10 @@ class Transport:
     async def _listen(self) -> None:
         loop = asyncio.get_running_loop()
         tsock = listen_tcp()
-        srv = await loop.create_server(lambda: Connection(self, "tcp"), sock=tsock)
+        # create_server listens again, with its own backlog (default 100): name ours, or a burst
+        # of dials at a busy rank (a big job's start) overflows the accept queue (dropped SYNs,
+        # retried after 1 s, 3 s, ...)
+        srv = await loop.create_server(lambda: Connection(self, "tcp"), sock=tsock, backlog=LISTEN_BACKLOG)
         self._servers.append(srv)
         port = tsock.getsockname()[1]
         name = unix_name(self.hello.token, self.rank) if self._use_unix else None
@@ -262,9 +266,9 @@ class Transport:
             usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 usock.bind(name)
-                usock.listen(1024)
+                usock.listen(LISTEN_BACKLOG)
                 usock.setblocking(False)
-                self._servers.append(await loop.create_unix_server(lambda: Connection(self, "unix"), sock=usock))
+                self._servers.append(await loop.create_unix_server(lambda: Connection(self, "unix"), sock=usock, backlog=LISTEN_BACKLOG))
             except OSError as exc:
                 usock.close()
                 log.warning("rank %d: no Unix socket listener (same-host peers will use TCP): %s", self.rank, exc)
