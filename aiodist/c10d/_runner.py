@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from aiodist.c10d.process_group import ProcessGroup
     from aiodist.c10d.work import Work
 
-__all__ = ["Tracker", "TrackedP2P", "DeviceTracker", "Report", "Note", "Findings", "run", "explain", "break_group"]
+__all__ = ["Tracker", "TrackedP2P", "DeviceTracker", "Report", "Note", "Findings", "run", "explain", "did_not_run", "break_group"]
 
 log = logging.getLogger("aiodist.c10d")
 
@@ -50,6 +50,10 @@ DETAIL_HINT = "; rerun with AIODIST_DEBUG=DETAIL to compare every rank's call be
 #: ``NOTES + str(rank)``: one JSON line per op of that rank that timed out, in any group
 NOTES = "aiodist/hang/rank/"
 _POLL_S = 0.02
+#: a deadline that fires this much later than due says this rank's own loop did not run meanwhile
+#: (the process stopped, e.g. SIGSTOP or a debugger, or the loop blocked): a healthy loop fires
+#: its timers within milliseconds, a loaded 2-core machine within a few tenths
+LATE_S = 0.5
 
 
 class Tracker(Protocol):
@@ -197,9 +201,10 @@ class Note:
     label: str  # "seq 3", "p2p seq 0 (tag 1, peers [1])"
     op: str
     t: float  # time.time() when it was written
+    seq: int | None = None  # a collective's seq (its report is under aiodist/hang/<group>/<seq>/); None for p2p
 
     def encode(self) -> str:
-        return json.dumps({"group": self.group, "label": self.label, "op": self.op, "t": self.t})
+        return json.dumps({"group": self.group, "label": self.label, "op": self.op, "t": self.t, "seq": self.seq})
 
     @staticmethod
     def decode_lines(raw: bytes) -> list[Note]:
@@ -207,7 +212,8 @@ class Note:
         for line in raw.decode().splitlines():
             if line.strip():
                 d = json.loads(line)
-                out.append(Note(int(d["group"]), str(d["label"]), str(d["op"]), float(d["t"])))
+                seq = d.get("seq")
+                out.append(Note(int(d["group"]), str(d["label"]), str(d["op"]), float(d["t"]), None if seq is None else int(seq)))
         return out
 
     def where(self) -> str:
@@ -222,6 +228,10 @@ class Findings:
     notes: dict[int, list[Note]] = field(default_factory=dict)  # ranks without a report here, seen timing out elsewhere
     answered: bool = True  # False: the store did not answer every request in time
     blocked: dict[int, str] = field(default_factory=dict)  # ranks whose loop watchdog says their loop is blocked
+    #: ranks found at another seq of this group: whom they wait on there, and where those waits end
+    #: (the ranks at that seq with no report, or waiting on nobody)
+    beyond: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
+    store_host: str | None = None  # whose process serves the store ("rank 0"), if known: named when it does not answer
 
 
 @dataclass
@@ -262,11 +272,24 @@ def _ranks(rs: Sequence[int]) -> str:
     return f"rank {rs[0]}" if len(rs) == 1 else f"ranks {sorted(rs)}"
 
 
-def explain(me: int, op: str, seq: int, group_id: int, found: Findings, *, since: float, now: float, grace: float) -> tuple[str, str, bool]:
+def did_not_run(me: int, late: float) -> str:
+    """The headline's clause for a deadline that fired ``late`` s after it was due."""
+    return (
+        f"rank {me} itself did not run for {late:.1f} s past its deadline (its timer fired late: this process was "
+        "stopped, e.g. by SIGSTOP or a debugger, or its event loop was blocked)"
+    )
+
+
+def explain(
+    me: int, op: str, seq: int, group_id: int, found: Findings, *, since: float, now: float, grace: float, late: float = 0.0
+) -> tuple[str, str, bool]:
     """``(headline, tail, hint)`` of a timed-out collective from what the store gave: the
     headline names the culprit and what it did (empty if nothing is known), the tail keeps the
     waits seen and the ranks by kind, ``hint`` says whether DETAIL would have told more.
-    ``since`` is when this rank's op started (``time.time()``), ``now`` when it gave up."""
+    ``since`` is when this rank's op started (``time.time()``), ``now`` when it gave up, ``late``
+    how long after it was due this rank's deadline fired (``LATE_S`` or more: this rank itself
+    did not run, which leads the headline, and a peer's silence blames nobody: the peers gave up
+    on this rank meanwhile, and may have left without a word)."""
     walk = _walk(me, op, found.reports)
     heard: dict[int, float] = {}
     for rep in found.reports.values():
@@ -274,8 +297,15 @@ def explain(me: int, op: str, seq: int, group_id: int, found: Findings, *, since
             heard[r] = max(t, heard.get(r, t))
     head: list[str] = []
     hint = False
+    frozen = late >= LATE_S
+    if frozen:
+        head.append(did_not_run(me, late) + ", so the peers' silence blames nobody")
     if not found.answered:
-        head.append(f"the store did not answer within {grace:g} s, so no rank is named as the cause (is the store's host stopped?)")
+        host = f"the store's host, {found.store_host}," if found.store_host else "the store's host"
+        if frozen:  # the store's host most likely gave up on this rank and left
+            head.append(f"the store did not answer within {grace:g} s ({host} may have left meanwhile)")
+        else:
+            head.append(f"the store did not answer within {grace:g} s, so no rank is named as the cause (is {host} stopped?)")
         hint = True
     if walk.mismatched:
         hint = True
@@ -290,8 +320,14 @@ def explain(me: int, op: str, seq: int, group_id: int, found: Findings, *, since
     absent = [r for r in missing if r not in found.notes and r not in heard]
     if found.answered:
         for r in elsewhere:
-            head.append(f"rank {r} never issued {op} seq {seq} of group {group_id}: it is in {found.notes[r][-1].where()}")
-        if absent:
+            # the chain goes on at that op: whom the rank waits on there (a rank stopped mid-loop
+            # leaves its next peer one op behind, and that peer's wait names the stopped one)
+            waits, ends = found.beyond.get(r, ([], []))
+            on = f", waiting on {_ranks(waits)} there" if waits else ""
+            if ends and set(ends) != set(waits):
+                on += f" (and through them on {_ranks(ends)})"
+            head.append(f"rank {r} never issued {op} seq {seq} of group {group_id}: it is in {found.notes[r][-1].where()}{on}")
+        if absent and not frozen:
             head.append(
                 f"{_ranks(absent)} never issued {op} seq {seq} of group {group_id} "
                 "(or stopped before sending anything: no report and no message from it in this op)"
@@ -312,7 +348,7 @@ def explain(me: int, op: str, seq: int, group_id: int, found: Findings, *, since
         f"rank {r} on {list(rep.waits)}" for r, rep in sorted(found.reports.items()) if r != me and rep.op == op and rep.waits
     )
     tail = f"; waits seen through the store: {chain}" if chain else ""
-    if found.answered and (elsewhere or absent):
+    if found.answered and not frozen and (elsewhere or absent):
         tail += f"; ranks stuck outside this op (never reported being in it): {sorted(elsewhere + absent)}"
     if in_op:
         tail += f"; ranks in this op but silent (no report, earlier messages seen): {in_op}"
@@ -325,7 +361,7 @@ async def consult(store: Store, group_id: int, seq: int, me: int, mine: Report, 
     of ops it timed out in since ``since``. ``answered`` is False when some store call did not
     return within ``grace``, or failed."""
     prefix = f"aiodist/hang/{group_id}/{seq}/"
-    found = Findings({me: mine})
+    found = Findings({me: mine}, store_host=_served_by(store))
     loop = asyncio.get_running_loop()
     stop = loop.time() + grace * 0.75  # the rest is the margin a slow answer may take
 
@@ -348,6 +384,10 @@ async def consult(store: Store, group_id: int, seq: int, me: int, mine: Report, 
                         fresh = [n for n in Note.decode_lines(await store.get(NOTES + str(r))) if n.t >= since]
                         if fresh:
                             found.notes[r] = fresh
+                            last = fresh[-1]
+                            there = f"aiodist/hang/{group_id}/{last.seq}/{r}"
+                            if last.group == group_id and last.seq not in (None, seq) and await store.check([there]):
+                                found.beyond[r] = await _chase(store, group_id, last.seq, r, Report.decode(await store.get(there)))
                 if not unknown() or loop.time() + _POLL_S >= stop:
                     break
                 await asyncio.sleep(_POLL_S)
@@ -355,6 +395,36 @@ async def consult(store: Store, group_id: int, seq: int, me: int, mine: Report, 
         log.debug("rank %d: consulting the store on seq %d of group %d: %r", me, seq, group_id, exc)
         found.answered = False
     return found
+
+
+async def _chase(store: Store, group_id: int, seq: int, r: int, rep: Report) -> tuple[list[int], list[int]]:
+    """Whom rank ``r`` waits on at ``seq`` (its report there is ``rep``), and where those waits end
+    at that seq: the ranks with no report there or waiting on nobody (bounded by the caller's deadline)."""
+    waits = [w for w in rep.waits if w != r]
+    seen, ends, frontier = {r}, [], list(waits)
+    while frontier:
+        w = frontier.pop(0)
+        if w in seen:
+            continue
+        seen.add(w)
+        key = f"aiodist/hang/{group_id}/{seq}/{w}"
+        theirs = Report.decode(await store.get(key)) if await store.check([key]) else None
+        if theirs is None or not theirs.waits:
+            ends.append(w)
+        else:
+            frontier.extend(theirs.waits)
+    return waits, sorted(ends)
+
+
+def _served_by(store: Store) -> str | None:
+    """Whose process serves ``store`` (a TCPStore made by the rendezvous knows), through prefixes."""
+    while True:
+        inner = getattr(store, "underlying_store", None)
+        if not isinstance(inner, Store):
+            break
+        store = inner
+    by = getattr(store, "served_by", None)
+    return by if isinstance(by, str) else None
 
 
 async def _note_only(store: Store, me: int, note: Note, grace: float) -> None:
@@ -394,6 +464,7 @@ async def run(
     grace = grace_for(limit) if pg.store is not None else 0.0
     since = time.time()
     deadline = Deadline(limit - grace)
+    due = asyncio.get_running_loop().time() + (limit - grace)
     try:
         async with deadline:
             await body(tracker)
@@ -402,7 +473,8 @@ async def run(
         raise
     except Exception as exc:
         if deadline.fired:
-            await _timed_out(pg, op, label, what, tracker, work, limit, grace, entry, since)
+            late = asyncio.get_running_loop().time() - due
+            await _timed_out(pg, op, label, what, tracker, work, limit, grace, entry, since, late)
         else:  # the body's own failure, a TimeoutError of its own included
             _failed(pg, op, label, what, work, exc)
         return
@@ -424,6 +496,7 @@ async def _timed_out(
     grace: float,
     entry: Entry | None,
     since: float,
+    late: float = 0.0,
 ) -> None:
     me = pg.backend.rank
     msg = f"{what} timed out after {limit:g} s on rank {me}"
@@ -431,12 +504,14 @@ async def _timed_out(
     msg += waiting or "; it was not waiting on any peer (the group was still running it)"
     if waiting:
         msg += pg.backend.connection_report(tracker.peers())
+    explained = False  # explain() leads with this rank's own stop, when it did not run
     if pg.store is not None and grace > 0:
-        note = Note(pg.group_id, label, op, time.time())
+        note = Note(pg.group_id, label, op, time.time(), work.seq if tracker.diagnose else None)
         if tracker.diagnose and len(pg.ranks) > 1:
             mine = Report(op, tuple(tracker.silent()), tracker.heard())
             found = await consult(pg.store, pg.group_id, work.seq, me, mine, note, grace, since=since)
-            headline, tail, hint = explain(me, op, work.seq, pg.group_id, found, since=since, now=time.time(), grace=grace)
+            headline, tail, hint = explain(me, op, work.seq, pg.group_id, found, since=since, now=time.time(), grace=grace, late=late)
+            explained = True
             if headline:
                 msg = f"{headline}; {msg}"
             msg += tail
@@ -444,6 +519,8 @@ async def _timed_out(
                 msg += DETAIL_HINT
         else:
             await _note_only(pg.store, me, note, grace)
+    if late >= LATE_S and not explained:  # no store to consult, or point-to-point
+        msg = f"{did_not_run(me, late)}; {msg}"
     err = DistTimeoutError(msg)
     if entry is not None:
         pg.recorder.timed_out(entry, msg)

@@ -407,6 +407,7 @@ class TCPStore(Store):
         # Same-host clients of an aiodist server talk over its abstract Unix socket (fewer
         # kernel steps than TCP loopback); torch servers have none, so TCP is used for them.
         self._use_local = True
+        self._served_by: str | None = None
         self._server: ServerThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._main: _Connection | None = None
@@ -435,6 +436,7 @@ class TCPStore(Store):
         if self._is_master:
             await self._start_server()
         rank = _startup.current().rank  # set by the rendezvous: the progress warnings name ranks
+        self._served_by = _startup.current().server_of
         try:
             self._main = await self._open(deadline, starting=True)
             if self._world_size is not None and self._wait_for_workers:
@@ -537,6 +539,13 @@ class TCPStore(Store):
         return self._use_libuv
 
     @property
+    def served_by(self) -> str | None:
+        """Whose process serves this store, as the rendezvous that made it said (``"rank 0"``,
+        ``"the launcher agent"``); None when not known (a store the user made). A timed-out op
+        whose store does not answer names it (docs/c10d.md, "A frozen rank")."""
+        return self._served_by
+
+    @property
     def server(self) -> TCPStoreServer | None:
         """The server this store hosts (master only), for statistics."""
         return self._server.server if self._server is not None else None
@@ -560,6 +569,7 @@ class TCPStore(Store):
         """A new client of the same server; it connects on first use (on its own loop)."""
         c = TCPStore(self._host, self._port, None, False, self._timeout_s, False, use_libuv=self._use_libuv)
         c._started = True
+        c._served_by = self._served_by
         return c
 
     # -- connections ----------------------------------------------------------------------
@@ -578,10 +588,9 @@ class TCPStore(Store):
                 conn = await self._open_local(loop)
                 if conn is None:
                     # one attempt is bounded too, so a host that drops SYNs is retried and warned about
-                    _, conn = await _within(
-                        loop.create_connection(lambda: _Connection(loop), self._host, self._port),
-                        max(0.001, min(deadline - time.monotonic(), _CONNECT_ATTEMPT_S)),
-                    )
+                    connecting = loop.create_connection(lambda: _Connection(loop), self._host, self._port)
+                    _, tcp = await _within(connecting, max(0.001, min(deadline - time.monotonic(), _CONNECT_ATTEMPT_S)))
+                    conn = tcp
                 got, nonce = await self._handshake(conn, deadline)
             except _BadPeer as exc:
                 raise DistNetworkError(f"{self._describe()}: handshake failed: {exc}; is this a TCPStore server?") from None

@@ -139,6 +139,15 @@ async def test_every_client_call_fails_within_its_own_timeout_naming_the_store(
         assert not any(h.done() for h in hammers.values()), {n: h.result() for n, h in hammers.items() if h.done()}
         t_sig = time.monotonic()
         os.kill(proc.pid, sig)
+        await asyncio.sleep(0.2)  # the signal has landed (a stopped or dead server answers nothing more)
+        # the calls made after it (while those in flight still run), on a store in use and on a
+        # fresh clone (which connects first)
+        fresh = stores[0].clone()
+        after = {
+            f"{name} ({which})": (asyncio.ensure_future(_timed(call(s, 0))), bound)
+            for which, s in (("after the fault", stores[1]), ("a clone made after the fault", fresh))
+            for name, (call, bound) in CALLS.items()
+        }
         # the calls in flight at the signal
         results = {name: await asyncio.wait_for(h, STORE_S + 5) for name, h in hammers.items()}
         for name, (n, took, exc) in results.items():
@@ -149,13 +158,6 @@ async def test_every_client_call_fails_within_its_own_timeout_naming_the_store(
             # they started 0.3 s before the signal: their own timeout bounds them from their start
             _check_failure(f"{name} at {sig.name}", took, bound, exc, addr)
         in_flight_s = time.monotonic() - t_sig
-        # the calls made after it, on a store whose connection the fault broke and on a fresh clone
-        fresh = stores[0].clone()
-        after = {
-            f"{name} ({which})": (asyncio.ensure_future(_timed(call(s, 0))), bound)
-            for which, s in (("after the fault", stores[1]), ("a clone made after the fault", fresh))
-            for name, (call, bound) in CALLS.items()
-        }
         took_after: dict[str, float] = {}
         for name, (fut, bound) in after.items():
             took, exc = await asyncio.wait_for(fut, STORE_S + 5)
