@@ -1,7 +1,8 @@
 """Hostile bytes against a running job: 3 env:// ranks (rank 0 hosts the store; ranks on asyncio's
 loop and on uvloop) run a loop of collectives and p2p whose results they check every iteration,
 while this process connects to the store (TCP and its same-host Unix socket) and to every
-transport listener of every rank (TCP and Unix, addresses read from the store) and sends random
+transport listener of every rank (TCP and Unix, addresses read from the store; and the Unix
+socket of each rank's shared-memory fd server, aiodist/shm, where it is on) and sends random
 garbage, huge-length headers, half a frame then a close, half a frame then nothing (until the
 handshake deadline, ``AIODIST_HANDSHAKE_TIMEOUT=1``), HELLOs with a wrong token, a wrong world
 size or the rank's own rank, and, to the store, bad opcodes, bad magic, huge key/value/count
@@ -17,6 +18,7 @@ wrong HELLOs earn, each of which must be there."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import re
@@ -202,6 +204,17 @@ def transport_attacks(addr: PeerAddress, token: bytes, rnd: random.Random) -> li
     return out
 
 
+def shm_attacks(name: str, rnd: random.Random) -> list[Attack]:
+    """The fd server of a rank's shared memory (aiodist/shm): a request is 36 bytes (a token
+    digest and a group id); anything else gets nothing and is closed."""
+    t: tuple[str, object] = ("unix", name)
+    return [
+        Attack("shm: garbage", t, rnd.randbytes(1000), "refused"),
+        Attack("shm: a request with another job's token", t, rnd.randbytes(32) + struct.pack("<I", 0), "refused"),
+        Attack("shm: half a request, then close", t, rnd.randbytes(18), "close"),
+    ]
+
+
 REFUSED_HELLOS = 4  # per listener: the attacks above that a rank refuses with an ERROR line (wrong token twice, world, itself)
 
 
@@ -319,6 +332,8 @@ async def test_hostile_bytes_against_a_running_job(tmp_path: Path) -> None:
         store = await TCPStore("127.0.0.1", port, is_master=False, timeout=10)
         token = await store.get(PREFIX + "aiodist/aio_backend/token")
         addrs = [PeerAddress.decode(await store.get(f"{PREFIX}aiodist/transport/{r}")) for r in range(N)]
+        shm = [json.loads(await store.get(f"{PREFIX}aiodist/shm/{r}")) for r in range(N)]
+        shm_names = [bytes.fromhex(rec["name"]).decode() for rec in shm if "name" in rec]
         t_attack = time.monotonic()
         before = ranks[0].progress()
         attacks: list[Attack] = []
@@ -326,6 +341,8 @@ async def test_hostile_bytes_against_a_running_job(tmp_path: Path) -> None:
             wave = store_attacks(port, rnd)
             for a in addrs:
                 wave += transport_attacks(a, token, rnd)
+            for name in shm_names:
+                wave += shm_attacks(name, rnd)
             await asyncio.gather(*(a.run() for a in wave))
             attacks += wave
         attack_s = time.monotonic() - t_attack
@@ -367,7 +384,7 @@ async def test_hostile_bytes_against_a_running_job(tmp_path: Path) -> None:
     hangs = [a.took for a in attacks if a.then == "hang-closed"]
     refused_s = [a.took for a in attacks if a.then == "refused"]
     print(
-        f"{len(attacks)} hostile connections in {attack_s:.2f} s over {ROUNDS} rounds; the job ran {before} -> {during} -> {done.pop()} "
+        f"{len(attacks)} hostile connections ({len(shm_names)} shm fd servers among the targets) in {attack_s:.2f} s over {ROUNDS} rounds; the job ran {before} -> {during} -> {done.pop()} "
         f"iterations (all checked); refused within {max(refused_s):.3f} s (max); idle/half-frame closed after "
         f"{min(hangs):.2f}-{max(hangs):.2f} s (deadline {HANDSHAKE_S:g} s); stderr lines per rank: {[len(k.err) for k in ranks]}"
     )
