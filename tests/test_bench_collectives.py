@@ -56,24 +56,98 @@ def check_rows(tables: dict[str, list[list[str]]], ncols: int) -> None:
     assert [int(r[0]) for r in tables["all_reduce"]] == [4, 64, 1024, 16384]
 
 
+LAG = re.compile(r"^(\d+\.\d)/(\d+\.\d)/(\d+\.\d)$")
+
+
+def check_lag_and_mem(cells: list[str]) -> None:
+    """Columns 7 and 8: the loop-lag probe's p50/p99/max (ms; '-' when it never woke up within
+    the timed iterations) and the peak memory growth (MiB)."""
+    m = LAG.match(cells[6])
+    assert m or cells[6] == "-", cells
+    if m:
+        p50, p99, top = map(float, m.groups())
+        assert 0 <= p50 <= p99 <= top
+    assert float(cells[7]) >= 0
+
+
 def test_quick_run_prints_a_table_per_op() -> None:
     r = run_bench()
     assert r.returncode == 0, r.stdout + r.stderr
     assert "size(B)" in r.stdout and "busbw(GB/s)" in r.stdout and "median" in r.stdout
-    check_rows(parse(r.stdout), 6)
-    assert "torch(us)" not in r.stdout
-
-
-def test_quick_run_against_torch() -> None:
-    pytest.importorskip("torch.distributed")
-    r = run_bench("--compare", "torch")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "aiodist/torch" in r.stdout
+    assert "lag p50/p99/max(ms)" in r.stdout and "mem+(MiB)" in r.stdout
+    assert re.search(r"loop lag with no op running .*: \d+\.\d/\d+\.\d/\d+\.\d ms", r.stdout), r.stdout
     tables = parse(r.stdout)
-    check_rows(tables, 9)
+    check_rows(tables, 8)
     for rows in tables.values():
         for cells in rows:
-            assert float(cells[6]) > 0 and float(cells[8]) > 0  # torch's time, the ratio
+            check_lag_and_mem(cells)
+    assert "torch(us)" not in r.stdout and "mpi: skipped" not in r.stdout
+
+
+def test_quick_run_against_torch_without_the_probe() -> None:
+    pytest.importorskip("torch.distributed")
+    r = run_bench("--compare", "torch", "--no-lag-probe")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "aiodist/torch" in r.stdout and "lag p50" not in r.stdout
+    tables = parse(r.stdout)
+    check_rows(tables, 10)
+    for rows in tables.values():
+        for cells in rows:
+            assert float(cells[6]) >= 0  # mem+
+            assert float(cells[7]) > 0 and float(cells[9]) > 0  # torch's time, the ratio
+
+
+def _mpi_missing() -> str | None:
+    from aiodist.bench.collectives import mpi_unavailable
+
+    return mpi_unavailable()
+
+
+@pytest.mark.skipif(_mpi_missing() is not None, reason=f"the MPI side cannot run here: {_mpi_missing()}")
+def test_quick_run_against_open_mpi() -> None:
+    r = run_bench("--compare", "mpi", "--ops", "all_reduce,all_gather_into_tensor,barrier")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "aiodist/mpi" in r.stdout and "mpi: mpi4py over Open MPI" in r.stdout
+    tables = parse(r.stdout)
+    assert set(tables) == {"all_reduce", "all_gather_into_tensor", "barrier"}
+    for rows in tables.values():
+        for cells in rows:
+            assert len(cells) == 11, cells
+            check_lag_and_mem(cells)
+            assert float(cells[8]) > 0 and float(cells[10]) > 0  # mpi's time, the ratio
+
+
+def test_mpi_missing_is_one_line_and_the_run_goes_on() -> None:
+    # an empty PATH for the check: mpirun is not found, whatever this machine has
+    r = run_bench("--ops", "barrier", "--no-lag-probe", "--compare", "mpi", env={"PATH": "/nonexistent"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"^mpi: skipped: mpirun is not on PATH", r.stdout, re.M), r.stdout
+    assert "aiodist/mpi" not in r.stdout and list(parse(r.stdout)) == ["barrier"]
+
+
+def test_unknown_compare_is_refused() -> None:
+    r = run_bench("--compare", "nccl")
+    assert r.returncode == 2 and "--compare: unknown ['nccl']" in r.stderr
+
+
+def test_plot_draws_a_png(tmp_path: pathlib.Path) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "busbw.png"
+    r = run_bench("--ops", "all_reduce,barrier", "--no-lag-probe", "--plot", str(png))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"plot: {png}" in r.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from aiodist.bench import collectives
+
+    real = collectives.importlib.util.find_spec
+    monkeypatch.setattr(collectives.importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(SystemExit) as e:
+        collectives.parse_args(["--plot", "x.png"])
+    assert e.value.code == 2
+    assert "aiodist[plot]" in capsys.readouterr().err
 
 
 def test_a_failing_rank_fails_the_run_with_its_traceback() -> None:

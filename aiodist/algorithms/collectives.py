@@ -20,12 +20,21 @@ Rules every function here keeps:
 - Size 1 sends nothing; messages both ends know to be empty are not sent.
 - Failure: the first error of any concurrent send/receive cancels the rest of the op and is
   raised as is (not wrapped in an ExceptionGroup); the op's P2P is then spent.
+- The loop never waits long on this module: a reduction or copy of more than ``_STEP_BYTES``
+  runs in pieces of that size with a yield to the loop between them (``_reduce``, ``_copy``), so
+  no step holds the loop for more than about a millisecond (elementwise work: the same bits
+  whatever the pieces).
+- No full-size allocation per call: scratch comes from a bounded per-process pool
+  (``_POOL``), taken for the op and given back when it ends, so concurrent ops never share one.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -92,6 +101,97 @@ def _root(root: int, size: int) -> int:
 def _same_size(a: np.ndarray, b: np.ndarray, what: str) -> None:
     if a.size != b.size:
         raise ValueError(f"{what}: {a.size} elements where {b.size} are expected")
+
+
+# -- work on the loop in small steps, scratch from a pool -----------------------------------------
+
+#: the most bytes one reduction or copy step handles before yielding to the loop: np.add over
+#: 1 MiB takes ~0.1-0.3 ms here, a copy less, so a step stays well under the 2 ms the loop may
+#: be held (measured: 4 MiB pieces in one call held it 2-6 ms on a loaded 2-core machine).
+_STEP_BYTES = 1 << 20
+
+
+async def _reduce(combine: Combine, dst: np.ndarray, src: np.ndarray) -> None:
+    """``combine(dst, src)`` in steps of at most ``_STEP_BYTES``, yielding between them."""
+    step = max(1, _STEP_BYTES // max(1, dst.itemsize))
+    if dst.size <= step:
+        combine(dst, src)
+        return
+    for a in range(0, dst.size, step):
+        if a:
+            await asyncio.sleep(0)
+        combine(dst[a : a + step], src[a : a + step])
+
+
+async def _copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[:] = src`` in steps of at most ``_STEP_BYTES``, yielding between them."""
+    step = max(1, _STEP_BYTES // max(1, dst.itemsize))
+    if dst.size <= step:
+        np.copyto(dst, src)
+        return
+    for a in range(0, dst.size, step):
+        if a:
+            await asyncio.sleep(0)
+        np.copyto(dst[a : a + step], src[a : a + step])
+
+
+class _ScratchPool:
+    """Free scratch arrays kept for the next op of the same (dtype, size), at most
+    ``max_bytes`` in all (least recently given back goes first; bigger arrays are not kept).
+    An array is out of the pool while an op holds it, so two ops in flight never share one."""
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._free: OrderedDict[tuple[str, int], list[np.ndarray]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()  # ranks may run on loops in several threads
+
+    def take(self, dtype: np.dtype, n: int) -> np.ndarray:
+        key = (np.dtype(dtype).str, n)
+        with self._lock:
+            got = self._free.get(key)
+            if got:
+                a = got.pop()
+                if not got:
+                    del self._free[key]
+                self._bytes -= a.nbytes
+                return a
+        return np.empty(n, dtype=dtype)
+
+    def give(self, a: np.ndarray) -> None:
+        if a.nbytes > self.max_bytes or a.nbytes == 0:
+            return
+        key = (a.dtype.str, a.size)
+        with self._lock:
+            self._free.setdefault(key, []).append(a)
+            self._free.move_to_end(key)
+            self._bytes += a.nbytes
+            while self._bytes > self.max_bytes:
+                old, arrays = next(iter(self._free.items()))
+                self._bytes -= arrays.pop(0).nbytes
+                if not arrays:
+                    del self._free[old]
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._bytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self._bytes = 0
+
+
+_POOL = _ScratchPool()
+
+
+@contextmanager
+def _borrowed(dtype: np.dtype, n: int) -> Iterator[np.ndarray]:
+    """A scratch array of ``n`` elements for the duration of the block, back to the pool after
+    it (not after a failure: a cancelled receive may still be landing in it)."""
+    a = _POOL.take(dtype, n)
+    yield a
+    _POOL.give(a)
 
 
 # -- running things concurrently -----------------------------------------------------------------
@@ -171,7 +271,7 @@ async def _flow(
                     assert combine is not None and scratch is not None
                     tmp = scratch[: dst.size]
                     await p2p.recv(peer, tmp, tag)
-                    combine(dst, tmp)
+                    await _reduce(combine, dst, tmp)
                 else:
                     await p2p.recv(peer, dst, tag)
             done += 1
@@ -216,7 +316,7 @@ async def _flow(
                     if reduce:
                         assert combine is not None
                         k = slot_of.pop(i)
-                        combine(dst, slots[k][: dst.size])
+                        await _reduce(combine, dst, slots[k][: dst.size])
                         free.append(k)
                 done += 1
                 moved.set()
@@ -257,11 +357,11 @@ _WINDOW = 4
 _AHEAD_MIN_BYTES = 64 << 10
 
 
-def _scratch(dtype: np.dtype, longest: int, total: int | None = None) -> np.ndarray:
-    """Scratch for ``_flow``: up to ``_WINDOW`` slots of ``longest`` elements, no more than the
-    ``total`` elements its reducing receives take together."""
+def _scratch(dtype: np.dtype, longest: int, total: int | None = None) -> Any:
+    """Scratch for ``_flow`` (a context manager giving the array): up to ``_WINDOW`` slots of
+    ``longest`` elements, no more than the ``total`` elements its reducing receives take together."""
     slots = _WINDOW if total is None else max(1, min(_WINDOW, -(-total // max(1, longest))))
-    return np.empty(longest * slots, dtype=dtype)
+    return _borrowed(dtype, longest * slots)
 
 
 # -- ring ------------------------------------------------------------------------------------------
@@ -292,11 +392,12 @@ async def _ring(
         for a, b in sch.pieces(0, chunks[rc].size, piece):
             recvs.append(_Recv(left, chunks[rc][a:b], _tag(phase, len(recvs)), s < reduce_steps))
         prev_start = start
-    scratch = None
     if reduce_steps and recvs:
         red = [r.buf.size for r in recvs if r.reduce]
-        scratch = _scratch(chunks[0].dtype, max(red, default=1), sum(red))
-    await _flow(p2p, sends, recvs, combine, scratch)
+        with _scratch(chunks[0].dtype, max(red, default=1), sum(red)) as scratch:
+            await _flow(p2p, sends, recvs, combine, scratch)
+    else:
+        await _flow(p2p, sends, recvs, combine)
 
 
 # -- broadcast / reduce ----------------------------------------------------------------------------
@@ -341,12 +442,20 @@ async def reduce(p2p: P2P, buf: np.ndarray, root: int, combine: Combine, *, thre
         return
     th = thresholds or current()
     parent, children = sch.binomial_tree(rank, p, root)
-    acc = buf if parent is None or not children else buf.copy()
     ps = sch.pieces(0, buf.size, th.piece_elems(buf.itemsize))
-    recvs = [_Recv(c, acc[a:b], _tag(0, j), True) for j, (a, b) in enumerate(ps) for c in children]
-    sends = [] if parent is None else [_Send(parent, acc[a:b], _tag(0, j), (j + 1) * len(children)) for j, (a, b) in enumerate(ps)]
-    scratch = _scratch(buf.dtype, max(b - a for a, b in ps), buf.size * len(children)) if children else None
-    await _flow(p2p, sends, recvs, combine, scratch)
+    if not children:  # a leaf: send its buf up
+        assert parent is not None
+        await _flow(p2p, [_Send(parent, buf[a:b], _tag(0, j), 0) for j, (a, b) in enumerate(ps)], [])
+        return
+    with _borrowed(buf.dtype, 0 if parent is None else buf.size) as copy:
+        acc = buf
+        if parent is not None:  # an inner rank: reduce into a copy, its buf stays as it was
+            acc = copy
+            await _copy(acc, buf)
+        recvs = [_Recv(c, acc[a:b], _tag(0, j), True) for j, (a, b) in enumerate(ps) for c in children]
+        sends = [] if parent is None else [_Send(parent, acc[a:b], _tag(0, j), (j + 1) * len(children)) for j, (a, b) in enumerate(ps)]
+        with _scratch(buf.dtype, max(b - a for a, b in ps), buf.size * len(children)) as scratch:
+            await _flow(p2p, sends, recvs, combine, scratch)
 
 
 # -- all_reduce ------------------------------------------------------------------------------------
@@ -388,8 +497,8 @@ async def all_reduce(p2p: P2P, buf: np.ndarray, combine: Combine, *, thresholds:
         await _flow(p2p, [], [_Recv(f.partner, buf[a:b], _tag(_PH_UNFOLD, j), False) for j, (a, b) in enumerate(ps)])
         return
     if f.partner is not None:  # a keeper: absorb the extra rank (it is the higher one)
-        scratch = _scratch(buf.dtype, max(b - a for a, b in ps), buf.size)
-        await _flow(p2p, [], [_Recv(f.partner, buf[a:b], _tag(_PH_FOLD, j), True) for j, (a, b) in enumerate(ps)], combine, scratch)
+        with _scratch(buf.dtype, max(b - a for a, b in ps), buf.size) as scratch:
+            await _flow(p2p, [], [_Recv(f.partner, buf[a:b], _tag(_PH_FOLD, j), True) for j, (a, b) in enumerate(ps)], combine, scratch)
     if algo == "recursive_doubling":
         await _recursive_doubling(p2p, buf, combine, f)
     else:
@@ -419,15 +528,17 @@ async def _halving_doubling(p2p: P2P, buf: np.ndarray, combine: Combine, f: sch.
     v, q = f.vrank, f.pof2
     b = sch.chunk_bounds(buf.size, q)
     halving = sch.halving_steps(v, q)
-    scratch = _scratch(buf.dtype, min(piece, max(1, b[q // 2])), b[q // 2])  # the first kept half is the largest receive
     phase = _PH_STEPS
-    for st in halving:
-        peer = sch.real_rank(st.partner, p2p.size)
-        sends = [_Send(peer, buf[x:y], _tag(phase, j), 0) for j, (x, y) in enumerate(sch.pieces(b[st.send[0]], b[st.send[1]], piece))]
-        recvs = [_Recv(peer, buf[x:y], _tag(phase, j), True) for j, (x, y) in enumerate(sch.pieces(b[st.keep[0]], b[st.keep[1]], piece))]
-        # no operand-order care needed here: each element is reduced by one rank, then copied
-        await _flow(p2p, sends, recvs, combine, scratch)
-        phase += 1
+    with _scratch(buf.dtype, min(piece, max(1, b[q // 2])), b[q // 2]) as scratch:  # the first kept half is the largest receive
+        for st in halving:
+            peer = sch.real_rank(st.partner, p2p.size)
+            sends = [_Send(peer, buf[x:y], _tag(phase, j), 0) for j, (x, y) in enumerate(sch.pieces(b[st.send[0]], b[st.send[1]], piece))]
+            recvs = [
+                _Recv(peer, buf[x:y], _tag(phase, j), True) for j, (x, y) in enumerate(sch.pieces(b[st.keep[0]], b[st.keep[1]], piece))
+            ]
+            # no operand-order care needed here: each element is reduced by one rank, then copied
+            await _flow(p2p, sends, recvs, combine, scratch)
+            phase += 1
     for dst in sch.doubling_steps(v, q):
         peer = sch.real_rank(dst.partner, p2p.size)
         sends = [_Send(peer, buf[x:y], _tag(phase, j), 0) for j, (x, y) in enumerate(sch.pieces(b[dst.mine[0]], b[dst.mine[1]], piece))]
@@ -454,7 +565,7 @@ async def all_gather(p2p: P2P, out_chunks: Sequence[np.ndarray], mine: np.ndarra
     outs = _vecs(out_chunks, "out_chunks", p, mine.dtype, writable=True)
     _same_size(outs[rank], mine, f"out_chunks[{rank}] (this rank's own chunk)")
     if outs[rank] is not mine:
-        np.copyto(outs[rank], mine)
+        await _copy(outs[rank], mine)
     if p == 1:
         return
     th = thresholds or current()
@@ -557,13 +668,34 @@ async def reduce_scatter(
             combine(acc, x)
         np.copyto(out, acc)
         return
-    work = np.concatenate(ins)
-    b = [0]
-    for x in ins:
-        b.append(b[-1] + x.size)
-    chunks = [work[b[i] : b[i + 1]] for i in range(p)]
-    await _ring(p2p, chunks, sch.ring_reduce_scatter(rank, p), p - 1, combine, th.piece_elems(out.itemsize), 0)
-    np.copyto(out, chunks[rank])
+    steps = sch.ring_reduce_scatter(rank, p)
+    piece = th.piece_elems(out.itemsize)
+    if any(np.shares_memory(out, x) for i, x in enumerate(ins) if i != rank):  # out overlaps another part: work aside
+        with _borrowed(out.dtype, sum(x.size for x in ins)) as work:
+            b = [0]
+            for x in ins:
+                b.append(b[-1] + x.size)
+            chunks = [work[b[i] : b[i + 1]] for i in range(p)]
+            for c, x in zip(chunks, ins):
+                await _copy(c, x)
+            await _ring(p2p, chunks, steps, p - 1, combine, piece, 0)
+            await _copy(out, chunks[rank])
+        return
+    # Only the chunks this rank receives into are written: its own (the last step's, reduced
+    # straight into ``out``) and, beyond 2 ranks, the ones it forwards; the chunk its first step
+    # sends is read from the input as it is.
+    written = [st.recv for st in steps if st.recv != rank]
+    with _borrowed(out.dtype, sum(ins[i].size for i in written)) as work:
+        chunks = list(ins)
+        at = 0
+        for i in written:
+            chunks[i] = work[at : at + ins[i].size]
+            at += ins[i].size
+            await _copy(chunks[i], ins[i])
+        if out is not ins[rank]:
+            await _copy(out, ins[rank])
+        chunks[rank] = out
+        await _ring(p2p, chunks, steps, p - 1, combine, piece, 0)
 
 
 async def all_to_all(p2p: P2P, outs: Sequence[np.ndarray], ins: Sequence[np.ndarray], *, thresholds: Thresholds | None = None) -> None:

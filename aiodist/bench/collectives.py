@@ -35,9 +35,13 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import re
+import shutil
 import signal
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import zlib
@@ -48,7 +52,8 @@ from typing import Any
 
 import numpy as np
 
-from aiodist.bench import format_table, machine_info
+from aiodist.bench import format_table, machine_info, package_version
+from aiodist.bench.probes import LagProbe, PeakRss, percentile
 
 __all__ = ["main", "OPS", "sizes"]
 
@@ -115,10 +120,11 @@ class Plan:
     """How the ranks of one side start. Sent to the rank processes as an argument; what they
     run comes row by row over their pipes."""
 
-    impl: str  # "aiodist" | "torch"
+    impl: str  # "aiodist" | "torch" | "mpi"
     nproc: int
     port: int
     timeout: float
+    lag_probe: bool = False
 
 
 # ----------------------------------------------------------------------------- ranks
@@ -152,13 +158,36 @@ class _Buffers:
             self.inp = self.out = np.zeros(count, np.float32)
 
 
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+async def _next(conn: multiprocessing.connection.Connection) -> Any:
+    """The coordinator's next command, waited for without blocking the loop (aiodist's loop
+    watchdog would report a blocked loop while another side runs its rows)."""
+    loop = asyncio.get_running_loop()
+    while not conn.poll():
+        ready = loop.create_future()
+        loop.add_reader(conn.fileno(), _wake, ready)
+        try:
+            await ready
+        finally:
+            loop.remove_reader(conn.fileno())
+    return conn.recv()
+
+
 class _Rank:
     """One rank's side of the protocol, whatever the implementation: ``call(op, b)`` runs one
     op (a coroutine for aiodist, None for torch) and ``barrier()`` likewise."""
 
-    def __init__(self, rank: int, n: int, call: Callable[[str, _Buffers], Any], barrier: Callable[[], Any], check_bits: bool) -> None:
+    def __init__(
+        self, rank: int, n: int, call: Callable[[str, _Buffers], Any], barrier: Callable[[], Any], check_bits: bool, lag_probe: bool = False
+    ) -> None:
         self.rank, self.n, self.call, self.barrier, self.check_bits = rank, n, call, barrier, check_bits
         self.checked: set[int] = set()
+        # blocking implementations (torch, MPI) cannot run a probe: their loop does nothing during an op
+        self.probe = LagProbe() if lag_probe else None
 
     async def _do(self, aw: Any) -> None:
         if aw is not None:
@@ -182,24 +211,37 @@ class _Rank:
                 await self._do(self.call(op, b))
                 crc = zlib.crc32(b.out.tobytes())
             b.out.fill(0)
+        mem = PeakRss()
+        mem.start()  # after the checks (their inputs are the size of the buffer): the op's own extra memory
         for _ in range(warmup):
             await self._do(self.call(op, b))
         await self._do(self.barrier())
+        if self.probe is not None:
+            self.probe.start()
         times = []
         for _ in range(iters):
             t0 = time.perf_counter()
             await self._do(self.call(op, b))
             times.append(time.perf_counter() - t0)
-        return {"times": times, "crc": crc}
+        lags = await self.probe.stop() if self.probe is not None else None
+        return {"times": times, "crc": crc, "lags": lags, "mem": mem.stop()}
 
     async def serve(self, conn: multiprocessing.connection.Connection) -> None:
         """Run the coordinator's commands: ("row", op, count, warmup, iters) or ("stop",)."""
         conn.send(("ready",))
         while True:
-            cmd = conn.recv()  # blocking is fine: nothing else runs here between rows
+            cmd = await _next(conn)
             if cmd[0] == "stop":
                 await self._do(self.barrier())
                 return
+            if cmd[0] == "idle":  # the probe alone: the loop lag this machine gives with no op running
+                lags = None
+                if self.probe is not None:
+                    self.probe.start()
+                    await asyncio.sleep(cmd[1])
+                    lags = await self.probe.stop()
+                conn.send(("idle", lags))
+                continue
             conn.send(("row", await self.row(*cmd[1:])))
 
 
@@ -225,7 +267,7 @@ async def _aiodist_rank(plan: Plan, rank: int, conn: multiprocessing.connection.
                 return aiodist.all_to_all_single(b.out, b.inp)
             return aiodist.barrier()
 
-        await _Rank(rank, n, call, aiodist.barrier, True).serve(conn)
+        await _Rank(rank, n, call, aiodist.barrier, True, plan.lag_probe).serve(conn)
     finally:
         await aiodist.destroy_process_group()
 
@@ -302,6 +344,24 @@ def _free_port() -> int:
     return get_free_port()
 
 
+@dataclass
+class Row:
+    """What one side measured for one (op, size), over every round."""
+
+    times: list[float]  # per iteration, the slowest rank's
+    lags: list[float] | None  # the loop-lag probe's wake-up delays, every rank's (None: no probe)
+    mem: int  # the largest peak RSS growth of any rank over a round (bytes)
+
+    def merge(self, other: Row) -> None:
+        self.times += other.times
+        if self.lags is not None and other.lags is not None:
+            self.lags += other.lags
+        self.mem = max(self.mem, other.mem)
+
+
+Results = dict[str, dict[int, Row]]  # op -> count -> row
+
+
 class Side:
     """The rank processes of one implementation, started once and driven row by row."""
 
@@ -334,9 +394,8 @@ class Side:
             waiting = [r for r in range(len(self.conns)) if r not in got]
             if left <= 0:
                 raise BenchError(f"{impl}: ranks {waiting} did not answer within {limit:g} s during {what} (--timeout)")
-            multiprocessing.connection.wait(
-                [self.conns[r] for r in waiting] + [self.procs[r].sentinel for r in waiting], timeout=min(left, 1.0)
-            )
+            sentinels = list(dict.fromkeys(self.procs[r].sentinel for r in waiting))  # the MPI side's ranks share one
+            multiprocessing.connection.wait([self.conns[r] for r in waiting] + sentinels, timeout=min(left, 1.0))
             for r in waiting:
                 conn = self.conns[r]
                 if conn.poll():
@@ -372,15 +431,24 @@ class Side:
         first = next((q for q, t in sorted(errors.items()) if not _is_comm({q: t})), r)
         return BenchError(f"{self.plan.impl} rank {first} failed during {what}:\n{errors[first]}")
 
-    def row(self, op: str, count: int, warmup: int, iters: int) -> list[float]:
-        """Run one row on every rank: the slowest rank's time of each iteration."""
+    def row(self, op: str, count: int, warmup: int, iters: int) -> Row:
+        """Run one row on every rank: the slowest rank's time of each iteration, every rank's
+        loop lags (pooled) and the largest peak memory growth of any rank."""
         for c in self.conns:
             c.send(("row", op, count, warmup, iters))
         replies = self._gather("row", self.plan.timeout, f"{op} of {count * ITEMSIZE} B")
         crcs = {r: x["crc"] for r, x in enumerate(replies) if x["crc"] is not None}
         if len(set(crcs.values())) > 1:
             raise BenchError(f"{self.plan.impl}: {op} of {count} elements left different bits on different ranks: {crcs}")
-        return [max(ts) for ts in zip(*(x["times"] for x in replies))]
+        lags = None if replies[0]["lags"] is None else [lag for x in replies for lag in x["lags"]]
+        return Row([max(ts) for ts in zip(*(x["times"] for x in replies))], lags, max(x["mem"] for x in replies))
+
+    def idle_lags(self, seconds: float) -> list[float] | None:
+        """Every rank's probe lags over ``seconds`` with no op running (None: no probe)."""
+        for c in self.conns:
+            c.send(("idle", seconds))
+        got = self._gather("idle", self.plan.timeout + seconds, "the idle loop-lag probe")
+        return None if got[0] is None else [lag for g in got for lag in g]
 
     def stop(self) -> None:
         try:
@@ -401,26 +469,243 @@ class Side:
             c.close()
 
 
-def run(
-    args: argparse.Namespace, sz: tuple[int, ...]
-) -> tuple[dict[str, dict[int, list[float]]], dict[str, dict[int, list[float]]] | None]:
-    """Both sides' rows, interleaved: for each row, each side in turn (the order alternating
-    from row to row), so the machine's drift lands on both."""
-    impls = ["aiodist"] + (["torch"] if args.compare == "torch" else [])
-    sides = {i: Side(Plan(i, args.nproc, _free_port(), args.timeout)) for i in impls}
-    out: dict[str, dict[str, dict[int, list[float]]]] = {i: {op: {} for op in args.op_list} for i in impls}
+# ----------------------------------------------------------------------------- Open MPI side
+
+#: how mpirun starts the MPI side: shared memory between the ranks (vader: Open MPI 4's
+#: single-copy shared-memory transport), no binding (aiodist's and torch's ranks are not bound
+#: either); ``--oversubscribe`` is added only for more ranks than cores (it makes Open MPI yield
+#: the core while it waits: 4 B all_reduce went from 1.5 us to 2.8 ms here)
+MPI_FLAGS = ("--mca", "btl", "self,vader", "--bind-to", "none")
+MPI_ENV = "AIODIST_BENCH_MPI"  # host:port:authkey(hex) of the coordinator, for the MPI ranks
+
+
+def mpi_flags(nproc: int) -> tuple[str, ...]:
+    return MPI_FLAGS + (("--oversubscribe",) if nproc > (os.cpu_count() or 1) else ())
+
+
+def mpi_unavailable() -> str | None:
+    """Why the MPI side cannot run here (None: it can)."""
+    if shutil.which("mpirun") is None:
+        return "mpirun is not on PATH (Debian: apt-get install openmpi-bin libopenmpi-dev)"
+    if importlib.util.find_spec("mpi4py") is None:
+        return "mpi4py is not installed (pip install mpi4py; it builds against the Open MPI found by mpicc)"
+    return None
+
+
+def mpirun_version() -> str:
+    try:
+        out = subprocess.run(["mpirun", "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    first = out.strip().splitlines()[:1]
+    return first[0] if first else "unknown"
+
+
+class _MpiProc:
+    """What ``Side`` asks of a rank's process, answered for the one mpirun that runs them all."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self.popen = popen
+        self.sentinel = os.pidfd_open(popen.pid)  # waitable with the ranks' pipes (Linux >= 5.3)
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def join(self, timeout: float) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def close(self) -> None:
+        try:
+            os.close(self.sentinel)
+        except OSError:
+            pass
+
+
+class MpiSide(Side):
+    """The MPI side: ``mpirun -np N python -m aiodist.bench._mpi_rank``; each rank connects back
+    to the coordinator (an authenticated ``multiprocessing.connection``) and then speaks the
+    same row protocol as the other sides."""
+
+    def __init__(self, plan: Plan) -> None:
+        super().__init__(plan)
+        self.mpirun: subprocess.Popen[bytes] | None = None
+        self._proc: _MpiProc | None = None
+        self._listener: socket.socket | None = None
+        self._key = os.urandom(16)
+
+    def start(self) -> None:
+        self._listener = socket.create_server((HOST, 0))
+        port = self._listener.getsockname()[1]
+        env = {**os.environ, MPI_ENV: f"{HOST}:{port}:{self._key.hex()}"}
+        cmd = ["mpirun", *mpi_flags(self.plan.nproc), "-np", str(self.plan.nproc), "-x", MPI_ENV]
+        if os.geteuid() == 0:  # Open MPI refuses root without both the flag and the variables
+            cmd.insert(1, "--allow-run-as-root")
+            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        cmd += [sys.executable, "-m", "aiodist.bench._mpi_rank"]
+        # its own session, so that a kill reaches the ranks it started too (see kill); its
+        # output goes to a file, read only when it fails (a pipe nobody reads could fill)
+        self._out = tempfile.TemporaryFile()
+        self.mpirun = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.DEVNULL, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self._proc = _MpiProc(self.mpirun)
+        self.procs = [self._proc] * self.plan.nproc  # type: ignore[list-item]
+
+    def _output(self) -> str:
+        self._out.seek(0)
+        return self._out.read().decode(errors="replace")[-4000:]
+
+    def wait_ready(self) -> None:
+        """Accept every rank's connection (each says its rank first), then wait for "ready"."""
+        assert self._listener is not None and self.mpirun is not None
+        limit = STARTUP + self.plan.timeout
+        deadline = time.monotonic() + limit
+        by_rank: dict[int, multiprocessing.connection.Connection] = {}
+        while len(by_rank) < self.plan.nproc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BenchError(f"mpi: {self.plan.nproc - len(by_rank)} rank(s) did not connect within {limit:g} s")
+            if self.mpirun.poll() is not None:
+                raise BenchError(f"mpi: mpirun exited ({self.mpirun.returncode}) before every rank connected:\n{self._output()}")
+            self._listener.settimeout(min(left, 1.0))
+            try:
+                sock, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            sock.setblocking(True)
+            conn = multiprocessing.connection.Connection(sock.detach())
+            try:
+                multiprocessing.connection.deliver_challenge(conn, self._key)
+                multiprocessing.connection.answer_challenge(conn, self._key)
+                if not conn.poll(min(left, 30.0)):
+                    raise EOFError
+                hello = conn.recv()
+            except (multiprocessing.AuthenticationError, EOFError, OSError):
+                conn.close()  # not one of ours, or gone
+                continue
+            by_rank[int(hello[1])] = conn
+        self.conns = [by_rank[r] for r in range(self.plan.nproc)]
+        self._listener.close()
+        super().wait_ready()
+
+    def stop(self) -> None:
+        try:
+            for c in self.conns:
+                c.send(("stop",))
+            self._gather("done", self.plan.timeout, "shut-down")
+            if self.mpirun is not None:
+                self._proc.join(10)  # type: ignore[union-attr]
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.mpirun is not None and self.mpirun.poll() is None:
+            self.mpirun.terminate()  # mpirun passes it on to its ranks
+            try:
+                self.mpirun.wait(5)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.mpirun.pid, signal.SIGKILL)  # the session we started it in: mpirun and its ranks
+                except ProcessLookupError:
+                    pass
+                self.mpirun.wait(5)
+        if self._proc is not None:
+            self._proc.close()
+            self._proc = None
+        self.procs = []
+        if self._listener is not None:
+            self._listener.close()
+        for c in self.conns:
+            c.close()
+
+
+async def _mpi_rank(conn: multiprocessing.connection.Connection) -> None:
+    """One MPI rank (``aiodist.bench._mpi_rank`` under mpirun): blocking mpi4py calls on the
+    buffers' numpy arrays, in place where the op allows it."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, n = comm.Get_rank(), comm.Get_size()
+
+    def call(op: str, b: _Buffers) -> None:
+        if op == "all_reduce":
+            comm.Allreduce(MPI.IN_PLACE, b.out, op=MPI.SUM)
+        elif op == "broadcast":
+            comm.Bcast(b.out, root=0)
+        elif op == "reduce":
+            if rank == 0:
+                comm.Reduce(MPI.IN_PLACE, b.out, op=MPI.SUM, root=0)
+            else:
+                comm.Reduce(b.out, None, op=MPI.SUM, root=0)
+        elif op == "all_gather_into_tensor":
+            comm.Allgather(b.inp, b.out)
+        elif op == "reduce_scatter_tensor":
+            comm.Reduce_scatter_block(b.inp, b.out, op=MPI.SUM)
+        elif op == "all_to_all_single":
+            comm.Alltoall(b.inp, b.out)
+        else:
+            comm.Barrier()
+
+    conn.send(("hello", rank))
+    await _Rank(rank, n, call, comm.Barrier, False).serve(conn)
+
+
+def mpi_rank_main() -> int:
+    host, port, key = os.environ[MPI_ENV].rsplit(":", 2)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from mpi4py import MPI  # noqa: F401  (MPI_Init waits for every rank: before the coordinator, which takes one rank at a time)
+
+    conn = multiprocessing.connection.Client((host, int(port)), authkey=bytes.fromhex(key))
+    try:
+        asyncio.run(_mpi_rank(conn))
+        reply: tuple[Any, ...] = ("done",)
+    except EOFError:
+        return 1
+    except BaseException:
+        reply = ("error", traceback.format_exc())
+    try:
+        conn.send(reply)
+    except OSError:
+        pass
+    conn.close()
+    return 0 if reply[0] == "done" else 1
+
+
+IDLE_PROBE_SECONDS = 0.5  # how long the probe runs alone before the sweep
+
+
+def run(args: argparse.Namespace, sz: tuple[int, ...]) -> tuple[dict[str, Results], list[float] | None]:
+    """Every side's rows, interleaved: for each row, each side in turn (the order rotating
+    from row to row), so the machine's drift lands on all of them."""
+    impls = ["aiodist", *args.impls]
+    sides: dict[str, Side] = {}
+    for i in impls:
+        plan = Plan(i, args.nproc, _free_port(), args.timeout, lag_probe=i == "aiodist" and args.lag_probe)
+        sides[i] = MpiSide(plan) if i == "mpi" else Side(plan)
+    out: dict[str, Results] = {i: {op: {} for op in args.op_list} for i in impls}
     try:
         for side in sides.values():
             side.start()
         for side in sides.values():
             side.wait_ready()
+        idle = sides["aiodist"].idle_lags(IDLE_PROBE_SECONDS) if args.lag_probe else None
         k = 0
         for rnd in range(args.rounds):
             for op in args.op_list:
                 for count in _rows(op, sz, args.nproc):
-                    for i in impls if k % 2 == 0 else impls[::-1]:
-                        times = sides[i].row(op, count, args.warmup, args.iters)
-                        out[i][op].setdefault(count, []).extend(times)
+                    for i in impls[k % len(impls) :] + impls[: k % len(impls)]:
+                        got = sides[i].row(op, count, args.warmup, args.iters)
+                        if count in out[i][op]:
+                            out[i][op][count].merge(got)
+                        else:
+                            out[i][op][count] = got
                     k += 1
                     if args.verbose:
                         print(f"  round {rnd + 1}: {op} {count * ITEMSIZE} B", flush=True)
@@ -429,36 +714,93 @@ def run(
     finally:
         for side in sides.values():
             side.kill()
-    return out["aiodist"], out.get("torch")
+    return out, idle
 
 
 def _fmt_us(t: float | None) -> str:
     return "-" if t is None else f"{t * 1e6:.1f}"
 
 
-def report(ops: Sequence[str], n: int, mine: dict[str, dict[int, list[float]]], torch: dict[str, dict[int, list[float]]] | None) -> str:
+def _busbw(op: str, n: int, nbytes: int, t: float) -> float:
+    return nbytes / t / 1e9 * _busbw_factor(op, n) if t > 0 else 0.0
+
+
+def _lag_cell(lags: list[float] | None) -> str:
+    """p50/p99/max of the probe's lags, in ms."""
+    if not lags:
+        return "-"
+    return "/".join(f"{percentile(lags, q) * 1e3:.1f}" for q in (0.5, 0.99, 1.0))
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f}"
+
+
+def report(ops: Sequence[str], n: int, results: dict[str, Results]) -> str:
+    """A table per op: aiodist's time, bandwidth, loop lag and extra memory, then each other
+    implementation's time and busbw with the ratio of aiodist's time to it."""
+    mine = results["aiodist"]
+    others = [i for i in results if i != "aiodist"]
+    lag = any(r.lags is not None for rows in mine.values() for r in rows.values())
     blocks = []
     for op in ops:
         headers = ["size(B)", "count", "dtype", "time(us)", "algbw(GB/s)", "busbw(GB/s)"]
-        if torch is not None:
-            headers += ["torch(us)", "torch busbw", "aiodist/torch"]
+        headers += ["lag p50/p99/max(ms)"] if lag else []
+        headers += ["mem+(MiB)"]
+        for i in others:
+            headers += [f"{i}(us)", f"{i} busbw", f"aiodist/{i}"]
         rows = []
-        for count, ts in mine[op].items():
+        for count, r in mine[op].items():
             nbytes = count * ITEMSIZE
-            t = statistics.median(ts)
+            t = statistics.median(r.times)
             alg = nbytes / t / 1e9 if t > 0 else 0.0
-            row = [str(nbytes), str(count), "float32", _fmt_us(t), f"{alg:.3f}", f"{alg * _busbw_factor(op, n):.3f}"]
-            if torch is not None:
-                tt = torch.get(op, {}).get(count)
-                if tt:
-                    tm = statistics.median(tt)
-                    talg = nbytes / tm / 1e9 if tm > 0 else 0.0
-                    row += [_fmt_us(tm), f"{talg * _busbw_factor(op, n):.3f}", f"{t / tm:.2f}"]
+            row = [str(nbytes), str(count), "float32", _fmt_us(t), f"{alg:.3f}", f"{_busbw(op, n, nbytes, t):.3f}"]
+            row += [_lag_cell(r.lags)] if lag else []
+            row += [_mib(r.mem)]
+            for i in others:
+                theirs = results[i].get(op, {}).get(count)
+                if theirs is not None and theirs.times:
+                    tm = statistics.median(theirs.times)
+                    row += [_fmt_us(tm), f"{_busbw(op, n, nbytes, tm):.3f}", f"{t / tm:.2f}" if tm > 0 else "-"]
                 else:
                     row += ["-", "-", "-"]
             rows.append(row)
         blocks.append(f"# {op}\n{format_table(headers, rows)}")
     return "\n\n".join(blocks)
+
+
+def plot(path: str, ops: Sequence[str], n: int, results: dict[str, Results]) -> None:
+    """busbw against size, one panel per op (barrier has no bandwidth), a line per
+    implementation; written as an image to ``path`` (its suffix picks the format)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [op for op in ops if op != "barrier"]
+    if not shown:
+        raise BenchError("--plot: no op with a bandwidth among --ops (barrier has none)")
+    cols = min(3, len(shown))
+    nrows = -(-len(shown) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 3.8 * nrows), squeeze=False)
+    for ax, op in zip(axes.flat, shown):
+        for impl, res in results.items():
+            pts = sorted(
+                (c * ITEMSIZE, _busbw(op, n, c * ITEMSIZE, statistics.median(r.times))) for c, r in res.get(op, {}).items() if r.times
+            )
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", markersize=3, label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{op}, {n} ranks")
+        ax.set_xlabel("size (bytes)")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    for ax in list(axes.flat)[len(shown) :]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _size(text: str) -> int:
@@ -468,10 +810,13 @@ def _size(text: str) -> int:
     return int(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2).lower()]
 
 
+COMPARE = ("torch", "mpi")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m aiodist.bench collectives",
-        description="Collective time, algbw and busbw over a size sweep (float32), nccl-tests style; optionally against torch gloo in the same run.",
+        description="Collective time, algbw and busbw over a size sweep (float32), nccl-tests style; optionally against torch gloo and Open MPI in the same run.",
     )
     p.add_argument("--nproc", type=int, default=2, help="ranks (spawned processes; default 2)")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated ops (default all: {','.join(OPS)})")
@@ -483,13 +828,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--rounds", type=int, default=1, help="passes over the whole sweep; a row's time is the median over all of them (default 1)"
     )
-    p.add_argument("--compare", choices=["torch"], help="also run torch.distributed gloo on the same plan and show the ratio")
+    p.add_argument(
+        "--compare",
+        default="",
+        help="comma-separated: torch (torch.distributed gloo), mpi (mpi4py over Open MPI's mpirun, shared memory; "
+        "skipped with a line saying why where mpirun or mpi4py is missing), on the same plan, with ratio columns",
+    )
+    p.add_argument(
+        "--plot", metavar="FILE.png", help="draw busbw against size for every implementation (needs matplotlib: the 'plot' extra)"
+    )
+    p.add_argument("--no-lag-probe", dest="lag_probe", action="store_false", help="do not run the loop-lag probe on aiodist's ranks")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any op, or the wait for the next size, may take (default 120)")
     p.add_argument("--quick", action="store_true", help="for tests: 4 B to 64 KiB, step 16, 3 iterations, 1 warmup")
     p.add_argument("--verbose", action="store_true", help="print progress per size")
     args = p.parse_args(argv)
-    if args.compare == "torch" and importlib.util.find_spec("torch") is None:
+    wanted = [c.strip() for c in args.compare.split(",") if c.strip()]
+    bad = [c for c in wanted if c not in COMPARE]
+    if bad:
+        p.error(f"--compare: unknown {bad}; choose from {', '.join(COMPARE)}")
+    if "torch" in wanted and importlib.util.find_spec("torch") is None:
         p.error("--compare torch: torch is not installed")
+    args.skipped = {}
+    if "mpi" in wanted:
+        why = mpi_unavailable()
+        if why:
+            args.skipped["mpi"] = why
+    args.impls = [c for c in COMPARE if c in wanted and c not in args.skipped]
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib, which is not installed: pip install 'aiodist[plot]' (or pip install matplotlib)")
     if args.quick:
         args.min_bytes, args.max_bytes, args.step, args.iters, args.warmup = 4, 64 << 10, 16, 3, 1
     args.op_list = tuple(o.strip() for o in args.ops.split(",") if o.strip())
@@ -508,14 +874,19 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     sz = tuple(sizes(args.min_bytes, args.max_bytes, args.step))
     info = machine_info()
+    if "mpi" in args.impls:
+        info["mpi4py"] = package_version("mpi4py")
+        info["mpirun"] = mpirun_version()
     print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
     print(
         f"ranks: {args.nproc}; dtype float32; sizes {sz[0]}..{sz[-1]} B x{args.step}; {args.warmup} warmup + {args.iters} timed iterations; "
         f"time = median over iterations of the slowest rank's time",
         flush=True,
     )
+    for impl, why in args.skipped.items():
+        print(f"{impl}: skipped: {why}", flush=True)
     try:
-        mine, theirs = run(args, sz)
+        results, idle = run(args, sz)
     except BenchError as exc:
         print(f"\nBENCHMARK FAILED: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -523,11 +894,31 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted", file=sys.stderr, flush=True)
         return 130
     print()
-    print(report(args.op_list, args.nproc, mine, theirs))
-    note = "aiodist: the 'gloo' backend (aiodist's socket transport) on uvloop"
-    if theirs is not None:
-        note += "; torch: torch.distributed gloo; aiodist/torch = time ratio (below 1: aiodist faster)"
-    print(f"\n{note}\nwall time {time.monotonic() - started:.1f} s", flush=True)
+    print(report(args.op_list, args.nproc, results))
+    notes = ["aiodist: the 'gloo' backend (aiodist's socket transport) on uvloop"]
+    if args.lag_probe:
+        notes.append(f"loop lag with no op running (this machine's floor), p50/p99/max over {IDLE_PROBE_SECONDS:g} s: {_lag_cell(idle)} ms")
+        notes.append(
+            "lag = how late a 1 ms sleep on aiodist's rank loops woke up during the timed iterations (p50/p99/max over every wake-up of every rank; "
+            "uvloop's timers have 1 ms resolution)"
+        )
+    notes.append(
+        "mem+ = aiodist's largest peak RSS growth of any rank over warmup and timed iterations (VmHWM reset after the buffers and checks)"
+    )
+    if "torch" in args.impls:
+        notes.append("torch: torch.distributed gloo")
+    if "mpi" in args.impls:
+        notes.append(f"mpi: mpi4py over Open MPI (mpirun {' '.join(mpi_flags(args.nproc))})")
+    if args.impls:
+        notes.append("aiodist/X = time ratio (below 1: aiodist faster); every ratio is from this one run")
+    if args.plot:
+        try:
+            plot(args.plot, args.op_list, args.nproc, results)
+        except BenchError as exc:
+            print(f"\nBENCHMARK FAILED: {exc}", file=sys.stderr, flush=True)
+            return 1
+        notes.append(f"plot: {args.plot}")
+    print("\n" + "\n".join(notes) + f"\nwall time {time.monotonic() - started:.1f} s", flush=True)
     return 0
 
 
