@@ -19,6 +19,10 @@ port by adding ``await``. Now a call *starts* its op when it is made, and return
   is left of the call to a task, so the op still runs to its end and the ranks stay in step.
 - ``Pending`` is a ``collections.abc.Coroutine``, so ``asyncio.create_task``, ``gather`` and
   ``wait_for`` take it as they took the coroutine.
+- Because the first step runs in the *caller's* task and the rest in the awaiting one, a call
+  must not enter ``asyncio.timeout`` (or read ``current_task()``) before its first suspension:
+  the deadline would cancel the caller. ``aiodist._time.within`` is the task-independent bound
+  the stores use (the store conformance kit's ``check_timeout_in_another_task`` tests it).
 """
 
 from __future__ import annotations

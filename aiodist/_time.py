@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Awaitable
 from datetime import timedelta
 from types import TracebackType
+from typing import TypeVar
+
+T = TypeVar("T")
 
 TimeoutLike = timedelta | float | int
 
@@ -61,3 +65,25 @@ class Deadline:
     def fired(self) -> bool:
         """Whether this deadline passed and cancelled the block (``asyncio.Timeout.expired``)."""
         return self._cm is not None and self._cm.expired()
+
+
+async def within(aw: Awaitable[T], seconds: float) -> T:
+    """What ``aw`` gives, or ``TimeoutError`` after ``seconds`` (``aw`` is then cancelled).
+
+    Not ``asyncio.timeout``: that one cancels the *task* that entered it, and a communicating
+    call's first step runs in the caller's task, the rest in whichever task awaits its handle
+    (aiodist/_pending.py). ``gather(store.wait(ks, 1), ...)`` had the wait's deadline cancel the
+    caller (and so every call gathered with it) while the wait itself never ended. This bound
+    lives on the loop and ends the call in whatever task runs it: use it, not ``asyncio.timeout``,
+    for any deadline a communicating call may enter before its first suspension."""
+    fut = asyncio.ensure_future(aw)
+    if not fut.done():
+        try:
+            await asyncio.wait((fut,), timeout=max(0.0, seconds))
+        except BaseException:  # cancelled from outside: the call ends, and what it waited on
+            fut.cancel()
+            raise
+        if not fut.done():
+            fut.cancel()
+            raise TimeoutError
+    return fut.result()

@@ -17,6 +17,8 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
+from aiodist._time import within
+
 __all__ = ["KVState", "Waiter", "counter_add"]
 
 
@@ -194,8 +196,7 @@ class KVState:
         """Await ``w`` for at most ``seconds``: True once woken, False on timeout. On timeout or
         cancellation the waiter is unregistered (and a queue wake it held is passed on)."""
         try:
-            async with asyncio.timeout(seconds):
-                await w.fut
+            await within(w.fut, seconds)  # not asyncio.timeout: this runs in a call's first step
         except TimeoutError:
             self.cancel(w)
             return False

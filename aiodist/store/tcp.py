@@ -30,11 +30,11 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from typing import Any, TypeVar
 
 from aiodist import _startup
-from aiodist._time import TimeoutLike
+from aiodist._time import TimeoutLike, within
 from aiodist.errors import DistNetworkError, DistStoreError, QueueEmptyError, StoreTimeoutError
 from aiodist.store.base import (
     DEFAULT_STORE_TIMEOUT,
@@ -66,27 +66,6 @@ _DIAGNOSIS_S = 0.1  # how long a timed-out wait may take to learn which keys are
 
 log = logging.getLogger("aiodist.store")
 T = TypeVar("T")
-
-
-async def _within(aw: Awaitable[T], seconds: float) -> T:
-    """What ``aw`` gives, or ``TimeoutError`` after ``seconds`` (``aw`` is then cancelled).
-
-    Not ``asyncio.timeout``: that one cancels the *task* that entered it, and a store call's first
-    step runs in the caller's task, the rest in whichever task awaits its handle
-    (aiodist/_pending.py). ``gather(store.wait(ks, 1), ...)`` had the wait's deadline cancel the
-    caller (and so every call gathered with it) while the wait itself never ended. This bound
-    lives on the loop, and ends the call in whatever task runs it."""
-    fut = asyncio.ensure_future(aw)
-    if not fut.done():
-        try:
-            await asyncio.wait((fut,), timeout=max(0.0, seconds))
-        except BaseException:  # cancelled from outside: the call ends, and what it waited on
-            fut.cancel()
-            raise
-        if not fut.done():
-            fut.cancel()
-            raise TimeoutError
-    return fut.result()
 
 
 class _Lost(Exception):
@@ -589,7 +568,7 @@ class TCPStore(Store):
                 if conn is None:
                     # one attempt is bounded too, so a host that drops SYNs is retried and warned about
                     connecting = loop.create_connection(lambda: _Connection(loop), self._host, self._port)
-                    _, tcp = await _within(connecting, max(0.001, min(deadline - time.monotonic(), _CONNECT_ATTEMPT_S)))
+                    _, tcp = await within(connecting, max(0.001, min(deadline - time.monotonic(), _CONNECT_ATTEMPT_S)))
                     conn = tcp
                 got, nonce = await self._handshake(conn, deadline)
             except _BadPeer as exc:
@@ -695,7 +674,7 @@ class TCPStore(Store):
         if self._connect_lock is None:
             self._connect_lock = asyncio.Lock()
         try:
-            await _within(self._connect_lock.acquire(), deadline - time.monotonic())
+            await within(self._connect_lock.acquire(), deadline - time.monotonic())
         except TimeoutError:
             raise DistNetworkError(
                 f"{self._describe()}: could not reconnect to the TCPStore server at {self._describe_addr()} in time "
@@ -744,8 +723,8 @@ class TCPStore(Store):
                 left = deadline - time.monotonic()
                 fut = conn.send(payload, shapes, max(left, self._timeout_s), op, arg)
                 if conn.paused:
-                    await _within(conn.drain(), left)
-                return await _within(fut, deadline - time.monotonic())
+                    await within(conn.drain(), left)
+                return await within(fut, deadline - time.monotonic())
             except (_NoReply, TimeoutError):
                 raise StoreTimeoutError(
                     f"{self._describe()}: {_what(op, arg)}: no reply from the server within {seconds:g} s (request timeout)"
@@ -780,7 +759,7 @@ class TCPStore(Store):
                 conn = await self._open(deadline)
             self._busy.add(conn)
             fut = conn.send(encode(Op.WAIT, keys), _U8, None, "wait", keys)  # the wait's own deadline, below
-            (r,) = await _within(fut, deadline - time.monotonic())
+            (r,) = await within(fut, deadline - time.monotonic())
             if r != STOP_WAITING:
                 raise _Lost(f"unexpected reply {r} to WAIT")
         except TimeoutError:
@@ -817,7 +796,7 @@ class TCPStore(Store):
         payload = b"".join(encode(Op.CHECK, (k,)) for k in keys)
         try:
             fut = conn.send(payload, tuple((Reply.U8, 0) for _ in keys), self._timeout_s, "check", keys)
-            ready = await _within(fut, _DIAGNOSIS_S)
+            ready = await within(fut, _DIAGNOSIS_S)
         except (_Lost, TimeoutError):
             return []
         return [k[1:].decode(errors="replace") for k, r in zip(keys, ready) if r != CHECK_READY]

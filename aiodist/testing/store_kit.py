@@ -335,6 +335,22 @@ async def check_wait_timeout_arg(store: Store) -> None:
 
 
 @_check
+async def check_timeout_in_another_task(store: Store) -> None:
+    # A call starts in the caller's task and finishes in whichever task awaits it (gather wraps
+    # it in one): its deadline must end the call, not cancel the caller (or what runs beside it).
+    t = _timeout_s(store)
+    start = time.monotonic()
+    got = await asyncio.gather(
+        store.wait(["kit/never"], timedelta(seconds=t / 2)), store.get("kit/nokey"), asyncio.sleep(1.5 * t), return_exceptions=True
+    )
+    took = time.monotonic() - start
+    for what, r in zip(("wait(timeout=t/2)", "get of a missing key"), got[:2]):
+        assert isinstance(r, StoreTimeoutError), f"gather({what}, ...): {type(r).__name__} ({r}) instead of StoreTimeoutError"
+    assert got[2] is None, f"the sleep gathered beside two store calls ended with {got[2]!r}: the calls' deadlines cancelled it"
+    assert took < 1.5 * t + 5.0, f"gather took {took:.2f} s"
+
+
+@_check
 async def check_check(store: Store) -> None:
     _is(await store.check([]), True, "check([])")
     _is(await store.check(["kit/a"]), False, "check of a missing key")
