@@ -345,7 +345,7 @@ async def check_timeout_in_another_task(store: Store) -> None:
     )
     took = time.monotonic() - start
     for what, r in zip(("wait(timeout=t/2)", "get of a missing key"), got[:2]):
-        assert isinstance(r, StoreTimeoutError), f"gather({what}, ...): {type(r).__name__} ({r}) instead of StoreTimeoutError"
+        assert isinstance(r, StoreTimeoutError), f"gather({what}, ...): {type(r).__name__} ({r!r}) instead of StoreTimeoutError"
     assert got[2] is None, f"the sleep gathered beside two store calls ended with {got[2]!r}: the calls' deadlines cancelled it"
     assert took < 1.5 * t + 5.0, f"gather took {took:.2f} s"
 
