@@ -140,12 +140,14 @@ class Connection(asyncio.BufferedProtocol):
             for ev in exc.events:
                 if type(ev) is not HeaderReceived:
                     self._event(ev)
+            self._unheard_broke(exc)
             self.fail(DistNetworkError(f"rank {self.owner.rank}: connection with {self._who()} broken by the peer: {exc}"))
 
     def eof_received(self) -> bool:
         try:
             self.decoder.eof_received()
         except RemoteProtocolError as exc:
+            self._unheard_broke(exc)
             self.fail(DistNetworkError(f"rank {self.owner.rank}: {self._who()} closed the connection mid-frame: {exc}"))
         return False  # close our side too
 
@@ -158,6 +160,14 @@ class Connection(asyncio.BufferedProtocol):
         timeout = self.owner.handshake_timeout
         self.fail(DistNetworkError(f"rank {self.owner.rank}: closed a {self.kind} connection that sent no HELLO within {timeout:g} s"))
         self.owner._handshake_expired(self)
+
+    def _unheard_broke(self, exc: RemoteProtocolError) -> None:
+        """An accepted connection broke the protocol before its HELLO: the transport sums such
+        closes up in a warning (a refused HELLO was logged already, and a known peer's break
+        is reported when the connection is lost)."""
+        if self.dialed_peer is None and self.peer is None and self._error is None:
+            self._cancel_deadline()
+            self.owner._handshake_broken(self, str(exc))
 
     def _cancel_deadline(self) -> None:
         if self._deadline is not None:

@@ -125,6 +125,19 @@ def _handshake_timeout(given: float | None) -> float:
     return float(given)
 
 
+class _Unheard:
+    """Accepted connections closed before their HELLO for one reason, not reported yet."""
+
+    __slots__ = ("count", "peers", "why", "report", "said")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.peers: list[str] = []  # a few of their peers' addresses, for the report
+        self.why = ""  # the first reason since the last report
+        self.report: asyncio.TimerHandle | None = None
+        self.said = -float("inf")  # when the last report was logged (loop time)
+
+
 def _retrieve(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()  # a send_nowait write whose caller's receive failed first: seen, not logged
@@ -206,10 +219,9 @@ class Transport:
         self._closed = False
         self._bytes_lost = [0, 0]  # bytes in/out of connections already gone
         self.handshake_timeouts = 0  # accepted connections closed for sending no HELLO in time
-        self._late_count = 0  # ... of which not reported yet
-        self._late_from: list[str] = []  # a few of their peers' addresses, for the report
-        self._late_report: asyncio.TimerHandle | None = None
-        self._late_said = -float("inf")  # when the last report was logged (loop time)
+        self.handshake_refusals = 0  # ... closed for breaking the protocol before a HELLO
+        self._late = _Unheard()  # the former, not reported yet
+        self._broken = _Unheard()  # the latter
 
     @classmethod
     async def start(
@@ -583,9 +595,10 @@ class Transport:
         if self._closed:
             return
         self._closed = True
-        if self._late_report is not None:  # closes not reported yet: said now, below WARNING (one per period)
-            self._late_report.cancel()
-            self._report_late(logging.INFO)
+        for closes in (self._late, self._broken):
+            if closes.report is not None:  # closes not reported yet: said now, below WARNING (one per period)
+                closes.report.cancel()
+                self._report_unheard(closes, logging.INFO)
         for t in [*self._dialing.values(), *self._watching.values(), *self._lane_dialing.values()]:
             t.cancel()
         err = DistBackendError(f"rank {self.rank}: the transport was closed")
@@ -649,6 +662,7 @@ class Transport:
             "staged_total": self.staged_total,
             "held_connections": len(self._held),
             "handshake_timeouts": self.handshake_timeouts,
+            "handshake_refusals": self.handshake_refusals,
             "pending_receives": self._mailbox.pending,
             "dead_peers": sorted(self._dead),
             "aborted_groups": sorted(self._aborted),
@@ -891,31 +905,46 @@ class Transport:
         closes up in one warning at most every ``_HANDSHAKE_WARN_EVERY_S`` (a flood of idle
         connections must not flood the log)."""
         self.handshake_timeouts += 1
-        self._late_count += 1
-        if len(self._late_from) < 3:
-            self._late_from.append(f"{conn.kind} {conn.peername!r}" if conn.peername else conn.kind)
-        if self._late_report is None and not self._closed:
-            loop = asyncio.get_running_loop()
-            delay = max(_HANDSHAKE_COALESCE_S, self._late_said + _HANDSHAKE_WARN_EVERY_S - loop.time())
-            self._late_report = loop.call_later(delay, self._report_late, logging.WARNING)
+        self._unheard(self._late, conn, "")
 
-    def _report_late(self, level: int) -> None:
-        n, peers = self._late_count, self._late_from
-        self._late_count, self._late_from, self._late_report = 0, [], None
-        self._late_said = asyncio.get_running_loop().time()
+    def _handshake_broken(self, conn: Connection, why: str) -> None:
+        """``conn`` (accepted) broke the protocol before its HELLO (garbage, another protocol, a
+        bad header, half a frame then EOF): closed; counted and summed up as the idle ones."""
+        self.handshake_refusals += 1
+        self._unheard(self._broken, conn, why)
+
+    def _unheard(self, closes: _Unheard, conn: Connection, why: str) -> None:
+        closes.count += 1
+        closes.why = closes.why or why
+        if len(closes.peers) < 3:
+            closes.peers.append(f"{conn.kind} {conn.peername!r}" if conn.peername else conn.kind)
+        if closes.report is None and not self._closed:
+            loop = asyncio.get_running_loop()
+            delay = max(_HANDSHAKE_COALESCE_S, closes.said + _HANDSHAKE_WARN_EVERY_S - loop.time())
+            closes.report = loop.call_later(delay, self._report_unheard, closes, logging.WARNING)
+
+    def _report_unheard(self, closes: _Unheard, level: int) -> None:
+        n, peers, why = closes.count, closes.peers, closes.why
+        closes.count, closes.peers, closes.why, closes.report = 0, [], "", None
+        closes.said = asyncio.get_running_loop().time()
         if not n:
             return
+        if closes is self._late:
+            what = f"sent no HELLO within {self.handshake_timeout:g} s (AIODIST_HANDSHAKE_TIMEOUT; not an aiodist rank of this job, or one that stalled while connecting)"
+            total = self.handshake_timeouts
+        else:
+            what = f"broke the protocol before their HELLO (not an aiodist rank; the first: {why})"
+            total = self.handshake_refusals
         log.log(
             level,
-            "rank %d: closed %d connection%s to its transport listeners that sent no HELLO within %g s (AIODIST_HANDSHAKE_TIMEOUT; "
-            "not an aiodist rank of this job, or one that stalled while connecting); from %s%s; %d so far, at most one such warning every %g s",
+            "rank %d: closed %d connection%s to its transport listeners that %s; from %s%s; %d so far, at most one such warning every %g s",
             self.rank,
             n,
             "" if n == 1 else "s",
-            self.handshake_timeout,
+            what,
             ", ".join(peers),
             ", ..." if n > len(peers) else "",
-            self.handshake_timeouts,
+            total,
             _HANDSHAKE_WARN_EVERY_S,
         )
 
