@@ -148,11 +148,11 @@ def burst(port: int, n: int, deadline: float, say: bytes = b"") -> list[socket.s
         done = 0
         while done < n and (left := deadline - time.monotonic()) > 0:
             for key, _ in sel.select(timeout=left):
-                s = key.fileobj
-                assert isinstance(s, socket.socket)
-                err = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                c = key.fileobj
+                assert isinstance(c, socket.socket)
+                err = c.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
                 assert err == 0, f"connect to port {port} failed: {os.strerror(err)}"
-                sel.unregister(s)
+                sel.unregister(c)
                 done += 1
         assert done == n, (
             f"only {done} of {n} connections to port {port} completed their TCP handshake while the listener's process was "
@@ -180,16 +180,16 @@ def wait_closed(socks: list[socket.socket], deadline: float) -> list[float]:
     try:
         while len(closed) < len(socks) and (left := deadline - time.monotonic()) > 0:
             for key, _ in sel.select(timeout=left):
-                s = key.fileobj
-                assert isinstance(s, socket.socket)
+                c = key.fileobj
+                assert isinstance(c, socket.socket)
                 try:
-                    data = s.recv(4096)
+                    data = c.recv(4096)
                 except ConnectionResetError:
                     data = b""
                 except BlockingIOError:
                     continue
                 assert data == b"", f"an idle connection got bytes from the rank: {data[:40]!r}"
-                sel.unregister(s)
+                sel.unregister(c)
                 closed.append(time.monotonic())
     finally:
         sel.close()
@@ -343,10 +343,10 @@ def test_idle_connections_are_closed_by_ranks_and_kept_by_the_store(tmp_path: Pa
     def mib(n: int) -> str:
         return f"{n / MIB:.1f}"
 
-    for r, p in enumerate(pids):
+    for r, pid in enumerate(pids):
         print(
-            f"rank {r} transport, {IDLE} idle connections: RSS before {mib(rss0[p])} MiB, peak {mib(rss_peak[p])} "
-            f"(+{mib(rss_peak[p] - rss0[p])}), after {mib(rss1[p])} (+{mib(rss1[p] - rss0[p])}); fds {fds0[p]} -> {fds_peak[p]} -> {fds1[p]}"
+            f"rank {r} transport, {IDLE} idle connections: RSS before {mib(rss0[pid])} MiB, peak {mib(rss_peak[pid])} "
+            f"(+{mib(rss_peak[pid] - rss0[pid])}), after {mib(rss1[pid])} (+{mib(rss1[pid] - rss0[pid])}); fds {fds0[pid]} -> {fds_peak[pid]} -> {fds1[pid]}"
         )
     print(
         f"  {len(addrs) * IDLE} connected to the stopped ranks in {burst_s:.2f} s; closed by the ranks {first:.2f}-{last:.2f} s "
@@ -357,10 +357,10 @@ def test_idle_connections_are_closed_by_ranks_and_kept_by_the_store(tmp_path: Pa
         f"a fresh client served in {served_s:.3f} s (after: {served_after_s:.3f} s); RSS before {mib(srss0)} MiB, peak {mib(srss_peak)} "
         f"(+{mib(srss_peak - srss0)}), after {mib(srss1)} (+{mib(srss1 - srss0)}); fds {sfds0} -> {sfds_peak} -> {sfds1}"
     )
-    for p in pids:
-        assert fds_peak[p] >= fds0[p] + IDLE, "the ranks did not accept every idle connection"
-        assert fds1[p] <= fds0[p], (fds0, fds1)
-        assert rss1[p] - rss0[p] <= RSS_MARGIN, f"rank RSS did not come back: {mib(rss0[p])} -> {mib(rss1[p])} MiB"
+    for pid in pids:
+        assert fds_peak[pid] >= fds0[pid] + IDLE, "the ranks did not accept every idle connection"
+        assert fds1[pid] <= fds0[pid], (fds0, fds1)
+        assert rss1[pid] - rss0[pid] <= RSS_MARGIN, f"rank RSS did not come back: {mib(rss0[pid])} -> {mib(rss1[pid])} MiB"
     assert first >= HANDSHAKE_S * 0.9, f"an idle connection was closed {first:.2f} s after the rank could accept it, before the deadline"
     assert kept == IDLE, f"the store dropped {IDLE - kept} idle clients"
     assert sfds_peak >= sfds0 + IDLE
