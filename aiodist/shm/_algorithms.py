@@ -7,20 +7,21 @@ Rules these keep:
   member's segment. A rank writes its slot of round c only after every peer's "in" doorbell of
   round c - 1, which each peer rings after it is done with round c - 2: so two halves need no
   "done reading" doorbell, within an op or across the group's ops.
-- all_reduce, per round: each rank copies its input into its slot and rings "in"; once all have,
-  rank r reduces slice r of the round (``chunk_bounds``) reading every slot in rank order
-  (lower rank first) into its own output, copies that slice into its slot and rings "out"; then
-  every rank copies the other slices from their owners' slots. Each element is reduced by one
-  rank and copied to the others: the same bits everywhere.
+- all_reduce, per round: each rank copies its input into its slot, but for its own slice
+  (``chunk_bounds``), and rings "in"; once all have, rank r folds every peer's slice r, in rank
+  order, into its own buffer's slice r (its own input: no copy of it), copies the result into
+  its slot and rings "out"; then every rank copies the other slices from their owners' slots.
+  Each element is reduced by one rank and copied to the others: the same bits everywhere.
 - all_gather, per round: each rank copies its part into its slot, rings "in", and copies every
   peer's part out.
 - No synchronous step is longer than one piece (``PIECE`` bytes) of a copy or a reduction: the
-  loop runs other tasks between pieces.
+  loop runs other tasks between pieces (once a millisecond has passed since it last did).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -35,6 +36,7 @@ Combine = Callable[[np.ndarray, np.ndarray], None]
 
 #: bytes one synchronous numpy step may touch (a copy of 1 MiB is ~0.1-0.5 ms on this machine)
 PIECE = 1 << 20
+_YIELD_S = 0.001  # and yields to the loop once this long has passed since the last yield
 _PHASE = 1 << 24
 _IN, _OUT = 0, 1
 _EMPTY = np.empty(0, np.uint8)
@@ -71,13 +73,28 @@ async def _doorbell(p2p: P2P, tag: int) -> None:
         raise
 
 
-async def _copy(dst: np.ndarray, src: np.ndarray) -> None:
+class _Pacer:
+    """Yields to the loop between pieces once ``_YIELD_S`` has passed since the last yield (a
+    yield per piece would cost more than the copies it splits, on a quiet loop)."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+
+    async def tick(self) -> None:
+        now = time.perf_counter()
+        if now - self.last >= _YIELD_S:
+            await asyncio.sleep(0)
+            self.last = time.perf_counter()
+
+
+async def _copy(dst: np.ndarray, src: np.ndarray, pace: _Pacer) -> None:
     """``dst[:] = src`` one piece at a time, letting the loop run between pieces."""
     n = max(1, PIECE // max(1, dst.itemsize))
     for a in range(0, dst.size, n):
         np.copyto(dst[a : a + n], src[a : a + n])
-        if a + n < dst.size:
-            await asyncio.sleep(0)
+        await pace.tick()
 
 
 async def all_reduce(p2p: P2P, g: GroupShm, flat: np.ndarray, combine: Combine) -> None:
@@ -85,26 +102,29 @@ async def all_reduce(p2p: P2P, g: GroupShm, flat: np.ndarray, combine: Combine) 
     p, me = p2p.size, p2p.rank
     per = max(1, g.half // flat.itemsize)
     step = max(1, PIECE // flat.itemsize)
+    pace = _Pacer()
     for k, start in enumerate(range(0, flat.size, per)):
         chunk = flat[start : start + per]
         nbytes = chunk.nbytes
         slots = [s[:nbytes].view(flat.dtype) for s in g.slots()]
-        await _copy(slots[me], chunk)
-        await _doorbell(p2p, _IN * _PHASE + k)
         b = sch.chunk_bounds(chunk.size, p)
         lo, hi = b[me], b[me + 1]
+        # the peers' slices only: this rank reduces its own slice from its own buffer
+        await _copy(slots[me][:lo], chunk[:lo], pace)
+        await _copy(slots[me][hi:], chunk[hi:], pace)
+        await _doorbell(p2p, _IN * _PHASE + k)
         for a in range(lo, hi, step):
             z = min(a + step, hi)
             out = chunk[a:z]
-            np.copyto(out, slots[0][a:z])
-            for r in range(1, p):
-                combine(out, slots[r][a:z])
+            for r in range(p):
+                if r != me:
+                    combine(out, slots[r][a:z])
             np.copyto(slots[me][a:z], out)
-            await asyncio.sleep(0)
+            await pace.tick()
         await _doorbell(p2p, _OUT * _PHASE + k)
         for q in range(p):
             if q != me:
-                await _copy(chunk[b[q] : b[q + 1]], slots[q][b[q] : b[q + 1]])
+                await _copy(chunk[b[q] : b[q + 1]], slots[q][b[q] : b[q + 1]], pace)
 
 
 async def all_gather(p2p: P2P, g: GroupShm, outs: Sequence[np.ndarray], mine: np.ndarray) -> None:
@@ -115,14 +135,15 @@ async def all_gather(p2p: P2P, g: GroupShm, outs: Sequence[np.ndarray], mine: np
     dsts = [byte_view(o, writable=True) for o in outs]
     longest = max(d.nbytes for d in dsts)
     per = g.half
+    pace = _Pacer()
     for k, lo in enumerate(range(0, longest, per)):
         slots = g.slots()
         part = src[lo : lo + per]
-        await _copy(slots[me][: part.size], part)
+        await _copy(slots[me][: part.size], part, pace)
         await _doorbell(p2p, _IN * _PHASE + k)
         for q in range(p):
             if q != me:
                 d = dsts[q][lo : lo + per]
-                await _copy(d, slots[q][: d.size])
+                await _copy(d, slots[q][: d.size], pace)
     if outs[me] is not mine:
-        await _copy(dsts[me], src)
+        await _copy(dsts[me], src, pace)
