@@ -22,7 +22,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import inspect
 import logging
 import sys
@@ -181,6 +180,8 @@ def parse_backend_config(spec: str) -> dict[str, str]:
 def load_plugin(group: str, name: str) -> bool:
     """Load the installed entry point ``name`` of ``group`` (``aiodist.backends`` /
     ``aiodist.devices``) and call it, so it registers itself. False when none is installed."""
+    import importlib.metadata  # here, not at the top: it costs every process ~40 ms of import
+
     try:
         eps = importlib.metadata.entry_points(group=group, name=name)
     except Exception as exc:  # pragma: no cover - broken metadata: behave as not installed
