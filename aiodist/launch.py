@@ -13,7 +13,8 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from aiodist.run import _CheckEnv, exit_code, get_args_parser, run
+from aiodist.launcher._config import Flag
+from aiodist.run import exit_code, get_args_parser, run
 
 __all__ = ["parse_args", "launch", "main"]
 
@@ -27,15 +28,16 @@ DEPRECATION = (
 )
 
 
+_USE_ENV = Flag(
+    "use-env",
+    "Use environment variable to pass 'local rank'. If set, the launcher will not pass --local-rank as argument.",
+    switch=True,
+)
+
+
 def parse_args(args: Sequence[str] | None) -> argparse.Namespace:
     parser = get_args_parser(prog="python -m aiodist.launch")
-    parser.add_argument(
-        "--use-env",
-        "--use_env",
-        dest="use_env",
-        action=_CheckEnv,
-        help="Use environment variable to pass 'local rank'. If set, the launcher will not pass --local-rank as argument.",
-    )
+    _USE_ENV.add_to(parser)
     return parser.parse_args(args)
 
 

@@ -27,6 +27,7 @@ from typing import IO, Any, TextIO, TypeVar
 
 from aiodist.elastic.errors import ChildFailedError, ProcessFailure
 from aiodist.errors import DistError
+from aiodist.launcher._config import LaunchConfig
 from aiodist.launcher._console import Console
 from aiodist.launcher._decide import Exit, Report, Restart, State, Stop, View, Wait, Why, next_action, root_cause
 from aiodist.launcher._tracebacks import TracebackScanner
@@ -193,26 +194,23 @@ class SignalException(Exception):
 
 @dataclass
 class WorkerSpec:
-    """What to run: ``cmd`` (argv; ``${local_rank}`` is replaced per worker) or ``fn`` (a
-    picklable callable run through ``aiodist.launcher._bootstrap``), and how."""
+    """What to run and how: the job's ``config`` as given, and the program: ``cmd`` (argv;
+    ``${local_rank}`` is replaced per worker) or ``fn`` (a picklable callable run through
+    ``aiodist.launcher._bootstrap``). ``redirects``/``tee`` are ``config``'s, per local rank."""
 
-    role: str
-    nproc: int
+    config: LaunchConfig
     name: str
     cmd: list[str] | None = None
     fn: Callable[..., Any] | None = None
     fn_args: tuple[Any, ...] = ()
-    max_restarts: int = 0
-    monitor_interval: float = 0.1
-    stop_timeout: float = 5.0
-    log_dir: str | None = None
-    redirects: dict[int, int] = field(default_factory=dict)
-    tee: dict[int, int] = field(default_factory=dict)
-    local_ranks_filter: set[int] | None = None
-    log_line_prefix_template: str | None = None
-    run_id: str = ""
     extra_env: dict[str, str] = field(default_factory=dict)
     exit_barrier_timeout: float = 10.0
+    redirects: dict[int, int] = field(init=False)
+    tee: dict[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.redirects = Std.parse(self.config.redirects, self.config.nproc_per_node)
+        self.tee = Std.parse(self.config.tee, self.config.nproc_per_node)
 
 
 @dataclass
@@ -273,11 +271,11 @@ class LocalAgent:
         # inheritable), so they see EOF when the launcher dies, however it dies.
         self._life: tuple[int, int] | None = None
         self._consoles: list[Console] = []
-        self._keep_run_dir = spec.log_dir is not None or any(spec.redirects.values()) or any(spec.tee.values())
-        base = spec.log_dir
+        self._keep_run_dir = spec.config.log_dir is not None or any(spec.redirects.values()) or any(spec.tee.values())
+        base = spec.config.log_dir
         if base is not None:
             os.makedirs(base, exist_ok=True)
-        self.run_dir = tempfile.mkdtemp(prefix=f"{spec.run_id or 'aiodist'}_", dir=base)
+        self.run_dir = tempfile.mkdtemp(prefix=f"{spec.config.run_id or 'aiodist'}_", dir=base)
 
     # -- public ---------------------------------------------------------------------------
 
@@ -291,7 +289,7 @@ class LocalAgent:
                     installed.append(sig)
                 except (RuntimeError, ValueError, NotImplementedError):  # not the main thread
                     break
-            if self.spec.log_dir is None and self._keep_run_dir:
+            if self.spec.config.log_dir is None and self._keep_run_dir:
                 self.log.warning("--redirects/--tee without --log-dir: worker logs in %s", self.run_dir)
             elif self._keep_run_dir:
                 self.log.info("worker logs in %s", self.run_dir)
@@ -365,7 +363,7 @@ class LocalAgent:
                 # The restart could not meet the other nodes (the link or host stayed down past
                 # join_timeout): the report is the failed round's, plus why the restart failed.
                 prev, res = last
-                msg = f"restart {restarts}/{spec.max_restarts} failed: {type(exc).__name__}: {exc}"
+                msg = f"restart {restarts}/{spec.config.max_restarts} failed: {type(exc).__name__}: {exc}"
                 self.log.error("%s", msg)
                 restart = self._agent_failure(prev, prev.node_rank, msg, pid=os.getpid())
                 raise ChildFailedError(spec.name, self._report(prev, res, [restart])) from exc
@@ -377,7 +375,7 @@ class LocalAgent:
                     a.node_rank,
                     a.nnodes,
                     a.rank_offset,
-                    a.rank_offset + spec.nproc - 1,
+                    a.rank_offset + spec.config.nproc_per_node - 1,
                     a.world_size,
                     a.master_addr,
                     a.master_port,
@@ -394,14 +392,14 @@ class LocalAgent:
                     signal=self._signal.name if self._signal is not None else None,
                     failures=tuple(res.failures.values()),
                     restarts=restarts,
-                    max_restarts=spec.max_restarts,
+                    max_restarts=spec.config.max_restarts,
                 )
             )
             if isinstance(act, Stop):  # a signal came meanwhile
                 self._check_signal()
             if isinstance(act, Restart):
                 restarts = act.round
-                self.log.warning("worker group failed (round %d); restarting (%d/%d)", a.round, restarts, spec.max_restarts)
+                self.log.warning("worker group failed (round %d); restarting (%d/%d)", a.round, restarts, spec.config.max_restarts)
                 last = (a, res)
                 continue
             assert isinstance(act, Report), act
@@ -489,7 +487,7 @@ class LocalAgent:
     async def _run_round(self, a: Assignment) -> _RoundResult:
         spec = self.spec
         attempt_dir = os.path.join(self.run_dir, f"attempt_{a.round}")
-        self.workers = [_Worker(i, a.rank_offset + i, os.path.join(attempt_dir, str(i))) for i in range(spec.nproc)]
+        self.workers = [_Worker(i, a.rank_offset + i, os.path.join(attempt_dir, str(i))) for i in range(spec.config.nproc_per_node)]
         try:
             for w in self.workers:
                 os.makedirs(w.dir, exist_ok=True)
@@ -791,21 +789,21 @@ class LocalAgent:
                 "RANK": str(w.rank),
                 "GROUP_RANK": str(a.node_rank),
                 "ROLE_RANK": str(w.rank),
-                "ROLE_NAME": spec.role,
-                "LOCAL_WORLD_SIZE": str(spec.nproc),
+                "ROLE_NAME": spec.config.role,
+                "LOCAL_WORLD_SIZE": str(spec.config.nproc_per_node),
                 "WORLD_SIZE": str(a.world_size),
                 "GROUP_WORLD_SIZE": str(a.nnodes),
                 "ROLE_WORLD_SIZE": str(a.world_size),
                 "MASTER_ADDR": a.master_addr,
                 "MASTER_PORT": str(a.master_port),
                 "TORCHELASTIC_RESTART_COUNT": str(a.round),
-                "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
-                "TORCHELASTIC_RUN_ID": spec.run_id,
+                "TORCHELASTIC_MAX_RESTARTS": str(spec.config.max_restarts),
+                "TORCHELASTIC_RUN_ID": spec.config.run_id,
                 "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "TORCHELASTIC_ERROR_FILE": w.error_file,
             }
         )
-        if spec.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        if spec.config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = "1"
         return env
 
@@ -822,8 +820,9 @@ class LocalAgent:
         return [arg.replace("${local_rank}", str(w.local_rank)) for arg in spec.cmd]
 
     def _prefix(self, w: _Worker) -> bytes:
-        tpl = self.spec.log_line_prefix_template or "[rank${rank}]:"
-        text = tpl.replace("${rank}", str(w.rank)).replace("${local_rank}", str(w.local_rank)).replace("${role_name}", self.spec.role)
+        cfg = self.spec.config
+        tpl = cfg.log_line_prefix_template or "[rank${rank}]:"
+        text = tpl.replace("${rank}", str(w.rank)).replace("${local_rank}", str(w.local_rank)).replace("${role_name}", cfg.role)
         return text.encode()
 
     async def _start_worker(self, w: _Worker, a: Assignment) -> None:
@@ -832,7 +831,7 @@ class LocalAgent:
         pass_fds: tuple[int, ...] = ()
         if sys.platform.startswith("linux"):
             life = self._lifeline()
-            grace = min(spec.stop_timeout, ORPHAN_GRACE_S)
+            grace = min(spec.config.stop_timeout, ORPHAN_GRACE_S)
             argv = [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), str(life), f"{grace:g}", *argv]
             pass_fds = (life,)
         w.proc = await asyncio.create_subprocess_exec(
@@ -844,7 +843,7 @@ class LocalAgent:
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
         )
-        show = spec.local_ranks_filter is None or w.local_rank in spec.local_ranks_filter
+        show = spec.config.local_ranks_filter is None or w.local_rank in spec.config.local_ranks_filter
         for bit, stream, console in ((Std.OUT, w.proc.stdout, sys.stdout), (Std.ERR, w.proc.stderr, sys.stderr)):
             assert stream is not None
             redirected = bool(spec.redirects.get(w.local_rank, 0) & bit)
@@ -930,13 +929,13 @@ class LocalAgent:
         for w in live:
             w.signalled = True
             self._killpg(w, sig)
-        deadline = time.monotonic() + self.spec.stop_timeout
+        deadline = time.monotonic() + self.spec.config.stop_timeout
         for w in live:
             assert w.proc is not None
             try:
                 await asyncio.wait_for(w.proc.wait(), max(0.0, deadline - time.monotonic()))
             except TimeoutError:
-                self.log.warning("rank %d did not exit %.1f s after %s: SIGKILL", w.rank, self.spec.stop_timeout, sig.name)
+                self.log.warning("rank %d did not exit %.1f s after %s: SIGKILL", w.rank, self.spec.config.stop_timeout, sig.name)
                 self._killpg(w, signal.SIGKILL)
                 try:
                     await asyncio.wait_for(w.proc.wait(), 5.0)
