@@ -395,7 +395,8 @@ class Side:
             if left <= 0:
                 raise BenchError(f"{impl}: ranks {waiting} did not answer within {limit:g} s during {what} (--timeout)")
             sentinels = list(dict.fromkeys(self.procs[r].sentinel for r in waiting))  # the MPI side's ranks share one
-            multiprocessing.connection.wait([self.conns[r] for r in waiting] + sentinels, timeout=min(left, 1.0))
+            waitables: list[Any] = [self.conns[r] for r in waiting] + sentinels
+            multiprocessing.connection.wait(waitables, timeout=min(left, 1.0))
             for r in waiting:
                 conn = self.conns[r]
                 if conn.poll():
