@@ -7,7 +7,7 @@ Rules this module keeps:
   a peer on another host, a failed fd hand-over) sends the whole group down the socket path.
   The agreement is made once per group (its id and member list) and kept.
 - Each group that uses shared memory has one segment per member rank (``AIODIST_SHM_BYTES``,
-  default 64 MiB, in two halves used in turn; pages are allocated as ops touch them). A group
+  default 32 MiB, in two halves used in turn; pages are allocated as ops touch them). A group
   of its own segments means ops of different groups never share memory, so they never wait on
   each other, whatever order ranks issue them in.
 - Within a group, shared-memory ops run one at a time in issue order: each takes a ticket at
@@ -42,7 +42,7 @@ __all__ = ["SharedMemory", "GroupShm", "Ticket", "ENV_BYTES", "DEFAULT_BYTES", "
 log = logging.getLogger("aiodist.shm")
 
 ENV_BYTES = "AIODIST_SHM_BYTES"
-DEFAULT_BYTES = 64 << 20
+DEFAULT_BYTES = 32 << 20
 _MIN_BYTES = 4096
 _KEY = "aiodist/shm/"
 _SETUP_S = 10.0  # fetching the peers' segments; past it this rank votes for the socket path
@@ -55,7 +55,7 @@ _LATENCY = Thresholds.latency_bound()
 
 def segment_bytes(env: dict[str, str] | None = None) -> int:
     """``AIODIST_SHM_BYTES`` (bytes, with an optional K/M/G suffix; 0 turns shared memory off),
-    default 64 MiB. A malformed or too small value is a ValueError naming the variable."""
+    default 32 MiB. A malformed or too small value is a ValueError naming the variable."""
     raw = (os.environ if env is None else env).get(ENV_BYTES, "").strip()
     if not raw:
         return DEFAULT_BYTES
