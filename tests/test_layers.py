@@ -117,3 +117,36 @@ def test_aiodist_cuda_imports_cupy_only_when_used() -> None:
                 else []
             )
             assert not any(n.split(".")[0] in ("cupy", "cupyx") for n in names), f"{f.name} imports CuPy at import time"
+
+
+def aiodist_imports_closure(start: list[pathlib.Path]) -> dict[str, str]:
+    """Every aiodist module the files ``start`` import, at any depth and through each other (and
+    the packages above them, but ``aiodist`` itself, which re-exports everything), each with
+    the module that first imported it."""
+    seen: dict[str, str] = {}
+    todo = [(f, "") for f in start]
+    while todo:
+        f, _ = todo.pop()
+        for name in sorted(imported_names(f)):
+            parts = name.split(".")
+            if parts[0] != "aiodist":
+                continue
+            for depth in range(2, len(parts) + 1):  # the packages on the way, then the module
+                mod = ".".join(parts[:depth])
+                rel = ROOT.joinpath(*parts[1:depth])
+                path = rel.with_suffix(".py") if rel.with_suffix(".py").is_file() else rel / "__init__.py"
+                if not path.is_file() or mod in seen:
+                    continue
+                seen[mod] = str(f.relative_to(ROOT.parent))
+                todo.append((path, mod))
+    return seen
+
+
+def test_transport_does_not_import_algorithms() -> None:
+    """aiodist.transport sits below the collective algorithms (it carries their messages): no
+    module it imports, directly or through another, is aiodist.algorithms (byte_view and the
+    tag limits live in aiodist/_message.py; issue 15)."""
+    closure = aiodist_imports_closure(sorted((ROOT / "transport").glob("*.py")))
+    assert "aiodist.wire.frame" in closure
+    bad = {m: by for m, by in closure.items() if m.startswith(("aiodist.algorithms", "aiodist.backends", "aiodist.c10d"))}
+    assert not bad, f"the transport imports {bad} (module: imported by): it must stay below the algorithms"

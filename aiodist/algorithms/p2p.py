@@ -34,13 +34,10 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["P2P", "TAG_LIMIT", "CHANNEL_TAG_LIMIT", "SubP2P", "LocalP2P", "LocalWorld", "local_world"]
+from aiodist._message import CHANNEL_TAG_LIMIT, TAG_LIMIT, byte_view  # re-exported: they live below the transport
 
-#: An algorithm's tags are below this (and a user's p2p tags: torch's int).
-TAG_LIMIT = 1 << 31
-#: What a P2P takes: the bits from 31 up number the sub-ops of one op (``SubP2P``); the
-#: transport's striping keeps the bits from 40 up for itself.
-CHANNEL_TAG_LIMIT = 1 << 36
+__all__ = ["P2P", "TAG_LIMIT", "CHANNEL_TAG_LIMIT", "SubP2P", "LocalP2P", "LocalWorld", "local_world", "byte_view"]
+
 _SUB_OPS = CHANNEL_TAG_LIMIT // TAG_LIMIT - 1
 
 
@@ -98,20 +95,6 @@ class P2P(Protocol):
         """Send without waiting where possible: True, or a future to await before changing
         ``buf``; False where this P2P cannot (nothing was sent: use ``send``)."""
         ...
-
-
-def byte_view(buf: np.ndarray, *, writable: bool = False) -> np.ndarray:
-    """``buf``'s memory as a flat uint8 array (no copy); ValueError/TypeError for anything that
-    is not a C-contiguous numpy array (or not writeable, when ``writable``)."""
-    if not isinstance(buf, np.ndarray):
-        raise TypeError(f"expected a numpy array, got {type(buf).__name__}")
-    if not buf.flags.c_contiguous:
-        raise ValueError("message buffers must be C-contiguous")
-    if writable and not buf.flags.writeable:
-        raise ValueError("the receive buffer is read-only")
-    if buf.dtype.hasobject:
-        raise TypeError("object arrays cannot be sent")
-    return buf.reshape(-1).view(np.uint8)
 
 
 class _Channel:

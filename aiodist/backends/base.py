@@ -31,14 +31,12 @@ from typing import Any
 
 import numpy as np
 
+from aiodist._message import P2P_SEQ  # the channel seq of every point-to-point message (it lives below the transport)
 from aiodist.algorithms.p2p import P2P
 from aiodist.errors import DistBackendError
 from aiodist.store.base import Store
 
 __all__ = ["CommBackend", "BackendOptions", "P2P_SEQ"]
-
-#: the channel seq of every point-to-point message (collective seqs stay below 2**63)
-P2P_SEQ = 1 << 63
 
 
 class CommBackend(abc.ABC):

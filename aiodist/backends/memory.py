@@ -9,8 +9,8 @@ every rank has joined). So it works with any store the
 ranks share *within one process* (HashStore, or a TCPStore served in this process); across
 processes the hub id is unknown there and init fails with a clear error.
 
-Point-to-point messages go through one ``Mailbox`` per rank (the socket transport's matching
-table, so the matching rules are the same): a send completes at once, its bytes copied into
+Point-to-point messages go through one ``aiodist.transport.Mailbox`` per rank (the socket
+transport's matching table, so the matching rules are the same): a send completes at once, its bytes copied into
 the receive's buffer, or staged (a copy, without a bound) until the receive is posted.
 """
 
@@ -29,7 +29,7 @@ from aiodist.algorithms.p2p import LocalP2P, LocalWorld, byte_view
 from aiodist.backends.base import P2P_SEQ, CommBackend
 from aiodist.errors import DistBackendError
 from aiodist.store.base import Store
-from aiodist.transport._mailbox import Mailbox, PostedRecv, StagedMessage, consume, describe_key, fill
+from aiodist.transport import Mailbox, PostedRecv, StagedMessage, describe_key
 
 __all__ = ["MemoryBackend", "MemoryHub", "create_memory_backend"]
 
@@ -108,7 +108,7 @@ class MemoryBackend(CommBackend):
         if recv is None:
             box.stage(key, StagedMessage(self.rank, memoryview(view.tobytes())))
             return
-        fill(recv, view, self.rank, dst)
+        recv.fill(view, self.rank, dst)
 
     async def p2p_recv(self, group_id: int, src: int | None, buf: np.ndarray, tag: int) -> int:
         if group_id in self.hub.aborted:
@@ -118,7 +118,7 @@ class MemoryBackend(CommBackend):
         box = self.hub.mailboxes[self.rank]
         m = box.take_staged(key, src)
         if m is not None:
-            return consume(m, dst, key, self.rank)
+            return m.consume(dst, key, self.rank)
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         recv = PostedRecv(key, src, dst, fut)
         box.post(recv)

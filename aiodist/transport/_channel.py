@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from aiodist.algorithms.p2p import CHANNEL_TAG_LIMIT, TAG_LIMIT
+from aiodist._message import CHANNEL_TAG_LIMIT, TAG_LIMIT
 from aiodist.errors import DistBackendError
 
 if TYPE_CHECKING:

@@ -2,19 +2,18 @@
 and a sans-I/O ``FrameDecoder``, plus the write side (frames out, flow control).
 
 Rules this module keeps:
-- Reading: a DATA header is answered with the posted receive's memory (the payload lands
-  there, zero-copy) or, when no receive is posted, with staging, bounded per connection by
-  ``FrameLimits.max_staged_bytes``. When staging it would go over that bound the header is
-  HELD: reading pauses (``pause_reading``), so TCP flow control makes the sender's send wait,
-  and resumes (``retry_held``, called by the transport) once its receive is posted (the
-  payload then lands there) or staged bytes were released so that it fits. A message bigger
-  than the bound thus simply waits for its receive. A big payload (``GRACE_MIN_BYTES`` or more)
-  that would be staged is first held for a short grace (``GRACE_SECONDS``) in case its receive
-  is about to be posted, which is the common case when a peer runs ahead by one op: staging it
-  would cost a fresh allocation and two extra copies; if no receive comes in time it is staged
-  as before, so no program that staging serves can stall on it. A payload nobody will take (its group
-  aborted, or its receive's size is wrong) is read into scratch memory and dropped. A peer
-  that breaks the protocol kills the connection, with the reason.
+- Reading: a DATA header's fate (``aiodist.transport._landing.decide``, asked through the
+  owner's ``on_header``) is carried out here: LAND gives the decoder the posted receive's
+  memory (the payload lands there, zero-copy); STAGE lets the decoder stage it, bounded per
+  connection by ``FrameLimits.max_staged_bytes``; HOLD pauses reading (``pause_reading``), so
+  TCP flow control makes the sender's send wait, until ``retry_held`` (called by the owner once
+  a receive was posted or staged bytes were released) finds it another fate. A message bigger
+  than the bound thus simply waits for its receive. A big payload held for its grace gets
+  ``GRACE_SECONDS`` before it is staged: its receive is usually about to be posted (a peer
+  running ahead by one op), and staging would cost an allocation and two extra copies; no
+  program that staging serves can stall on it. DROP, MISMATCH and DESYNC read the payload into
+  scratch memory and drop it. A peer that breaks the protocol kills the connection, with the
+  reason.
 - Writing: the write buffer limits are (0, 0), so the protocol is paused whenever anything is
   buffered and resumed only when the buffer is empty. ``send_frame`` returns once the buffer
   has been seen empty after its frame was written: every byte of it is then in the kernel,
@@ -25,7 +24,8 @@ Rules this module keeps:
 - Handshake deadline: an accepted connection that has not completed its HELLO within the
   transport's ``handshake_timeout`` is closed (and reported to the transport, which counts and
   summarises them). Until then its decoder's read-ahead is small (``FIRST_READ_AHEAD``).
-- The transport owns matching and failure; this class only reports to it.
+- The owner (``ConnectionOwner``, the ``Transport``) owns matching and failure; this class only
+  reports to it, through the seven methods of that protocol, and reads four of its attributes.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 from aiodist.errors import DistNetworkError
+from aiodist.transport._landing import GRACE_MIN_BYTES, Fate, Landing
 from aiodist.transport._mailbox import PostedRecv
 from aiodist.wire.frame import (
     FIRST_READ_AHEAD,
@@ -45,6 +46,7 @@ from aiodist.wire.frame import (
     Event,
     FrameDecoder,
     FrameHeader,
+    FrameLimits,
     GoodbyeReceived,
     HeaderReceived,
     Hello,
@@ -56,23 +58,56 @@ from aiodist.wire.frame import (
     hello_frame,
 )
 
-if TYPE_CHECKING:
-    from aiodist.transport._transport import Transport
-
-__all__ = ["Connection"]
+__all__ = ["Connection", "ConnectionOwner", "GRACE_MIN_BYTES", "GRACE_SECONDS"]
 
 log = logging.getLogger("aiodist.transport")
 
-_HOLD = object()  # _target_for's answer: no receive posted and no staging room: hold the header
+_HOLD = object()  # _target_for's answer: hold the header (reading paused)
 
-GRACE_MIN_BYTES = 1 << 20  # payloads this big wait GRACE_SECONDS for their receive before being staged
-GRACE_SECONDS = 0.005
+GRACE_SECONDS = 0.005  # how long a big payload with staging room waits for its receive (GRACE_MIN_BYTES)
+
+
+class ConnectionOwner(Protocol):
+    """What a ``Connection`` needs of its owner (``Transport`` implements it). Each ``on_*`` is
+    called from the connection's protocol callbacks: none may suspend or raise."""
+
+    rank: int  # this rank, for messages
+    limits: FrameLimits  # the decoder's
+    hello: Hello  # what this rank says in its HELLO
+    handshake_timeout: float  # seconds an accepted connection has to say HELLO
+
+    def attach(self, conn: Connection) -> None:
+        """``conn`` is open (handshake not done)."""
+
+    def on_hello(self, conn: Connection, hello: Hello, lane: int) -> str | None:
+        """The peer's HELLO (``lane``: the one it dialed, for an accepted ``conn``): why it is
+        refused, or None, and then ``conn`` carries rank ``hello.rank``'s messages on ``lane``."""
+
+    def on_header(self, conn: Connection, header: FrameHeader, staged_bytes: int, grace_over: bool) -> Landing:
+        """Where the payload of DATA ``header`` goes (``aiodist.transport._landing.decide``, and
+        its effects: a LAND or MISMATCH receive is claimed, a DESYNC breaks the group, a HOLD is
+        remembered so that ``conn.retry_held`` is called once something changed)."""
+
+    def on_payload(self, conn: Connection, header: FrameHeader, data: memoryview) -> None:
+        """A whole payload the decoder staged (or a zero-length one), now owned by the owner:
+        it gives its bytes back with ``conn.release_staged`` once done with them."""
+
+    def on_abort(self, header: FrameHeader, reason: str) -> None:
+        """The peer aborted ``header.group``."""
+
+    def on_unheard(self, conn: Connection, why: str | None) -> None:
+        """Accepted ``conn`` is closed before its HELLO: it broke the protocol (``why``), or sent
+        none within ``handshake_timeout`` (None)."""
+
+    def on_lost(self, conn: Connection, err: BaseException, current: PostedRecv | None) -> None:
+        """``conn`` is closed, because of ``err``; ``current`` is the receive its payload was
+        landing in, if one was."""
 
 
 class Connection(asyncio.BufferedProtocol):
     """A connection to one peer rank (``peer`` is None until its HELLO is in)."""
 
-    def __init__(self, owner: Transport, kind: str, dialed_peer: int | None = None, lane: int = 0) -> None:
+    def __init__(self, owner: ConnectionOwner, kind: str, dialed_peer: int | None = None, lane: int = 0) -> None:
         self.owner = owner
         self.kind = kind  # "unix" | "tcp"
         self.dialed_peer = dialed_peer  # the rank we dialed; None for an accepted connection
@@ -105,7 +140,7 @@ class Connection(asyncio.BufferedProtocol):
         transport = self.transport
         transport.set_write_buffer_limits(high=0, low=0)
         _grow_socket_buffers(transport)
-        self.owner._connection_made(self)
+        self.owner.attach(self)
         if self.dialed_peer is not None:
             transport.write(hello_frame(self.owner.hello, self.lane))
         else:
@@ -159,7 +194,7 @@ class Connection(asyncio.BufferedProtocol):
             return
         timeout = self.owner.handshake_timeout
         self.fail(DistNetworkError(f"rank {self.owner.rank}: closed a {self.kind} connection that sent no HELLO within {timeout:g} s"))
-        self.owner._handshake_expired(self)
+        self.owner.on_unheard(self, None)
 
     def _unheard_broke(self, exc: RemoteProtocolError) -> None:
         """An accepted connection broke the protocol before its HELLO: the transport sums such
@@ -167,7 +202,7 @@ class Connection(asyncio.BufferedProtocol):
         is reported when the connection is lost)."""
         if self.dialed_peer is None and self.peer is None and self._error is None:
             self._cancel_deadline()
-            self.owner._handshake_broken(self, str(exc))
+            self.owner.on_unheard(self, str(exc))
 
     def _cancel_deadline(self) -> None:
         if self._deadline is not None:
@@ -195,8 +230,7 @@ class Connection(asyncio.BufferedProtocol):
         cur, self.current = self.current, None
         self.held = None
         self._end_grace()
-        self.owner._held.discard(self)
-        self.owner._connection_lost(self, err, cur)
+        self.owner.on_lost(self, err, cur)
         if not self.closed.done():
             self.closed.set_result(None)
 
@@ -213,28 +247,23 @@ class Connection(asyncio.BufferedProtocol):
     # -- decoding events -------------------------------------------------------------------
 
     def _target_for(self, header: FrameHeader) -> object | None:
-        owner = self.owner
-        recv = owner._match(header)
-        if recv is None:
-            if header.group in owner._aborted:
-                self._end_grace()
-                self.current = None
-                return bytearray(header.length)  # read and dropped
-            if self.decoder.staged_bytes + header.length > owner.limits.max_staged_bytes:
-                return _HOLD  # no room: wait (reading paused) for its receive or for room
-            if header.length >= GRACE_MIN_BYTES and not self._grace_over:
-                if self._grace is None:
-                    self._grace = asyncio.get_running_loop().call_later(GRACE_SECONDS, self._grace_ended)
-                return _HOLD  # room, but staging a big payload is dear: give its receive a moment
-            self._end_grace()
-            return None  # stage it
+        """What the decoder gets for ``header``'s payload: the receive's memory, None (stage it),
+        scratch memory (drop it), or ``_HOLD``."""
+        d = self.owner.on_header(self, header, self.decoder.staged_bytes, self._grace_over)
+        fate = d.fate
+        if fate is Fate.HOLD:
+            if d.grace and self._grace is None:
+                self._grace = asyncio.get_running_loop().call_later(GRACE_SECONDS, self._grace_ended)
+            return _HOLD
         self._end_grace()
-        if recv.dst.nbytes != header.length:
-            owner._size_mismatch(recv, header)
-            self.current = None
-            return bytearray(header.length)  # read and dropped
-        self.current = recv
-        return recv.dst
+        if fate is Fate.LAND:
+            self.current = d.recv
+            assert d.recv is not None
+            return d.recv.dst
+        if fate is Fate.STAGE:
+            return None
+        self.current = None
+        return bytearray(header.length)  # read and dropped
 
     def _grace_ended(self) -> None:
         self._grace = None
@@ -252,7 +281,6 @@ class Connection(asyncio.BufferedProtocol):
         """No receive and no staging room for ``header``'s payload: stop reading (the sender's
         send then waits on TCP flow control) until ``retry_held`` finds a place for it."""
         self.held = header
-        self.owner._held.add(self)
         if self.transport is not None:
             self.transport.pause_reading()
 
@@ -266,14 +294,13 @@ class Connection(asyncio.BufferedProtocol):
         if target is _HOLD:
             return
         self.held = None
-        self.owner._held.discard(self)
         self._decode(self.decoder.set_target, target)
         if self.held is None and self._error is None and not self.transport.is_closing():
             self.transport.resume_reading()
 
-    def _release(self, nbytes: int) -> None:
+    def release_staged(self, nbytes: int) -> None:
+        """The owner is done with ``nbytes`` of a payload ``on_payload`` handed it."""
         self.decoder.release_staged(nbytes)
-        self.owner._room_freed()
 
     def _event(self, ev: object) -> None:
         if type(ev) is PayloadReceived:
@@ -282,32 +309,28 @@ class Connection(asyncio.BufferedProtocol):
                 if cur is not None and not cur.fut.done():  # None: a payload read to be dropped
                     cur.fut.set_result(ev.header.source)
             else:
-                self.owner._arrived(ev.header, ev.staged, self._release)
+                self.owner.on_payload(self, ev.header, ev.staged)
         elif type(ev) is HelloReceived:
             self._hello(ev.hello, ev.header.tag)
         elif type(ev) is AbortReceived:
-            self.owner._abort_received(ev.header, ev.reason)
+            self.owner.on_abort(ev.header, ev.reason)
         elif type(ev) is GoodbyeReceived:
             self.goodbye = True
 
     def _hello(self, hello: Hello, lane: int = 0) -> None:
         self._cancel_deadline()
         owner = self.owner
-        why = owner._check_hello(hello, self.dialed_peer)
-        if why is None and self.dialed_peer is None:
-            if not 0 <= lane < owner.lanes:
-                why = f"rank {hello.rank} dialed lane {lane}, but this rank has {owner.lanes} (one per interface named)"
-            else:
-                self.lane = lane
+        lane = self.lane if self.dialed_peer is not None else lane  # a dialer's HELLO names the lane; the answer does not
+        why = owner.on_hello(self, hello, lane)
         if why is not None:
             log.error("rank %d: refused a %s connection: %s", owner.rank, self.kind, why)
             self.fail(DistNetworkError(f"rank {owner.rank}: refused a {self.kind} connection: {why}"))
             return
         self.peer = hello.rank
+        self.lane = lane
         if self.dialed_peer is None:
             assert self.transport is not None
             self.transport.write(hello_frame(owner.hello))
-        owner._connection_ready(self)
         if not self.handshake.done():
             self.handshake.set_result(None)
 

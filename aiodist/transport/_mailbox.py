@@ -1,5 +1,7 @@
-"""Matching of incoming DATA to posted receives: the table of receives waiting for a message and
-of messages that came before their receive (staged).
+"""``Mailbox``: matching of incoming messages to posted receives, the table of receives waiting
+for a message and of messages that came before their receive (staged). Public (exported by
+``aiodist.transport``): the socket transport and the in-memory backend share it, so both match
+alike.
 
 Rules this module keeps:
 - A message is named by ``(group, seq, tag)`` and its source rank. A receive names the same
@@ -8,7 +10,9 @@ Rules this module keeps:
   earliest-posted receive that accepts its source; a receive takes the earliest-staged message
   from a source it accepts. With one ordered byte stream per (sender, receiver), two messages
   with the same key and source are therefore received in the order they were sent.
-- Nothing here waits or does I/O: the transport completes and fails the futures.
+- ``find`` only looks (the landing decision, ``aiodist.transport._landing``, is a pure function
+  of the mailbox); ``claim`` or ``match`` take the receive out.
+- Nothing here waits or does I/O: the owner completes and fails the futures.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Key", "PostedRecv", "StagedMessage", "Mailbox", "describe_key"]
+__all__ = ["Key", "PostedRecv", "StagedMessage", "Mailbox", "describe_key", "size_error"]
 
 Key = tuple[int, int, int]  # (group, seq, tag)
 
@@ -33,6 +37,11 @@ def describe_key(key: Key) -> str:
     if tag >> _PART_SHIFT:
         return f"group {key[0]}, seq {key[1]}, tag {tag & ((1 << _PART_SHIFT) - 1)}, striped part {(tag >> _PART_SHIFT) - 1}"
     return f"group {key[0]}, seq {key[1]}, tag {tag}"
+
+
+def size_error(rank: int, src: int, key: Key, nbytes: int, buffer: int) -> ValueError:
+    """A message whose size is not its receive buffer's: the receive fails with this."""
+    return ValueError(f"rank {rank}: message from rank {src} ({describe_key(key)}) is {nbytes} bytes, the receive buffer {buffer}")
 
 
 @dataclass(eq=False, slots=True)
@@ -51,6 +60,19 @@ class PostedRecv:
         frm = "any source" if self.src is None else f"rank {self.src}"
         return f"receive from {frm} ({describe_key(self.key)}, {self.dst.nbytes} bytes)"
 
+    def fill(self, data: memoryview | np.ndarray, src: int, rank: int) -> None:
+        """Complete this receive with message ``data`` from ``src`` (a copy into its buffer), or
+        fail it with ``size_error`` (naming ``rank``, the receiver) when the sizes differ."""
+        nbytes = data.nbytes
+        if self.dst.nbytes != nbytes:
+            if not self.fut.done():
+                self.fut.set_exception(size_error(rank, src, self.key, nbytes, self.dst.nbytes))
+            return
+        if nbytes:
+            self.dst[:] = np.frombuffer(data, np.uint8)
+        if not self.fut.done():
+            self.fut.set_result(src)
+
 
 @dataclass(eq=False, slots=True)
 class StagedMessage:
@@ -61,42 +83,23 @@ class StagedMessage:
     data: memoryview
     release: Callable[[int], None] = field(default=lambda n: None)
 
-
-def fill(recv: PostedRecv, data: memoryview | np.ndarray, src: int, rank: int) -> None:
-    """Complete posted receive ``recv`` with message ``data`` from ``src`` (a copy into its buffer),
-    or fail it with ``ValueError`` (naming ``rank``, the receiver) when the sizes differ."""
-    nbytes = data.nbytes
-    if recv.dst.nbytes != nbytes:
-        if not recv.fut.done():
-            recv.fut.set_exception(
-                ValueError(
-                    f"rank {rank}: message from rank {src} ({describe_key(recv.key)}) is {nbytes} bytes, the receive buffer {recv.dst.nbytes}"
-                )
-            )
-        return
-    if nbytes:
-        recv.dst[:] = np.frombuffer(data, np.uint8)
-    if not recv.fut.done():
-        recv.fut.set_result(src)
-
-
-def consume(m: StagedMessage, dst: np.ndarray, key: Key, rank: int) -> int:
-    """Copy staged message ``m`` into receive buffer ``dst`` (flat uint8) and release its bytes;
-    returns its source. ``ValueError`` (naming ``rank``, the receiver) when the sizes differ."""
-    try:
-        if m.data.nbytes != dst.nbytes:
-            raise ValueError(
-                f"rank {rank}: message from rank {m.src} ({describe_key(key)}) is {m.data.nbytes} bytes, the receive buffer {dst.nbytes}"
-            )
-        if dst.nbytes:
-            dst[:] = np.frombuffer(m.data, np.uint8)
-        return m.src
-    finally:
-        m.release(m.data.nbytes)
+    def consume(self, dst: np.ndarray, key: Key, rank: int) -> int:
+        """Copy this message into receive buffer ``dst`` (flat uint8) and release its bytes;
+        returns its source. ``size_error`` (naming ``rank``, the receiver) when the sizes differ."""
+        try:
+            if self.data.nbytes != dst.nbytes:
+                raise size_error(rank, self.src, key, self.data.nbytes, dst.nbytes)
+            if dst.nbytes:
+                dst[:] = np.frombuffer(self.data, np.uint8)
+            return self.src
+        finally:
+            self.release(self.data.nbytes)
 
 
 class Mailbox:
-    """Posted receives and staged messages of one transport."""
+    """Posted receives and staged messages of one rank (one transport, or one rank of the
+    in-memory backend). ``post``/``unpost``/``take_staged`` serve receives; ``find`` then
+    ``claim`` (or ``match``, both at once) and ``stage`` serve arriving messages."""
 
     def __init__(self) -> None:
         self._posted: dict[Key, list[PostedRecv]] = {}
@@ -133,6 +136,24 @@ class Mailbox:
         return True
 
     # -- messages --------------------------------------------------------------------------
+
+    def find(self, key: Key, src: int) -> PostedRecv | None:
+        """The earliest posted receive, not yet done, that takes a message ``key`` from ``src``;
+        nothing is removed (``claim`` it)."""
+        lst = self._posted.get(key)
+        if lst:
+            for r in lst:
+                if not r.fut.done() and (r.src is None or r.src == src):
+                    return r
+        return None
+
+    def claim(self, recv: PostedRecv) -> None:
+        """Take ``recv`` (which ``find`` returned) out: it gets this message."""
+        lst = self._posted[recv.key]
+        if len(lst) == 1:
+            del self._posted[recv.key]
+        else:
+            lst.remove(recv)
 
     def match(self, key: Key, src: int) -> PostedRecv | None:
         """The earliest posted receive that takes a message ``key`` from ``src``, removed."""

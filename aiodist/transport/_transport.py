@@ -58,15 +58,15 @@ import numpy as np
 
 from aiodist import _startup
 from aiodist._digest import describe_mismatch
-from aiodist.algorithms.p2p import byte_view
-from aiodist.backends.base import P2P_SEQ
+from aiodist._message import P2P_SEQ, byte_view
 from aiodist.errors import DistBackendError, DistError, DistNetworkError, DistTimeoutError
 from aiodist.store.base import Store
 from aiodist.transport._address import PeerAddress, address_key, host_id, listen_tcp, unix_name
 from aiodist.transport._channel import Channel
 from aiodist.transport._connection import Connection
 from aiodist.transport._ifaces import Advertised, choose
-from aiodist.transport._mailbox import _PART_SHIFT, Key, Mailbox, PostedRecv, StagedMessage, consume, describe_key, fill
+from aiodist.transport._landing import Fate, Landing, decide
+from aiodist.transport._mailbox import _PART_SHIFT, Key, Mailbox, PostedRecv, StagedMessage, describe_key, size_error
 from aiodist.wire.frame import FrameHeader, FrameKind, FrameLimits, Hello, abort_frame
 
 __all__ = ["Transport"]
@@ -404,20 +404,17 @@ class Transport:
                 self._desync(group_id, seq, mine, early[1], early[0])
         return ch
 
-    def _check_digest(self, header: FrameHeader) -> bool:
-        """A collective's frame: True when its digest disagrees with this rank's own op at that
-        seq (the group is then broken, on every rank); a frame that comes before this rank's op
-        keeps its digest for the op to check when it is issued."""
+    def _own_digest(self, header: FrameHeader) -> int | None:
+        """This rank's digest for the op of collective frame ``header``, for ``decide`` to compare
+        (a mismatch breaks the group, on every rank); None before this rank issued that op: the
+        frame's digest is then kept for the op to check when it is issued."""
         k = (header.group, header.seq)
         mine = self._digests.get(k)
         if mine is None:
             if len(self._early_digests) < _DIGESTS_KEPT:
                 self._early_digests.setdefault(k, (header.digest, header.source))
-            return False
-        if mine[0] == header.digest:
-            return False
-        self._desync(header.group, header.seq, mine, header.source, header.digest)
-        return True
+            return None
+        return mine[0]
 
     def _desync(self, group: int, seq: int, mine: tuple[int, str, Any, str | None], peer: int, theirs: int) -> None:
         name = f"group {group}" if mine[3] is None else f"group {group} ({mine[3]!r})"
@@ -538,7 +535,7 @@ class Transport:
     async def _recv_one(self, src: int | None, dst: np.ndarray, key: Key) -> int:
         m = self._mailbox.take_staged(key, src)  # a peer that left may have sent it before leaving
         if m is not None:
-            return self._consume(m, dst, key)
+            return m.consume(dst, key, self.rank)
         if src is not None:
             if self._gone(src):
                 raise self._dead_error(src, key)
@@ -883,6 +880,34 @@ class Transport:
         tried and the last error (empty when every one was connected at some point)."""
         return "".join(self._never(p) for p in sorted(set(peers)) if p != self.rank)
 
+    # -- the ConnectionOwner side (aiodist.transport._connection): what connections report ----
+
+    def attach(self, conn: Connection) -> None:
+        self._conns.add(conn)
+
+    def on_hello(self, conn: Connection, hello: Hello, lane: int) -> str | None:
+        why = self._check_hello(hello, conn.dialed_peer)
+        if why is None and conn.dialed_peer is None and not 0 <= lane < self.lanes:
+            why = f"rank {hello.rank} dialed lane {lane}, but this rank has {self.lanes} (one per interface named)"
+        if why is None:
+            self._connection_ready(conn, hello.rank, lane)
+        return why
+
+    def on_unheard(self, conn: Connection, why: str | None) -> None:
+        """Accepted ``conn`` was closed before its HELLO: for sending none in time (``why`` None)
+        or for breaking the protocol (garbage, another protocol, a bad header, half a frame then
+        EOF). Counted, and such closes summed up in one warning at most every
+        ``_HANDSHAKE_WARN_EVERY_S`` (a flood of idle connections must not flood the log)."""
+        if why is None:
+            self.handshake_timeouts += 1
+            self._unheard(self._late, conn, "")
+        else:
+            self.handshake_refusals += 1
+            self._unheard(self._broken, conn, why)
+
+    def on_abort(self, header: FrameHeader, reason: str) -> None:
+        self._abort_local(header.group, f"rank {header.source} aborted group {header.group}: {reason}")
+
     def _check_hello(self, hello: Hello, dialed: int | None) -> str | None:
         """Why a peer's HELLO is refused, or None."""
         if hello.token != self.hello.token:
@@ -896,22 +921,6 @@ class Transport:
         if self._closed:
             return "this transport is closed"
         return None
-
-    def _connection_made(self, conn: Connection) -> None:
-        self._conns.add(conn)
-
-    def _handshake_expired(self, conn: Connection) -> None:
-        """``conn`` (accepted) was closed for sending no HELLO in time: count it, and sum such
-        closes up in one warning at most every ``_HANDSHAKE_WARN_EVERY_S`` (a flood of idle
-        connections must not flood the log)."""
-        self.handshake_timeouts += 1
-        self._unheard(self._late, conn, "")
-
-    def _handshake_broken(self, conn: Connection, why: str) -> None:
-        """``conn`` (accepted) broke the protocol before its HELLO (garbage, another protocol, a
-        bad header, half a frame then EOF): closed; counted and summed up as the idle ones."""
-        self.handshake_refusals += 1
-        self._unheard(self._broken, conn, why)
 
     def _unheard(self, closes: _Unheard, conn: Connection, why: str) -> None:
         closes.count += 1
@@ -948,23 +957,23 @@ class Transport:
             _HANDSHAKE_WARN_EVERY_S,
         )
 
-    def _connection_ready(self, conn: Connection) -> None:
-        assert conn.peer is not None
-        k: Any = conn.peer if conn.lane == 0 else (conn.peer, conn.lane)
+    def _connection_ready(self, conn: Connection, peer: int, lane: int) -> None:
+        k: Any = peer if lane == 0 else (peer, lane)
         self._connected.add(k)
         self._connect_errors.pop(k, None)
-        if conn.peer in self._dead:
+        if peer in self._dead:
             return
-        if conn.lane:
-            self._lane_conn.setdefault((conn.peer, conn.lane), conn)
-        elif conn.peer not in self._send_conn:
-            self._send_conn[conn.peer] = conn
+        if lane:
+            self._lane_conn.setdefault((peer, lane), conn)
+        elif peer not in self._send_conn:
+            self._send_conn[peer] = conn
         for fut in self._ready_waiters.get(k, ()):
             if not fut.done():
                 fut.set_result(None)
 
-    def _connection_lost(self, conn: Connection, err: DistNetworkError | BaseException, current: PostedRecv | None) -> None:
+    def on_lost(self, conn: Connection, err: BaseException, current: PostedRecv | None) -> None:
         self._conns.discard(conn)
+        self._held.discard(conn)
         self._bytes_lost[0] += conn.bytes_in
         self._bytes_lost[1] += conn.bytes_out
         peer = conn.peer
@@ -997,20 +1006,67 @@ class Transport:
 
     # -- receiving (called by connections) ---------------------------------------------------
 
-    def _match(self, header: FrameHeader) -> PostedRecv | None:
-        if header.group in self._aborted:
-            return None  # staged, and dropped when it completes
-        if header.digest and self._check_digest(header):
-            return None  # the group is aborted now: staged, and dropped
-        return self._mailbox.match((header.group, header.seq, header.tag), header.source)
+    def on_header(self, conn: Connection, header: FrameHeader, staged_bytes: int, grace_over: bool) -> Landing:
+        aborted = self._aborted
+        d = decide(
+            header,
+            self._mailbox,
+            self.limits,
+            staged_bytes=staged_bytes,
+            grace_over=grace_over,
+            aborted=aborted,
+            digest=self._own_digest(header) if header.digest and header.group not in aborted else None,
+        )
+        fate = d.fate
+        if fate is Fate.HOLD:
+            self._held.add(conn)
+            return d
+        if self._held:
+            self._held.discard(conn)
+        if fate is Fate.LAND:
+            assert d.recv is not None
+            self._mailbox.claim(d.recv)
+        elif fate is not Fate.STAGE:
+            self._land_elsewhere(d, header)
+        return d
 
-    def _size_mismatch(self, recv: PostedRecv, header: FrameHeader) -> None:
-        if not recv.fut.done():
-            recv.fut.set_exception(
-                ValueError(
-                    f"rank {self.rank}: message from rank {header.source} ({describe_key(recv.key)}) is {header.length} bytes, the receive buffer {recv.dst.nbytes}"
-                )
-            )
+    def on_payload(self, conn: Connection, header: FrameHeader, data: memoryview) -> None:
+        """A whole payload that no receive claimed when its header came (or a zero-length one,
+        which comes without a header event): a receive may have been posted meanwhile."""
+        aborted = self._aborted
+        check = header.digest and not data.nbytes and header.group not in aborted  # a longer one was checked at its header
+        d = decide(header, self._mailbox, self.limits, in_memory=True, aborted=aborted, digest=self._own_digest(header) if check else None)
+        fate = d.fate
+        if fate is Fate.STAGE:
+            self.staged_total += 1
+            key = (header.group, header.seq, header.tag)
+            self._mailbox.stage(key, StagedMessage(header.source, data, functools.partial(self._release, conn)))
+            return
+        try:
+            if fate is Fate.LAND:
+                assert d.recv is not None
+                self._mailbox.claim(d.recv)
+                d.recv.fill(data, header.source, self.rank)
+            else:
+                self._land_elsewhere(d, header)
+        finally:
+            self._release(conn, data.nbytes)
+
+    def _land_elsewhere(self, d: Landing, header: FrameHeader) -> None:
+        """The effects of a payload that is dropped: MISMATCH fails its receive, DESYNC breaks
+        the group (DROP has none)."""
+        if d.fate is Fate.MISMATCH:
+            recv = d.recv
+            assert recv is not None
+            self._mailbox.claim(recv)
+            if not recv.fut.done():
+                recv.fut.set_exception(size_error(self.rank, header.source, recv.key, header.length, recv.dst.nbytes))
+        elif d.fate is Fate.DESYNC:
+            self._desync(header.group, header.seq, self._digests[(header.group, header.seq)], header.source, header.digest)
+
+    def _release(self, conn: Connection, nbytes: int) -> None:
+        conn.release_staged(nbytes)
+        self._room_freed()
 
     def _room_freed(self) -> None:
         """A receive was posted, staged bytes were released or a group aborted: soon, let every
@@ -1024,36 +1080,10 @@ class Transport:
         for c in list(self._held):
             c.retry_held()
 
-    def _arrived(self, header: FrameHeader, data: memoryview, release: Any) -> None:
-        """A whole payload that no receive claimed when its header came."""
-        key = (header.group, header.seq, header.tag)
-        if header.digest and not data.nbytes and header.group not in self._aborted:
-            self._check_digest(header)  # a zero-length payload comes without a _match
-        if header.group in self._aborted:
-            release(data.nbytes)
-            return
-        # a receive may have been posted while the payload was being staged (or, for a
-        # zero-length payload, which comes without a HeaderReceived, at any time)
-        recv = self._mailbox.match(key, header.source)
-        if recv is not None:
-            try:
-                self._complete_copy(recv, data, header.source)
-            finally:
-                release(data.nbytes)
-            return
-        self.staged_total += 1
-        self._mailbox.stage(key, StagedMessage(header.source, data, release))
-
-    def _complete_copy(self, recv: PostedRecv, data: memoryview, src: int) -> None:
-        fill(recv, data, src, self.rank)
-
-    def _consume(self, m: StagedMessage, dst: np.ndarray, key: Key) -> int:
-        return consume(m, dst, key, self.rank)
-
     def _deliver_self(self, key: Key, view: np.ndarray) -> None:
         recv = self._mailbox.match(key, self.rank)
         if recv is not None:
-            self._complete_copy(recv, view.data, self.rank)
+            recv.fill(view.data, self.rank, self.rank)
             return
         n = view.nbytes
         if self._self_staged + n > self.limits.max_staged_bytes:
@@ -1067,9 +1097,6 @@ class Transport:
 
     def _release_self(self, n: int) -> None:
         self._self_staged -= n
-
-    def _abort_received(self, header: FrameHeader, reason: str) -> None:
-        self._abort_local(header.group, f"rank {header.source} aborted group {header.group}: {reason}")
 
     def _abort_local(self, group: int, why: str) -> None:
         self._aborted.setdefault(group, why)

@@ -1,0 +1,31 @@
+"""What a point-to-point message is, below both the transport and the collective algorithms:
+its bytes (``byte_view``), its tag range (``TAG_LIMIT``, ``CHANNEL_TAG_LIMIT``) and the channel
+seq of user p2p (``P2P_SEQ``). Imports nothing from aiodist, so every layer may import it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["byte_view", "TAG_LIMIT", "CHANNEL_TAG_LIMIT", "P2P_SEQ"]
+
+#: An algorithm's tags are below this (and a user's p2p tags: torch's int).
+TAG_LIMIT = 1 << 31
+#: What a P2P takes: the bits from 31 up number the sub-ops of one op (``SubP2P``); the
+#: transport's striping keeps the bits from 40 up for itself.
+CHANNEL_TAG_LIMIT = 1 << 36
+#: the channel seq of every point-to-point message (collective seqs stay below 2**63)
+P2P_SEQ = 1 << 63
+
+
+def byte_view(buf: np.ndarray, *, writable: bool = False) -> np.ndarray:
+    """``buf``'s memory as a flat uint8 array (no copy); ValueError/TypeError for anything that
+    is not a C-contiguous numpy array (or not writeable, when ``writable``)."""
+    if not isinstance(buf, np.ndarray):
+        raise TypeError(f"expected a numpy array, got {type(buf).__name__}")
+    if not buf.flags.c_contiguous:
+        raise ValueError("message buffers must be C-contiguous")
+    if writable and not buf.flags.writeable:
+        raise ValueError("the receive buffer is read-only")
+    if buf.dtype.hasobject:
+        raise TypeError("object arrays cannot be sent")
+    return buf.reshape(-1).view(np.uint8)
