@@ -29,6 +29,8 @@ def _install() -> None:
     # this process must not be refused for sharing the one simulated GPU
     mp.setenv("NCCL_MULTI_RANK_GPU_ENABLE", os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE", "1"))
     fake_cupy.install(mp)
+    # tests whose sizes only matter on a real GPU (kernels long enough to race) shrink on host memory
+    mp.setenv("AIODIST_TEST_GPU_SIMULATED", "1")
     _STATE["mp"] = mp
 
 
