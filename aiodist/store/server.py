@@ -22,6 +22,7 @@ import functools
 import logging
 import math
 import socket
+import struct
 import sys
 import threading
 import time
@@ -47,6 +48,7 @@ from aiodist.wire.store import (
     encode_queue_pop,
     encode_u8,
     encode_u32,
+    quick_request,
 )
 
 __all__ = ["TCPStoreServer", "ServerThread", "ListenError", "INIT_KEY", "init_rank_key", "new_event_loop"]
@@ -68,6 +70,9 @@ _STOP = encode_u8(STOP_WAITING)
 _READY = encode_u8(CHECK_READY)
 _NOT_READY = encode_u8(CHECK_NOT_READY)
 _CANCELED = encode_u8(WAIT_CANCELED)
+_EMPTY = encode_bytes(b"")  # GET of a missing key: an empty value, as torch's server answers
+_pack_u64 = struct.Struct("<Q").pack  # the wire's string length and i64, without a wrapper call
+_pack_i64 = struct.Struct("<q").pack
 _FLUSH_BYTES = 64 * 1024
 # The accept queue of each listener (the kernel caps it at net.core.somaxconn). Every rank of a
 # job connects at once; asyncio's create_server would listen again with its default of 100,
@@ -185,12 +190,44 @@ class _Conn(asyncio.Protocol):
         self.waits.clear()
 
     def data_received(self, data: bytes) -> None:
+        if self.parser.idle and not self.paused:
+            data = self._answer_leading(data)
+            if not data:
+                return
         try:
             self.parser.feed(data)
         except ProtocolError as exc:
             self._refuse(str(exc))
             return
         self._process()
+
+    def _answer_leading(self, data: bytes) -> bytes:
+        """The hot path of ``_process``, for a chunk that starts a request: answer the common
+        requests at its front read in place (``quick_request``), so the parser never copies or
+        holds them; return the rest (b"" when all was answered, or the connection refused)
+        for the parser. Flushes and stops for flow control as ``_process`` does."""
+        out: list[bytes] = []
+        size = n = pos = 0
+        have = len(data)
+        handlers, limits = _HANDLERS, self.server.limits
+        try:
+            while pos < have and not self.paused and (got := quick_request(data, pos, limits)) is not None:
+                req, pos = got
+                handlers[req.op](self, req, out)
+                n += 1
+                if out and len(out[-1]) + size >= _FLUSH_BYTES:
+                    self._write(out)
+                    out, size = [], 0
+                elif out:
+                    size += len(out[-1])
+        except Exception as exc:  # ADD on a non-integer, or anything unforeseen: close only this client
+            self._refuse(f"{type(exc).__name__}: {exc}")
+            pos = have
+        finally:
+            self.server.stats_counter["requests"] += n
+        if out:
+            self._write(out)
+        return data[pos:] if pos else data
 
     def _process(self) -> None:
         """Answer every complete request buffered, unless the peer stops reading our replies:
@@ -254,10 +291,10 @@ class _Conn(asyncio.Protocol):
 
     def _get(self, req: Request, out: list[bytes]) -> None:
         v = self.state.get(req.keys[0])
-        out.append(encode_bytes(b"" if v is None else v))
+        out.append(_EMPTY if v is None else _pack_u64(len(v)) + v)
 
     def _add(self, req: Request, out: list[bytes]) -> None:
-        out.append(encode_i64(self.state.add(req.keys[0], req.number)))
+        out.append(_pack_i64(self.state.add(req.keys[0], req.number)))
 
     def _check(self, req: Request, out: list[bytes]) -> None:
         out.append(_READY if self.state.check(req.keys) else _NOT_READY)

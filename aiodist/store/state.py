@@ -61,8 +61,15 @@ class KVState:
         return self._data.get(key)
 
     def check(self, keys: tuple[bytes, ...] | list[bytes]) -> bool:
+        data, queues = self._data, self._queues
+        if len(keys) == 1:  # the common case (a client's get): one lookup needs no lock
+            k = keys[0]
+            return k in data or bool(queues.get(k))
         with self._lock:
-            return all(self._present(k) for k in keys)
+            for k in keys:
+                if k not in data and not queues.get(k):
+                    return False
+            return True
 
     def missing(self, keys: tuple[bytes, ...] | list[bytes]) -> list[bytes]:
         with self._lock:
@@ -97,8 +104,9 @@ class KVState:
     def set(self, key: bytes, value: bytes) -> None:
         with self._lock:
             self._data[key] = value
-            wake = self._ready_waiters(key, one=False)
-        _wake(wake)
+            wake = self._ready_waiters(key, one=False) if key in self._waiters else None
+        if wake:
+            _wake(wake)
 
     def append(self, key: bytes, value: bytes) -> None:
         with self._lock:
@@ -125,9 +133,10 @@ class KVState:
         """
         with self._lock:
             n = counter_add(key, self._data.get(key), delta)
-            self._data[key] = str(n).encode()
-            wake = self._ready_waiters(key, one=False)
-        _wake(wake)
+            self._data[key] = b"%d" % n
+            wake = self._ready_waiters(key, one=False) if key in self._waiters else None
+        if wake:
+            _wake(wake)
         return n
 
     def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
@@ -271,7 +280,14 @@ def _stoll(key: bytes, value: bytes) -> int:
 def counter_add(key: bytes, old: bytes | None, delta: int) -> int:
     """What ADD stores: ``old`` read as torch's server reads it, plus ``delta``, wrapped to 64
     bits. Every store uses this, so they agree. ValueError if ``old`` is not a counter."""
-    n = delta if old is None else _stoll(key, old) + delta
+    if old is None:
+        n = delta
+    elif old.isdigit() and len(old) < 19:  # what ADD itself stores (fewer than 19 digits fit in 63 bits)
+        n = int(old) + delta
+    else:
+        n = _stoll(key, old) + delta
+    if -_I64_HALF <= n < _I64_HALF:
+        return n
     return ((n + _I64_HALF) % _I64_SPAN) - _I64_HALF
 
 

@@ -51,7 +51,19 @@ from aiodist.store.base import (
     to_value,
 )
 from aiodist.store.server import INIT_KEY, ListenError, ServerThread, TCPStoreServer, init_rank_key, local_socket_name
-from aiodist.wire.store import CHECK_READY, STOP_WAITING, Limits, Op, ProtocolError, Reply, ReplyParser, encode
+from aiodist.wire.store import (
+    CHECK_READY,
+    STOP_WAITING,
+    Limits,
+    Op,
+    ProtocolError,
+    Reply,
+    ReplyParser,
+    encode,
+    encode_add,
+    encode_check_get,
+    encode_set_ping,
+)
 
 __all__ = ["TCPStore", "InvalidEnvError"]
 
@@ -214,13 +226,16 @@ class _Connection(asyncio.Protocol):
         if self.error is not None:
             raise self.error
         assert self.transport is not None
-        for shape, count in shapes:
-            self.parser.expect(shape, count)
+        self.parser.expect_each(shapes)
         fut = self.loop.create_future()
-        deadline = None if timeout is None else self.loop.time() + timeout
+        if timeout is None:
+            deadline = None
+        else:
+            deadline = self.loop.time() + timeout
+            timer = self._timer
+            if timer is None or timer.when() > deadline:  # (the hot path: a timer due earlier is armed)
+                self._arm(deadline)
         self.pending.append(_Pending(fut, len(shapes), deadline, timeout, op, arg))
-        if deadline is not None:
-            self._arm(deadline)
         self.transport.write(payload)
         return fut
 
@@ -809,11 +824,11 @@ class TCPStore(Store):
 
     async def set(self, key: str, value: ValueLike) -> None:
         k = _wire_key(key)
-        await self._confirmed(encode(Op.SET, (k,), (to_value(value),)), "set", key)
+        await self._request(encode_set_ping(k, to_value(value)), _U32, "set", key, repeatable=False)
 
     async def get(self, key: str) -> bytes:
         k = _wire_key(key)
-        payload = encode(Op.CHECK, (k,)) + encode(Op.GET, (k,))
+        payload = encode_check_get(k)
         deadline = time.monotonic() + self._timeout_s
         while True:
             ready, value = await self._request(payload, _CHECK_GET, "get", key)
@@ -823,7 +838,7 @@ class TCPStore(Store):
 
     async def add(self, key: str, amount: int) -> int:
         k, n = _wire_key(key), to_amount(amount)
-        (v,) = await self._request(encode(Op.ADD, (k,), number=n), _I64, "add", (key, n), repeatable=False)
+        (v,) = await self._request(encode_add(k, n), _I64, "add", (key, n), repeatable=False)
         return v  # type: ignore[no-any-return]
 
     async def compare_set(self, key: str, expected_value: ValueLike, desired_value: ValueLike) -> bytes:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import struct
 from collections import deque
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -32,6 +32,7 @@ __all__ = [
     "ProtocolError",
     "RequestParser",
     "ReplyParser",
+    "quick_request",
     "encode_request",
     "encode",
     "encode_u8",
@@ -40,6 +41,9 @@ __all__ = [
     "encode_bytes",
     "encode_bytes_list",
     "encode_queue_pop",
+    "encode_check_get",
+    "encode_add",
+    "encode_set_ping",
     "STOP_WAITING",
     "WAIT_CANCELED",
     "CHECK_READY",
@@ -207,6 +211,29 @@ def encode_queue_pop(length_before: int, value: bytes | None) -> bytes:
     return _I64.pack(0)
 
 
+# The client's hot requests, built in one step each: the same bytes as ``encode`` (the tests
+# compare them), without its checks and its walk down the opcodes.
+_OP_LEN = struct.Struct("<BQ")  # an opcode, then a string's length
+_OP_ONE_LEN = struct.Struct("<BQQ")  # an opcode, a key count of 1, the key's length
+_PING_0 = bytes((13,)) + _U32.pack(0)
+
+
+def encode_check_get(key: bytes) -> bytes:
+    """CHECK then GET of ``key``: what a client's ``get`` sends."""
+    n = len(key)
+    return b"".join((_OP_ONE_LEN.pack(5, 1, n), key, _OP_LEN.pack(3, n), key))
+
+
+def encode_add(key: bytes, number: int) -> bytes:
+    """ADD ``number`` to ``key``."""
+    return b"".join((_OP_LEN.pack(4, len(key)), key, _I64.pack(number)))
+
+
+def encode_set_ping(key: bytes, value: bytes) -> bytes:
+    """SET ``key`` to ``value``, then PING 0 (SET has no reply: the echo confirms it)."""
+    return b"".join((_OP_LEN.pack(1, len(key)), key, _U64.pack(len(value)), value, _PING_0))
+
+
 # ---------------------------------------------------------------- decoding
 #
 # The parsers are resumable: each request/reply is decoded by a generator that reads fields
@@ -259,6 +286,88 @@ def _count(st: _Stream, limit: int, what: str) -> Generator[None, None, int]:
     return n
 
 
+# What ``quick_request`` does with each opcode (0: leaves it to the resumable decoder). Plain
+# ints and a table: comparing an int with an IntEnum member costs several times more.
+_Q_ONE_KEY, _Q_ADD, _Q_KEY_VALUE, _Q_KEY_LIST, _Q_PING, _Q_BARE = 1, 2, 3, 4, 5, 6
+_QUICK_OPS: dict[int, int] = {
+    Op.GET: _Q_ONE_KEY,
+    Op.DELETE_KEY: _Q_ONE_KEY,
+    Op.QUEUE_POP: _Q_ONE_KEY,
+    Op.QUEUE_LEN: _Q_ONE_KEY,
+    Op.ADD: _Q_ADD,
+    Op.SET: _Q_KEY_VALUE,
+    Op.APPEND: _Q_KEY_VALUE,
+    Op.QUEUE_PUSH: _Q_KEY_VALUE,
+    Op.CHECK: _Q_KEY_LIST,
+    Op.WAIT: _Q_KEY_LIST,
+    Op.MULTI_GET: _Q_KEY_LIST,
+    Op.PING: _Q_PING,
+    Op.GETNUMKEYS: _Q_BARE,
+    Op.CANCEL_WAIT: _Q_BARE,
+    Op.LIST: _Q_BARE,
+}
+_QUICK_KIND = bytes(_QUICK_OPS.get(code, 0) for code in range(256))
+_PING = Op.PING
+_new_request = tuple.__new__  # Request(...) runs a Python __new__; this builds the same tuple in C
+
+
+def quick_request(buf: bytes | bytearray, pos: int, lim: Limits) -> tuple[Request, int] | None:
+    """The request at ``buf[pos:]`` and where it ends, decoded in one step, when it is one of the
+    common ops (not VALIDATE), complete and within ``lim``. None for anything else (a request cut
+    short, over a limit, a rarer opcode, an unknown one): ``RequestParser`` then takes it and
+    raises its errors as it always did, so this path changes no outcome, only the cost. A
+    server may call it on a chunk it received while its parser holds nothing (``idle``)."""
+    have = len(buf)
+    code = buf[pos]
+    kind = _QUICK_KIND[code]
+    if kind == _Q_ONE_KEY or kind == _Q_ADD or kind == _Q_KEY_VALUE:
+        if have < pos + 9:
+            return None
+        (n,) = _U64.unpack_from(buf, pos + 1)
+        at = pos + 9
+        end = at + n
+        if n > lim.max_key_bytes:
+            return None
+        if kind == _Q_ONE_KEY:
+            if have < end:
+                return None
+            return _new_request(Request, (_OPS[code], (bytes(buf[at:end]),), (), 0)), end
+        if have < end + 8:
+            return None
+        if kind == _Q_ADD:
+            return _new_request(Request, (_OPS[code], (bytes(buf[at:end]),), (), _I64.unpack_from(buf, end)[0])), end + 8
+        (m,) = _U64.unpack_from(buf, end)
+        v_end = end + 8 + m
+        if m > lim.max_value_bytes or have < v_end or v_end - pos > lim.max_request_bytes:
+            return None
+        return _new_request(Request, (_OPS[code], (bytes(buf[at:end]),), (bytes(buf[end + 8 : v_end]),), 0)), v_end
+    if kind == _Q_KEY_LIST:
+        if have < pos + 9:
+            return None
+        (count,) = _U64.unpack_from(buf, pos + 1)
+        if count > lim.max_keys:
+            return None
+        keys = []
+        at = pos + 9
+        for _ in range(count):
+            if have < at + 8:
+                return None
+            (n,) = _U64.unpack_from(buf, at)
+            at += 8
+            if n > lim.max_key_bytes or have < at + n:
+                return None
+            keys.append(bytes(buf[at : at + n]))
+            at += n
+        if at - pos > lim.max_request_bytes:
+            return None
+        return _new_request(Request, (_OPS[code], tuple(keys), (), 0)), at
+    if kind == _Q_PING:
+        return (_new_request(Request, (_PING, (), (), _U32.unpack_from(buf, pos + 1)[0])), pos + 5) if have >= pos + 5 else None
+    if kind == _Q_BARE:
+        return _new_request(Request, (_OPS[code], (), (), 0)), pos + 1
+    return None
+
+
 class RequestParser:
     """Server side: ``feed(bytes)``, then iterate to get each complete ``Request`` in order.
 
@@ -277,6 +386,11 @@ class RequestParser:
     @property
     def buffered(self) -> int:
         return len(self._st.buf)
+
+    @property
+    def idle(self) -> bool:
+        """Past VALIDATE, alive, and holding no part of a request: the next byte fed starts one."""
+        return self._validated and not self._st.buf and self._dead is None
 
     def feed(self, data: bytes) -> None:
         if self._dead is not None:
@@ -298,8 +412,13 @@ class RequestParser:
             raise self._dead
         gen = self._gen
         if gen is None:
-            if not self._st.buf:
+            buf = self._st.buf
+            if not buf:
                 return None
+            if self._validated and (got := quick_request(buf, 0, self.limits)) is not None:
+                req, end = got
+                del buf[:end]
+                return req
             gen = self._gen = self._request()
         try:
             next(gen)
@@ -381,6 +500,42 @@ def _unexpected(first: int) -> ProtocolError:
     return ProtocolError(f"unexpected byte(s) from the server with no reply outstanding (first byte 0x{first:02x})")
 
 
+# Module-level names: reading an Enum member off its class costs far more than a global.
+_R_U8, _R_U32, _R_I64, _R_BYTES, _R_QUEUE_POP = Reply.U8, Reply.U32, Reply.I64, Reply.BYTES, Reply.QUEUE_POP
+_R_BYTES_LIST, _R_COUNTED_LIST = Reply.BYTES_LIST, Reply.COUNTED_LIST
+
+
+def _simple_reply(buf: bytearray, shape: Reply, limit: int) -> tuple[object, int] | None:
+    """The reply of ``shape`` (any but the two lists) at the start of ``buf`` and its size, or
+    None until it is complete. A string length over ``limit`` raises as soon as it is in."""
+    have = len(buf)
+    if shape is _R_U8:
+        return (buf[0], 1) if have else None
+    if shape is _R_I64:
+        return (_I64.unpack_from(buf)[0], 8) if have >= 8 else None
+    if shape is _R_U32:
+        return (_U32.unpack_from(buf)[0], 4) if have >= 4 else None
+    at = 0  # where the string starts: BYTES is one; QUEUE_POP is an i64, then one if that is > 0
+    length = 0
+    if shape is _R_QUEUE_POP:
+        if have < 8:
+            return None
+        (length,) = _I64.unpack_from(buf)
+        if length <= 0:
+            return (length, None), 8
+        at = 8
+    if have < at + 8:
+        return None
+    (n,) = _U64.unpack_from(buf, at)
+    if n > limit:
+        raise ProtocolError(f"value of {n} bytes is over the limit of {limit} bytes")
+    end = at + 8 + n
+    if have < end:
+        return None
+    value = bytes(buf[at + 8 : end])
+    return ((length, value) if at else value), end
+
+
 class ReplyParser:
     """Client side: ``expect(shape)`` for each request sent, in order; ``feed`` bytes;
     ``next_reply()`` returns each decoded reply in that order (None until complete).
@@ -410,6 +565,10 @@ class ReplyParser:
     def expect(self, shape: Reply, count: int = 0) -> None:
         self._expected.append((shape, count))
 
+    def expect_each(self, shapes: Iterable[tuple[Reply, int]]) -> None:
+        """``expect(shape, count)`` for each pair, in order."""
+        self._expected.extend(shapes)
+
     def feed(self, data: bytes) -> None:
         if self._dead is not None:
             raise self._dead
@@ -427,6 +586,19 @@ class ReplyParser:
         gen = self._gen
         if gen is None:
             shape, count = self._expected[0]
+            if shape is not _R_BYTES_LIST and shape is not _R_COUNTED_LIST:
+                # A reply of one or two fields: read whole once it is all in (checking a length
+                # against the limit as soon as it arrives, as the resumable decoder does).
+                try:
+                    got = _simple_reply(self._st.buf, shape, self.limits.max_value_bytes)
+                except ProtocolError as exc:
+                    raise self._die(exc)  # noqa: B904 - the parser's own error, raised as is
+                if got is None:
+                    return None
+                value, end = got
+                del self._st.buf[:end]
+                self._expected.popleft()
+                return value
             gen = self._gen = self._reply(shape, count)
         try:
             next(gen)
