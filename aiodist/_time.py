@@ -8,7 +8,7 @@ import math
 from collections.abc import Awaitable
 from datetime import timedelta
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -41,30 +41,61 @@ def fmt_seconds(seconds: float) -> str:
 
 class Deadline:
     """``async with Deadline(seconds):`` -- ``asyncio.timeout`` that remembers whether *its own*
-    deadline fired. A ``TimeoutError`` that leaves the block is this deadline's only when
-    ``fired`` is true; one raised by the code inside (a user's, a store's or a backend's own
+    deadline fired, and when. A ``TimeoutError`` that leaves the block is this deadline's only
+    when ``fired`` is true; one raised by the code inside (a user's, a store's or a backend's own
     deadline) leaves with ``fired`` false and is that code's failure, not this deadline's.
-    Cancellation from outside passes through unchanged (``fired`` stays false)."""
+    Cancellation from outside passes through unchanged (``fired`` stays false).
 
-    __slots__ = ("seconds", "_cm")
+    ``late`` is how long after its due time the deadline's timer actually ran (the loop was
+    blocked, or this process was not scheduled): measured when it fires, so the time the
+    cancelled code then takes to unwind is not counted. Like ``asyncio.timeout`` it cancels the
+    task that entered it, so it must not be entered in a communicating call's first step
+    (see ``within``)."""
+
+    __slots__ = ("seconds", "_task", "_handle", "_due", "_fired_at", "_cancelling")
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
-        self._cm: asyncio.Timeout | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._handle: asyncio.TimerHandle | None = None
+        self._due = 0.0
+        self._fired_at: float | None = None
+        self._cancelling = 0
 
     async def __aenter__(self) -> Deadline:
-        self._cm = asyncio.timeout(self.seconds)
-        await self._cm.__aenter__()
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("Deadline must be used inside a task")
+        loop = asyncio.get_running_loop()
+        self._task = task
+        self._cancelling = task.cancelling()
+        self._due = loop.time() + self.seconds
+        self._handle = loop.call_at(self._due, self._fire, loop)
         return self
 
+    def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._fired_at = loop.time()
+        assert self._task is not None
+        self._task.cancel()
+
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        assert self._cm is not None
-        await self._cm.__aexit__(exc_type, exc, tb)  # raises TimeoutError where it fired
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        if self._fired_at is not None and self._task is not None:
+            # the cancellation was ours when no other one came after entry (asyncio.timeout's rule)
+            if self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+                raise TimeoutError from exc
 
     @property
     def fired(self) -> bool:
-        """Whether this deadline passed and cancelled the block (``asyncio.Timeout.expired``)."""
-        return self._cm is not None and self._cm.expired()
+        """Whether this deadline passed and cancelled the block."""
+        return self._fired_at is not None
+
+    @property
+    def late(self) -> float:
+        """Seconds between the due time and the moment the timer ran (0 when it did not fire)."""
+        return 0.0 if self._fired_at is None else max(0.0, self._fired_at - self._due)
 
 
 async def within(aw: Awaitable[T], seconds: float) -> T:
@@ -84,6 +115,12 @@ async def within(aw: Awaitable[T], seconds: float) -> T:
             fut.cancel()
             raise
         if not fut.done():
-            fut.cancel()
+            fut.cancel()  # it unwinds on its own; what it ends with is retrieved, never logged as lost
+            fut.add_done_callback(_retrieve)
             raise TimeoutError
     return fut.result()
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()

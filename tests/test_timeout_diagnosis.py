@@ -260,3 +260,31 @@ def test_explain_names_a_silent_rank_in_the_op_and_what_it_did() -> None:
     found = Findings({2: Report("all_reduce", (1,))}, answered=False)
     head, tail, hint = explain(2, "all_reduce", 0, 0, found, since=0.0, now=1.0, grace=0.1)
     assert head.startswith("the store did not answer within 0.1 s") and tail == "" and hint
+
+
+async def test_deadline_late_is_the_timers_delay_not_the_unwinding() -> None:
+    """``Deadline.late`` is measured when the timer runs: a blocked loop makes it late; a body
+    that takes long to unwind after the cancel does not (the runner's "did not run" verdict)."""
+    d = Deadline(0.05)
+    with pytest.raises(TimeoutError):
+        async with d:
+            try:
+                await asyncio.sleep(10)
+            finally:
+                await asyncio.shield(asyncio.sleep(0.6))  # slow teardown after the cancel
+    assert d.fired and d.late < 0.5, d.late
+    d = Deadline(0.05)
+    with pytest.raises(TimeoutError):
+        async with d:
+            time.sleep(0.7)  # noqa: ASYNC251 - the loop is blocked past the due time: the timer runs late
+            await asyncio.sleep(10)
+    assert d.fired and d.late >= 0.6, d.late
+    d = Deadline(5)  # a cancellation from outside is not this deadline's
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().call_later(0.05, task.cancel)
+    with pytest.raises(asyncio.CancelledError):
+        async with d:
+            await asyncio.sleep(10)
+    assert not d.fired and d.late == 0.0
+    task.uncancel()

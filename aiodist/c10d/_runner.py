@@ -464,7 +464,6 @@ async def run(
     grace = grace_for(limit) if pg.store is not None else 0.0
     since = time.time()
     deadline = Deadline(limit - grace)
-    due = asyncio.get_running_loop().time() + (limit - grace)
     try:
         async with deadline:
             await body(tracker)
@@ -473,8 +472,8 @@ async def run(
         raise
     except Exception as exc:
         if deadline.fired:
-            late = asyncio.get_running_loop().time() - due
-            await _timed_out(pg, op, label, what, tracker, work, limit, grace, entry, since, late)
+            # how late the timer ran, not how long the cancelled body then took to unwind
+            await _timed_out(pg, op, label, what, tracker, work, limit, grace, entry, since, deadline.late)
         else:  # the body's own failure, a TimeoutError of its own included
             _failed(pg, op, label, what, work, exc)
         return
