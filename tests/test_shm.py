@@ -5,23 +5,40 @@ second group of the same ranks made with shared memory off (the socket path): re
 the same bits on every rank, and exact sums/extrema (integers, integer-valued floats) must equal
 the socket path's. Segments are 1 MiB (512 KiB rounds), so the big payloads go in many rounds;
 sizes are odd, so slices and rounds are uneven. Plus: shared memory off on one rank sends the
-whole group to the socket path and says so at INFO; no memfd stays mapped after
-destroy_process_group and nothing appears in /dev/shm.
+whole group to the socket path and says so at INFO; no memfd stays mapped or open after
+destroy_process_group (memfds have no name in /dev/shm: the process's maps and fds are where
+a leak would show).
+
+The rest runs in one process (``run_world`` over the socket backend: each rank has its own
+SharedMemory, and the fds pass over the same abstract sockets): the ticket line with several
+ops in flight, groups in opposite orders, an op that never runs, a destroyed group's segments,
+and the agreement's fallbacks.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from helpers.rank_procs import run_ranks
 
+import aiodist as dist
 from aiodist.elastic.utils import get_free_port
+from aiodist.errors import DistStoreError
+from aiodist.shm import SharedMemory
+from aiodist.shm import _manager as shm_manager
+from aiodist.shm._manager import _Turns
+from aiodist.shm._segment import fetch
+from aiodist.store import HashStore
+from aiodist.testing import run_world
 
-pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.timeout(120)]
 
 ROOT = Path(__file__).resolve().parents[1]
 START_S = 60.0  # 4 interpreters importing numpy on a loaded 2-core machine, plus the ops
@@ -118,16 +135,9 @@ def _world(tmp_path: Path, n: int, extra: dict[int, dict[str, str]] | None = Non
     return run_ranks([[sys.executable, str(script)]] * n, envs, START_S)
 
 
-def _dev_shm() -> set[str]:
-    try:
-        return set(os.listdir("/dev/shm"))
-    except OSError:
-        return set()
-
-
+@pytest.mark.subprocess
 @pytest.mark.parametrize("n", [2, 4])
 def test_shared_memory_path_matches_the_socket_path(tmp_path: Path, n: int) -> None:
-    before = _dev_shm()
     res = _world(tmp_path, n)
     for r, out in enumerate(res):
         assert out["shm"]["groups"] == [0], f"rank {r}: the default group did not use shared memory: {out['shm']}"
@@ -135,9 +145,9 @@ def test_shared_memory_path_matches_the_socket_path(tmp_path: Path, n: int) -> N
         assert out["digests"] == res[0]["digests"], f"rank {r}'s results are not rank 0's bits"
         assert out["during"][0] >= n, f"rank {r}: expected {n} memfd mappings during the run, saw {out['during']}"
         assert out["after"] == [0, 0], f"rank {r}: memfd mappings/fds left after destroy_process_group: {out['after']}"
-    assert _dev_shm() <= before, f"new files in /dev/shm: {_dev_shm() - before}"
 
 
+@pytest.mark.subprocess
 def test_shared_memory_off_on_one_rank_uses_the_socket_and_says_so(tmp_path: Path) -> None:
     res = _world(tmp_path, 2, {1: {"AIODIST_SHM_BYTES": "0"}})
     for r, out in enumerate(res):
@@ -147,3 +157,237 @@ def test_shared_memory_off_on_one_rank_uses_the_socket_and_says_so(tmp_path: Pat
         assert out["during"] == [0, 0] and out["after"] == [0, 0], (out["during"], out["after"])
     assert any("shared memory off (AIODIST_SHM_BYTES=0)" in m for m in res[1]["logs"]), res[1]["logs"]
     assert any("group 0 does not use shared memory" in m for m in res[0]["logs"]), res[0]["logs"]
+
+
+# -- in one process: run_world's ranks over the socket backend, each with its own SharedMemory ---
+
+IN_PROCESS_ENV = {"AIODIST_SHM_BYTES": "1M", "AIODIST_ALGO_ALLREDUCE_SHM_MIN": "0", "AIODIST_ALGO_ALLGATHER_SHM_MIN": "0"}
+BIG = 300_007  # 1.2 MB of float32: three 512 KiB rounds, so ops in flight overlap round by round
+
+
+@pytest.fixture
+def shm_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in IN_PROCESS_ENV.items():
+        monkeypatch.setenv(k, v)
+
+
+def _shm() -> SharedMemory:
+    shm = dist.group.WORLD.backend.shm
+    assert isinstance(shm, SharedMemory)
+    return shm
+
+
+def _memfds() -> tuple[int, int]:
+    """memfd mappings and fds of aiodist segments in this process (every rank's, here)."""
+    with open("/proc/self/maps") as f:
+        maps = sum("memfd:aiodist-shm" in line for line in f)
+    fds = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fds += "memfd:aiodist-shm" in os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass
+    return maps, fds
+
+
+def _turns(group: Any) -> Any:
+    return next(t for k, t in _shm()._turns.items() if k[0] == group.group_id)
+
+
+async def test_ops_in_flight_take_their_turns_in_issue_order(shm_env: None) -> None:
+    """Three async shared-memory all_reduces (each of several rounds) and a socket-path broadcast
+    in flight at once, waited for in reverse: each gets its own sum."""
+
+    async def fn(rank: int) -> list[np.ndarray]:
+        xs = [np.full(BIG + i, rank + 1 + 10 * i, np.float32) for i in range(3)]
+        y = np.full(5, rank + 7.0)
+        works = [await dist.all_reduce(x, async_op=True) for x in xs[:2]]
+        works.append(await dist.broadcast(y, src=1, async_op=True))
+        works.append(await dist.all_reduce(xs[2], async_op=True))
+        for w in reversed(works):
+            assert await w.wait(timeout=20)
+        t = _turns(dist.group.WORLD)
+        assert (t.serving, t.issued, t.waiters) == (3, 3, {}), (t.serving, t.issued)
+        return [*xs, y]
+
+    for out in await run_world(2, fn, "gloo", timeout=30):
+        for i in range(3):
+            assert np.array_equal(out[i], np.full(BIG + i, 3 + 20 * i, np.float32)), (i, out[i][:4])
+        assert np.array_equal(out[3], np.full(5, 8.0))
+    assert _memfds() == (0, 0)
+
+
+async def test_two_groups_of_the_same_ranks_issued_in_opposite_orders(shm_env: None) -> None:
+    """Each group has its own segments and line, so rank 0 issuing each op of group 0 before
+    the one of group 1 and rank 1 the other way round neither deadlocks nor mixes their data."""
+
+    async def fn(rank: int) -> list[np.ndarray]:
+        groups = [await dist.new_group([0, 1]), await dist.new_group([0, 1])]
+        xs = {(g, i): np.full(BIG, (rank + 1) * (1 + 2 * g + i), np.float32) for g in range(2) for i in range(2)}
+        # the same order within a group (as torch requires), the opposite across the groups
+        order = sorted(xs, key=lambda k: (k[1], k[0] if rank == 0 else -k[0]))
+        works = [await dist.all_reduce(xs[k], group=groups[k[0]], async_op=True) for k in order]
+        for w in works:
+            assert await w.wait(timeout=20)
+        assert sorted(_shm().stats()["groups"]) == sorted(g.group_id for g in groups)
+        return [xs[k] for k in sorted(xs)]
+
+    for out in await run_world(2, fn, "gloo", timeout=30):
+        for (g, i), x in zip(sorted((g, i) for g in range(2) for i in range(2)), out, strict=True):
+            assert np.array_equal(x, np.full(BIG, 3 * (1 + 2 * g + i), np.float32)), (g, i, x[:4])
+
+
+async def test_an_op_whose_body_never_runs_passes_its_turn_on(shm_env: None) -> None:
+    """Rank 1 issues shared-memory ops on a group rank 0 never uses: the first waits in its
+    agreement for rank 0; two more are issued and the group aborted in the same step, so their
+    bodies never start; one more is refused at issue. All fail, and every ticket is passed on
+    (the first by its body, the others by their Works), none left waiting."""
+
+    async def fn(rank: int) -> tuple[int, int, int] | None:
+        sub = await dist.new_group([0, 1])
+        if rank == 0:
+            return None
+        works = [await dist.all_reduce(np.ones(BIG, np.float32), group=sub, async_op=True)]
+        await asyncio.sleep(0.05)
+        works += [await dist.all_reduce(np.ones(BIG, np.float32), group=sub, async_op=True) for _ in range(2)]
+        sub.abort("aborted by the test")
+        with pytest.raises(dist.DistError):
+            await dist.all_reduce(np.ones(BIG, np.float32), group=sub)
+        for w in works:
+            with pytest.raises(dist.DistError):
+                await w.wait(timeout=10)
+        t = _turns(sub)
+        for _ in range(500):  # the cancelled first body unwinds over a few loop steps (5 s at most)
+            if t.serving == t.issued:
+                break
+            await asyncio.sleep(0.01)
+        return t.serving, t.issued, len(t.waiters)
+
+    assert (await run_world(2, fn, "gloo", timeout=30))[1] == (4, 4, 0)
+
+
+def test_the_line_skips_tickets_passed_on_before_their_turn() -> None:
+    """The pure line: ticket 1 passed on early (its op failed) is skipped once 0 passes it on."""
+    t = _Turns()
+    loop = asyncio.new_event_loop()
+    try:
+        t.waiters[2] = w = loop.create_future()
+        t.issued = 3
+        t.release(1)
+        assert t.serving == 0 and not w.done()
+        t.release(0)
+        assert t.serving == 2 and w.done() and t.released == set()
+    finally:
+        loop.close()
+
+
+async def test_a_destroyed_group_releases_its_segments(shm_env: None) -> None:
+    """Groups made, used and destroyed in a loop leave no segment behind: only the default
+    group's stay mapped (each rank's own and its peer's, both in this one process)."""
+
+    async def fn(rank: int) -> list[tuple[int, int]]:
+        x = np.ones(BIG, np.float32)
+        await dist.all_reduce(x)
+        seen = []
+        for _ in range(4):
+            sub = await dist.new_group([0, 1])
+            await dist.all_reduce(x, group=sub)
+            await dist.destroy_process_group(sub)
+            await dist.barrier()
+            seen.append(_memfds())  # both ranks are between these barriers: neither changes a thing
+            await dist.barrier()
+        st = _shm().stats()
+        assert (st["groups"], st["own_segments"], st["mapped_segments"]) == ([0], 1, 1), st
+        return seen
+
+    for seen in await run_world(2, fn, "gloo", timeout=30):
+        # 2 ranks x (own + the peer's) mapped; fds: each own one, and mmap's duplicate of each mapping's
+        assert all(s == (4, 6) for s in seen), seen
+    assert _memfds() == (0, 0)
+
+
+async def test_a_peer_gets_no_segment_for_a_group_this_rank_never_reached_or_destroyed(
+    shm_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fd server makes a segment only for a group this rank has an op of in line (a fetch
+    for another waits for that, here 0.3 s, then is refused) and none for a destroyed group."""
+    monkeypatch.setattr(shm_manager, "_SETUP_S", 0.3)
+
+    async def fn(rank: int) -> dict[str, str] | None:
+        sub = await dist.new_group([0, 1])
+        await dist.all_reduce(np.ones(4, np.float32), group=sub)
+        await dist.destroy_process_group(sub)
+        await dist.all_reduce(np.ones(4, np.float32))
+        await dist.barrier()
+        if rank == 1:
+            await dist.barrier()
+            return None
+        name = bytes.fromhex((await _shm()._record(1))["name"]).decode()
+        said = {}
+        for what, group in (("never made", 12345), ("destroyed", sub.group_id), ("default", 0)):
+            try:
+                (await fetch(name, _shm().token, group)).close()
+            except ValueError as exc:
+                said[what] = str(exc)
+            else:
+                said[what] = "served"
+        await dist.barrier()
+        return said
+
+    said = (await run_world(2, fn, "gloo", timeout=30))[0]
+    assert said == {
+        "never made": "no shared memory for group 12345 on this rank",
+        "destroyed": "no shared memory for group 1 on this rank",
+        "default": "served",
+    }, said
+
+
+async def test_an_error_in_the_agreement_sends_the_group_to_the_socket_path(shm_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store error reading a peer's record on rank 0 (not an OSError) and a garbage record on
+    rank 1 (a TypeError decoding it): each votes for the socket path, the ops still succeed,
+    and the segments made meanwhile are closed at once."""
+    real = SharedMemory._record
+
+    async def record(self: SharedMemory, rank: int) -> dict[str, Any]:
+        if self.rank == 0:
+            raise DistStoreError("the store broke (test)")
+        rec = await real(self, rank)
+        return {**rec, "name": 12}  # not a hex string
+
+    monkeypatch.setattr(SharedMemory, "_record", record)
+    logs: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, r: logging.LogRecord) -> None:
+            logs.append(r.getMessage())
+
+    handler = Keep()
+    logging.getLogger("aiodist.shm").addHandler(handler)
+    monkeypatch.setattr(logging.getLogger("aiodist.shm"), "level", logging.INFO)
+
+    async def fn(rank: int) -> tuple[np.ndarray, dict[str, Any]]:
+        x = np.full(BIG, rank + 1.0, np.float32)
+        await dist.all_reduce(x)
+        await dist.all_reduce(x)
+        return x, _shm().stats()
+
+    try:
+        res = await run_world(2, fn, "gloo", timeout=30)
+    finally:
+        logging.getLogger("aiodist.shm").removeHandler(handler)
+    for x, st in res:
+        assert np.array_equal(x, np.full(BIG, 6.0, np.float32))
+        assert (st["groups"], st["own_segments"], st["mapped_segments"]) == ([], 0, 0), st
+    assert any("rank 0: group 0 does not use shared memory (DistStoreError: the store broke (test))" in m for m in logs), logs
+    assert any(m.startswith("rank 1: group 0 does not use shared memory (TypeError") for m in logs), logs
+    assert _memfds() == (0, 0)
+
+
+async def test_start_closes_its_fd_server_when_publishing_its_record_fails() -> None:
+    class Broken(HashStore):
+        async def set(self, key: str, value: Any) -> None:
+            raise DistStoreError("the store broke (test)")
+
+    with pytest.raises(DistStoreError):
+        await SharedMemory.start(Broken(), 0, b"token", "host")
+    assert not [t for t in asyncio.all_tasks() if t.get_name() == "aiodist shm fd server"]

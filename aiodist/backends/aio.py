@@ -82,6 +82,10 @@ class AioBackend(CommBackend):
     async def abort_group(self, group_id: int, reason: str) -> None:
         await self.transport.abort(group_id, reason)
 
+    async def release_group(self, group_id: int) -> None:
+        if self.shm is not None:
+            self.shm.release_group(group_id)
+
     def address_info(self) -> dict[str, Any]:
         """Where this rank's peers reach it: the address, the lanes (one per interface named),
         the interfaces and why that address was chosen (docs/multi_host.md)."""

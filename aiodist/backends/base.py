@@ -84,6 +84,10 @@ class CommBackend(abc.ABC):
         """Tell the peers that ``group_id`` is broken, so their pending ops on it fail now rather
         than at their timeouts. Called once, when an op of the group fails on this rank."""
 
+    async def release_group(self, group_id: int) -> None:  # noqa: B027 - optional
+        """``group_id`` is destroyed on this rank (its ops have all ended): release what the
+        backend holds for it."""
+
     async def close(self) -> None:  # noqa: B027 - optional
         """Release what the backend holds. Idempotent."""
 

@@ -363,4 +363,5 @@ class ProcessGroup:
                 await dev.release_group(self.group_id)
             except Exception as exc:  # best effort at teardown
                 log.warning("rank %d: releasing %s on %s: %s", self.backend.rank, self.describe(), getattr(dev, "name", dev), exc)
+        await self.backend.release_group(self.group_id)  # e.g. the socket backend's shared segments
         self._log_summary()

@@ -158,7 +158,10 @@ class SharedMemory:
         self.off = off  # why this rank cannot use shared memory, or None
         self.server: FdServer | None = None
         self._own: dict[int, Segment] = {}  # group id -> this rank's segment for it
-        self._mapped: list[Segment] = []  # peers' segments mapped here
+        self._mapped: dict[int, list[Segment]] = {}  # group id -> the peers' segments mapped here
+        # group id -> done once this rank has an op of it in line (a peer's fetch waits for it)
+        self._arrived: dict[int, asyncio.Future[None]] = {}
+        self._done_with: set[int] = set()  # groups destroyed or on the socket path: no segment for them
         self._turns: dict[tuple[int, tuple[int, ...]], _Turns] = {}
         self._records: dict[int, dict[str, Any]] = {}
         self._host_id = ""
@@ -185,29 +188,60 @@ class SharedMemory:
         else:
             assert self.server is not None
             record = {"name": self.server.name.encode().hex(), "host_id": host_id, "pid": os.getpid()}
-        await store.set(f"{_KEY}{rank}", json.dumps(record))
+        try:
+            await store.set(f"{_KEY}{rank}", json.dumps(record))
+        except BaseException:  # nobody else holds it yet: its server must not outlive this call
+            await self.close()
+            raise
         return self
 
     def ticket(self, group_id: int, ranks: Sequence[int]) -> Ticket | None:
         """A place in line for a shared-memory op of this group, or None where the group is
         known to use the socket path (or has one rank). Call in the op's issuing step."""
-        if len(ranks) < 2 or self._closed:
+        if len(ranks) < 2 or self._closed or group_id in self._done_with:
             return None
         key = (group_id, tuple(ranks))
         turns = self._turns.get(key)
         if turns is None:
             turns = self._turns[key] = _Turns()
+            arrived = self._arrival(group_id)
+            if not arrived.done():
+                arrived.set_result(None)
         elif turns.known and turns.state is None:
             return None
         return Ticket(self, turns, key)
 
-    def _segment_for(self, group_id: int) -> Segment | None:
-        if self.off is not None or self._closed:
-            return None
+    def _arrival(self, group_id: int) -> asyncio.Future[None]:
+        fut = self._arrived.get(group_id)
+        if fut is None:
+            fut = self._arrived[group_id] = asyncio.get_running_loop().create_future()
+        return fut
+
+    def _usable(self, group_id: int) -> bool:
+        return self.off is None and not self._closed and group_id not in self._done_with
+
+    def _own_segment(self, group_id: int) -> Segment:
         seg = self._own.get(group_id)
         if seg is None:
             seg = self._own[group_id] = Segment.create(f"aiodist-shm-g{group_id}-r{self.rank}", self.size)
         return seg
+
+    async def _segment_for(self, group_id: int) -> Segment | None:
+        """The fd server's question: this rank's segment for ``group_id``, made once this rank
+        has an op of the group in line (a peer may ask first: then this waits for that, at most
+        ``_SETUP_S``); None for a group it never reaches, has destroyed or sends down the socket."""
+        if not self._usable(group_id):
+            return None
+        arrived = self._arrival(group_id)
+        if not arrived.done():
+            try:
+                async with asyncio.timeout(_SETUP_S):
+                    await asyncio.shield(arrived)
+            except TimeoutError:
+                if not arrived.done() and self._arrived.get(group_id) is arrived:
+                    del self._arrived[group_id]  # a group id this rank never used: keep no future for it
+                return None
+        return self._own_segment(group_id) if self._usable(group_id) else None
 
     async def _record(self, rank: int) -> dict[str, Any]:
         rec = self._records.get(rank)
@@ -223,14 +257,14 @@ class SharedMemory:
                 raise ValueError(f"rank {r} has it off ({rec['off']})")
             if rec.get("host_id") != self._host_id:
                 raise ValueError(f"rank {r} is on another host")
-        own = self._segment_for(group_id)
-        if own is None:
+        if not self._usable(group_id):
             raise ValueError(self.off or "closed")
+        own = self._own_segment(group_id)
         fetched = await asyncio.gather(
             *(fetch(bytes.fromhex(rec["name"]).decode(), self.token, group_id) for rec in recs), return_exceptions=True
         )
         segs = [s for s in fetched if isinstance(s, Segment)]
-        self._mapped.extend(segs)
+        self._mapped.setdefault(group_id, []).extend(segs)
         errors = [e for e in fetched if not isinstance(e, Segment)]
         if errors:
             raise errors[0]  # type: ignore[misc]
@@ -249,35 +283,53 @@ class SharedMemory:
             try:
                 async with asyncio.timeout(_SETUP_S):
                     state = await self._map_all(group_id, ranks)
-            except (OSError, ValueError, KeyError, TimeoutError) as exc:
-                why = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)
+            except Exception as exc:  # whatever went wrong, this rank votes (CancelledError goes through)
+                why = str(exc) if type(exc) is ValueError else f"{type(exc).__name__}: {exc}"
+                state = None
         vote = np.array([1 if state is not None else 0], np.uint8)
-        await alg.all_reduce(SubP2P(p2p, _AGREE_SUB), vote, _min, thresholds=_LATENCY)
+        try:
+            await alg.all_reduce(SubP2P(p2p, _AGREE_SUB), vote, _min, thresholds=_LATENCY)
+        except BaseException:
+            self._drop(group_id)
+            raise
         if vote[0] == 1:
             assert state is not None
             log.debug("rank %d: group %d uses shared memory (%d ranks, %d-byte rounds)", self.rank, group_id, len(ranks), state.half)
             return state
+        self._drop(group_id)  # every rank has voted: no peer fetches any of these any more
         if why is None:
             why = "another rank of the group could not (see its log)"
         if self.off is None:  # an off rank said so once, at start
             log.info("rank %d: group %d does not use shared memory (%s): its same-host peers use the socket", self.rank, group_id, why)
         return None
 
+    def _drop(self, group_id: int) -> None:
+        """Close the group's segments here (own and mapped) and serve it no more."""
+        self._done_with.add(group_id)
+        arrived = self._arrived.pop(group_id, None)
+        if arrived is not None and not arrived.done():
+            arrived.set_result(None)  # a fetch waiting on it finds the group done with
+        own = self._own.pop(group_id, None)
+        for seg in [*self._mapped.pop(group_id, []), *([own] if own is not None else [])]:
+            seg.close()
+
+    def release_group(self, group_id: int) -> None:
+        """The group is destroyed: its line goes (ops still waiting for their turn are
+        cancelled) and its segments are closed here."""
+        for key in [k for k in self._turns if k[0] == group_id]:
+            _cancel(self._turns.pop(key))
+        self._drop(group_id)
+
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         for t in self._turns.values():
-            t.state = None
-            for w in t.waiters.values():
-                if not w.done():
-                    w.cancel()
+            _cancel(t)
         if self.server is not None:
             await self.server.close()
-        for seg in [*self._mapped, *self._own.values()]:
-            seg.close()
-        self._mapped.clear()
-        self._own.clear()
+        for group_id in {*self._own, *self._mapped, *self._arrived}:
+            self._drop(group_id)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -285,8 +337,15 @@ class SharedMemory:
             "segment_bytes": self.size,
             "groups": sorted(k[0] for k, t in self._turns.items() if t.state is not None),
             "own_segments": len(self._own),
-            "mapped_segments": len(self._mapped),
+            "mapped_segments": sum(len(m) for m in self._mapped.values()),
         }
+
+
+def _cancel(t: _Turns) -> None:
+    t.state = None
+    for w in t.waiters.values():
+        if not w.done():
+            w.cancel()
 
 
 def _min(dst: np.ndarray, src: np.ndarray) -> None:

@@ -84,13 +84,13 @@ class FdServer:
 
     def __init__(self, token: bytes, rank: int, segment_for: Any) -> None:
         self._digest = token_digest(token)
-        self._segment_for = segment_for  # group id -> Segment (made on demand), or None
+        self._segment_for = segment_for  # async: group id -> Segment, or None (see SharedMemory._segment_for)
         job = hashlib.sha256(token).hexdigest()[:16]
         self.name = f"\0aiodist-shm-{job}-{rank}-{os.getpid()}-{secrets.token_hex(4)}"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             self._sock.bind(self.name)
-            self._sock.listen(64)
+            self._sock.listen(1024)  # every same-host rank may fetch at once (connect does not wait)
             self._sock.setblocking(False)
         except BaseException:
             self._sock.close()
@@ -130,9 +130,9 @@ class FdServer:
                 if not secrets.compare_digest(digest, self._digest):
                     log.warning("shm fd server: refused a request with another job's token")
                     return
-                seg = self._segment_for(group)
+                seg = await self._segment_for(group)
                 if seg is None:
-                    reply, fds = {"error": "shared memory is off on this rank"}, []
+                    reply, fds = {"error": f"no shared memory for group {group} on this rank"}, []
                 else:
                     reply, fds = {"size": seg.size}, [seg.fd]
                 # a fresh connection's send buffer is empty: this small message goes at once
