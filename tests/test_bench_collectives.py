@@ -178,3 +178,27 @@ def test_help_lists_both_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_main.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "collectives" in out and "store" in out
+
+
+@pytest.mark.timeout(30)  # before the fix this hung in the handshake: the timeout was the failure
+def test_mpi_side_drops_a_connection_that_stalls_in_the_handshake(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Something that connects to the coordinator's port and says nothing is dropped after the
+    start-up bound (here 1.5 s), which then fails the run naming it, instead of hanging."""
+    import socket
+    import time
+
+    from aiodist.bench import collectives as bc
+
+    monkeypatch.setattr(bc, "STARTUP", 1.5)
+    side = bc.MpiSide(bc.Plan("mpi", 1, 0, 0.0))
+    side._listener = socket.create_server((bc.HOST, 0))
+    side.mpirun = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # stands in for mpirun
+    stalled = socket.create_connection(side._listener.getsockname())
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(bc.BenchError, match=r"1 rank\(s\) did not connect within 1.5 s"):
+            side.wait_ready()
+    finally:
+        stalled.close()
+        side.kill()
+    assert time.monotonic() - t0 < 10

@@ -39,6 +39,7 @@ import shutil
 import signal
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -529,6 +530,14 @@ class _MpiProc:
             pass
 
 
+def _io_timeouts(sock: socket.socket, seconds: float) -> None:
+    """SO_RCVTIMEO and SO_SNDTIMEO on a blocking socket (0: none): a read or write past them
+    fails with an OSError (EAGAIN)."""
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
 class MpiSide(Side):
     """The MPI side: ``mpirun -np N python -m aiodist.bench._mpi_rank``; each rank connects back
     to the coordinator (an authenticated ``multiprocessing.connection``) and then speaks the
@@ -540,6 +549,7 @@ class MpiSide(Side):
         self._proc: _MpiProc | None = None
         self._listener: socket.socket | None = None
         self._key = os.urandom(16)
+        self._out: Any = None  # mpirun's output (a temporary file), from start to kill
 
     def start(self) -> None:
         self._listener = socket.create_server((HOST, 0))
@@ -560,6 +570,8 @@ class MpiSide(Side):
         self.procs = [self._proc] * self.plan.nproc  # type: ignore[list-item]
 
     def _output(self) -> str:
+        if self._out is None:
+            return ""
         self._out.seek(0)
         return self._out.read().decode(errors="replace")[-4000:]
 
@@ -580,18 +592,26 @@ class MpiSide(Side):
                 sock, _ = self._listener.accept()
             except TimeoutError:
                 continue
+            # The handshake's reads and writes are bounded by the socket's own timeouts (a
+            # Connection needs a blocking fd, so no settimeout): one that connects and stalls
+            # is dropped after them, not waited on forever.
             sock.setblocking(True)
-            conn = multiprocessing.connection.Connection(sock.detach())
+            _io_timeouts(sock, max(0.1, min(left, 30.0)))
+            conn = multiprocessing.connection.Connection(os.dup(sock.fileno()))
             try:
                 multiprocessing.connection.deliver_challenge(conn, self._key)
                 multiprocessing.connection.answer_challenge(conn, self._key)
-                if not conn.poll(min(left, 30.0)):
+                if not conn.poll(max(0.1, min(deadline - time.monotonic(), 30.0))):
                     raise EOFError
                 hello = conn.recv()
-            except (multiprocessing.AuthenticationError, EOFError, OSError):
-                conn.close()  # not one of ours, or gone
+                rank = int(hello[1])
+            except (multiprocessing.AuthenticationError, EOFError, OSError, ValueError, TypeError, IndexError):
+                conn.close()  # not one of ours, stalled, or gone
                 continue
-            by_rank[int(hello[1])] = conn
+            finally:
+                _io_timeouts(sock, 0.0)  # the rows that follow wait with poll(), bounded there
+                sock.close()
+            by_rank[rank] = conn
         self.conns = [by_rank[r] for r in range(self.plan.nproc)]
         self._listener.close()
         super().wait_ready()
@@ -625,6 +645,9 @@ class MpiSide(Side):
             self._listener.close()
         for c in self.conns:
             c.close()
+        if self._out is not None:
+            self._out.close()
+            self._out = None
 
 
 async def _mpi_rank(conn: multiprocessing.connection.Connection) -> None:
