@@ -72,7 +72,6 @@ ROWS = [
         View(now=T, workers=RUN2, nnodes=2, store_ok_at=T - HB + 2, peers={1: T - HB + 1}, heartbeat_timeout=HB),
         Wait(2 + 0.01),
     ),
-    ("multi: no look yet", View(now=T, workers=RUN2, nnodes=2, heartbeat_timeout=HB), Wait(HB)),
     ("failed round: restarts left", View(now=T, state=State.FAILED, failures=(A,), restarts=0, max_restarts=2), Restart(1)),
     ("failed round: last restart", View(now=T, state=State.FAILED, failures=(A,), restarts=1, max_restarts=2), Restart(2)),
     ("failed round: no restart left", View(now=T, state=State.FAILED, failures=(A,), restarts=2, max_restarts=2), Report(A)),

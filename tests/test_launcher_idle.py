@@ -1,10 +1,12 @@
 """An idle multi-node job does not poll its rendezvous store: two agents (one loop, real
 processes for workers) watch their round through store waits and heartbeats, so the server
-sees a few requests a second, not nodes x 10/s (the 0.1 s polling loops it replaced)."""
+sees a few requests a second, not nodes x 10/s (the 0.1 s polling loops it replaced). And the
+watch (``RoundWatch``) takes a failure record it cannot read for a remote failure."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 import time
@@ -12,11 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from aiodist.elastic.errors import ProcessFailure
 from aiodist.elastic.utils import get_free_port
+from aiodist.launcher._watch import RoundWatch
 from aiodist.launcher.agent import LocalAgent
 from aiodist.launcher.api import LaunchConfig, _rendezvous, _worker_spec
-
-pytestmark = [pytest.mark.subprocess]
+from aiodist.launcher.rendezvous import AgentRendezvous
+from aiodist.store import HashStore
 
 WORKER = "import os, sys, time\nend = time.monotonic() + 60\nwhile not os.path.exists(sys.argv[1]) and time.monotonic() < end:\n    time.sleep(0.05)\n"
 MEASURE_S = 3.0
@@ -33,6 +37,7 @@ async def _until(cond: object, timeout: float) -> None:
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.subprocess
 @pytest.mark.timeout(90)
 async def test_idle_two_node_job_does_not_poll_the_store(tmp_path: Path) -> None:
     port, go = get_free_port(), tmp_path / "go"
@@ -54,7 +59,8 @@ async def test_idle_two_node_job_does_not_poll_the_store(tmp_path: Path) -> None
         await _until(lambda: all(a.workers and a.workers[0].proc is not None for a in agents), 30)
         host = agents[0].rdzv.server
         assert host is not None
-        await asyncio.sleep(1.5)  # both watches armed
+        # both watches armed: each agent's failure wait is parked at the server
+        await _until(lambda: host.server.stats()["waiters"] >= len(agents), 30)
         r0, t0 = host.server.stats()["requests"], time.monotonic()
         await asyncio.sleep(MEASURE_S)
         r1, t1 = host.server.stats()["requests"], time.monotonic()
@@ -70,3 +76,46 @@ async def test_idle_two_node_job_does_not_poll_the_store(tmp_path: Path) -> None
             if not r.done():
                 r.cancel()
         await asyncio.gather(*runs, return_exceptions=True)
+
+
+class _Rdzv:
+    """What RoundWatch uses of an AgentRendezvous, over a HashStore; ``wait_failure`` is the
+    real one (it decodes the record)."""
+
+    heartbeat_timeout = 30.0
+    wait_failure = AgentRendezvous.wait_failure
+
+    def __init__(self) -> None:
+        self.store = HashStore()
+
+    def key(self, k: int, name: str) -> str:
+        return f"round{k}/{name}"
+
+    async def heartbeat(self, k: int) -> dict[int, float]:
+        return {}
+
+
+GOOD = ProcessFailure(0, 3, 1234, 1, hostname="node1", message="boom", resolve=False).to_dict()
+
+
+@pytest.mark.parametrize(
+    ("record", "says"),
+    [
+        ("not json", "unreadable failure record (JSONDecodeError"),
+        ("[1, 2]", "unreadable failure record (TypeError"),
+        (json.dumps({"rank": 3}), "unreadable failure record (KeyError"),
+        (json.dumps(GOOD), "boom"),
+    ],
+    ids=["not-json", "not-an-object", "missing-fields", "good"],
+)
+async def test_a_failure_record_the_watch_cannot_read_is_still_a_remote_failure(record: str, says: str) -> None:
+    rdzv, wake = _Rdzv(), asyncio.Event()
+    await rdzv.store.set(rdzv.key(0, "failed"), record)
+    watch = RoundWatch(rdzv, 0, wake, logging.getLogger("test"))  # type: ignore[arg-type]
+    try:
+        await _until(lambda: watch.remote is not None, 5)
+    finally:
+        await watch.close()
+    assert watch.remote is not None and says in watch.remote["message"], watch.remote
+    ProcessFailure.from_dict(watch.remote)  # what the agent does with it
+    assert not watch.watching

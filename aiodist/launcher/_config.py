@@ -13,13 +13,16 @@ the value came from there).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
 from aiodist.launcher.rendezvous import format_endpoint
+
+_N = TypeVar("_N", int, float)
 
 __all__ = [
     "Flag",
@@ -196,24 +199,24 @@ def _std(text: str) -> str:
     return text
 
 
-def _nonneg_int(text: str) -> int:
+def _number(parse: Callable[[str], _N], what: str, text: str) -> _N:
+    """``parse(text)``, refused unless a finite number >= 0 (NaN and inf too: a bound of inf
+    seconds is an unbounded wait)."""
     try:
-        n = int(text)
+        n = parse(text)
     except ValueError:
-        raise ValueError(f"{text!r} is not an integer") from None
-    if n < 0:
-        raise ValueError(f"must be >= 0, got {n}")
+        raise ValueError(f"{text!r} is not {what}") from None
+    if not (n >= 0 and math.isfinite(n)):
+        raise ValueError(f"must be a finite number >= 0, got {text}")
     return n
 
 
+def _nonneg_int(text: str) -> int:
+    return _number(int, "an integer", text)
+
+
 def _seconds(text: str) -> float:
-    try:
-        s = float(text)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a number of seconds") from None
-    if not s >= 0:
-        raise ValueError(f"must be >= 0, got {text}")
-    return s
+    return _number(float, "a number of seconds", text)
 
 
 # ---------------------------------------------------------------- the config

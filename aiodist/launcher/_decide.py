@@ -88,7 +88,7 @@ class View:
     remote: Mapping[str, Any] | None = None  # the round's first failure, published by any node
     all_done: bool = False  # every node marked its workers done
     peers: Mapping[int, float] = field(default_factory=dict)
-    store_ok_at: float | None = None
+    store_ok_at: float = 0.0  # multi-node views only (a node on its own has no store to watch)
     heartbeat_timeout: float = 30.0
     failures: Sequence[_Failure] = ()  # State.FAILED: the round's failures (every node's known ones)
     restarts: int = 0  # restarts used so far (the round's number)
@@ -161,8 +161,6 @@ def next_action(v: View) -> Action:
         return Stop(Why.REMOTE_FAILED)
     if v.all_done:
         return Stop(Why.SUCCEEDED)
-    if v.store_ok_at is None:
-        return Wait(v.heartbeat_timeout)
     if v.now - v.store_ok_at > v.heartbeat_timeout:
         return Stop(Why.STORE_LOST)
     silent = [(seen, node) for node, seen in v.peers.items() if v.store_ok_at - seen > v.heartbeat_timeout]

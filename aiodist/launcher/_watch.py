@@ -12,6 +12,7 @@ import logging
 import time
 from typing import Any
 
+from aiodist.elastic.errors import ProcessFailure
 from aiodist.errors import DistError
 from aiodist.launcher._decide import heartbeat_interval
 from aiodist.launcher.rendezvous import AgentRendezvous
@@ -19,6 +20,20 @@ from aiodist.launcher.rendezvous import AgentRendezvous
 __all__ = ["RoundWatch"]
 
 _STORE_ERRORS = (DistError, OSError, TimeoutError)
+
+
+def _readable(record: dict[str, Any] | Exception) -> dict[str, Any]:
+    """A published failure as the agent reads it (``ProcessFailure.from_dict``); one that is
+    not (or that did not decode: ``record`` is the error) is still a remote failure, said as
+    such: the round must end either way."""
+    try:
+        if isinstance(record, Exception):
+            raise record
+        ProcessFailure.from_dict(record)
+        return dict(record)
+    except (KeyError, ValueError, TypeError) as exc:
+        why = f"unreadable failure record ({type(exc).__name__}: {exc})"
+    return ProcessFailure(-1, -1, 0, 1, hostname="another node", message=why, resolve=False).to_dict()
 
 
 class RoundWatch:
@@ -40,6 +55,11 @@ class RoundWatch:
         self._wait_s = max(rdzv.heartbeat_timeout, 1.0)
         self._tasks = [asyncio.ensure_future(self._failure()), asyncio.ensure_future(self._beats())]
         self._done: asyncio.Task[None] | None = None
+
+    @property
+    def watching(self) -> bool:
+        """Until ``close``."""
+        return bool(self._tasks)
 
     def local_done(self) -> None:
         """This node's workers all exited 0: say so, and wait for the other nodes' word."""
@@ -64,11 +84,14 @@ class RoundWatch:
         while True:
             start = time.monotonic()
             try:
-                self.remote = await self.rdzv.wait_failure(self.k, self._wait_s)
+                record: dict[str, Any] | Exception = await self.rdzv.wait_failure(self.k, self._wait_s)
+            except (ValueError, TypeError) as exc:  # the record is there, but not a JSON object
+                record = exc
             except _STORE_ERRORS as exc:
                 if not (isinstance(exc, TimeoutError) and time.monotonic() - start >= self._wait_s / 2):
                     await self._retry_after(exc, "waiting for a failure")
                 continue
+            self.remote = _readable(record)
             self._wake.set()
             return
 

@@ -509,7 +509,7 @@ class LocalAgent:
                     continue
                 assert isinstance(act, Stop), act
                 if watch is not None:
-                    await watch.close()
+                    await watch.close()  # before acting on the decision
                 if act.why is Why.SUCCEEDED:
                     local_done = True
                     break
@@ -531,7 +531,7 @@ class LocalAgent:
                     return await self._silent_failure(a, act.node)
                 return await self._store_lost(a, watch.error, time.monotonic() - watch.ok_at)
         finally:
-            if watch is not None:
+            if watch is not None and watch.watching:  # the loop left by an exception or a cancellation
                 await watch.close()
             # Every worker of this round is gone (or being torn down): a new round gets a new store.
             if not local_done:
