@@ -4,12 +4,17 @@ Rules this module keeps:
 - Every rank of the CPU socket backend has one, even with shared memory off: the ranks of a
   group agree (a one-byte MIN all_reduce on the op's own channel, at the group's first op big
   enough) whether the group uses it, so a rank that cannot (``AIODIST_SHM_BYTES=0``, no memfd,
-  a peer on another host, a failed fd hand-over) sends the whole group down the socket path.
+  a peer on another host, a failed fd hand-over, any error on the way) sends the whole group
+  down the socket path.
   The agreement is made once per group (its id and member list) and kept.
 - Each group that uses shared memory has one segment per member rank (``AIODIST_SHM_BYTES``,
   default 32 MiB, in two halves used in turn; pages are allocated as ops touch them). A group
   of its own segments means ops of different groups never share memory, so they never wait on
   each other, whatever order ranks issue them in.
+- A rank makes its segment for a group once it has an op of the group in line (a peer's fetch
+  that comes first waits for that, at most ``_SETUP_S``), and closes the group's segments, its
+  own and the peers', when the group votes for the socket path or is destroyed
+  (``release_group``); a group it never reached, or is done with, gets nothing from its server.
 - Within a group, shared-memory ops run one at a time in issue order: each takes a ticket at
   issue (its sequence number's step) and waits for its turn; the turn passes when its body ends
   or, at the latest, when its Work completes (a body that never ran still passes it on).
