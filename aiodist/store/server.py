@@ -73,6 +73,12 @@ _CANCELED = encode_u8(WAIT_CANCELED)
 _EMPTY = encode_bytes(b"")  # GET of a missing key: an empty value, as torch's server answers
 _pack_u64 = struct.Struct("<Q").pack  # the wire's string length and i64, without a wrapper call
 _pack_i64 = struct.Struct("<q").pack
+_u64_at = struct.Struct("<Q").unpack_from
+_i64_at = struct.Struct("<q").unpack_from
+# Opcodes as plain ints (comparing with an IntEnum member costs several times more), and the key
+# count of a one-key CHECK as it is on the wire.
+_OP_GET, _OP_ADD, _OP_SET, _OP_CHECK, _OP_PING = int(Op.GET), int(Op.ADD), int(Op.SET), int(Op.CHECK), int(Op.PING)
+_ONE_KEY = struct.pack("<Q", 1)
 _FLUSH_BYTES = 64 * 1024
 # The accept queue of each listener (the kernel caps it at net.core.somaxconn). Every rank of a
 # job connects at once; asyncio's create_server would listen again with its default of 100,
@@ -169,6 +175,15 @@ class _Conn(asyncio.Protocol):
         self.peer = "?"
         self.waits: list[Waiter] = []
         self.paused = False
+        # True while the parser is past VALIDATE and holds no bytes: a chunk then starts a
+        # request, and ``_answer_leading`` may read it in place. Set after each ``_process``.
+        self.idle = False
+        limits = server.limits
+        # The request cap cannot cut a GET, ADD or one-key CHECK short unless it is tiny; then
+        # the hot path leaves them all to the parser, which refuses them as it should.
+        self._max_key = limits.max_key_bytes if limits.max_request_bytes >= limits.max_key_bytes + 25 else -1
+        self._max_value = limits.max_value_bytes
+        self._max_request = limits.max_request_bytes
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -190,10 +205,11 @@ class _Conn(asyncio.Protocol):
         self.waits.clear()
 
     def data_received(self, data: bytes) -> None:
-        if self.parser.idle and not self.paused:
+        if self.idle and not self.paused:
             data = self._answer_leading(data)
             if not data:
                 return
+            self.idle = False
         try:
             self.parser.feed(data)
         except ProtocolError as exc:
@@ -202,24 +218,77 @@ class _Conn(asyncio.Protocol):
         self._process()
 
     def _answer_leading(self, data: bytes) -> bytes:
-        """The hot path of ``_process``, for a chunk that starts a request: answer the common
-        requests at its front read in place (``quick_request``), so the parser never copies or
-        holds them; return the rest (b"" when all was answered, or the connection refused)
-        for the parser. Flushes and stops for flow control as ``_process`` does."""
+        """The hot path, for a chunk that starts a request (the parser holds nothing): answer
+        the requests at its front read in place, so the parser never copies or holds them, and
+        return the rest for the parser (b"" when all was answered, or the connection refused).
+
+        GET, ADD, SET, PING and CHECK of one key (what clients send most) are parsed, applied
+        and answered right here, in one step each; other complete requests go through
+        ``quick_request`` and their handlers. A request cut short, over a limit, or that this
+        path does not know stops it: the parser takes it from there with every check it makes.
+        Replies are flushed and flow control is obeyed as in ``_process``."""
         out: list[bytes] = []
         size = n = pos = 0
         have = len(data)
-        handlers, limits = _HANDLERS, self.server.limits
+        state, max_key = self.state, self._max_key
         try:
-            while pos < have and not self.paused and (got := quick_request(data, pos, limits)) is not None:
-                req, pos = got
-                handlers[req.op](self, req, out)
+            while pos < have:
+                code = data[pos]
+                if code == _OP_GET or code == _OP_ADD or code == _OP_SET:
+                    if have < pos + 9:
+                        break
+                    key_end = pos + 9 + _u64_at(data, pos + 1)[0]
+                    if key_end - pos - 9 > max_key:
+                        break
+                    if code == _OP_GET:
+                        if have < key_end:
+                            break
+                        v = state.get(data[pos + 9 : key_end])
+                        reply = _EMPTY if v is None else _pack_u64(len(v)) + v
+                        pos = key_end
+                    elif have < key_end + 8:
+                        break
+                    elif code == _OP_ADD:
+                        reply = _pack_i64(state.add(data[pos + 9 : key_end], _i64_at(data, key_end)[0]))
+                        pos = key_end + 8
+                    else:
+                        end = key_end + 8 + _u64_at(data, key_end)[0]
+                        if end - key_end - 8 > self._max_value or end - pos > self._max_request or have < end:
+                            break
+                        state.set(data[pos + 9 : key_end], data[key_end + 8 : end])
+                        pos = end
+                        n += 1
+                        continue  # SET has no reply
+                elif code == _OP_CHECK and data[pos + 1 : pos + 9] == _ONE_KEY:
+                    if have < pos + 17:
+                        break
+                    key_end = pos + 17 + _u64_at(data, pos + 9)[0]
+                    if key_end - pos - 17 > max_key or have < key_end:
+                        break
+                    reply = _READY if state.check((data[pos + 17 : key_end],)) else _NOT_READY
+                    pos = key_end
+                elif code == _OP_PING and have >= pos + 5:
+                    reply = data[pos + 1 : pos + 5]  # the echo: the nonce's own 4 bytes
+                    pos += 5
+                else:
+                    got = quick_request(data, pos, self.server.limits)
+                    if got is None:
+                        break
+                    req, pos = got
+                    k = len(out)
+                    _HANDLERS[req.op](self, req, out)
+                    if len(out) == k:  # no reply (MULTI_SET, a WAIT not yet ready, ...)
+                        n += 1
+                        continue
+                    reply = out.pop()
                 n += 1
-                if out and len(out[-1]) + size >= _FLUSH_BYTES:
+                out.append(reply)
+                size += len(reply)
+                if size >= _FLUSH_BYTES:
                     self._write(out)
                     out, size = [], 0
-                elif out:
-                    size += len(out[-1])
+                    if self.paused:
+                        break
         except Exception as exc:  # ADD on a non-integer, or anything unforeseen: close only this client
             self._refuse(f"{type(exc).__name__}: {exc}")
             pos = have
@@ -252,6 +321,7 @@ class _Conn(asyncio.Protocol):
             self._refuse(f"{type(exc).__name__}: {exc}")
         finally:
             self.server.stats_counter["requests"] += n
+            self.idle = parser.idle
         if out:
             self._write(out)
 
@@ -273,6 +343,7 @@ class _Conn(asyncio.Protocol):
             self._process()
 
     def _refuse(self, why: str) -> None:
+        self.idle = False
         self.server.stats_counter["refused"] += 1
         log.warning("TCPStore server: closing connection from %s: %s", self.peer, why)
         if self.transport is not None:

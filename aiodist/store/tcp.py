@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Generator, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from aiodist import _startup
 from aiodist._time import TimeoutLike, within
@@ -97,22 +97,20 @@ class _Dropped(_Lost):
     may be fine, and a read can be repeated on a new connection."""
 
 
-class _Pending:
-    """One request group in flight: the future of its replies, how many are still due, when,
-    and what it was (``op``/``arg``, for the error of the others if it is the one overdue)."""
+class _Pending(NamedTuple):
+    """One request group in flight: the future of its replies, how many they are, when they
+    are due, and what it was (``op``/``arg``, for the error of the others if it is the one
+    overdue). Made with ``_new_pending`` (the tuple's C constructor: this is the hot path)."""
 
-    __slots__ = ("fut", "left", "values", "deadline", "seconds", "op", "arg")
+    fut: asyncio.Future[list[Any]]
+    replies: int  # how many replies the group has
+    deadline: float | None
+    seconds: float | None
+    op: str
+    arg: object
 
-    def __init__(
-        self, fut: asyncio.Future[list[Any]], left: int, deadline: float | None, seconds: float | None, op: str, arg: object
-    ) -> None:
-        self.fut = fut
-        self.left = left
-        self.values: list[Any] = []
-        self.deadline = deadline
-        self.seconds = seconds
-        self.op = op
-        self.arg = arg
+
+_new_pending = tuple.__new__
 
 
 class _Connection(asyncio.Protocol):
@@ -141,14 +139,15 @@ class _Connection(asyncio.Protocol):
         parser, pending = self.parser, self.pending
         try:
             parser.feed(data)
-            while (r := parser.next_reply()) is not None:
+            while pending:
                 head = pending[0]
-                head.values.append(r)
-                head.left -= 1
-                if head.left == 0:
-                    pending.popleft()
-                    if not head.fut.done():
-                        head.fut.set_result(head.values)
+                values = parser.next_group(head.replies)
+                if values is None:
+                    return
+                pending.popleft()
+                if not head.fut.done():
+                    head.fut.set_result(values)
+            parser.next_reply()  # nothing is owed now: a byte past the last reply raises
         except ProtocolError as exc:
             self._fail(_BadPeer(f"protocol error from the server: {exc}"))
             assert self.transport is not None
@@ -235,7 +234,7 @@ class _Connection(asyncio.Protocol):
             timer = self._timer
             if timer is None or timer.when() > deadline:  # (the hot path: a timer due earlier is armed)
                 self._arm(deadline)
-        self.pending.append(_Pending(fut, len(shapes), deadline, timeout, op, arg))
+        self.pending.append(_new_pending(_Pending, (fut, len(shapes), deadline, timeout, op, arg)))
         self.transport.write(payload)
         return fut
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import struct
 from collections import deque
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -93,6 +93,10 @@ class Reply(enum.Enum):
     BYTES_LIST = "bytes_list"  # a known count of strings (MULTI_GET): count given with the shape
     COUNTED_LIST = "counted_list"  # i64 count, then strings (LIST)
     QUEUE_POP = "queue_pop"  # i64 length before the pop, then a string if it was > 0
+
+    # Members are singletons, so identity hashing is right, and it runs in C: Enum's own hashes
+    # the name in Python, which the client's per-reply dict lookup (``_WHOLE``) would pay for.
+    __hash__ = object.__hash__
 
 
 class ProtocolError(Exception):
@@ -500,40 +504,52 @@ def _unexpected(first: int) -> ProtocolError:
     return ProtocolError(f"unexpected byte(s) from the server with no reply outstanding (first byte 0x{first:02x})")
 
 
-# Module-level names: reading an Enum member off its class costs far more than a global.
-_R_U8, _R_U32, _R_I64, _R_BYTES, _R_QUEUE_POP = Reply.U8, Reply.U32, Reply.I64, Reply.BYTES, Reply.QUEUE_POP
-_R_BYTES_LIST, _R_COUNTED_LIST = Reply.BYTES_LIST, Reply.COUNTED_LIST
+# Decoders of the replies of one or two fields, read whole once complete: ``(value, end)`` for
+# the reply at ``buf[pos:]``, or None until it is all in. A string length over ``limit`` raises
+# as soon as it is in, as the resumable decoder does.
 
 
-def _simple_reply(buf: bytearray, shape: Reply, limit: int) -> tuple[object, int] | None:
-    """The reply of ``shape`` (any but the two lists) at the start of ``buf`` and its size, or
-    None until it is complete. A string length over ``limit`` raises as soon as it is in."""
-    have = len(buf)
-    if shape is _R_U8:
-        return (buf[0], 1) if have else None
-    if shape is _R_I64:
-        return (_I64.unpack_from(buf)[0], 8) if have >= 8 else None
-    if shape is _R_U32:
-        return (_U32.unpack_from(buf)[0], 4) if have >= 4 else None
-    at = 0  # where the string starts: BYTES is one; QUEUE_POP is an i64, then one if that is > 0
-    length = 0
-    if shape is _R_QUEUE_POP:
-        if have < 8:
-            return None
-        (length,) = _I64.unpack_from(buf)
-        if length <= 0:
-            return (length, None), 8
-        at = 8
-    if have < at + 8:
+def _u8_reply(buf: bytearray, pos: int, limit: int) -> tuple[object, int] | None:
+    return (buf[pos], pos + 1) if len(buf) > pos else None
+
+
+def _u32_reply(buf: bytearray, pos: int, limit: int) -> tuple[object, int] | None:
+    return (_U32.unpack_from(buf, pos)[0], pos + 4) if len(buf) >= pos + 4 else None
+
+
+def _i64_reply(buf: bytearray, pos: int, limit: int) -> tuple[object, int] | None:
+    return (_I64.unpack_from(buf, pos)[0], pos + 8) if len(buf) >= pos + 8 else None
+
+
+def _bytes_reply(buf: bytearray, pos: int, limit: int) -> tuple[object, int] | None:
+    if len(buf) < pos + 8:
         return None
-    (n,) = _U64.unpack_from(buf, at)
+    (n,) = _U64.unpack_from(buf, pos)
     if n > limit:
         raise ProtocolError(f"value of {n} bytes is over the limit of {limit} bytes")
-    end = at + 8 + n
-    if have < end:
+    end = pos + 8 + n
+    return (bytes(buf[pos + 8 : end]), end) if len(buf) >= end else None
+
+
+def _queue_pop_reply(buf: bytearray, pos: int, limit: int) -> tuple[object, int] | None:
+    if len(buf) < pos + 8:
         return None
-    value = bytes(buf[at + 8 : end])
-    return ((length, value) if at else value), end
+    (length,) = _I64.unpack_from(buf, pos)
+    if length <= 0:
+        return (length, None), pos + 8
+    got = _bytes_reply(buf, pos + 8, limit)
+    return None if got is None else ((length, got[0]), got[1])
+
+
+# By shape. The two lists are not here: they take the resumable decoder (a long list may come
+# in many chunks, and reading it again from its start each time would cost quadratic time).
+_WHOLE: dict[Reply, Callable[[bytearray, int, int], tuple[object, int] | None]] = {
+    Reply.U8: _u8_reply,
+    Reply.U32: _u32_reply,
+    Reply.I64: _i64_reply,
+    Reply.BYTES: _bytes_reply,
+    Reply.QUEUE_POP: _queue_pop_reply,
+}
 
 
 class ReplyParser:
@@ -557,6 +573,8 @@ class ReplyParser:
         self._gen: Generator[None, None, object] | None = None
         self._expected: deque[tuple[Reply, int]] = deque()
         self._dead: ProtocolError | None = None
+        self._group: list[object] = []  # the replies of a group that ``next_group`` has so far
+        self._max_value = self.limits.max_value_bytes
 
     @property
     def pending(self) -> int:
@@ -586,19 +604,17 @@ class ReplyParser:
         gen = self._gen
         if gen is None:
             shape, count = self._expected[0]
-            if shape is not _R_BYTES_LIST and shape is not _R_COUNTED_LIST:
-                # A reply of one or two fields: read whole once it is all in (checking a length
-                # against the limit as soon as it arrives, as the resumable decoder does).
+            whole = _WHOLE.get(shape)
+            if whole is not None:
                 try:
-                    got = _simple_reply(self._st.buf, shape, self.limits.max_value_bytes)
+                    got = whole(self._st.buf, 0, self._max_value)
                 except ProtocolError as exc:
                     raise self._die(exc)  # noqa: B904 - the parser's own error, raised as is
                 if got is None:
                     return None
-                value, end = got
-                del self._st.buf[:end]
+                del self._st.buf[: got[1]]
                 self._expected.popleft()
-                return value
+                return got[0]
             gen = self._gen = self._reply(shape, count)
         try:
             next(gen)
@@ -611,9 +627,48 @@ class ReplyParser:
             raise self._die(exc)  # noqa: B904 - the parser's own error, raised as is
         return None
 
+    def next_group(self, n: int) -> list[object] | None:
+        """The next ``n`` replies (``n`` <= ``pending``) as a list, once the last of them is
+        complete; None until then (the complete ones are kept for the next call). The same
+        replies and errors as ``n`` calls of ``next_reply``, in one call: a client reads the
+        replies of one request group (a get's CHECK and GET) together."""
+        if self._dead is not None:
+            raise self._dead
+        got, expected = self._group, self._expected
+        if not got and self._gen is None:
+            # The usual case, every reply of the group whole in the buffer: read them in place.
+            buf, limit, pos = self._st.buf, self._max_value, 0
+            values: list[object] = []
+            try:
+                for i in range(n):
+                    whole = _WHOLE.get(expected[i][0])
+                    one = whole(buf, pos, limit) if whole is not None else None
+                    if one is None:
+                        break
+                    values.append(one[0])
+                    pos = one[1]
+            except ProtocolError as exc:
+                raise self._die(exc)  # noqa: B904 - the parser's own error, raised as is
+            finally:
+                if pos:
+                    del buf[:pos]
+                    for _ in values:
+                        expected.popleft()
+            if len(values) == n:
+                return values
+            got = self._group = values
+        while len(got) < n:  # the rest one at a time: a reply cut short, or a list
+            value = self.next_reply()
+            if value is None:
+                return None
+            got.append(value)
+        self._group = []
+        return got
+
     def _die(self, exc: ProtocolError) -> ProtocolError:
         self._dead = exc
         self._gen = None
+        self._group = []
         return exc
 
     def _reply(self, shape: Reply, count: int) -> Generator[None, None, object]:
