@@ -259,6 +259,10 @@ def _is_work(v: object) -> bool:
     return hasattr(v, "is_completed") and hasattr(v, "seq")
 
 
+_new = object.__new__
+_get_running_loop = asyncio._get_running_loop
+
+
 def communicating(fn: Callable[P, Coroutine[Any, Any, T]], op: str | None = None) -> Callable[P, Pending]:
     """Make the coroutine function ``fn`` return a started ``Pending`` (module docstring), named
     ``op`` in its messages (default: ``fn``'s name; a store's methods pass ``store.<name>``)."""
@@ -266,7 +270,23 @@ def communicating(fn: Callable[P, Coroutine[Any, Any, T]], op: str | None = None
 
     @functools.wraps(fn)
     def call(*args: P.args, **kwargs: P.kwargs) -> Pending:
-        return Pending(name, fn(*args, **kwargs), _site(2))
+        # Pending(name, fn(...), _site(2)), written out (every op's call passes here)
+        f = sys._getframe(1)
+        coro = fn(*args, **kwargs)
+        p: Pending = _new(Pending)
+        p._op, p._site, p._used, p._it, p._value, p._coro, p._ctx = name, (f.f_code.co_filename, f.f_lineno), False, None, _DONE, coro, None
+        if _get_running_loop() is None:
+            p._yielded = _LAZY
+            return p
+        try:
+            p._yielded = coro.send(None)  # the first step, now
+        except StopIteration as stop:
+            p._coro, p._yielded, p._value = None, None, stop.value
+        except BaseException:
+            p._coro = None
+            p._used = True
+            raise
+        return p
 
     call.__wrapped_coroutine__ = fn  # type: ignore[attr-defined]
     return call

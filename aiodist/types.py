@@ -596,13 +596,28 @@ def reduce_into(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any], op: Reduce
             ufunc(dst, src, out=dst)
 
 
+#: numpy 2's ``errstate`` used as a decorator sets and resets its context variable per call (two
+#: C calls); numpy 1's shares one saved state per instance, so there every call enters its own
+_ERRSTATE_DECORATES = np.lib.NumpyVersion(np.__version__) >= "2.0.0"
+_COMBINERS: dict[tuple[ReduceOp.RedOpType, str], Callable[[np.ndarray[Any, Any], np.ndarray[Any, Any]], None]] = {}
+
+
 def combiner(op: ReduceOpLike, dtype: str, what: str | None = None) -> Callable[[np.ndarray[Any, Any], np.ndarray[Any, Any]], None]:
     """``reduce_into`` for one (op, logical dtype), checked once (``what`` names the collective in
     a refusal): the returned function does only the elementwise work (the collectives call it
-    once per received piece)."""
+    once per received piece). One function per pair, made once and kept."""
     kind = _kind(op)
     name = dtype_name(dtype)
+    made = _COMBINERS.get((kind, name))
+    if made is not None:
+        return made
     check_reduce(kind, name, what)
+    made = _make_combiner(kind, name)
+    _COMBINERS[(kind, name)] = made
+    return made
+
+
+def _make_combiner(kind: ReduceOp.RedOpType, name: str) -> Callable[[np.ndarray[Any, Any], np.ndarray[Any, Any]], None]:
     if name == "bfloat16" or (kind is ReduceOp.RedOpType.PRODUCT and np.dtype(name).kind == "c"):
 
         def slow(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
@@ -613,17 +628,25 @@ def combiner(op: ReduceOpLike, dtype: str, what: str | None = None) -> Callable[
     if np.dtype(name).kind in "biu":  # integer and bool ufuncs raise no floating-point warnings
 
         def exact(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
-            _check_pair(dst, src)
+            if dst.dtype != src.dtype or dst.shape != src.shape:
+                _check_pair(dst, src)
             ufunc(dst, src, out=dst)
 
         return exact
 
     def floating(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
-        _check_pair(dst, src)
-        with np.errstate(all="ignore"):
-            ufunc(dst, src, out=dst)
+        if dst.dtype != src.dtype or dst.shape != src.shape:
+            _check_pair(dst, src)
+        ufunc(dst, src, out=dst)
 
-    return floating
+    if _ERRSTATE_DECORATES:
+        return np.errstate(all="ignore")(floating)  # type: ignore[no-any-return]
+
+    def floating_quiet(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
+        with np.errstate(all="ignore"):
+            floating(dst, src)
+
+    return floating_quiet
 
 
 def _complex_multiply_into(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:

@@ -588,3 +588,107 @@ def test_thresholds_choose_by_size() -> None:
     assert t.reduce_scatter(1) == "direct" and t.reduce_scatter(1 << 30) == "ring"
     assert t.all_to_all(1) == "burst" and t.all_to_all(1 << 30) == "pairwise"
     assert t.piece_elems(8) == t.pipeline_piece // 8 and Thresholds(pipeline_piece=3).piece_elems(8) == 1
+
+
+# -- reduce_scatter into an output that overlaps this rank's own input ---------------------------
+
+RING_RS = Thresholds(reduce_scatter_direct_max=0)  # the ring path, in its default pieces
+
+
+@pytest.mark.parametrize("offset", [0, 7])
+async def test_reduce_scatter_out_overlapping_its_own_input(offset: int) -> None:
+    """``out`` laid over ``inputs_per_rank[rank]`` itself (offset 0: the in-place form) or 7
+    elements further on, with parts bigger than the 1 MiB copy step: a piecewise forward copy of
+    the input into ``out`` would overwrite input elements before reading them (it did: that case
+    took the in-place path). Every rank's other parts are separate arrays."""
+    n, m = 2, (1 << 20) // 4 + 1000  # float32: just over one copy step per part
+    rng = np.random.default_rng(offset)
+    values = [[rng.integers(-1000, 1000, m).astype(np.float32) for _ in range(n)] for _ in range(n)]  # [rank][part]
+    want = [np.sum([values[k][r] for k in range(n)], axis=0, dtype=np.float32) for r in range(n)]
+    outs: list[np.ndarray] = []
+    inputs: list[list[np.ndarray]] = []
+    for r in range(n):
+        own = np.zeros(m + offset, np.float32)
+        own[:m] = values[r][r]
+        inputs.append([own[:m] if i == r else values[r][i].copy() for i in range(n)])
+        outs.append(own[offset : offset + m])  # a view of its own: never the input object itself
+    await run(n, lambda w: reduce_scatter(w, outs[w.rank], inputs[w.rank], add, thresholds=RING_RS))
+    for r in range(n):
+        np.testing.assert_array_equal(outs[r], want[r])
+
+
+# -- the scratch pool ---------------------------------------------------------------------------------
+
+
+class _Watched:
+    """The scratch pool's take/give, watched: which arrays are out, and none handed out twice."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from aiodist.algorithms import collectives as colls
+
+        pool = colls._POOL
+        pool.clear()
+        self.out: list[np.ndarray] = []
+        self.taken: list[np.ndarray] = []
+        self.given: list[np.ndarray] = []
+        self.most_out = 0
+        take, give = pool.take, pool.give
+
+        def watched_take(dtype: Any, k: int) -> np.ndarray:
+            a = take(dtype, k)
+            assert not any(np.shares_memory(a, b) for b in self.out), "a scratch array held by one op was handed to another"
+            self.out.append(a)
+            self.taken.append(a)
+            self.most_out = max(self.most_out, len(self.out))
+            return a
+
+        def watched_give(a: np.ndarray) -> None:
+            self.out = [b for b in self.out if b is not a]
+            self.given.append(a)
+            give(a)
+
+        monkeypatch.setattr(pool, "take", watched_take)
+        monkeypatch.setattr(pool, "give", watched_give)
+        self.pool = pool
+
+
+async def test_scratch_pool_ops_in_flight_get_their_own_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two all_reduces of the same dtype and size in flight at once (ring, in small pieces, so
+    they interleave) each hold their own scratch, taken from the pool (one array is waiting
+    there, given back by an op before them), and leave the same bits as one alone."""
+    watched = _Watched(monkeypatch)
+    n, m = 2, 3000
+    rng = np.random.default_rng(5)
+    xs = [data(rng, m, np.float32) for _ in range(n)]
+    ref = [x.copy() for x in xs]
+    await run(n, lambda w: all_reduce(w, ref[w.rank], add, thresholds=LARGE))  # alone; its scratch goes back
+    assert watched.given and watched.out == []
+    a, b = [x.copy() for x in xs], [x.copy() for x in xs]
+    ws1, ws2 = local_world(n, capacity=1), local_world(n, capacity=1)
+
+    async def rank(r: int) -> None:
+        await asyncio.gather(all_reduce(ws1[r], a[r], add, thresholds=LARGE), all_reduce(ws2[r], b[r], add, thresholds=LARGE))
+
+    async with asyncio.timeout(10):
+        await asyncio.gather(*(rank(r) for r in range(n)))
+    assert watched.most_out >= 2 * n, "the ops did not hold scratch at the same time: the test proves nothing"
+    assert any(t is g for t in watched.taken[n:] for g in watched.given[:n]), "no op reused the pool's array"
+    for r in range(n):
+        assert a[r].tobytes() == ref[0].tobytes() and b[r].tobytes() == ref[0].tobytes()
+    assert watched.out == []
+
+
+async def test_scratch_pool_keeps_no_scratch_of_a_failed_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed op's scratch is not given back (a cancelled receive may still land in it)."""
+    watched = _Watched(monkeypatch)
+    n, m = 2, 3000
+    rng = np.random.default_rng(6)
+    xs = [data(rng, m, np.float32) for _ in range(n)]
+
+    def broken(d: np.ndarray, s: np.ndarray) -> None:
+        raise RuntimeError("combine failed")
+
+    with pytest.raises(RuntimeError, match="combine failed"):
+        await run(n, lambda w: all_reduce(w, xs[w.rank], broken if w.rank == 0 else add, thresholds=LARGE))
+    assert watched.taken, "the op took no scratch: the test proves nothing"
+    assert watched.given == [] and watched.pool.cached_bytes == 0

@@ -117,6 +117,7 @@ def current_comm_name() -> str | None:
 # left is the per-op code itself, ~4 us per op on that loop (docs/debugging.md).
 Entry: TypeAlias = int  # an entry's id: its number among the ops this recorder has seen
 _ID, _OP, _NAME, _SEQ, _KIND, _T_ISSUED = range(6)
+_GROW = 256  # slots added at once while the ring fills (appending per op was seven calls)
 _LIST, _DICT = "\0list", "\0dict"  # markers in a frozen meta (no real key holds a NUL)
 
 
@@ -175,32 +176,35 @@ class FlightRecorder:
     def enabled(self) -> bool:
         return self.size > 0
 
-    def issued(self, op: str, seq: int, kind: str, meta: dict[str, Any] | None, *, with_stack: bool = False) -> Entry | None:
-        """Record an op as issued; its entry's id (None when the recorder is off)."""
+    def issued(
+        self, op: str, seq: int, kind: str, meta: dict[str, Any] | None, *, with_stack: bool = False, frozen: tuple[Any, ...] | None = None
+    ) -> Entry | None:
+        """Record an op as issued; its entry's id (None when the recorder is off). ``frozen`` is
+        ``_freeze(meta)`` already made (a collective's cached description), else it is made here."""
         size = self.size
         if not size:
             return None
         n = self.recorded
         self.recorded = n + 1
         fixed = (n, op, _COMM_NAME.get(), seq, kind, time.time())
-        frozen = _freeze(meta)
+        if frozen is None and meta:
+            frozen = _freeze(meta)
         stack = tuple(user_stack()) if with_stack else None
-        if n < size:
-            self._fixed.append(fixed)
-            self._meta.append(frozen)
-            self._stack.append(stack)
-            self._state.append("issued")
-            self._t_started.append(None)
-            self._t_done.append(None)
-            self._error.append(None)
-        else:
-            i = n % size
-            self._fixed[i] = fixed
-            self._meta[i] = frozen
-            self._stack[i] = stack
-            self._state[i] = "issued"
-            self._t_started[i] = self._t_done[i] = self._error[i] = None
+        i = n % size
+        if i >= len(self._fixed):  # the ring grows in chunks while it fills: slots are then only assigned
+            self._grow()
+        self._fixed[i] = fixed
+        self._meta[i] = frozen
+        self._stack[i] = stack
+        self._state[i] = "issued"
+        self._t_started[i] = self._t_done[i] = self._error[i] = None
         return n
+
+    def _grow(self) -> None:
+        more = min(_GROW, self.size - len(self._fixed))
+        self._fixed += [(-1,)] * more  # id -1: no op holds the slot yet
+        for lst in (self._meta, self._stack, self._state, self._t_started, self._t_done, self._error):
+            lst += [None] * more  # type: ignore[operator]
 
     def note(
         self, op: str, kind: str, meta: dict[str, Any] | None, t_start: float, t_done: float, error: str | None = None
@@ -220,11 +224,14 @@ class FlightRecorder:
         i = n % self.size
         return i if self._fixed[i][_ID] == n else None  # None: the slot holds a newer op now
 
-    def started(self, n: Entry) -> None:
+    def started(self, n: Entry) -> float:
+        """Mark the op as started; the time recorded (``time.time()``), for the runner to reuse."""
+        t = time.time()
         i = n % self.size
         if self._fixed[i][_ID] == n:
             self._state[i] = "started"
-            self._t_started[i] = time.time()
+            self._t_started[i] = t
+        return t
 
     def timed_out(self, n: Entry, msg: str) -> None:
         i = self._slot(n)
@@ -259,7 +266,7 @@ class FlightRecorder:
             self._state[i], self._error[i] = "failed", str(exc) if exc is not None else "cancelled"
 
     def _order(self) -> list[int]:
-        held = len(self._fixed)
+        held = min(self.recorded, self.size)
         if held < self.size or not self.size:
             return list(range(held))
         start = self.recorded % self.size

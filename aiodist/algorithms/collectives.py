@@ -475,11 +475,35 @@ async def all_reduce(p2p: P2P, buf: np.ndarray, combine: Combine, *, thresholds:
     A size that is not a power of two first folds its extra ranks into partners (each odd rank
     of the first pairs hands its data to the even one) and hands them the result at the end.
     """
-    _vec(buf, "buf", writable=True)
+    if type(buf) is not np.ndarray or buf.ndim != 1 or not buf.flags.c_contiguous or not buf.flags.writeable:
+        _vec(buf, "buf", writable=True)
     p = p2p.size
     if p == 1 or buf.size == 0:
         return
     th = thresholds or current()
+    if buf.nbytes <= th.allreduce_rd_max:  # th.all_reduce(nbytes) == "recursive_doubling", without the call
+        plan = _RD_PLANS.get((p2p.rank, p))
+        if plan is None:
+            plan = _rd_plan(p2p.rank, p)
+        if plan is not _FOLDED:  # no rank of this size folds: the exchanges alone, written out here
+            # (the latency-bound path: one coroutine for the whole op, no task, no per-op schedule math)
+            cur, other = buf, np.empty(buf.size, buf.dtype)
+            for peer, tag, lower in plan:
+                sent = p2p.send_nowait(peer, cur, tag)
+                if sent is False:
+                    await _all(p2p.send(peer, cur, tag), p2p.recv(peer, other, tag))
+                else:
+                    await p2p.recv(peer, other, tag)
+                    if sent is not True:
+                        await sent  # written, still draining: ``cur`` may change only after this
+                if lower:
+                    combine(cur, other)
+                else:  # the partner's value goes first: combine into the received copy and keep that
+                    combine(other, cur)
+                    cur, other = other, cur
+            if cur is not buf:
+                np.copyto(buf, cur)
+            return
     piece = th.piece_elems(buf.itemsize)
     algo = th.all_reduce(buf.nbytes)
     if algo == "ring":
@@ -505,6 +529,28 @@ async def all_reduce(p2p: P2P, buf: np.ndarray, combine: Combine, *, thresholds:
         await _halving_doubling(p2p, buf, combine, f, piece)
     if f.partner is not None:
         await _flow(p2p, [_Send(f.partner, buf[a:b], _tag(_PH_UNFOLD, j), 0) for j, (a, b) in enumerate(ps)], [])
+
+
+#: (rank, size) -> the recursive-doubling exchanges of a size that is a power of two, as
+#: ``(peer, tag, lower)`` (``lower``: this rank's value goes first), or ``_FOLDED`` for a size
+#: that folds extra ranks first (the general path)
+_RD_PLANS: dict[tuple[int, int], Any] = {}
+_FOLDED = object()
+
+
+def _rd_plan(rank: int, size: int) -> Any:
+    f = sch.fold(rank, size)
+    if f.pof2 != size:
+        plan: Any = _FOLDED
+    else:
+        assert f.vrank is not None
+        plan = tuple(
+            (sch.real_rank(vpeer, size), _tag(_PH_STEPS + k, 0), f.vrank < vpeer)
+            for k, vpeer in enumerate(sch.rd_partners(f.vrank, f.pof2))
+        )
+    if len(_RD_PLANS) < 4096:
+        _RD_PLANS[(rank, size)] = plan
+    return plan
 
 
 async def _recursive_doubling(p2p: P2P, buf: np.ndarray, combine: Combine, f: sch.Fold) -> None:
@@ -670,7 +716,7 @@ async def reduce_scatter(
         return
     steps = sch.ring_reduce_scatter(rank, p)
     piece = th.piece_elems(out.itemsize)
-    if any(np.shares_memory(out, x) for i, x in enumerate(ins) if i != rank):  # out overlaps another part: work aside
+    if _overlaps(out, ins, rank):  # work aside: writing ``out`` in place would change inputs still to be read
         with _borrowed(out.dtype, sum(x.size for x in ins)) as work:
             b = [0]
             for x in ins:
@@ -696,6 +742,20 @@ async def reduce_scatter(
             await _copy(out, ins[rank])
         chunks[rank] = out
         await _ring(p2p, chunks, steps, p - 1, combine, piece, 0)
+
+
+def _overlaps(out: np.ndarray, ins: Sequence[np.ndarray], rank: int) -> bool:
+    """Whether ``out`` may share memory with an input other than as ``ins[rank]`` itself (the
+    same elements, the in-place form): with another rank's part, or with its own at an offset,
+    where a piecewise forward copy of ``ins[rank]`` into ``out`` overwrites what it has yet to
+    read. ``np.may_share_memory`` (bounds only: never misses an overlap, may see one that an
+    exact test would not, which only costs the copy)."""
+    own = ins[rank]
+    if np.may_share_memory(out, own) and not (
+        out.__array_interface__["data"][0] == own.__array_interface__["data"][0] and out.size == own.size
+    ):
+        return True
+    return any(np.may_share_memory(out, x) for i, x in enumerate(ins) if i != rank)
 
 
 async def all_to_all(p2p: P2P, outs: Sequence[np.ndarray], ins: Sequence[np.ndarray], *, thresholds: Thresholds | None = None) -> None:

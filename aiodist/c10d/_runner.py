@@ -21,8 +21,7 @@ import asyncio
 import json
 import logging
 import time
-from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -84,31 +83,52 @@ class Tracker(Protocol):
 
 class TrackedP2P:
     """A collective's P2P that remembers which peers it is still waiting on, and when it last
-    heard from each (for the timeout message)."""
+    heard from each (for the timeout message). Plain dicts, not Counters: this is on every
+    message's path."""
 
     diagnose = True
+    __slots__ = ("inner", "ranks", "rank", "size", "waiting_recv", "waiting_send", "_heard")
 
-    def __init__(self, inner: P2P, ranks: Sequence[int]) -> None:
+    def __init__(self, inner: P2P, ranks: Sequence[int], rank: int | None = None) -> None:
         self.inner = inner
         self.ranks = ranks
-        self.rank = inner.rank
-        self.size = inner.size
-        self.waiting_recv: Counter[int] = Counter()
-        self.waiting_send: Counter[int] = Counter()
+        self.rank = inner.rank if rank is None else rank
+        self.size = len(ranks) if rank is not None else inner.size
+        self.waiting_recv: dict[int, int] = {}
+        self.waiting_send: dict[int, int] = {}
         self._heard: dict[int, float] = {}
 
     async def send(self, peer: int, buf: np.ndarray, tag: int) -> None:
-        await self._track(self.waiting_send, peer, self.inner.send(peer, buf, tag))
+        counter = self.waiting_send
+        counter[peer] = counter.get(peer, 0) + 1
+        try:
+            await self.inner.send(peer, buf, tag)
+        except (asyncio.CancelledError, TimeoutError):
+            raise  # still counted: the timeout message reads what was pending when it fired
+        except BaseException:
+            counter[peer] -= 1
+            raise
+        counter[peer] -= 1
 
     async def recv(self, peer: int, buf: np.ndarray, tag: int) -> None:
-        await self._track(self.waiting_recv, peer, self.inner.recv(peer, buf, tag))
+        counter = self.waiting_recv
+        counter[peer] = counter.get(peer, 0) + 1
+        try:
+            await self.inner.recv(peer, buf, tag)
+        except (asyncio.CancelledError, TimeoutError):
+            raise  # still counted (as above)
+        except BaseException:
+            counter[peer] -= 1
+            raise
+        counter[peer] -= 1
         self._heard[peer] = time.time()
 
     def send_nowait(self, peer: int, buf: np.ndarray, tag: int) -> bool | asyncio.Future[None]:
         sent = self.inner.send_nowait(peer, buf, tag)
-        if isinstance(sent, asyncio.Future) and not sent.done():  # written, still draining: a wait on the peer
-            self.waiting_send[peer] += 1
-            sent.add_done_callback(lambda _: self.waiting_send.subtract([peer]))
+        if sent is not True and sent is not False and not sent.done():  # written, still draining: a wait on the peer
+            counter = self.waiting_send
+            counter[peer] = counter.get(peer, 0) + 1
+            sent.add_done_callback(lambda _: counter.__setitem__(peer, counter[peer] - 1))
         return sent
 
     def silent(self) -> list[int]:
@@ -133,18 +153,6 @@ class TrackedP2P:
         if unsent:
             out += f"; ranks not taking delivery: {unsent}"
         return out
-
-    @staticmethod
-    async def _track(counter: Counter[int], peer: int, transfer: Awaitable[None]) -> None:
-        counter[peer] += 1
-        try:
-            await transfer
-        except (asyncio.CancelledError, TimeoutError):
-            raise  # still counted: the timeout message reads what was pending when it fired
-        except BaseException:
-            counter[peer] -= 1
-            raise
-        counter[peer] -= 1
 
 
 class DeviceTracker:
@@ -447,6 +455,15 @@ def grace_for(limit: float) -> float:
     return min(max(limit * 0.1, 0.05), 5.0, limit / 2)
 
 
+_GRACE: dict[float, float] = {}  # limit -> grace_for(limit): a group's ops share one limit
+
+
+def _fire(cell: list[Any], fired: list[float], loop: asyncio.AbstractEventLoop) -> None:
+    """The op's deadline passed: note when the timer actually ran, cancel the op's task."""
+    fired.append(loop.time())
+    cell[0].cancel()
+
+
 async def run(
     pg: ProcessGroup,
     op: str,
@@ -456,24 +473,53 @@ async def run(
     work: Work,
     limit: float,
     entry: Entry | None = None,
+    *,
+    loop: asyncio.AbstractEventLoop | None = None,
+    cell: list[Any] | None = None,
 ) -> None:
-    """Run one op of ``pg`` to its end: complete ``work``, or fail it (and break the group)."""
-    if entry is not None:
-        pg.recorder.started(entry)
-    what = f"{op} on {pg.describe()}, {label}"
-    grace = grace_for(limit) if pg.store is not None else 0.0
-    since = time.time()
-    deadline = Deadline(limit - grace)
+    """Run one op of ``pg`` to its end: complete ``work``, or fail it (and break the group).
+    ``cell`` holds the task running this (``_launch`` puts it there), ``loop`` its loop.
+
+    The op's deadline is ``aiodist._time.Deadline``'s, written out here (one timer handle and
+    no context manager per op, this being every op's path): a ``call_at`` that cancels the task
+    and records when it ran; the cancellation is the deadline's own only when no other came
+    after the op started (asyncio.timeout's uncancel rule), and only then is it a timeout."""
+    since = pg.recorder.started(entry) if entry is not None else time.time()
+    if loop is None:
+        loop = asyncio.get_running_loop()
+    if not cell:
+        cell = [asyncio.current_task()]
+    task = cell[0]
+    grace = 0.0
+    if pg.store is not None:
+        grace = _GRACE.get(limit, -1.0)
+        if grace < 0:
+            grace = grace_for(limit)
+            if len(_GRACE) < 64:
+                _GRACE[limit] = grace
+    cancelling = task.cancelling()
+    due = loop.time() + (limit - grace)
+    fired: list[float] = []  # when the deadline's timer ran, once it has
+    handle = loop.call_at(due, _fire, cell, fired, loop)
     try:
-        async with deadline:
+        try:
             await body(tracker)
+        except BaseException as exc:
+            handle.cancel()
+            if fired and task.uncancel() <= cancelling and isinstance(exc, asyncio.CancelledError):
+                raise TimeoutError from exc
+            raise
+        handle.cancel()
+        if fired:  # it fired, and the body completed anyway
+            task.uncancel()
     except asyncio.CancelledError:
-        work._fail(DistBackendError(f"{what} was aborted: {pg.broken or 'the group was torn down'}"))
+        work._fail(DistBackendError(f"{op} on {pg.describe()}, {label} was aborted: {pg.broken or 'the group was torn down'}"))
         raise
     except Exception as exc:
-        if deadline.fired:
+        what = f"{op} on {pg.describe()}, {label}"
+        if fired:
             # how late the timer ran, not how long the cancelled body then took to unwind
-            await _timed_out(pg, op, label, what, tracker, work, limit, grace, entry, since, deadline.late)
+            await _timed_out(pg, op, label, what, tracker, work, limit, grace, entry, since, max(0.0, fired[0] - due))
         else:  # the body's own failure, a TimeoutError of its own included
             _failed(pg, op, label, what, work, exc)
         return

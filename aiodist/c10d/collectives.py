@@ -14,6 +14,7 @@ AVG divides once at the end (``aiodist.types``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -28,7 +29,9 @@ from aiodist.algorithms.p2p import P2P, SubP2P, byte_view
 from aiodist.c10d._args import buf, bufs, check_async_op, group_root, same_dtype, split_sizes
 from aiodist.c10d._device import device_backend, issue_on_device
 from aiodist.c10d.init import GroupArg, not_member, resolve_group
+from aiodist.c10d.process_group import describe_call
 from aiodist.c10d.work import Work
+from aiodist.c10d.world import _CURRENT, default_group
 from aiodist.errors import DistTimeoutError
 from aiodist.shm import Ticket, run_all_gather, run_all_reduce
 from aiodist.types import Buffer, ReduceOp, ReduceOpLike, check_reduce, combiner, finalize, premultiply, to_reduce_op
@@ -102,6 +105,18 @@ def _same_size(a: Buffer, size: int, what: str) -> None:
         raise ValueError(f"{what} has {a.flat.size} elements, expected {size}")
 
 
+_KIND = ReduceOp.RedOpType
+_ALL_REDUCE = "all_reduce"
+#: calls kept per group (``ProcessGroup.hot``): a training loop repeats a few shapes
+_HOT_MAX = 256
+
+
+def _keep(pg: Any, key: tuple[Any, ...], value: tuple[Any, ...]) -> None:
+    """Keep what a call's checks found for the next call like it (``pg.hot``, bounded)."""
+    if len(pg.hot) < _HOT_MAX:
+        pg.hot[key] = value
+
+
 def _shm_ticket(pg: Any, wanted: bool) -> Ticket | None:
     """A place in the group's shared-memory line (aiodist.shm), taken in the issuing step, where
     the size calls for it and the backend has shared memory; None for the socket path."""
@@ -155,24 +170,58 @@ async def broadcast(
 @communicating
 async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` across the group, in place; the same bits on every rank."""
-    if not_member(group, "all_reduce"):
-        return None
-    pg = resolve_group(group, what="all_reduce")
-    asy = check_async_op(async_op)
-    if (dev := device_backend(pg, tensor, "all_reduce tensor")) is not None:
-        return await issue_on_device(dev, pg, "all_reduce", {"tensor": tensor, "op": op}, asy)
-    b = buf(tensor, "all_reduce tensor", writable=True)
-    rop, combine = _reduction(op, b.dtype_name, "all_reduce")
-    flat, name, n, th = b.flat, b.dtype_name, pg.size(), pg.thresholds
-    ticket = _shm_ticket(pg, th.all_reduce_shm(flat.nbytes))
+    if group is None:  # the default group (resolve_group's first case, read straight from the World)
+        pg = _CURRENT.get().default_pg
+        if pg is None:
+            pg = default_group()  # raises: no default group
+    else:
+        if not_member(group, "all_reduce"):
+            return None
+        pg = resolve_group(group, what="all_reduce")
+    asy = async_op if type(async_op) is bool else check_async_op(async_op)
+    hit = None
+    if type(tensor) is np.ndarray and type(op) is _KIND:
+        # the hot path: a call seen before on this group (same op kind, dtype, shape) with a
+        # writable C-contiguous array, whose checks, reduction and description are kept
+        flags = tensor.flags
+        if flags.writeable and flags.c_contiguous:
+            hit = pg.hot.get((_ALL_REDUCE, op, tensor.dtype, tensor.shape))
+    if hit is not None:
+        rop, combine, name, described, shm, plain = hit
+        flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
+    else:
+        if (dev := device_backend(pg, tensor, "all_reduce tensor")) is not None:
+            return await issue_on_device(dev, pg, "all_reduce", {"tensor": tensor, "op": op}, asy)
+        b = buf(tensor, "all_reduce tensor", writable=True)
+        rop, combine = _reduction(op, b.dtype_name, "all_reduce")
+        flat, name = b.flat, b.dtype_name
+        described = describe_call("all_reduce", _meta(tensor=_t(b), op=_opname(rop)))
+        shm = pg.thresholds.all_reduce_shm(flat.nbytes)
+        plain = rop.op is not _PREMUL and rop.op is not _AVG  # nothing to do before or after the exchanges
+        if type(tensor) is np.ndarray and type(op) is _KIND:
+            _keep(pg, (_ALL_REDUCE, op, tensor.dtype, tensor.shape), (rop, combine, name, described, shm, plain))
+    th = pg.thresholds
+    ticket = _shm_ticket(pg, True) if shm else None
+    if ticket is None and plain:
+        work = pg.issue(
+            "all_reduce", functools.partial(alg.all_reduce, buf=flat, combine=combine, thresholds=th), [tensor], described=described
+        )
+    else:
+        n = len(pg.ranks)
 
-    async def body(p2p: P2P) -> None:
-        _premultiply(flat, rop, dtype=name)
-        if ticket is None or not await run_all_reduce(ticket, p2p, flat, combine):
-            await alg.all_reduce(p2p, flat, combine, thresholds=th)
-        _finalize(flat, rop, n, dtype=name)
+        async def body(p2p: P2P) -> None:
+            _premultiply(flat, rop, dtype=name)
+            if ticket is None or not await run_all_reduce(ticket, p2p, flat, combine):
+                await alg.all_reduce(p2p, flat, combine, thresholds=th)
+            _finalize(flat, rop, n, dtype=name)
 
-    return await _finish(_issue_with(pg, ticket, "all_reduce", body, [tensor], meta=_meta(tensor=_t(b), op=_opname(rop))), asy)
+        work = _issue_with(pg, ticket, "all_reduce", body, [tensor], described=described)
+    if asy:
+        return work
+    if not work.done():  # ``await work``, without its generator (a cancelled wait leaves the op running)
+        await work._waiter()
+    work.result()  # the op's error, if it failed
+    return None
 
 
 @communicating

@@ -93,9 +93,9 @@ def _int(value: object, what: str) -> int:
 
 def resolve_group(group: GroupArg, *, what: str = "this op") -> ProcessGroup:
     """The group an API call works on: None is the default group; a non-member handle is refused."""
-    world = current_world()
     if group is None:
         return default_group()
+    world = current_world()
     if isinstance(group, int) and not isinstance(group, bool) and group == NON_GROUP_MEMBER:
         raise ValueError(f"{what}: this rank (global rank {world.rank}) is not a member of the group (new_group returned NON_GROUP_MEMBER)")
     if not isinstance(group, ProcessGroup):

@@ -29,7 +29,7 @@ from typing import Any
 
 from aiodist._digest import op_digest
 from aiodist._instrument.levels import DebugLevel, get_debug_level
-from aiodist._instrument.recorder import Entry, FlightRecorder
+from aiodist._instrument.recorder import Entry, FlightRecorder, _freeze
 from aiodist.algorithms.p2p import P2P
 from aiodist.algorithms.thresholds import Thresholds, current
 from aiodist.backends.base import CommBackend
@@ -69,6 +69,18 @@ def _checked_body(pg: ProcessGroup, op: str, seq: int, meta: dict[str, Any] | No
         await body(p2p)
 
     return checked
+
+
+#: ``describe_call(op, meta)``: ``(meta, meta["same"], the flight recorder's frozen meta, the
+#: op's desync digest)``. Made once per distinct call and kept by the collectives (calls repeat).
+Described = tuple[dict[str, Any] | None, dict[str, Any] | None, tuple[Any, ...] | None, int]
+
+
+def describe_call(op: str, meta: dict[str, Any] | None) -> Described:
+    """What ``issue`` derives from an op's ``meta``, in one tuple that can be kept and reused
+    (its parts are never changed once made)."""
+    same = meta.get("same") if meta is not None else None
+    return (meta, same, _freeze(meta), op_digest(op, same))
 
 
 class ProcessGroup:
@@ -122,6 +134,8 @@ class ProcessGroup:
         self._pending: dict[asyncio.Task[None], Work] = {}
         self._aborting: set[asyncio.Task[None]] = set()
         self.completed = 0
+        # what the collectives' checks found for calls seen before, by call (aiodist.c10d.collectives)
+        self.hot: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
     def __repr__(self) -> str:
         return f"<ProcessGroup {self.describe()} rank {self._rank}/{len(self.ranks)}>"
@@ -173,21 +187,47 @@ class ProcessGroup:
         if self.host_refusal is not None:
             raise DistBackendError(f"{op} on {self.describe()}: {self.host_refusal}")
 
-    def issue(self, op: str, body: Body, outputs: list[Any], *, timeout_s: float | None = None, meta: dict[str, Any] | None = None) -> Work:
+    def issue(
+        self,
+        op: str,
+        body: Body,
+        outputs: list[Any],
+        *,
+        timeout_s: float | None = None,
+        meta: dict[str, Any] | None = None,
+        described: Described | None = None,
+    ) -> Work:
         """Take the next sequence number, open the channel and start the op (no suspension).
         ``timeout_s`` replaces the group's timeout for this op (monitored_barrier's own).
         ``meta`` describes the call for the flight recorder and DETAIL's desync check: its
-        ``"same"`` dict holds what every rank must agree on (dtype, shape, root, reduce op)."""
-        self.check_usable()
+        ``"same"`` dict holds what every rank must agree on (dtype, shape, root, reduce op).
+        ``described`` is ``describe_call(op, meta)`` made once and kept (a collective's cache for
+        calls it has seen): the same description, without building it again."""
+        if self.broken is not None:
+            self.check_usable()
         if self.host_refusal is not None:
             self._check_host(op)
+        if described is None:
+            described = describe_call(op, meta)
         seq = self.seq
-        self.seq += 1
-        entry = self.recorder.issued(op, seq, "collective", meta, with_stack=self.detail)
+        self.seq = seq + 1
+        meta = described[0]
+        entry = self.recorder.issued(op, seq, "collective", meta, with_stack=self.detail, frozen=described[2])
         staging = _STAGING.get()
         if staging is not None:  # host copies of device arrays: copy in before, copy back after
             body = _staged_body(staging, body)
-        return self._start(op, seq, self.ranks, body, outputs, None, timeout_s, entry, meta)
+        # the channel, the tracker and the Work (written out here: every op passes this way)
+        ranks = self.ranks
+        if self._digests and meta is not None:  # what every rank must agree on, sent with the op's frames
+            channel = self.backend.channel(self.group_id, seq, ranks, described[3], (op, described[1], self.group_desc))
+        else:
+            channel = self.backend.channel(self.group_id, seq, ranks)
+        d = self._described
+        desc = d[1] if d is not None and d[0] is self.group_desc else self.describe()
+        work = Work(op, desc, seq, outputs)
+        if self.detail:  # compare the call across ranks before running it (aiodist.debug.desync)
+            body = _checked_body(self, op, seq, meta, body)
+        return self._launch(op, f"seq {seq}", seq, _Tracked(channel, ranks, self._rank), body, work, timeout_s, entry)
 
     def issue_device(
         self,
@@ -246,29 +286,6 @@ class ProcessGroup:
         entry = self.recorder.issued(op, n, "p2p", {"tag": tag, "peers": list(peers)}, with_stack=self.detail)
         return self._launch(op, f"p2p seq {n} (tag {tag}, peers {list(peers)})", n, ops, body, work, None, entry)
 
-    def _start(
-        self,
-        op: str,
-        seq: int,
-        ranks: Sequence[int],
-        body: Body,
-        outputs: list[Any],
-        source_rank: int | None,
-        timeout_s: float | None = None,
-        entry: Entry | None = None,
-        meta: dict[str, Any] | None = None,
-    ) -> Work:
-        if self._digests and meta is not None:  # what every rank must agree on, sent with the op's frames
-            same = meta.get("same")
-            channel = self.backend.channel(self.group_id, seq, ranks, op_digest(op, same), (op, same, self.group_desc))
-        else:
-            channel = self.backend.channel(self.group_id, seq, ranks)
-        p2p = _Tracked(channel, ranks)
-        work = Work(op, self.describe(), seq, outputs, source_rank=source_rank)
-        if self.detail:  # compare the call across ranks before running it (aiodist.debug.desync)
-            body = _checked_body(self, op, seq, meta, body)
-        return self._launch(op, f"seq {seq}", seq, p2p, body, work, timeout_s, entry)
-
     def _launch(
         self,
         op: str,
@@ -281,9 +298,12 @@ class ProcessGroup:
         entry: Entry | None = None,
     ) -> Work:
         limit = self.timeout_s if timeout_s is None else timeout_s
-        task = asyncio.get_running_loop().create_task(
-            run(self, op, label, tracker, body, work, limit, entry), name=f"aiodist {op} {self.group_desc} {label}"
+        loop = asyncio.get_running_loop()
+        cell: list[asyncio.Task[None]] = []  # the task, for the runner (its deadline cancels it)
+        task = loop.create_task(
+            run(self, op, label, tracker, body, work, limit, entry, loop=loop, cell=cell), name=f"aiodist {op} {self.group_desc} {label}"
         )
+        cell.append(task)
         self._pending[task] = work
         if self._op_stats is None:  # (the flight recorder's entry is closed by the runner itself)
             task.add_done_callback(self._pending.pop)  # type: ignore[arg-type]

@@ -3,8 +3,9 @@ of the op's output arrays, with torch's ``Work`` methods on top.
 
 Cancellation: the op belongs to its group, not to whoever awaits it (DESIGN.md §1).
 ``work.cancel()`` refuses (returns False). Awaiting a Work (``await work``, ``await
-work.wait()``) goes through a shield, so cancelling the awaiting task cancels that task at once
-and leaves the op running to completion, or to its group's timeout.
+work.wait()``) waits on a future of the awaiting task's own (a shield, without its cost), so
+cancelling the awaiting task cancels that task at once and leaves the op running to
+completion, or to its group's timeout.
 """
 
 from __future__ import annotations
@@ -27,9 +28,19 @@ class Work(asyncio.Future[list[Any]]):
         self.op = op
         self.group_desc = group_desc
         self.seq = seq
-        self.label = f"seq {seq}"  # how errors name it ("p2p seq n" for point-to-point)
+        self._label: str | None = None  # "seq n" unless set (made when read: errors and reprs only)
         self._outputs = outputs
         self._source_rank = source_rank
+        self._waiters: list[asyncio.Future[None]] | None = None  # the awaiting tasks' futures (__await__)
+
+    @property
+    def label(self) -> str:
+        """How errors name the op: ``"seq n"``, ``"p2p seq n"`` for point-to-point."""
+        return f"seq {self.seq}" if self._label is None else self._label
+
+    @label.setter
+    def label(self, value: str) -> None:
+        self._label = value
 
     def __repr__(self) -> str:
         # not exception(): that marks a failure as retrieved, and asyncio would no longer warn
@@ -44,17 +55,48 @@ class Work(asyncio.Future[list[Any]]):
         Destroy (or ``abort()``) its group to tear it down."""
         return False
 
-    # -- awaiting through a shield -------------------------------------------------------------
+    # -- awaiting without cancelling the op ---------------------------------------------------------
 
     def __await__(self) -> Generator[Any, None, list[Any]]:
-        return self._shielded().__await__()
+        # Not a shield (an outer future, two callbacks and one more loop turn per await): the
+        # awaiting task waits on a plain future of its own, which the Work resolves the moment
+        # it completes (``_wake``). Cancelling the task cancels that future only, at once.
+        if not self.done():
+            waiter: asyncio.Future[None] = self.get_loop().create_future()
+            ws = self._waiters
+            if ws is None:
+                self._waiters = [waiter]
+            else:
+                ws.append(waiter)
+            try:
+                yield from waiter
+            except BaseException:  # cancelled (or closed): this waiter is no longer wanted
+                ws = self._waiters
+                if ws is not None and waiter in ws:
+                    ws.remove(waiter)
+                raise
+        return self.result()
 
     __iter__ = __await__
 
-    async def _shielded(self) -> list[Any]:
-        if not self.done():
-            await asyncio.shield(self)
-        return self.result()
+    def _waiter(self) -> asyncio.Future[None]:
+        """A future of the caller's own, resolved when the Work is (what ``__await__`` waits on;
+        the blocking collectives await it directly, one generator fewer per op)."""
+        waiter: asyncio.Future[None] = self.get_loop().create_future()
+        ws = self._waiters
+        if ws is None:
+            self._waiters = [waiter]
+        else:
+            ws.append(waiter)
+        return waiter
+
+    def _wake(self) -> None:
+        ws = self._waiters
+        if ws is not None:
+            self._waiters = None
+            for w in ws:
+                if not w.done():
+                    w.set_result(None)
 
     # -- torch's Work API ----------------------------------------------------------------------
 
@@ -115,7 +157,23 @@ class Work(asyncio.Future[list[Any]]):
     def _complete(self) -> None:
         if not self.done():
             super().set_result(self._outputs)
+            ws = self._waiters  # _wake, written out (every op's completion)
+            if ws is not None:
+                self._waiters = None
+                for w in ws:
+                    if not w.done():
+                        w.set_result(None)
 
     def _fail(self, exc: BaseException) -> None:
         if not self.done():
             super().set_exception(exc)
+            self._wake()
+
+    # whoever else resolves a Work (a device backend's) wakes its awaiters too
+    def set_result(self, result: list[Any]) -> None:
+        super().set_result(result)
+        self._wake()
+
+    def set_exception(self, exception: type | BaseException) -> None:
+        super().set_exception(exception)
+        self._wake()
