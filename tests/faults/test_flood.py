@@ -17,15 +17,11 @@ reverted fix breaks it at this size as at the issue's (2.49x; 2 GiB with the fix
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-
-from aiodist.elastic.utils import get_free_port
+from _procs import kill_all, start_ranks  # this folder's helpers (pytest puts it on sys.path)
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(120)]
 
@@ -115,25 +111,16 @@ def test_isend_flood_to_a_late_receiver_keeps_sender_rss_within_1_3x_in_flight(t
         pytest.importorskip("uvloop")
     script = tmp_path / "rank.py"
     script.write_text(WORKER.format(root=str(ROOT), k=K, size=SIZE, hold=HOLD_S, uvloop=loop == "uvloop"))
-    port = get_free_port()
-    procs: list[subprocess.Popen[str]] = []
     outs: list[str] = []
+    procs = start_ranks(script, 2)
     try:
-        for rank in range(2):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-            procs.append(
-                subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            )
         deadline = time.monotonic() + RUN_S
-        for p in procs:
+        for p in procs.values():
             out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             outs.append(out)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(timeout=10)
-    for rank, p in enumerate(procs):
+        kill_all(procs)
+    for rank, p in procs.items():
         assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{outs[rank]}"
     result = json.loads(next(line for line in outs[0].splitlines() if line.startswith("RESULT "))[7:])
     bad = json.loads(next(line for line in outs[1].splitlines() if line.startswith("CHECKED "))[8:])

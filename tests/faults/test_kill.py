@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import os
 import re
-import selectors
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-
-from aiodist.elastic.utils import get_free_port
+from _procs import kill_all, read_lines_until, start_ranks  # this folder's helpers (pytest puts it on sys.path)
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(60)]
 
@@ -54,32 +50,6 @@ asyncio.run(main())
 """
 
 
-def _read_lines_until(procs: dict[int, subprocess.Popen[str]], want: str, deadline: float, outs: dict[int, list[str]]) -> set[int]:
-    """Read each rank's stdout lines (into ``outs``) until every rank in ``procs`` has printed a
-    line starting with ``want`` or the deadline passes; the ranks that did."""
-    sel = selectors.DefaultSelector()
-    for rank, p in procs.items():
-        assert p.stdout is not None
-        sel.register(p.stdout, selectors.EVENT_READ, rank)
-    done: set[int] = set()
-    try:
-        while len(done) < len(procs) and (left := deadline - time.monotonic()) > 0:
-            for key, _ in sel.select(timeout=left):
-                rank = key.data
-                line = key.fileobj.readline()  # type: ignore[union-attr]
-                if not line:  # EOF: the rank exited
-                    sel.unregister(key.fileobj)
-                    done.add(rank)  # it will print nothing more; the caller's checks say what is missing
-                    continue
-                outs[rank].append(line.rstrip("\n"))
-                if line.startswith(want):
-                    done.add(rank)
-                    sel.unregister(key.fileobj)
-    finally:
-        sel.close()
-    return done
-
-
 CASES = [pytest.param(v, 4, id=f"victim{v}-4B") for v in range(N)] + [pytest.param(v, 16 << 20, id=f"victim{v}-16MiB") for v in range(N)]
 
 
@@ -87,31 +57,20 @@ CASES = [pytest.param(v, 4, id=f"victim{v}-4B") for v in range(N)] + [pytest.par
 def test_sigkill_of_one_rank_fails_every_survivor_within_2s(tmp_path: Path, victim: int, nbytes: int) -> None:
     script = tmp_path / "rank.py"
     script.write_text(WORKER.format(root=str(ROOT), timeout=GROUP_TIMEOUT_S, nbytes=nbytes))
-    port = get_free_port()
-    procs: dict[int, subprocess.Popen[str]] = {}
     outs: dict[int, list[str]] = {r: [] for r in range(N)}
+    procs = start_ranks(script, N)
     try:
-        for rank in range(N):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(N))
-            procs[rank] = subprocess.Popen(
-                [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-            )
-        running = _read_lines_until(procs, "running", time.monotonic() + START_S, outs)
+        running = read_lines_until(procs, "running", time.monotonic() + START_S, outs)
         assert running == set(range(N)) and all(o and o[-1] == "running" for o in outs.values()), outs
         time.sleep(0.2)  # let the loop run a few ops past the first
         killed_at = time.time()
         os.kill(procs[victim].pid, signal.SIGKILL)
         survivors = {r: p for r, p in procs.items() if r != victim}
-        _read_lines_until(survivors, "ERROR", time.monotonic() + EXIT_S, outs)
+        read_lines_until(survivors, "ERROR", time.monotonic() + EXIT_S, outs)
         for p in procs.values():
             p.wait(timeout=5)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-            p.wait(timeout=10)
-            if p.stdout is not None:
-                p.stdout.close()
+        kill_all(procs)
     took: dict[int, float] = {}
     for rank in survivors:
         errors = [line for line in outs[rank] if line.startswith("ERROR ")]

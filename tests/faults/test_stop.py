@@ -1,5 +1,5 @@
 """SIGSTOP of one of 4 ranks in the middle of an all_reduce loop: every other rank raises a
-DistError within the group timeout (+ 0.5 s) of the stop, naming the frozen rank; after SIGCONT
+DistError within the group timeout (+ 1 s) of the stop, naming the frozen rank; after SIGCONT
 every rank, the frozen one included, can ``await dist.destroy_process_group()`` and exit 0.
 Victims 1 (a plain rank) and 0 (which hosts the env:// store, so the store is frozen too).
 
@@ -13,25 +13,23 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from test_kill import _read_lines_until  # the sibling fault test (pytest puts this folder on sys.path)
+from _procs import kill_all, read_lines_until, start_ranks  # this folder's helpers (pytest puts it on sys.path)
 
 from aiodist.c10d._runner import Findings, Note, Report, _chase, explain
-from aiodist.elastic.utils import get_free_port
 from aiodist.store import HashStore
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(60)]
 
 N = 4
 GROUP_TIMEOUT_S = 3.0
-DETECT_S = GROUP_TIMEOUT_S + 0.5  # the bound under test
+DETECT_S = GROUP_TIMEOUT_S + 1.0  # the bound under test (the slack: the consult grace, logging, a loaded machine)
 START_S = 30.0  # a bound on start-up (4 interpreters importing numpy on 2 cores)
 EXIT_S = 15.0  # a rank's destroy and exit after its error (measured well under 1 s)
-HELD_S = 1.2  # the victim stays stopped this long past the others' timeout: its deadline fires >= 1.5 s late
+HELD_S = 1.6  # the victim stays stopped this long past the others' timeout: its timer fires >= 3x LATE_S late
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,24 +63,17 @@ asyncio.run(main())
 def test_sigstop_of_one_rank_fails_every_other_within_the_timeout_and_all_destroy_after_sigcont(tmp_path: Path, victim: int) -> None:
     script = tmp_path / "rank.py"
     script.write_text(WORKER.format(root=str(ROOT), timeout=GROUP_TIMEOUT_S))
-    port = get_free_port()
-    procs: dict[int, subprocess.Popen[str]] = {}
     outs: dict[int, list[str]] = {r: [] for r in range(N)}
     codes: dict[int, int | None] = {}
+    procs = start_ranks(script, N, env=lambda r: {"AIODIST_DEBUG": None})
     try:
-        for rank in range(N):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(N))
-            env.pop("AIODIST_DEBUG", None)
-            procs[rank] = subprocess.Popen(
-                [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-            )
-        running = _read_lines_until(procs, "running", time.monotonic() + START_S, outs)
+        running = read_lines_until(procs, "running", time.monotonic() + START_S, outs)
         assert running == set(range(N)) and all(o and o[-1] == "running" for o in outs.values()), outs
         time.sleep(0.2)  # let the loop run a few ops past the first
         stopped_at = time.time()
         os.kill(procs[victim].pid, signal.SIGSTOP)
         others = {r: p for r, p in procs.items() if r != victim}
-        _read_lines_until(others, "ERROR", time.monotonic() + DETECT_S + 10, outs)
+        read_lines_until(others, "ERROR", time.monotonic() + DETECT_S + 10, outs)
         # the others destroy their group and exit while the victim is still stopped: a frozen peer
         # must not hold up a teardown
         for rank, p in others.items():
@@ -103,15 +94,7 @@ def test_sigstop_of_one_rank_fails_every_other_within_the_timeout_and_all_destro
             codes[rank] = p.poll()
         exited_s = time.monotonic() - continued_at
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGCONT)
-                p.kill()
-            p.wait(timeout=10)
-            if p.stdout is not None:
-                for line in p.stdout:  # what is left: the destroy lines, tracebacks
-                    outs[next(r for r, q in procs.items() if q is p)].append(line.rstrip("\n"))
-                p.stdout.close()
+        kill_all(procs, outs)  # and what is left of their output: the destroy lines, tracebacks
     took: dict[int, float] = {}
     for rank in others:
         errors = [line for line in outs[rank] if line.startswith("ERROR ")]
