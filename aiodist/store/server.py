@@ -290,8 +290,10 @@ class _Conn(asyncio.Protocol):
                     if self.paused:
                         break
         except Exception as exc:  # ADD on a non-integer, or anything unforeseen: close only this client
+            if out:
+                self._write(out)  # the replies to the requests before it still go out, as the parser's do
             self._refuse(f"{type(exc).__name__}: {exc}")
-            pos = have
+            return b""
         finally:
             self.server.stats_counter["requests"] += n
         if out:
@@ -306,6 +308,7 @@ class _Conn(asyncio.Protocol):
         size = n = 0
         handlers = _HANDLERS
         parser = self.parser
+        why = None
         try:
             while not self.paused and (req := parser.next_request()) is not None:
                 handlers[req.op](self, req, out)
@@ -316,14 +319,18 @@ class _Conn(asyncio.Protocol):
                 elif out:
                     size += len(out[-1])
         except ProtocolError as exc:
-            self._refuse(str(exc))
+            why = str(exc)
         except Exception as exc:  # ADD on a non-integer, or anything unforeseen: close only this client
-            self._refuse(f"{type(exc).__name__}: {exc}")
+            why = f"{type(exc).__name__}: {exc}"
         finally:
             self.server.stats_counter["requests"] += n
             self.idle = parser.idle
         if out:
+            # Before a refusal too: the requests before the bad one are answered whether it came
+            # in the same chunk or a later one (torch's server answers each as it goes).
             self._write(out)
+        if why is not None:
+            self._refuse(why)
 
     def _write(self, out: list[bytes]) -> None:
         if self.transport is not None and not self.transport.is_closing():
