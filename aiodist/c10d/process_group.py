@@ -227,7 +227,21 @@ class ProcessGroup:
         work = Work(op, desc, seq, outputs)
         if self.detail:  # compare the call across ranks before running it (aiodist.debug.desync)
             body = _checked_body(self, op, seq, meta, body)
-        return self._launch(op, f"seq {seq}", seq, _Tracked(channel, ranks, self._rank), body, work, timeout_s, entry)
+        if self._op_stats is not None:  # INFO: the op is counted (_launch's other branch)
+            return self._launch(op, f"seq {seq}", seq, _Tracked(channel, ranks, self._rank), body, work, timeout_s, entry)
+        # _launch, written out (its OFF/WARN branch)
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        loop = asyncio.get_running_loop()
+        cell: list[asyncio.Task[None]] = []
+        label = f"seq {seq}"
+        task = loop.create_task(
+            run(self, op, label, _Tracked(channel, ranks, self._rank), body, work, limit, entry, loop=loop, cell=cell),
+            name=f"aiodist {op} {self.group_desc} {label}",
+        )
+        cell.append(task)
+        self._pending[task] = work
+        task.add_done_callback(self._pending.pop)  # type: ignore[arg-type]
+        return work
 
     def issue_device(
         self,
