@@ -33,8 +33,8 @@ def header(length: int = 16, *, key: tuple[int, int, int] = KEY, src: int = SRC,
 @dataclass
 class Row:
     """One case: the receives posted (``(key, src, nbytes, done)``), the header, the call's
-    other inputs, and the answer: its fate, which posted receive it names (an index into
-    ``posted``) and whether a HOLD is only for the grace."""
+    other inputs, and the answer: its fate and which posted receive it names (an index into
+    ``posted``)."""
 
     name: str
     fate: Fate
@@ -43,7 +43,6 @@ class Row:
     hdr: dict[str, Any] = field(default_factory=dict)
     kw: dict[str, Any] = field(default_factory=dict)
     recv: int | None = None
-    grace: bool = False
 
 
 def posted(nbytes: int = 16, src: int | None = SRC, key: tuple[int, int, int] = KEY, done: bool = False) -> tuple[Any, ...]:
@@ -58,7 +57,7 @@ ROWS = [
     Row("no receive, exactly fills the room: stage", Fate.STAGE, length=1000, kw={"staged_bytes": LIMITS.max_staged_bytes - 1000}),
     Row("no receive, one byte over the room: hold", Fate.HOLD, length=1000, kw={"staged_bytes": LIMITS.max_staged_bytes - 999}),
     Row("no receive, bigger than the whole bound: hold (waits for its receive)", Fate.HOLD, length=LIMITS.max_staged_bytes + 1),
-    Row("big, no receive, room: hold for the grace", Fate.HOLD, length=BIG, grace=True),
+    Row("big, no receive, room: hold for the grace", Fate.GRACE, length=BIG),
     Row("big, no receive, room, grace over: stage", Fate.STAGE, length=BIG, kw={"grace_over": True}),
     Row("just under the grace size: stage at once", Fate.STAGE, length=BIG - 1),
     Row("big, no receive, no room: hold, not for the grace", Fate.HOLD, length=BIG, kw={"staged_bytes": LIMITS.max_staged_bytes - BIG + 1}),
@@ -139,10 +138,9 @@ def test_table_is_big_enough() -> None:
 @pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
 def test_decide(row: Row, loop: asyncio.AbstractEventLoop) -> None:
     box, recvs = mailbox(loop, row)
-    d = decide(header(row.length, **row.hdr), box, LIMITS, **row.kw)
-    assert isinstance(d, Landing)
-    assert (d.fate, d.grace) == (row.fate, row.grace)
-    assert d.recv is (None if row.recv is None else recvs[row.recv])
+    fate, recv = decide(header(row.length, **row.hdr), box, LIMITS, **row.kw)
+    assert fate is row.fate
+    assert recv is (None if row.recv is None else recvs[row.recv])
     # pure: the mailbox is as it was, and no future was touched
     assert box.pending == len(row.posted) and box.staged_messages == 0
     assert [r.fut.done() for r in recvs] == [p[3] for p in row.posted]
@@ -150,8 +148,7 @@ def test_decide(row: Row, loop: asyncio.AbstractEventLoop) -> None:
 
 def test_mismatch_error_names_both_sizes(loop: asyncio.AbstractEventLoop) -> None:
     box, (r,) = mailbox(loop, Row("", Fate.MISMATCH, posted=[posted(16)]))
-    d = decide(header(24), box, LIMITS)
-    assert d.fate is Fate.MISMATCH and d.recv is r
+    assert decide(header(24), box, LIMITS) == (Fate.MISMATCH, r)
     err = size_error(0, SRC, r.key, 24, r.dst.nbytes)
     assert str(err) == "rank 0: message from rank 1 (group 3, seq 7, tag 5) is 24 bytes, the receive buffer 16"
 
@@ -160,7 +157,7 @@ def test_decide_does_not_stage() -> None:
     """A staged message is no receive: decide never answers with one."""
     box = Mailbox()
     box.stage(KEY, StagedMessage(SRC, memoryview(bytearray(16))))
-    assert decide(header(), box, LIMITS) == Landing(Fate.STAGE) and box.staged_messages == 1
+    assert decide(header(), box, LIMITS) == (Fate.STAGE, None) and box.staged_messages == 1
 
 
 # -- a Connection against an owner that has only the ConnectionOwner members -------------------
@@ -193,16 +190,15 @@ class StrictOwner:
         return None if hello.token == b"job" else "another job"
 
     def on_header(self, conn: Connection, header: FrameHeader, staged_bytes: int, grace_over: bool) -> Landing:
-        d = decide(header, self.box, self.limits, staged_bytes=staged_bytes, grace_over=grace_over)
-        self.calls.append(f"header {header.tag} {d.fate.value}")
-        if d.fate is Fate.LAND and d.recv is not None:
-            self.box.claim(d.recv)
-        return d
+        fate, recv = decide(header, self.box, self.limits, staged_bytes=staged_bytes, grace_over=grace_over)
+        self.calls.append(f"header {header.tag} {fate.value}")
+        if fate is Fate.LAND and recv is not None:
+            self.box.claim(recv)
+        return fate, recv
 
     def on_payload(self, conn: Connection, header: FrameHeader, data: memoryview) -> None:
         self.calls.append(f"payload {header.tag}")
-        self.staged.append((header, bytes(data)))
-        conn.release_staged(data.nbytes)
+        self.staged.append((header, bytes(data)))  # released by the test
 
     def on_abort(self, header: FrameHeader, reason: str) -> None:
         self.calls.append(f"abort {header.group} {reason}")
@@ -271,7 +267,7 @@ def test_strict_owner_is_the_protocol() -> None:
 
 
 async def test_connection_needs_only_the_owner_protocol() -> None:
-    owner = StrictOwner()
+    owner = StrictOwner()  # staging room: 64 bytes
     conn = Connection(owner, "unix")
     tr = FakeTransport()
     conn.connection_made(tr)  # type: ignore[arg-type]
@@ -282,13 +278,19 @@ async def test_connection_needs_only_the_owner_protocol() -> None:
     owner.box.post(r)
     feed(conn, data_frame(10, b"landed!!") + data_frame(11, b"early"))
     assert r.fut.result() == 1 and bytes(r.dst) == b"landed!!"  # landed in the receive's array
-    assert owner.staged == [(FrameHeader(FrameKind.DATA, 0, 1, 11, 1, 5), b"early")]
-    feed(conn, data_frame(12, bytes(range(100))))  # over the 64-byte staging bound: held
+    assert owner.staged == [(FrameHeader(FrameKind.DATA, 0, 1, 11, 1, 5), b"early")] and conn.decoder.staged_bytes == 5
+    feed(conn, data_frame(12, bytes(60)))  # 5 + 60 staged would be over 64: held
     assert not tr.reading and conn.held is not None
-    late = PostedRecv((0, 1, 12), 1, np.zeros(100, np.uint8), loop.create_future())
+    conn.release_staged(5)  # the early message was consumed: room for the held one, retried soon
+    assert conn.held is not None
+    await asyncio.sleep(0)
+    assert tr.reading and conn.held is None and owner.staged[-1] == (FrameHeader(FrameKind.DATA, 0, 1, 12, 1, 60), bytes(60))
+    feed(conn, data_frame(13, bytes(range(10))))  # 60 + 10: held again
+    assert not tr.reading
+    late = PostedRecv((0, 1, 13), 1, np.zeros(10, np.uint8), loop.create_future())
     owner.box.post(late)
     conn.retry_held()  # what the owner does once a receive is posted
-    assert tr.reading and conn.held is None and bytes(late.dst) == bytes(range(100))
+    assert tr.reading and conn.held is None and bytes(late.dst) == bytes(range(10))
     conn.connection_lost(None)
     assert owner.calls == [
         "attach",
@@ -297,7 +299,10 @@ async def test_connection_needs_only_the_owner_protocol() -> None:
         "header 11 stage",
         "payload 11",  # staged by the decoder, handed over whole
         "header 12 hold",
-        "header 12 land",
+        "header 12 stage",
+        "payload 12",
+        "header 13 hold",
+        "header 13 land",
         "lost",
     ]
 

@@ -7,13 +7,13 @@ Rules this module keeps:
   memory (the payload lands there, zero-copy); STAGE lets the decoder stage it, bounded per
   connection by ``FrameLimits.max_staged_bytes``; HOLD pauses reading (``pause_reading``), so
   TCP flow control makes the sender's send wait, until ``retry_held`` (called by the owner once
-  a receive was posted or staged bytes were released) finds it another fate. A message bigger
-  than the bound thus simply waits for its receive. A big payload held for its grace gets
-  ``GRACE_SECONDS`` before it is staged: its receive is usually about to be posted (a peer
-  running ahead by one op), and staging would cost an allocation and two extra copies; no
-  program that staging serves can stall on it. DROP, MISMATCH and DESYNC read the payload into
-  scratch memory and drop it. A peer that breaks the protocol kills the connection, with the
-  reason.
+  a receive was posted, or by the connection itself once its own staged bytes were released:
+  staging room is per connection) finds it another fate. A message bigger than the bound thus
+  simply waits for its receive. A big payload held for its GRACE gets ``GRACE_SECONDS``
+  before it is staged: its receive is usually about to be posted (a peer running ahead by one
+  op), and staging would cost an allocation and two extra copies; no program that staging
+  serves can stall on it. DROP, MISMATCH and DESYNC read the payload into scratch memory and
+  drop it. A peer that breaks the protocol kills the connection, with the reason.
 - Writing: the write buffer limits are (0, 0), so the protocol is paused whenever anything is
   buffered and resumed only when the buffer is empty. ``send_frame`` returns once the buffer
   has been seen empty after its frame was written: every byte of it is then in the kernel,
@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 from aiodist.errors import DistNetworkError
-from aiodist.transport._landing import GRACE_MIN_BYTES, Fate, Landing
+from aiodist.transport._landing import GRACE, GRACE_MIN_BYTES, HOLD, LAND, STAGE, Landing
 from aiodist.transport._mailbox import PostedRecv
 from aiodist.wire.frame import (
     FIRST_READ_AHEAD,
@@ -84,13 +84,13 @@ class ConnectionOwner(Protocol):
         refused, or None, and then ``conn`` carries rank ``hello.rank``'s messages on ``lane``."""
 
     def on_header(self, conn: Connection, header: FrameHeader, staged_bytes: int, grace_over: bool) -> Landing:
-        """Where the payload of DATA ``header`` goes (``aiodist.transport._landing.decide``, and
-        its effects: a LAND or MISMATCH receive is claimed, a DESYNC breaks the group, a HOLD is
-        remembered so that ``conn.retry_held`` is called once something changed)."""
+        """Where the payload of DATA ``header`` goes (``aiodist.transport._landing.decide``), with
+        its effects: a LAND or MISMATCH receive is claimed, a DESYNC breaks the group, a HOLD or
+        GRACE is remembered so that ``conn.retry_held`` is called once something changed."""
 
     def on_payload(self, conn: Connection, header: FrameHeader, data: memoryview) -> None:
-        """A whole payload the decoder staged (or a zero-length one), now owned by the owner:
-        it gives its bytes back with ``conn.release_staged`` once done with them."""
+        """A whole payload the decoder staged (or a zero-length one), now the owner's: it gives
+        the bytes back with ``conn.release_staged`` once done with them."""
 
     def on_abort(self, header: FrameHeader, reason: str) -> None:
         """The peer aborted ``header.group``."""
@@ -127,6 +127,7 @@ class Connection(asyncio.BufferedProtocol):
         self.held: FrameHeader | None = None  # a DATA header waiting (reading paused) for room or its receive
         self._grace: asyncio.TimerHandle | None = None  # the held header's grace before staging
         self._grace_over = False
+        self._retry_soon = False  # a retry_held is scheduled (release_staged)
         self._deadline: asyncio.TimerHandle | None = None  # an accepted connection's handshake deadline
         self.peername: object = None  # where an accepted connection came from (for the deadline's warning)
 
@@ -168,6 +169,13 @@ class Connection(asyncio.BufferedProtocol):
                             self._hold(ev.header)
                         else:
                             later = self.decoder.set_target(target)
+                    elif type(ev) is PayloadReceived:  # _event's first case, inline: once per message
+                        if ev.staged is None:  # landed in self.current's buffer
+                            cur, self.current = self.current, None
+                            if cur is not None and not cur.fut.done():  # None: a payload read to be dropped
+                                cur.fut.set_result(ev.header.source)
+                        else:
+                            self.owner.on_payload(self, ev.header, ev.staged)
                     else:
                         self._event(ev)
                 events = later
@@ -249,18 +257,18 @@ class Connection(asyncio.BufferedProtocol):
     def _target_for(self, header: FrameHeader) -> object | None:
         """What the decoder gets for ``header``'s payload: the receive's memory, None (stage it),
         scratch memory (drop it), or ``_HOLD``."""
-        d = self.owner.on_header(self, header, self.decoder.staged_bytes, self._grace_over)
-        fate = d.fate
-        if fate is Fate.HOLD:
-            if d.grace and self._grace is None:
+        fate, recv = self.owner.on_header(self, header, self.decoder.staged_bytes, self._grace_over)
+        if fate is HOLD or fate is GRACE:
+            if fate is GRACE and self._grace is None:
                 self._grace = asyncio.get_running_loop().call_later(GRACE_SECONDS, self._grace_ended)
             return _HOLD
-        self._end_grace()
-        if fate is Fate.LAND:
-            self.current = d.recv
-            assert d.recv is not None
-            return d.recv.dst
-        if fate is Fate.STAGE:
+        if self._grace is not None or self._grace_over:
+            self._end_grace()
+        if fate is LAND:
+            self.current = recv
+            assert recv is not None
+            return recv.dst
+        if fate is STAGE:
             return None
         self.current = None
         return bytearray(header.length)  # read and dropped
@@ -299,8 +307,18 @@ class Connection(asyncio.BufferedProtocol):
             self.transport.resume_reading()
 
     def release_staged(self, nbytes: int) -> None:
-        """The owner is done with ``nbytes`` of a payload ``on_payload`` handed it."""
+        """The owner is done with ``nbytes`` of a payload ``on_payload`` handed it: they no longer
+        count against this connection's staging room, so a header held for want of room may
+        fit now (retried soon: never from inside a decoder step). Staging room is per
+        connection, so no other connection can gain by it."""
         self.decoder.release_staged(nbytes)
+        if self.held is not None and not self._retry_soon:
+            self._retry_soon = True
+            asyncio.get_running_loop().call_soon(self._retry_now)
+
+    def _retry_now(self) -> None:
+        self._retry_soon = False
+        self.retry_held()
 
     def _event(self, ev: object) -> None:
         if type(ev) is PayloadReceived:

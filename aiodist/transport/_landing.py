@@ -13,21 +13,24 @@ Rules this module keeps (checked in this order):
 - With no receive posted, a payload already in memory (staged as it was read, or zero-length)
   is STAGED. One still to be read is STAGED when it fits the connection's staging room, else
   HELD (reading pauses, so TCP flow control makes the sender wait) until its receive is posted
-  or room is freed. A big one (``GRACE_MIN_BYTES`` or more) that fits is first HELD for a short
-  grace (``grace``: its receive is usually about to be posted; staging would cost an
-  allocation and two copies), then STAGED once the grace is over.
+  or room is freed. A big one (``GRACE_MIN_BYTES`` or more) that fits is first held for a short
+  GRACE (its receive is usually about to be posted; staging would cost an allocation and two
+  copies), then STAGED once the grace is over.
+- The answer is a plain ``(fate, receive)`` tuple and the fates are module constants: this
+  runs once per message, and a NamedTuple or an enum attribute look-up would cost more than
+  the decision itself.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Container
-from typing import NamedTuple
+from typing import TypeAlias
 
 from aiodist.transport._mailbox import Mailbox, PostedRecv
 from aiodist.wire.frame import FrameHeader, FrameLimits
 
-__all__ = ["Fate", "Landing", "decide", "GRACE_MIN_BYTES"]
+__all__ = ["Fate", "Landing", "decide", "GRACE_MIN_BYTES", "LAND", "STAGE", "HOLD", "GRACE", "DROP", "MISMATCH", "DESYNC"]
 
 GRACE_MIN_BYTES = 1 << 20  # payloads this big wait a grace for their receive before being staged
 
@@ -35,41 +38,46 @@ GRACE_MIN_BYTES = 1 << 20  # payloads this big wait a grace for their receive be
 class Fate(enum.Enum):
     """What happens to an arriving payload."""
 
-    LAND = "land"  # into ``Landing.recv``'s buffer
+    LAND = "land"  # into the receive's buffer
     STAGE = "stage"  # kept until its receive is posted
     HOLD = "hold"  # not read yet: reading pauses until a receive is posted or room is freed
+    GRACE = "grace"  # a HOLD for the big-payload grace (there is staging room), then STAGE
     DROP = "drop"  # its group is aborted or closed: read and discarded
-    MISMATCH = "mismatch"  # ``Landing.recv`` is its receive, of another size: that receive fails
+    MISMATCH = "mismatch"  # the receive is its receive, of another size: that receive fails
     DESYNC = "desync"  # its digest is not this rank's op's: the group breaks
 
 
-class Landing(NamedTuple):
-    """``decide``'s answer (a tuple: one is made per message)."""
+LAND = Fate.LAND
+STAGE = Fate.STAGE
+HOLD = Fate.HOLD
+GRACE = Fate.GRACE
+DROP = Fate.DROP
+MISMATCH = Fate.MISMATCH
+DESYNC = Fate.DESYNC
 
-    fate: Fate
-    recv: PostedRecv | None = None  # LAND, MISMATCH: the receive, still posted (the caller claims it)
-    grace: bool = False  # HOLD: only for the big-payload grace (staging room there is)
+#: ``decide``'s answer: the fate, and for LAND and MISMATCH the receive (still posted: the
+#: caller claims it), else None
+Landing: TypeAlias = tuple[Fate, PostedRecv | None]
 
-
-STAGE = Landing(Fate.STAGE)
-HOLD = Landing(Fate.HOLD)
-HOLD_GRACE = Landing(Fate.HOLD, grace=True)
-DROP = Landing(Fate.DROP)
-DESYNC = Landing(Fate.DESYNC)
+_STAGE: Landing = (STAGE, None)
+_HOLD: Landing = (HOLD, None)
+_GRACE: Landing = (GRACE, None)
+_DROP: Landing = (DROP, None)
+_DESYNC: Landing = (DESYNC, None)
 
 
 def decide(
     header: FrameHeader,
     mailbox: Mailbox,
     limits: FrameLimits,
-    *,
     staged_bytes: int = 0,
     in_memory: bool = False,
     grace_over: bool = False,
     aborted: Container[int] = (),
     digest: int | None = None,
 ) -> Landing:
-    """The fate of the DATA payload ``header`` announces.
+    """The fate of the DATA payload ``header`` announces (the transport passes everything by
+    position: keywords would cost more than the rest of the call).
 
     ``staged_bytes``: what its connection stages already (against ``limits.max_staged_bytes``);
     ``in_memory``: the payload was read already (staged as it came, or zero-length), so it can
@@ -77,16 +85,16 @@ def decide(
     groups whose messages are dropped; ``digest``: this rank's own digest for the op at
     ``(header.group, header.seq)``, or None where it is not known (or not to be checked)."""
     if header.group in aborted:
-        return DROP
+        return _DROP
     if digest is not None and header.digest and header.digest != digest:
-        return DESYNC
+        return _DESYNC
     recv = mailbox.find((header.group, header.seq, header.tag), header.source)
     if recv is not None:
-        return Landing(Fate.LAND if recv.dst.nbytes == header.length else Fate.MISMATCH, recv)
+        return (LAND if recv.dst.nbytes == header.length else MISMATCH), recv
     if in_memory:
-        return STAGE
+        return _STAGE
     if staged_bytes + header.length > limits.max_staged_bytes:
-        return HOLD
+        return _HOLD
     if header.length >= GRACE_MIN_BYTES and not grace_over:
-        return HOLD_GRACE
-    return STAGE
+        return _GRACE
+    return _STAGE

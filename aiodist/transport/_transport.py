@@ -65,7 +65,7 @@ from aiodist.transport._address import PeerAddress, address_key, host_id, listen
 from aiodist.transport._channel import Channel
 from aiodist.transport._connection import Connection
 from aiodist.transport._ifaces import Advertised, choose
-from aiodist.transport._landing import Fate, Landing, decide
+from aiodist.transport._landing import DESYNC, GRACE, HOLD, LAND, MISMATCH, STAGE, Landing, decide
 from aiodist.transport._mailbox import _PART_SHIFT, Key, Mailbox, PostedRecv, StagedMessage, describe_key, size_error
 from aiodist.wire.frame import FrameHeader, FrameKind, FrameLimits, Hello, abort_frame
 
@@ -1008,25 +1008,18 @@ class Transport:
 
     def on_header(self, conn: Connection, header: FrameHeader, staged_bytes: int, grace_over: bool) -> Landing:
         aborted = self._aborted
-        d = decide(
-            header,
-            self._mailbox,
-            self.limits,
-            staged_bytes=staged_bytes,
-            grace_over=grace_over,
-            aborted=aborted,
-            digest=self._own_digest(header) if header.digest and header.group not in aborted else None,
-        )
-        fate = d.fate
-        if fate is Fate.HOLD:
+        digest = self._own_digest(header) if header.digest and header.group not in aborted else None
+        d = decide(header, self._mailbox, self.limits, staged_bytes, False, grace_over, aborted, digest)  # by position: see decide
+        fate, recv = d
+        if fate is HOLD or fate is GRACE:
             self._held.add(conn)
             return d
         if self._held:
             self._held.discard(conn)
-        if fate is Fate.LAND:
-            assert d.recv is not None
-            self._mailbox.claim(d.recv)
-        elif fate is not Fate.STAGE:
+        if fate is LAND:
+            assert recv is not None
+            self._mailbox.claim(recv)
+        elif fate is not STAGE:
             self._land_elsewhere(d, header)
         return d
 
@@ -1035,42 +1028,39 @@ class Transport:
         which comes without a header event): a receive may have been posted meanwhile."""
         aborted = self._aborted
         check = header.digest and not data.nbytes and header.group not in aborted  # a longer one was checked at its header
-        d = decide(header, self._mailbox, self.limits, in_memory=True, aborted=aborted, digest=self._own_digest(header) if check else None)
-        fate = d.fate
-        if fate is Fate.STAGE:
+        digest = self._own_digest(header) if check else None
+        fate, recv = decide(header, self._mailbox, self.limits, 0, True, False, aborted, digest)  # in memory, by position
+        if fate is STAGE:
             self.staged_total += 1
             key = (header.group, header.seq, header.tag)
-            self._mailbox.stage(key, StagedMessage(header.source, data, functools.partial(self._release, conn)))
+            self._mailbox.stage(key, StagedMessage(header.source, data, conn.release_staged))
             return
         try:
-            if fate is Fate.LAND:
-                assert d.recv is not None
-                self._mailbox.claim(d.recv)
-                d.recv.fill(data, header.source, self.rank)
+            if fate is LAND:
+                assert recv is not None
+                self._mailbox.claim(recv)
+                recv.fill(data, header.source, self.rank)
             else:
-                self._land_elsewhere(d, header)
+                self._land_elsewhere((fate, recv), header)
         finally:
-            self._release(conn, data.nbytes)
+            conn.release_staged(data.nbytes)
 
     def _land_elsewhere(self, d: Landing, header: FrameHeader) -> None:
         """The effects of a payload that is dropped: MISMATCH fails its receive, DESYNC breaks
         the group (DROP has none)."""
-        if d.fate is Fate.MISMATCH:
-            recv = d.recv
+        fate, recv = d
+        if fate is MISMATCH:
             assert recv is not None
             self._mailbox.claim(recv)
             if not recv.fut.done():
                 recv.fut.set_exception(size_error(self.rank, header.source, recv.key, header.length, recv.dst.nbytes))
-        elif d.fate is Fate.DESYNC:
+        elif fate is DESYNC:
             self._desync(header.group, header.seq, self._digests[(header.group, header.seq)], header.source, header.digest)
 
-    def _release(self, conn: Connection, nbytes: int) -> None:
-        conn.release_staged(nbytes)
-        self._room_freed()
-
     def _room_freed(self) -> None:
-        """A receive was posted, staged bytes were released or a group aborted: soon, let every
-        connection holding a payload try again (soon, not now: never from inside a decoder step)."""
+        """A receive was posted or a group aborted: soon, let every connection holding a payload
+        try again (soon, not now: never from inside a decoder step). Staged bytes released
+        retry only their own connection (``Connection.release_staged``)."""
         if self._held and not self._retry_soon:
             self._retry_soon = True
             asyncio.get_running_loop().call_soon(self._retry_held)
