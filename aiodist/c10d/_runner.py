@@ -573,8 +573,10 @@ async def _timed_out(
         dump_on_timeout()  # AIODIST_FR_DUMP_ON_TIMEOUT=1
     except OSError as dump_err:
         log.warning("rank %d: could not dump the flight recorder: %s", me, dump_err)
-    work._fail(err)
+    # the peers are told first: the abort's task is queued before this Work's waiter wakes, so a
+    # rank that exits on the error (os._exit) still sends the ABORT that names the real cause
     break_group(pg, msg, err)
+    work._fail(err)
 
 
 def _failed(pg: ProcessGroup, op: str, label: str, what: str, work: Work, exc: Exception) -> None:
@@ -590,8 +592,8 @@ def _failed(pg: ProcessGroup, op: str, label: str, what: str, work: Work, exc: E
         named = DistBackendError(f"{what} failed on rank {pg.backend.rank}: {type(exc).__name__}: {exc}")
     if named is not exc:
         named.__cause__ = exc
+    break_group(pg, f"{op} {label} failed: {exc}", named)  # first: see _timed_out
     work._fail(named)
-    break_group(pg, f"{op} {label} failed: {exc}", named)
 
 
 # -- breaking a group -------------------------------------------------------------------------------
