@@ -427,6 +427,18 @@ async def _close_once(self: HashStore) -> None:
     self._closed = True
 
 
+async def _wait_task_bound_timeout(self: HashStore, keys: Any, timeout: Any = None) -> None:
+    # the bug aiodist._time.within fixed: asyncio.timeout entered in the call's first step
+    # belongs to the caller's task, so it cancels the caller, not the call
+    ks = [k.encode() for k in keys]
+    try:
+        async with asyncio.timeout(self._wait_seconds(timeout)):
+            while not self._state.check(ks):  # noqa: ASYNC110 - a deliberately plain poll
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise StoreTimeoutError(f"wait({keys!r}) timed out") from None
+
+
 MUTANTS: dict[str, dict[str, Any]] = {
     "set_get_roundtrip": {"set": _set_upper},
     "bytes_out": {"get": _get_bytearray},
@@ -439,6 +451,7 @@ MUTANTS: dict[str, dict[str, Any]] = {
     "compare_set_present_key": {"compare_set": _compare_set_always_sets},
     "wait_all_keys": {"wait": _wait_first_key},
     "wait_timeout_arg": {"wait": _wait_ignores_timeout},
+    "timeout_in_another_task": {"wait": _wait_task_bound_timeout},
     "check": {"check": _check_ignores_queues},
     "delete_key": {"delete_key": _delete_always_true},
     "num_keys": {"num_keys": _num_keys_counts_queues},
