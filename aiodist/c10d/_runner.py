@@ -376,6 +376,7 @@ async def consult(store: Store, group_id: int, seq: int, me: int, mine: Report, 
     def unknown() -> list[int]:
         return [r for r in _walk(me, mine.op, found.reports).missing if r not in found.notes]
 
+    passes = 0
     try:
         async with Deadline(grace):
             await store.set(prefix + str(me), mine.encode())
@@ -396,12 +397,16 @@ async def consult(store: Store, group_id: int, seq: int, me: int, mine: Report, 
                             there = f"aiodist/hang/{group_id}/{last.seq}/{r}"
                             if last.group == group_id and last.seq not in (None, seq) and await store.check([there]):
                                 found.beyond[r] = await _chase(store, group_id, last.seq, r, Report.decode(await store.get(there)))
+                passes += 1
                 if not unknown() or loop.time() + _POLL_S >= stop:
                     break
                 await asyncio.sleep(_POLL_S)
     except (TimeoutError, DistError, ValueError, KeyError) as exc:  # the deadline, the store's own, a bad value
         log.debug("rank %d: consulting the store on seq %d of group %d: %r", me, seq, group_id, exc)
-        found.answered = False
+        # the store answered when one whole pass over the ranks came back: a later pass that the
+        # deadline cut short (a frozen rank never reports, so the polling runs to the end) keeps
+        # what was read (a loaded machine's last pass often ran past the grace: CI hit it)
+        found.answered = passes > 0 and isinstance(exc, TimeoutError)
     return found
 
 
