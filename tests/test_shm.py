@@ -391,3 +391,39 @@ async def test_start_closes_its_fd_server_when_publishing_its_record_fails() -> 
     with pytest.raises(DistStoreError):
         await SharedMemory.start(Broken(), 0, b"token", "host")
     assert not [t for t in asyncio.all_tasks() if t.get_name() == "aiodist shm fd server"]
+
+
+# -- all_gather's own part: in place, the list form's own entry, an input overlapping the output --
+
+
+async def test_all_gather_in_place_and_with_an_input_overlapping_the_output(shm_env: None) -> None:
+    """Through shared memory, in rounds (int64 parts of BIG: five rounds): an in-place
+    all_gather_into_tensor (the input is the output's own slice, which is then only copied into
+    the segment), the list form with ``tensor_list[rank] is tensor``, and an input that straddles
+    the output's slices (rank r's input starts half a part into slice r): that input is read
+    from a copy, or a round's output would overwrite bytes it has yet to send."""
+    n = BIG
+
+    def part(rank: int, salt: int) -> np.ndarray:
+        return np.arange(n, dtype=np.int64) * 3 + 1_000_000 * rank + salt
+
+    async def fn(rank: int) -> list[np.ndarray]:
+        inplace = np.full(2 * n, -1, np.int64)
+        inplace[rank * n : (rank + 1) * n] = part(rank, 1)
+        await dist.all_gather_into_tensor(inplace, inplace[rank * n : (rank + 1) * n])
+        mine = part(rank, 2)
+        lst = [mine if q == rank else np.full(n, -1, np.int64) for q in range(2)]
+        await dist.all_gather(lst, mine)
+        straddle = np.arange(2 * n + n // 2, dtype=np.int64) * 7 + 100 * rank
+        inp = straddle[rank * n + n // 2 : (rank + 1) * n + n // 2]
+        sent = inp.copy()
+        await dist.all_gather_into_tensor(straddle[: 2 * n], inp)
+        assert _shm().stats()["groups"] == [0]
+        return [inplace, *lst, straddle[: 2 * n], sent]
+
+    res = await run_world(2, fn, "gloo", timeout=30)
+    sent = [out[-1] for out in res]
+    for r, (inplace, l0, l1, straddle, _) in enumerate(res):
+        assert np.array_equal(inplace, np.concatenate([part(0, 1), part(1, 1)])), f"rank {r}: in place"
+        assert np.array_equal(l0, part(0, 2)) and np.array_equal(l1, part(1, 2)), f"rank {r}: the list form"
+        assert np.array_equal(straddle, np.concatenate(sent)), f"rank {r}: an input straddling the output's slices"

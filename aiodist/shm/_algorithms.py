@@ -12,8 +12,10 @@ Rules these keep:
   order, into its own buffer's slice r (its own input: no copy of it), copies the result into
   its slot and rings "out"; then every rank copies the other slices from their owners' slots.
   Each element is reduced by one rank and copied to the others: the same bits everywhere.
-- all_gather, per round: each rank copies its part into its slot, rings "in", and copies every
-  peer's part out.
+- all_gather, per round: each rank copies its part into its slot and, piece by piece in the same
+  pass (the piece is in cache for the second copy), into its own output slice; rings "in"; and
+  copies every peer's part out. A rank whose input is its own output slice (in place) copies it
+  into its slot only; an input overlapping the output otherwise is read from a copy of it.
 - No synchronous step is longer than one piece (``PIECE`` bytes) of a copy or a reduction: the
   loop runs other tasks between pieces (once a millisecond has passed since it last did).
 """
@@ -133,17 +135,34 @@ async def all_gather(p2p: P2P, g: GroupShm, outs: Sequence[np.ndarray], mine: np
     p, me = p2p.size, p2p.rank
     src = byte_view(mine)
     dsts = [byte_view(o, writable=True) for o in outs]
+    own = dsts[me]
+    in_place = _same_bytes(own, src)
+    if not in_place and any(np.may_share_memory(src, d) for d in dsts):
+        src = src.copy()  # a later round's output would overwrite input it has yet to send
     longest = max(d.nbytes for d in dsts)
     per = g.half
+    step = max(1, PIECE // 2)  # a step writes a piece twice: into the slot and the own slice
     pace = _Pacer()
     for k, lo in enumerate(range(0, longest, per)):
         slots = g.slots()
         part = src[lo : lo + per]
-        await _copy(slots[me][: part.size], part, pace)
+        slot = slots[me][: part.size]
+        if in_place:
+            await _copy(slot, part, pace)
+        else:
+            mine_out = own[lo : lo + per]
+            for a in range(0, part.size, step):
+                piece = part[a : a + step]
+                np.copyto(slot[a : a + step], piece)
+                np.copyto(mine_out[a : a + step], piece)  # from cache: the step above just read it
+                await pace.tick()
         await _doorbell(p2p, _IN * _PHASE + k)
         for q in range(p):
             if q != me:
                 d = dsts[q][lo : lo + per]
                 await _copy(d, slots[q][: d.size], pace)
-    if outs[me] is not mine:
-        await _copy(dsts[me], src, pace)
+
+
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """``a`` and ``b`` are the same bytes of memory (1-D byte views)."""
+    return a.nbytes == b.nbytes and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
