@@ -121,11 +121,12 @@ class Plan:
     """How the ranks of one side start. Sent to the rank processes as an argument; what they
     run comes row by row over their pipes."""
 
-    impl: str  # "aiodist" | "torch" | "mpi"
+    impl: str  # "aiodist" | "torch" | "mpi" | "before"
     nproc: int
     port: int
     timeout: float
     lag_probe: bool = False
+    tree: str | None = None  # "before": the older aiodist checkout its ranks import
 
 
 # ----------------------------------------------------------------------------- ranks
@@ -503,8 +504,9 @@ def mpirun_version() -> str:
     return first[0] if first else "unknown"
 
 
-class _MpiProc:
-    """What ``Side`` asks of a rank's process, answered for the one mpirun that runs them all."""
+class _PopenProc:
+    """What ``Side`` asks of a rank's process, answered for a ``subprocess.Popen`` (the MPI
+    side's one mpirun that runs them all, or one "before" rank)."""
 
     def __init__(self, popen: subprocess.Popen[bytes]) -> None:
         self.popen = popen
@@ -538,6 +540,53 @@ def _io_timeouts(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
+def _accept_ranks(
+    listener: socket.socket, key: bytes, impl: str, nproc: int, limit: float, died: Callable[[], str | None]
+) -> list[multiprocessing.connection.Connection]:
+    """Accept ``nproc`` ranks' connections on ``listener`` (each authenticates with ``key`` and
+    says ("hello", rank) first), within ``limit`` seconds; ``died()`` says why the run cannot
+    go on (a rank's launcher exited), None while it can. The connections, by rank."""
+    deadline = time.monotonic() + limit
+    by_rank: dict[int, multiprocessing.connection.Connection] = {}
+    while len(by_rank) < nproc:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise BenchError(f"{impl}: {nproc - len(by_rank)} rank(s) did not connect within {limit:g} s")
+        why = died()
+        if why is not None:
+            raise BenchError(f"{impl}: {why}")
+        listener.settimeout(min(left, 1.0))
+        try:
+            sock, _ = listener.accept()
+        except TimeoutError:
+            continue
+        # The handshake's reads and writes are bounded by the socket's own timeouts (a
+        # Connection needs a blocking fd, so no settimeout): one that connects and stalls
+        # is dropped after them, not waited on forever.
+        sock.setblocking(True)
+        _io_timeouts(sock, max(0.1, min(left, 30.0)))
+        conn = multiprocessing.connection.Connection(os.dup(sock.fileno()))
+        try:
+            multiprocessing.connection.deliver_challenge(conn, key)
+            multiprocessing.connection.answer_challenge(conn, key)
+            if not conn.poll(max(0.1, min(deadline - time.monotonic(), 30.0))):
+                raise EOFError
+            hello = conn.recv()
+            if hello[0] != "hello":
+                raise ValueError(hello[0])
+            rank = int(hello[1])
+            if not 0 <= rank < nproc or rank in by_rank:
+                raise ValueError(rank)
+        except (multiprocessing.AuthenticationError, EOFError, OSError, ValueError, TypeError, IndexError):
+            conn.close()  # not one of ours, stalled, or gone
+            continue
+        finally:
+            _io_timeouts(sock, 0.0)  # the rows that follow wait with poll(), bounded there
+            sock.close()
+        by_rank[rank] = conn
+    return [by_rank[r] for r in range(nproc)]
+
+
 class MpiSide(Side):
     """The MPI side: ``mpirun -np N python -m aiodist.bench._mpi_rank``; each rank connects back
     to the coordinator (an authenticated ``multiprocessing.connection``) and then speaks the
@@ -546,7 +595,7 @@ class MpiSide(Side):
     def __init__(self, plan: Plan) -> None:
         super().__init__(plan)
         self.mpirun: subprocess.Popen[bytes] | None = None
-        self._proc: _MpiProc | None = None
+        self._proc: _PopenProc | None = None
         self._listener: socket.socket | None = None
         self._key = os.urandom(16)
         self._out: Any = None  # mpirun's output (a temporary file), from start to kill
@@ -566,7 +615,7 @@ class MpiSide(Side):
         self.mpirun = subprocess.Popen(
             cmd, env=env, stdin=subprocess.DEVNULL, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True
         )
-        self._proc = _MpiProc(self.mpirun)
+        self._proc = _PopenProc(self.mpirun)
         self.procs = [self._proc] * self.plan.nproc  # type: ignore[list-item]
 
     def _output(self) -> str:
@@ -578,41 +627,14 @@ class MpiSide(Side):
     def wait_ready(self) -> None:
         """Accept every rank's connection (each says its rank first), then wait for "ready"."""
         assert self._listener is not None and self.mpirun is not None
-        limit = STARTUP + self.plan.timeout
-        deadline = time.monotonic() + limit
-        by_rank: dict[int, multiprocessing.connection.Connection] = {}
-        while len(by_rank) < self.plan.nproc:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise BenchError(f"mpi: {self.plan.nproc - len(by_rank)} rank(s) did not connect within {limit:g} s")
-            if self.mpirun.poll() is not None:
-                raise BenchError(f"mpi: mpirun exited ({self.mpirun.returncode}) before every rank connected:\n{self._output()}")
-            self._listener.settimeout(min(left, 1.0))
-            try:
-                sock, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            # The handshake's reads and writes are bounded by the socket's own timeouts (a
-            # Connection needs a blocking fd, so no settimeout): one that connects and stalls
-            # is dropped after them, not waited on forever.
-            sock.setblocking(True)
-            _io_timeouts(sock, max(0.1, min(left, 30.0)))
-            conn = multiprocessing.connection.Connection(os.dup(sock.fileno()))
-            try:
-                multiprocessing.connection.deliver_challenge(conn, self._key)
-                multiprocessing.connection.answer_challenge(conn, self._key)
-                if not conn.poll(max(0.1, min(deadline - time.monotonic(), 30.0))):
-                    raise EOFError
-                hello = conn.recv()
-                rank = int(hello[1])
-            except (multiprocessing.AuthenticationError, EOFError, OSError, ValueError, TypeError, IndexError):
-                conn.close()  # not one of ours, stalled, or gone
-                continue
-            finally:
-                _io_timeouts(sock, 0.0)  # the rows that follow wait with poll(), bounded there
-                sock.close()
-            by_rank[rank] = conn
-        self.conns = [by_rank[r] for r in range(self.plan.nproc)]
+        mpirun = self.mpirun
+
+        def died() -> str | None:
+            if mpirun.poll() is None:
+                return None
+            return f"mpirun exited ({mpirun.returncode}) before every rank connected:\n{self._output()}"
+
+        self.conns = _accept_ranks(self._listener, self._key, self.plan.impl, self.plan.nproc, STARTUP + self.plan.timeout, died)
         self._listener.close()
         super().wait_ready()
 
@@ -702,6 +724,151 @@ def mpi_rank_main() -> int:
     return 0 if reply[0] == "done" else 1
 
 
+# ----------------------------------------------------------------------------- an older aiodist ("before")
+
+BEFORE_ENV = "AIODIST_BENCH_BEFORE"  # host:port:authkey(hex) of the coordinator, for the before side's ranks
+BEFORE_RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_before_rank.py")
+_WHICH_AIODIST = "import aiodist, os; print(os.path.realpath(aiodist.__file__ or ''))"
+
+
+def _tree_env(tree: str) -> dict[str, str]:
+    """The environment of a process that must import aiodist from ``tree``: PYTHONPATH is that
+    tree alone (this tree's aiodist is installed editable, behind PYTHONPATH's entries)."""
+    return {**os.environ, "PYTHONPATH": tree}
+
+
+def before_unavailable(tree: str) -> str | None:
+    """Why ``--compare before=TREE`` cannot run (None: it can): TREE must be a folder whose
+    ``aiodist`` package imports, from TREE itself, in this Python."""
+    if not os.path.isdir(tree):
+        return f"{tree} is not a folder"
+    try:
+        # cwd=tree: with -c, the working folder comes first on sys.path (this one could be a newer checkout)
+        r = subprocess.run(
+            [sys.executable, "-c", _WHICH_AIODIST], cwd=tree, env=_tree_env(tree), capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"could not check it ({exc})"
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return f"no importable aiodist there (import aiodist with PYTHONPATH={tree} failed: {last})"
+    got, want = r.stdout.strip(), os.path.join(os.path.realpath(tree), "aiodist", "__init__.py")
+    if got != want:
+        return f"no aiodist package there: {want} does not exist (import aiodist with PYTHONPATH={tree} found {got})"
+    return None
+
+
+def tree_commit(tree: str) -> str:
+    """``tree``'s commit (git), with a note if its tracked files have changes; 'unknown' and why
+    when git cannot say."""
+    if shutil.which("git") is None:
+        return "unknown (git is not on PATH)"
+    try:
+        head = subprocess.run(["git", "-C", tree, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
+        if head.returncode != 0:
+            return "unknown (not a git checkout)"
+        dirty = subprocess.run(
+            ["git", "-C", tree, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"unknown ({exc})"
+    return head.stdout.strip()[:12] + (" + uncommitted changes" if dirty.stdout.strip() else "")
+
+
+class BeforeSide(Side):
+    """The "before" side: ``--nproc`` processes of ``python aiodist/bench/_before_rank.py`` (by
+    path; it imports nothing of this tree) with ``PYTHONPATH=<tree>``, so they run an older
+    aiodist through its public API. Each connects back to the coordinator like the MPI ranks,
+    then says which aiodist it imported ("ready"): a file outside the tree fails the run."""
+
+    def __init__(self, plan: Plan) -> None:
+        super().__init__(plan)
+        assert plan.tree is not None
+        self.tree = plan.tree
+        self.popens: list[subprocess.Popen[bytes]] = []
+        self._listener: socket.socket | None = None
+        self._key = os.urandom(16)
+        self._outs: list[Any] = []  # each rank's output (temporary files), read only when it fails
+        self.info: dict[str, Any] = {}
+
+    def start(self) -> None:
+        self._listener = socket.create_server((HOST, 0))
+        port = self._listener.getsockname()[1]
+        env = {**_tree_env(self.tree), BEFORE_ENV: f"{HOST}:{port}:{self._key.hex()}"}
+        for rank in range(self.plan.nproc):
+            out = tempfile.TemporaryFile()
+            self._outs.append(out)
+            args = [str(rank), str(self.plan.nproc), str(self.plan.port), repr(self.plan.timeout), self.tree]
+            self.popens.append(
+                subprocess.Popen(
+                    [sys.executable, BEFORE_RANK, *args],
+                    cwd=self.tree,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        self.procs = [_PopenProc(p) for p in self.popens]  # type: ignore[misc]
+
+    def _output(self, rank: int) -> str:
+        out = self._outs[rank]
+        out.seek(0)
+        return out.read().decode(errors="replace")[-4000:]
+
+    def wait_ready(self) -> None:
+        assert self._listener is not None
+
+        def died() -> str | None:
+            for r, p in enumerate(self.popens):
+                if p.poll() is not None:
+                    return f"rank {r} exited ({p.returncode}) before every rank connected:\n{self._output(r)}"
+            return None
+
+        self.conns = _accept_ranks(self._listener, self._key, "before", self.plan.nproc, STARTUP + self.plan.timeout, died)
+        self._listener.close()
+        infos = self._gather("ready", STARTUP + self.plan.timeout, "start-up")
+        want = os.path.join(os.path.realpath(self.tree), "aiodist", "__init__.py")
+        for r, info in enumerate(infos):
+            if info["file"] != want:
+                raise BenchError(f"before rank {r} imported aiodist from {info['file']}, not from {want}")
+            if info["outside"]:
+                raise BenchError(f"before rank {r} loaded aiodist modules from outside {self.tree}: {info['outside']}")
+        self.info = infos[0]
+
+    def stop(self) -> None:
+        try:
+            for c in self.conns:
+                c.send(("stop",))
+            self._gather("done", self.plan.timeout, "shut-down")
+            for p in self.popens:
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    pass
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        for p in self.popens:  # only our own processes, by handle
+            if p.poll() is None:
+                p.kill()
+                try:
+                    p.wait(5)
+                except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL of our own child
+                    pass
+        for proc in self.procs:
+            proc.close()  # type: ignore[attr-defined]
+        self.procs = []
+        if self._listener is not None:
+            self._listener.close()
+        for c in self.conns:
+            c.close()
+        for out in self._outs:
+            out.close()
+        self._outs = []
+
+
 IDLE_PROBE_SECONDS = 0.5  # how long the probe runs alone before the sweep
 
 
@@ -711,14 +878,17 @@ def run(args: argparse.Namespace, sz: tuple[int, ...]) -> tuple[dict[str, Result
     impls = ["aiodist", *args.impls]
     sides: dict[str, Side] = {}
     for i in impls:
-        plan = Plan(i, args.nproc, _free_port(), args.timeout, lag_probe=i == "aiodist" and args.lag_probe)
-        sides[i] = MpiSide(plan) if i == "mpi" else Side(plan)
+        plan = Plan(i, args.nproc, _free_port(), args.timeout, lag_probe=i == "aiodist" and args.lag_probe, tree=args.before)
+        sides[i] = MpiSide(plan) if i == "mpi" else BeforeSide(plan) if i == "before" else Side(plan)
     out: dict[str, Results] = {i: {op: {} for op in args.op_list} for i in impls}
     try:
         for side in sides.values():
             side.start()
         for side in sides.values():
             side.wait_ready()
+        if "before" in sides:
+            info = sides["before"].info  # type: ignore[attr-defined]
+            print(f"before: every rank imported {info['file']} (aiodist {info['version'] or 'version unknown'})", flush=True)
         idle = sides["aiodist"].idle_lags(IDLE_PROBE_SECONDS) if args.lag_probe else None
         k = 0
         for rnd in range(args.rounds):
@@ -834,7 +1004,7 @@ def _size(text: str) -> int:
     return int(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2).lower()]
 
 
-COMPARE = ("torch", "mpi")
+COMPARE = ("torch", "mpi", "before")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -856,7 +1026,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--compare",
         default="",
         help="comma-separated: torch (torch.distributed gloo), mpi (mpi4py over Open MPI's mpirun, shared memory; "
-        "skipped with a line saying why where mpirun or mpi4py is missing), on the same plan, with ratio columns",
+        "skipped with a line saying why where mpirun or mpi4py is missing), before=PATH (an older aiodist checkout, "
+        "e.g. git worktree add /tmp/aiodist-before COMMIT; its ranks import aiodist from PATH), on the same plan, with ratio columns",
     )
     p.add_argument(
         "--plot", metavar="FILE.png", help="draw busbw against size for every implementation (needs matplotlib: the 'plot' extra)"
@@ -867,9 +1038,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--verbose", action="store_true", help="print progress per size")
     args = p.parse_args(argv)
     wanted = [c.strip() for c in args.compare.split(",") if c.strip()]
-    bad = [c for c in wanted if c not in COMPARE]
+    trees = [c[len("before=") :] for c in wanted if c.startswith("before=") and len(c) > len("before=")]
+    wanted = ["before" if c.startswith("before=") and len(c) > len("before=") else c for c in wanted]
+    bad = [c for c in wanted if c not in COMPARE or c == "before" and not trees]  # bare "before": it needs its PATH
     if bad:
-        p.error(f"--compare: unknown {bad}; choose from {', '.join(COMPARE)}")
+        p.error(f"--compare: unknown {bad}; choose from torch, mpi, before=PATH")
+    if len(trees) > 1:
+        p.error("--compare: before=PATH given more than once")
+    args.before = os.path.abspath(os.path.expanduser(trees[0])) if trees else None
+    if args.before is not None:
+        why = before_unavailable(args.before)
+        if why:
+            p.error(f"--compare before={trees[0]}: refused: {why}")
     if "torch" in wanted and importlib.util.find_spec("torch") is None:
         p.error("--compare torch: torch is not installed")
     args.skipped = {}
@@ -909,6 +1089,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     for impl, why in args.skipped.items():
         print(f"{impl}: skipped: {why}", flush=True)
+    if args.before is not None:
+        commit = tree_commit(args.before)
+        print(f"before: {args.before}, commit {commit}", flush=True)
     try:
         results, idle = run(args, sz)
     except BenchError as exc:
@@ -933,6 +1116,11 @@ def main(argv: list[str] | None = None) -> int:
         notes.append("torch: torch.distributed gloo")
     if "mpi" in args.impls:
         notes.append(f"mpi: mpi4py over Open MPI (mpirun {' '.join(mpi_flags(args.nproc))})")
+    if "before" in args.impls:
+        notes.append(
+            f"before: the aiodist in {args.before} (commit {commit}), its 'gloo' backend on uvloop, through its public API only "
+            "(init_process_group, the collectives, barrier, destroy_process_group), same rows and checks (aiodist/bench/_before_rank.py)"
+        )
     if args.impls:
         notes.append("aiodist/X = time ratio (below 1: aiodist faster); every ratio is from this one run")
     if args.plot:
