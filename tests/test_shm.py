@@ -74,6 +74,7 @@ async def main():
     rank, n = dist.get_rank(), dist.get_world_size()
     os.environ["AIODIST_ALGO_ALLREDUCE_SHM_MIN"] = "-1"  # read when a group is made: this one is socket-only
     os.environ["AIODIST_ALGO_ALLGATHER_SHM_MIN"] = "-1"
+    os.environ["AIODIST_ALGO_ALLREDUCE_LANE_MAX"] = "0"
     sock = await dist.new_group(list(range(n)))
     rng = np.random.default_rng(1234 + rank)
     digests, same = {{}}, {{}}

@@ -69,6 +69,9 @@ class Thresholds:
     allreduce_shm_min: int = 256 * KiB
     #: all_gather through shared memory from this many bytes in total (the output); negative: never.
     allgather_shm_min: int = 256 * KiB
+    #: all_reduce through shared memory's latency lane (aiodist.shm._lane: no socket message when
+    #: the ranks arrive together) up to this many bytes (at most the lane's 16 KiB); 0: never.
+    allreduce_lane_max: int = 16 * KiB
 
     def __post_init__(self) -> None:
         if self.pipeline_piece < 1:
@@ -79,18 +82,20 @@ class Thresholds:
         """Every op on its small-message schedule, whatever the size (for tests and benchmarks);
         never shared memory."""
         huge = 1 << 62
-        return cls(huge, huge, huge, huge, huge, huge, pipeline_piece, -1, -1)
+        return cls(huge, huge, huge, huge, huge, huge, pipeline_piece, -1, -1, 0)
 
     @classmethod
     def bandwidth_bound(cls, pipeline_piece: int) -> Thresholds:
         """Every op on its pipelined (ring, chain, pairwise) schedule, in pieces of
         ``pipeline_piece`` bytes, whatever the size."""
-        return cls(-1, -1, 0, -1, -1, -1, pipeline_piece, -1, -1)
+        return cls(-1, -1, 0, -1, -1, -1, pipeline_piece, -1, -1, 0)
 
     @classmethod
     def halving(cls, pipeline_piece: int) -> Thresholds:
         """all_reduce on recursive halving/doubling at every size; the others as by default."""
-        return cls(allreduce_rd_max=-1, allreduce_ring_min=1 << 62, pipeline_piece=pipeline_piece, allreduce_shm_min=-1)
+        return cls(
+            allreduce_rd_max=-1, allreduce_ring_min=1 << 62, pipeline_piece=pipeline_piece, allreduce_shm_min=-1, allreduce_lane_max=0
+        )
 
     def piece_elems(self, itemsize: int) -> int:
         """Pipelining piece in elements of ``itemsize`` bytes (at least one)."""
@@ -109,6 +114,10 @@ class Thresholds:
     def all_reduce_shm(self, nbytes: int) -> bool:
         """all_reduce of ``nbytes`` goes through shared memory where the group can."""
         return 0 <= self.allreduce_shm_min <= nbytes
+
+    def all_reduce_lane(self, nbytes: int) -> bool:
+        """all_reduce of ``nbytes`` goes through shared memory's latency lane where the group has one."""
+        return 0 < nbytes <= self.allreduce_lane_max and not self.all_reduce_shm(nbytes)
 
     def all_gather_shm(self, total_nbytes: int) -> bool:
         """all_gather of ``total_nbytes`` (every rank's part) goes through shared memory where the group can."""

@@ -196,7 +196,8 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
         rop, combine = _reduction(op, b.dtype_name, "all_reduce")
         flat, name = b.flat, b.dtype_name
         described = describe_call("all_reduce", _meta(tensor=_t(b), op=_opname(rop)))
-        shm = pg.thresholds.all_reduce_shm(flat.nbytes)
+        # 1: the shared-memory schedule, 2: its latency lane (small ops), 0: neither
+        shm = 1 if pg.thresholds.all_reduce_shm(flat.nbytes) else 2 if pg.thresholds.all_reduce_lane(flat.nbytes) else 0
         plain = rop.op is not _PREMUL and rop.op is not _AVG  # nothing to do before or after the exchanges
         if type(tensor) is np.ndarray and type(op) is _KIND:
             _keep(pg, (_ALL_REDUCE, op, tensor.dtype, tensor.shape), (rop, combine, name, described, shm, plain))
@@ -211,7 +212,7 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
 
         async def body(p2p: P2P) -> None:
             _premultiply(flat, rop, dtype=name)
-            if ticket is None or not await run_all_reduce(ticket, p2p, flat, combine):
+            if ticket is None or not await run_all_reduce(ticket, p2p, flat, combine, shm == 2):
                 await alg.all_reduce(p2p, flat, combine, thresholds=th)
             _finalize(flat, rop, n, dtype=name)
 

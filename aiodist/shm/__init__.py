@@ -12,20 +12,25 @@ from collections.abc import Sequence
 import numpy as np
 
 from aiodist.algorithms.p2p import P2P
-from aiodist.shm import _algorithms
+from aiodist.shm import _algorithms, _lane
 from aiodist.shm._manager import DEFAULT_BYTES, ENV_BYTES, GroupShm, SharedMemory, Ticket, segment_bytes
 
 __all__ = ["SharedMemory", "Ticket", "GroupShm", "ENV_BYTES", "DEFAULT_BYTES", "segment_bytes", "run_all_reduce", "run_all_gather"]
 
 
-async def run_all_reduce(ticket: Ticket, p2p: P2P, flat: np.ndarray, combine: _algorithms.Combine) -> bool:
+async def run_all_reduce(ticket: Ticket, p2p: P2P, flat: np.ndarray, combine: _algorithms.Combine, lane: bool = False) -> bool:
     """all_reduce ``flat`` through shared memory in this op's turn; False (nothing done) where
-    the group uses the socket path."""
+    the group uses the socket path. ``lane``: a small op, for the latency lane (aiodist.shm._lane),
+    or the socket path where the group has no lane."""
     try:
         g = await ticket.acquire(p2p)
         if g is None:
             return False
-        if flat.size:
+        if lane:
+            if not _lane.fits(g, flat.nbytes):
+                return False
+            await _lane.all_reduce(ticket.shm, p2p, g, flat, combine)
+        elif flat.size:
             await _algorithms.all_reduce(p2p, g, flat, combine)
         return True
     finally:

@@ -29,6 +29,7 @@ import asyncio
 import json
 import logging
 import os
+import platform
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -56,6 +57,27 @@ _ALIGN = 64
 _SIZE = re.compile(r"\s*(\d+)\s*([kmg]?)(?:i?b)?\s*", re.IGNORECASE)
 _UNIT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 _LATENCY = Thresholds.latency_bound()
+ENV_SPIN = "AIODIST_SHM_SPIN_US"
+DEFAULT_SPIN_US = 500
+#: the lane relies on x86-TSO (stores seen in program order, loads in order) for its flags
+_TSO = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def spin_seconds(env: dict[str, str] | None = None) -> float:
+    """How long a lane wait spins, yielding its core at every turn (``os.sched_yield``: a peer
+    that shares the core runs at once), before it sleeps on the doorbell:
+    ``AIODIST_SHM_SPIN_US``, default 500 us; 0 never spins. Waking a sleeping peer is what a
+    small op costs between processes (the waker's eventfd write or socket send took 300-400 us
+    on the 2-core VM this was measured on), so a short spin pays where the ranks arrive
+    together; a peer later than that costs one spin and then a sleep."""
+    raw = (os.environ if env is None else env).get(ENV_SPIN, "").strip()
+    try:
+        us = float(raw) if raw else DEFAULT_SPIN_US
+    except ValueError:
+        raise ValueError(f"{ENV_SPIN}={raw!r}: expected microseconds, such as 500 (0: never spin)") from None
+    if not 0 <= us < float("inf"):
+        raise ValueError(f"{ENV_SPIN}={raw!r}: expected a finite number of microseconds >= 0")
+    return us * 1e-6
 
 
 def segment_bytes(env: dict[str, str] | None = None) -> int:
@@ -73,17 +95,46 @@ def segment_bytes(env: dict[str, str] | None = None) -> int:
     return value
 
 
+#: the latency lane (aiodist.shm._lane) at the start of every segment: a rank's "sleeping" word,
+#: then two slots of a 64-byte header (flag, digest, nbytes) and ``LANE_MAX`` payload bytes
+LANE_MAX = 16 << 10
+LANE_SLOT = 64 + LANE_MAX
+LANE_BYTES = (64 + 2 * LANE_SLOT + 4095) // 4096 * 4096
+
+
 @dataclass
 class GroupShm:
-    """A group's agreed shared memory: every member's segment by group rank, mapped here."""
+    """A group's agreed shared memory: every member's segment by group rank, mapped here.
+    Where the smallest segment has room (``lane``), each starts with the latency lane
+    (``LANE_BYTES``) and the two halves follow it."""
 
     segments: list[Segment]
     half: int  # bytes of one half of the smallest segment (64-byte aligned): one round's slot
+    lane: bool = False
+    bells: list[int] = field(default_factory=list)  # every member's doorbell fd (-1: none)
+    spin_s: float = 0.0  # how long the lane spins before it waits for a doorbell
     views: list[np.ndarray] = field(default_factory=list)
     rounds: int = 0  # rounds ever run on this group: round c uses half c % 2 of every segment
+    lane_ops: int = 0  # lane ops ever run on this group: op k uses lane slot k % 2
+    lane_sleeps: int = 0  # lane waits that slept on the doorbell
+    lane_lost: int = 0  # ... that the recheck timer woke with every flag already there (a lost ring)
+    # the lane's words and payloads of every member: sleeping[q], heads[q][s] (flag, digest,
+    # nbytes), bodies[q][s]
+    sleeping: list[np.ndarray] = field(default_factory=list)
+    heads: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    bodies: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.views = [s.view for s in self.segments]  # type: ignore[misc]
+        base = LANE_BYTES if self.lane else 0
+        whole = [s.view for s in self.segments]
+        self.views = [v[base:] for v in whole]  # type: ignore[index]
+        if self.lane:
+            for v in whole:
+                assert v is not None
+                self.sleeping.append(v[:8].view(np.int64))
+                at = (64, 64 + LANE_SLOT)
+                self.heads.append((v[at[0] : at[0] + 24].view(np.int64), v[at[1] : at[1] + 24].view(np.int64)))
+                self.bodies.append((v[at[0] + 64 : at[0] + LANE_SLOT], v[at[1] + 64 : at[1] + LANE_SLOT]))
 
     def slots(self) -> list[np.ndarray]:
         """The next round's slot (a half) of every member's segment, in group-rank order."""
@@ -128,6 +179,10 @@ class Ticket:
         turns.issued += 1
         self._done = False
 
+    @property
+    def shm(self) -> SharedMemory:
+        return self._shm
+
     def release(self, *_: Any) -> None:
         """Pass the turn on (idempotent; also a Work's done callback)."""
         if not self._done:
@@ -171,6 +226,8 @@ class SharedMemory:
         self._records: dict[int, dict[str, Any]] = {}
         self._host_id = ""
         self._closed = False
+        self.bell = -1  # this rank's doorbell (an eventfd; aiodist.shm._lane), -1 where off
+        self._bell_waiters: list[asyncio.Future[bool]] = []
 
     @classmethod
     async def start(cls, store: Store, rank: int, token: bytes, host_id: str) -> SharedMemory:
@@ -183,10 +240,14 @@ class SharedMemory:
         self._host_id = host_id
         if off is None:
             try:
-                self.server = FdServer(token, rank, self._segment_for)
+                if _TSO and hasattr(os, "eventfd"):
+                    self.bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                    asyncio.get_running_loop().add_reader(self.bell, self._rung)
+                self.server = FdServer(token, rank, self._segment_for, self.bell)
                 self.server.start()
             except OSError as exc:
                 self.off = f"no fd server socket ({exc})"
+                self._close_bell()
         if self.off is not None:
             log.info("rank %d: shared memory off (%s): same-host peers use the socket", rank, self.off)
             record: dict[str, Any] = {"off": self.off, "host_id": host_id}
@@ -199,6 +260,41 @@ class SharedMemory:
             await self.close()
             raise
         return self
+
+    def _rung(self) -> None:
+        """The doorbell's reader: wake every lane wait (each checks its own flags)."""
+        try:
+            os.eventfd_read(self.bell)
+        except (BlockingIOError, OSError):
+            pass
+        waiters, self._bell_waiters = self._bell_waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(True)
+
+    async def doorbell(self, at_most: float) -> bool:
+        """Wait until this rank's doorbell rings (True) or ``at_most`` seconds pass (False)."""
+        loop = asyncio.get_running_loop()
+        w: asyncio.Future[bool] = loop.create_future()
+        self._bell_waiters.append(w)
+        h = loop.call_later(at_most, _wake, w, False)
+        try:
+            return await w
+        finally:
+            h.cancel()
+
+    def _close_bell(self) -> None:
+        if self.bell >= 0:
+            try:
+                asyncio.get_running_loop().remove_reader(self.bell)
+            except RuntimeError:  # no running loop (closed from elsewhere): the fd goes all the same
+                pass
+            os.close(self.bell)
+            self.bell = -1
+        for w in self._bell_waiters:
+            if not w.done():
+                w.set_result(True)
+        self._bell_waiters = []
 
     def ticket(self, group_id: int, ranks: Sequence[int]) -> Ticket | None:
         """A place in line for a shared-memory op of this group, or None where the group is
@@ -254,10 +350,11 @@ class SharedMemory:
             rec = self._records[rank] = json.loads(await self.store.get(f"{_KEY}{rank}"))
         return rec
 
-    async def _map_all(self, group_id: int, ranks: tuple[int, ...]) -> GroupShm:
+    async def _map_all(self, group_id: int, ranks: tuple[int, ...], p2p: Any = None) -> GroupShm:
         """Every member's segment for the group, mapped here (this rank's own made if need be)."""
-        recs = await asyncio.gather(*(self._record(r) for r in ranks if r != self.rank))
-        for r, rec in zip((r for r in ranks if r != self.rank), recs, strict=True):
+        peers = [r for r in ranks if r != self.rank]
+        recs = await asyncio.gather(*(self._record(r) for r in peers))
+        for r, rec in zip(peers, recs, strict=True):
             if "off" in rec:
                 raise ValueError(f"rank {r} has it off ({rec['off']})")
             if rec.get("host_id") != self._host_id:
@@ -266,7 +363,11 @@ class SharedMemory:
             raise ValueError(self.off or "closed")
         own = self._own_segment(group_id)
         fetched = await asyncio.gather(
-            *(fetch(bytes.fromhex(rec["name"]).decode(), self.token, group_id) for rec in recs), return_exceptions=True
+            *(
+                _waited_on(p2p, ranks.index(r), fetch(bytes.fromhex(rec["name"]).decode(), self.token, group_id))
+                for r, rec in zip(peers, recs, strict=True)
+            ),
+            return_exceptions=True,
         )
         segs = [s for s in fetched if isinstance(s, Segment)]
         self._mapped.setdefault(group_id, []).extend(segs)
@@ -275,8 +376,15 @@ class SharedMemory:
             raise errors[0]  # type: ignore[misc]
         it = iter(segs)
         by_rank = [own if r == self.rank else next(it) for r in ranks]
-        half = min(s.size for s in by_rank) // 2 // _ALIGN * _ALIGN
-        return GroupShm(by_rank, half)
+        smallest = min(s.size for s in by_rank)
+        # the lane: where every segment has room for it and every peer has a doorbell (the
+        # same for every rank: the same segments, the same records)
+        lane = _TSO and self.bell >= 0 and smallest >= 4 * LANE_BYTES and all(s.bell >= 0 for s in segs)
+        half = (smallest - (LANE_BYTES if lane else 0)) // 2 // _ALIGN * _ALIGN
+        bells = [self.bell if r == self.rank else s.bell for r, s in zip(ranks, by_rank, strict=True)]
+        pids = {os.getpid(), *(rec.get("pid") for rec in recs)}
+        spin = spin_seconds() if len(pids) == len(ranks) else 0.0  # ranks sharing a process (and loop) never spin
+        return GroupShm(by_rank, half, lane=lane, bells=bells, spin_s=spin)
 
     async def agree(self, key: tuple[int, tuple[int, ...]], p2p: P2P) -> GroupShm | None:
         """Map the group's segments here and agree with its ranks whether all could; the group's
@@ -287,7 +395,7 @@ class SharedMemory:
         if why is None:
             try:
                 async with asyncio.timeout(_SETUP_S):
-                    state = await self._map_all(group_id, ranks)
+                    state = await self._map_all(group_id, ranks, p2p)
             except Exception as exc:  # whatever went wrong, this rank votes (CancelledError goes through)
                 why = str(exc) if type(exc) is ValueError else f"{type(exc).__name__}: {exc}"
                 state = None
@@ -335,12 +443,17 @@ class SharedMemory:
             await self.server.close()
         for group_id in {*self._own, *self._mapped, *self._arrived}:
             self._drop(group_id)
+        self._close_bell()
 
     def stats(self) -> dict[str, Any]:
         return {
             "off": self.off,
             "segment_bytes": self.size,
             "groups": sorted(k[0] for k, t in self._turns.items() if t.state is not None),
+            "lane_groups": sorted(k[0] for k, t in self._turns.items() if t.state is not None and t.state.lane),
+            "lane_ops": sum(t.state.lane_ops for t in self._turns.values() if t.state is not None),
+            "lane_sleeps": sum(t.state.lane_sleeps for t in self._turns.values() if t.state is not None),
+            "lane_lost_wakeups": sum(t.state.lane_lost for t in self._turns.values() if t.state is not None),
             "own_segments": len(self._own),
             "mapped_segments": sum(len(m) for m in self._mapped.values()),
         }
@@ -351,6 +464,30 @@ def _cancel(t: _Turns) -> None:
     for w in t.waiters.values():
         if not w.done():
             w.cancel()
+
+
+async def _waited_on(p2p: Any, peer: int, aw: Any) -> Any:
+    """Await ``aw``, a wait on group rank ``peer`` (a fetch its fd server answers once that rank
+    has the op in line), counted in the op's tracker where it has one: a timeout then names
+    the rank that never came, as for a receive."""
+    counter = getattr(p2p, "waiting_recv", None)
+    if counter is None:
+        return await aw
+    counter[peer] = counter.get(peer, 0) + 1
+    try:
+        got = await aw
+    except (asyncio.CancelledError, TimeoutError):
+        raise  # still counted: the timeout message reads what was pending when it fired
+    except BaseException:
+        counter[peer] -= 1
+        raise
+    counter[peer] -= 1
+    return got
+
+
+def _wake(w: asyncio.Future[bool], value: bool) -> None:
+    if not w.done():
+        w.set_result(value)
 
 
 def _min(dst: np.ndarray, src: np.ndarray) -> None:

@@ -8,8 +8,8 @@ Rules this module keeps:
 - The fd server listens on an abstract Unix socket (named from the job, the rank, the pid and a
   random nonce, like the transport's; abstract names live per network namespace and vanish
   with their socket). It answers one request per connection: the job token's hash and a group
-  id in; that group's segment fd (SCM_RIGHTS) and its size out. A peer with another uid or
-  another token gets nothing.
+  id in; that group's segment fd and the rank's doorbell (an eventfd) out (SCM_RIGHTS), with the
+  segment's size. A peer with another uid or another token gets nothing.
 - Every wait here is bounded by the caller's deadline (``fetch`` takes one); the server's
   per-connection work never suspends on a peer for longer than ``_SERVE_S``.
 """
@@ -43,12 +43,15 @@ def token_digest(token: bytes) -> bytes:
 
 
 class Segment:
-    """One mapped memfd: ``view`` is the whole segment as a flat uint8 array."""
+    """One mapped memfd: ``view`` is the whole segment as a flat uint8 array. A peer's segment
+    also holds the peer's doorbell (``bell``, an eventfd: writing 1 wakes the peer's loop), -1
+    where it has none."""
 
-    __slots__ = ("fd", "size", "_mm", "view")
+    __slots__ = ("fd", "size", "_mm", "view", "bell")
 
-    def __init__(self, fd: int, size: int, *, own_fd: bool) -> None:
+    def __init__(self, fd: int, size: int, *, own_fd: bool, bell: int = -1) -> None:
         self.size = size
+        self.bell = bell
         self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.view: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint8)
         # the creator keeps its fd (to hand it out); a peer's fd is closed once mapped
@@ -77,13 +80,17 @@ class Segment:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self.bell >= 0:
+            os.close(self.bell)
+            self.bell = -1
 
 
 class FdServer:
     """Serves this rank's segments' fds to same-host peers of the same job."""
 
-    def __init__(self, token: bytes, rank: int, segment_for: Any) -> None:
+    def __init__(self, token: bytes, rank: int, segment_for: Any, bell: int = -1) -> None:
         self._digest = token_digest(token)
+        self._bell = bell  # this rank's doorbell, handed out with every segment (-1: none)
         self._segment_for = segment_for  # async: group id -> Segment, or None (see SharedMemory._segment_for)
         job = hashlib.sha256(token).hexdigest()[:16]
         self.name = f"\0aiodist-shm-{job}-{rank}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -131,10 +138,11 @@ class FdServer:
                     log.warning("shm fd server: refused a request with another job's token")
                     return
                 seg = await self._segment_for(group)
+                reply: dict[str, Any]
                 if seg is None:
                     reply, fds = {"error": f"no shared memory for group {group} on this rank"}, []
                 else:
-                    reply, fds = {"size": seg.size}, [seg.fd]
+                    reply, fds = {"size": seg.size, "bell": self._bell >= 0}, [seg.fd, *([self._bell] if self._bell >= 0 else [])]
                 # a fresh connection's send buffer is empty: this small message goes at once
                 socket.send_fds(conn, [json.dumps(reply).encode()], fds)
             except (OSError, TimeoutError, ValueError, struct.error) as exc:
@@ -169,15 +177,18 @@ async def fetch(name: str, token: bytes, group: int) -> Segment:
             await ready
         finally:
             loop.remove_reader(sock.fileno())
-        msg, fds, _flags, _addr = socket.recv_fds(sock, _MAX_REPLY, 1)
+        msg, fds, _flags, _addr = socket.recv_fds(sock, _MAX_REPLY, 2)
     try:
         reply = json.loads(msg) if msg else {"error": "the peer closed the connection"}
-        if "error" in reply or len(fds) != 1:
+        if "error" in reply or len(fds) != 1 + bool(reply.get("bell")):
             raise ValueError(str(reply.get("error", f"{len(fds)} fds in the reply")))
         size = int(reply["size"])
         if os.fstat(fds[0]).st_size < size:
             raise ValueError(f"the peer's segment is smaller than it says ({size} bytes)")
-        return Segment(fds[0], size, own_fd=False)
+        seg = Segment(fds[0], size, own_fd=False)
+        if len(fds) == 2:
+            seg.bell = fds[1]
+        return seg
     except BaseException:
         for fd in fds:
             try:

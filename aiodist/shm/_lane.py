@@ -1,0 +1,165 @@
+"""The latency lane: small all_reduces through the first bytes of every member's segment, with
+no message on any socket when the group's ranks arrive together.
+
+Why: between processes on one host, what a small op costs is not the bytes but the wake-ups: a
+rank asleep in epoll that a peer's message wakes (on a VM, tens to hundreds of microseconds
+each). The lane has a rank write its input where its peers read it and watch their flags,
+spinning a little while (``GroupShm.spin_s``) before it sleeps on its doorbell.
+
+Layout (``aiodist.shm._manager``: ``LANE_BYTES`` at the start of every member's segment):
+``sleeping`` (int64: the flag value this rank is asleep waiting for), then two slots, each a
+64-byte head (flag, digest, nbytes: int64) and ``LANE_MAX`` payload bytes.
+
+Rules this module keeps:
+- A group's k-th lane op uses slot k % 2 of every member. A rank writes its slot for op k only
+  after it saw every peer's flag of op k - 1, which each peer wrote only after it had read every
+  slot of op k - 2 (the same slot): two slots need no "done reading" flag. Lane ops run in the
+  group's shared-memory line (tickets), one at a time, in issue order.
+- A rank writes the payload, then the digest and size, then the flag (the op's sequence number
+  + 1, so flags only grow). x86-TSO keeps stores in program order and loads in program order,
+  so a reader that sees the flag sees the payload (the lane is used only on x86-64:
+  ``_manager._TSO``).
+- A waiter that stops spinning publishes ``sleeping = flag``, fences, and checks the flags again
+  before it sleeps; a writer fences after its flag and rings every peer whose ``sleeping`` is
+  that flag. The fences (a lock's acquire and release: locked instructions on x86) make it
+  Dekker's protocol: at least one of the two sees the other's store, so a wait is never lost.
+  A ring nobody needed is a spurious wake-up: the waiter checks its flags and sleeps again.
+- A sleeping rank wakes at least every ``_RECHECK_S`` and asks the transport whether a peer it
+  waits for died or left, or the group was aborted (a peer's desync, a failed op elsewhere):
+  then it raises that error. The op's timeout and ``break_group`` cancel it as any op.
+- Every rank checks each peer's digest and size against its own (the always-on desync check of
+  aiodist._digest, which no frame carries here) and reduces every slot in rank order: the
+  same bits on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from aiodist._message import byte_view
+from aiodist.errors import DistBackendError
+from aiodist.shm._manager import GroupShm, SharedMemory
+
+__all__ = ["all_reduce", "fits"]
+
+Combine = Callable[[np.ndarray, np.ndarray], None]
+
+_RECHECK_S = 0.01  # a sleeping lane wait looks at the transport (dead peer, abort) this often
+_FENCE = threading.Lock()
+
+
+def _fence() -> None:
+    """A full memory barrier (see the module docstring): a lock's acquire and release each
+    execute a locked instruction."""
+    _FENCE.acquire()
+    _FENCE.release()
+
+
+def fits(g: GroupShm, nbytes: int) -> bool:
+    """Whether an op of ``nbytes`` fits the group's lane (the same answer on every rank)."""
+    return g.lane and 0 < nbytes <= g.bodies[0][0].size
+
+
+def _channel(p2p: Any) -> Any:
+    """The op's transport Channel under the body's P2P wrappers (the tracker, a sub-channel)."""
+    ch = p2p
+    while not hasattr(ch, "transport"):
+        ch = ch.inner
+    return ch
+
+
+async def all_reduce(shm: SharedMemory, p2p: Any, g: GroupShm, flat: np.ndarray, combine: Combine) -> None:
+    """``flat`` reduced across the group in place, through the lane (see the module docstring)."""
+    ch = _channel(p2p)
+    me, p = p2p.rank, p2p.size
+    target = ch.seq + 1
+    s = g.lane_ops & 1
+    g.lane_ops += 1
+    n = flat.nbytes
+    mine = byte_view(flat)
+    head = g.heads[me][s]
+    np.copyto(g.bodies[me][s][:n], mine)
+    head[1] = ch.digest
+    head[2] = n
+    head[0] = target
+    _fence()
+    sleeping = g.sleeping
+    for q in range(p):
+        if q != me and sleeping[q][0] == target:
+            os.eventfd_write(g.bells[q], 1)
+    heads = [h[s] for h in g.heads]
+    missing = [q for q in range(p) if q != me and heads[q][0] != target]
+    if missing:
+        await _wait(shm, p2p, ch, g, heads, missing, target)
+    digest = ch.digest
+    for q in range(p):
+        if q != me:
+            h = heads[q]
+            if digest and h[1] and h[1] != digest:
+                _desync(ch, q, int(h[1]))
+            if h[2] != n:
+                raise DistBackendError(
+                    f"all_reduce of group {ch.group_id}, seq {ch.seq}: rank {ch.ranks[q]} passed {int(h[2])} bytes, "
+                    f"rank {ch.ranks[me]} {n} (every rank must pass the same shape and dtype)"
+                )
+    dt = flat.dtype
+    np.copyto(mine, g.bodies[0][s][:n])
+    for r in range(1, p):
+        combine(flat, g.bodies[r][s][:n].view(dt))
+
+
+async def _wait(shm: SharedMemory, p2p: Any, ch: Any, g: GroupShm, heads: list[np.ndarray], missing: list[int], target: int) -> None:
+    """Until every peer in ``missing`` has written ``target``: spin, then sleep on the doorbell."""
+    end = time.perf_counter() + g.spin_s
+    while True:
+        missing = [q for q in missing if heads[q][0] != target]
+        if not missing or time.perf_counter() >= end:
+            break
+        os.sched_yield()  # a peer that shares this core runs now, not at the end of a time slice
+    if not missing:
+        return
+    counter = getattr(p2p, "waiting_recv", None)  # the tracker: a timeout names whom it waited on
+    counted = list(missing)
+    if counter is not None:
+        for q in counted:
+            counter[q] = counter.get(q, 0) + 1
+    own = g.sleeping[p2p.rank]
+    transport = ch.transport
+    key = (ch.group_id, ch.seq, 0)
+    g.lane_sleeps += 1
+    rung = True
+    while True:
+        own[0] = target
+        _fence()
+        missing = [q for q in missing if heads[q][0] != target]
+        if not missing:
+            if not rung:  # every flag was there, and no ring came for the last of them
+                g.lane_lost += 1
+            break
+        for q in missing:
+            transport._check_usable(key, ch.ranks[q])  # a dead or departed peer, an aborted group: its error
+        rung = await shm.doorbell(_RECHECK_S)
+    if counter is not None:
+        heard = getattr(p2p, "_heard", None)
+        now = time.time()
+        for q in counted:
+            counter[q] -= 1
+            if heard is not None:
+                heard[q] = now
+
+
+def _desync(ch: Any, q: int, theirs: int) -> None:
+    """A peer's digest differs: the transport's desync (it aborts the group on every rank, with
+    aiodist._digest's sentence), then that abort's error here."""
+    t = ch.transport
+    mine = t._digests.get((ch.group_id, ch.seq))
+    if mine is not None:
+        t._desync(ch.group_id, ch.seq, mine, ch.ranks[q], theirs)
+        raise t._abort_error((ch.group_id, ch.seq, 0))
+    raise DistBackendError(f"all_reduce of group {ch.group_id}, seq {ch.seq}: rank {ch.ranks[q]} called another op (digest {theirs:#x})")
