@@ -259,6 +259,39 @@ def test_a_killed_peer_fails_the_lane_wait_within_seconds(tmp_path: Path) -> Non
     assert "rank 1" in line, line
 
 
+BARRIER = (
+    HEAD
+    + r"""
+async def main():
+    await dist.init_process_group("gloo", timeout=30)
+    rank = dist.get_rank()
+    await dist.barrier()
+    entered = []
+    for i in range(3):
+        if i == rank:
+            await asyncio.sleep(0.4)  # the last to enter barrier i
+        entered.append(time.time())
+        await dist.barrier()
+        entered.append(time.time())
+    stats = dist.group.WORLD.backend.stats()["shm"]
+    await dist.destroy_process_group()
+    print(json.dumps({{"t": entered, "shm": stats}}))
+
+asyncio.run(main())
+"""
+)
+
+
+def test_barrier_goes_through_the_lane_and_waits_for_the_last_rank(tmp_path: Path) -> None:
+    res = _run(tmp_path, BARRIER.format(root=str(ROOT)), 3)
+    for i in range(3):
+        last_in = max(out["t"][2 * i] for out in res)
+        for r, out in enumerate(res):
+            assert out["t"][2 * i + 1] >= last_in, f"rank {r} left barrier {i} before rank {i} entered it"
+    for out in res:
+        assert out["shm"]["lane_ops"] == 4, out["shm"]
+
+
 def test_spin_setting_is_checked() -> None:
     assert shm_manager.spin_seconds({}) == shm_manager.DEFAULT_SPIN_US * 1e-6
     assert shm_manager.spin_seconds({"AIODIST_SHM_SPIN_US": "0"}) == 0.0

@@ -79,8 +79,8 @@ class AioBackend(CommBackend):
     async def connect(self) -> None:
         await self.transport.connect()
 
-    async def abort_group(self, group_id: int, reason: str) -> None:
-        await self.transport.abort(group_id, reason)
+    async def abort_group(self, group_id: int, reason: str, ranks: Sequence[int] = ()) -> None:
+        await self.transport.abort(group_id, reason, ranks)
 
     async def release_group(self, group_id: int) -> None:
         if self.shm is not None:

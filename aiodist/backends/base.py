@@ -80,9 +80,10 @@ class CommBackend(abc.ABC):
         """Make the connections to every peer now (``init_process_group(device_id=...)``'s eager
         mode); backends without connections do nothing."""
 
-    async def abort_group(self, group_id: int, reason: str) -> None:  # noqa: B027 - optional
+    async def abort_group(self, group_id: int, reason: str, ranks: Sequence[int] = ()) -> None:  # noqa: B027 - optional
         """Tell the peers that ``group_id`` is broken, so their pending ops on it fail now rather
-        than at their timeouts. Called once, when an op of the group fails on this rank."""
+        than at their timeouts. Called once, when an op of the group fails on this rank.
+        ``ranks``: the group's global ranks, every one of which should hear of it."""
 
     async def release_group(self, group_id: int) -> None:  # noqa: B027 - optional
         """``group_id`` is destroyed on this rank (its ops have all ended): release what the

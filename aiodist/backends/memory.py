@@ -95,7 +95,7 @@ class MemoryBackend(CommBackend):
             raise ValueError(f"rank {self.rank} opened a channel of group {group_id} it is not a member of ({list(global_ranks)})")
         return self.hub.channel(self.rank, group_id, seq, global_ranks)
 
-    async def abort_group(self, group_id: int, reason: str) -> None:
+    async def abort_group(self, group_id: int, reason: str, ranks: Sequence[int] = ()) -> None:
         self.hub.abort(group_id, reason)
 
     async def p2p_send(self, group_id: int, dst: int, buf: np.ndarray, tag: int) -> None:

@@ -634,6 +634,6 @@ def break_group(
 
 async def _tell_peers(pg: ProcessGroup, reason: str) -> None:
     try:
-        await pg.backend.abort_group(pg.group_id, f"{pg.describe()} broke on rank {pg.backend.rank}: {reason}")
+        await pg.backend.abort_group(pg.group_id, f"{pg.describe()} broke on rank {pg.backend.rank}: {reason}", pg.ranks)
     except Exception as exc:  # best effort: the peers still have their own timeouts
         log.warning("rank %d: could not tell peers that %s broke: %s", pg.backend.rank, pg.describe(), exc)

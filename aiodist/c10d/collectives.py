@@ -33,7 +33,7 @@ from aiodist.c10d.process_group import describe_call
 from aiodist.c10d.work import Work
 from aiodist.c10d.world import _CURRENT, default_group
 from aiodist.errors import DistTimeoutError
-from aiodist.shm import Ticket, run_all_gather, run_all_reduce
+from aiodist.shm import Ticket, run_all_gather, run_all_reduce, run_barrier
 from aiodist.types import Buffer, ReduceOp, ReduceOpLike, check_reduce, combiner, finalize, premultiply, to_reduce_op
 
 __all__ = [
@@ -551,10 +551,13 @@ async def barrier(group: GroupArg = None, async_op: bool = False, device_ids: An
     if pg.host_refusal is not None and pg.devices:  # no CPU backend ("nccl" alone): a device barrier
         return await issue_on_device(next(iter(pg.devices.values())), pg, "barrier", {"device_ids": device_ids}, asy)
 
-    async def body(p2p: P2P) -> None:
-        await alg.barrier(p2p)
+    ticket = _shm_ticket(pg, pg.thresholds.all_reduce_lane(1))  # same-host ranks: the latency lane
 
-    return await _finish(pg.issue("barrier", body, [], meta=_NO_META), asy)
+    async def body(p2p: P2P) -> None:
+        if ticket is None or not await run_barrier(ticket, p2p):
+            await alg.barrier(p2p)
+
+    return await _finish(_issue_with(pg, ticket, "barrier", body, [], meta=_NO_META), asy)
 
 
 # -- coalesced ops ----------------------------------------------------------------------------

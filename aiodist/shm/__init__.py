@@ -15,7 +15,17 @@ from aiodist.algorithms.p2p import P2P
 from aiodist.shm import _algorithms, _lane
 from aiodist.shm._manager import DEFAULT_BYTES, ENV_BYTES, GroupShm, SharedMemory, Ticket, segment_bytes
 
-__all__ = ["SharedMemory", "Ticket", "GroupShm", "ENV_BYTES", "DEFAULT_BYTES", "segment_bytes", "run_all_reduce", "run_all_gather"]
+__all__ = [
+    "SharedMemory",
+    "Ticket",
+    "GroupShm",
+    "ENV_BYTES",
+    "DEFAULT_BYTES",
+    "segment_bytes",
+    "run_all_reduce",
+    "run_all_gather",
+    "run_barrier",
+]
 
 
 async def run_all_reduce(ticket: Ticket, p2p: P2P, flat: np.ndarray, combine: _algorithms.Combine, lane: bool = False) -> bool:
@@ -32,6 +42,23 @@ async def run_all_reduce(ticket: Ticket, p2p: P2P, flat: np.ndarray, combine: _a
             await _lane.all_reduce(ticket.shm, p2p, g, flat, combine)
         elif flat.size:
             await _algorithms.all_reduce(p2p, g, flat, combine)
+        return True
+    finally:
+        ticket.release()
+
+
+def _arrive(dst: np.ndarray, src: np.ndarray) -> None:
+    """A barrier's "reduction": arriving is all it needs."""
+
+
+async def run_barrier(ticket: Ticket, p2p: P2P) -> bool:
+    """A barrier through the latency lane in this op's turn (a one-byte lane op whose result
+    nobody reads); False (nothing done) where the group has no lane."""
+    try:
+        g = await ticket.acquire(p2p)
+        if g is None or not _lane.fits(g, 1):
+            return False
+        await _lane.all_reduce(ticket.shm, p2p, g, np.zeros(1, np.uint8), _arrive)
         return True
     finally:
         ticket.release()

@@ -44,7 +44,7 @@ import numpy as np
 
 from aiodist._message import byte_view
 from aiodist.errors import DistBackendError
-from aiodist.shm._manager import GroupShm, SharedMemory
+from aiodist.shm._manager import GroupShm, SharedMemory, channel_of, check_peer
 
 __all__ = ["all_reduce", "fits"]
 
@@ -66,17 +66,9 @@ def fits(g: GroupShm, nbytes: int) -> bool:
     return g.lane and 0 < nbytes <= g.bodies[0][0].size
 
 
-def _channel(p2p: Any) -> Any:
-    """The op's transport Channel under the body's P2P wrappers (the tracker, a sub-channel)."""
-    ch = p2p
-    while not hasattr(ch, "transport"):
-        ch = ch.inner
-    return ch
-
-
 async def all_reduce(shm: SharedMemory, p2p: Any, g: GroupShm, flat: np.ndarray, combine: Combine) -> None:
     """``flat`` reduced across the group in place, through the lane (see the module docstring)."""
-    ch = _channel(p2p)
+    ch = channel_of(p2p)
     me, p = p2p.rank, p2p.size
     target = ch.seq + 1
     s = g.lane_ops & 1
@@ -130,8 +122,6 @@ async def _wait(shm: SharedMemory, p2p: Any, ch: Any, g: GroupShm, heads: list[n
         for q in counted:
             counter[q] = counter.get(q, 0) + 1
     own = g.sleeping[p2p.rank]
-    transport = ch.transport
-    key = (ch.group_id, ch.seq, 0)
     g.lane_sleeps += 1
     rung = True
     while True:
@@ -143,7 +133,7 @@ async def _wait(shm: SharedMemory, p2p: Any, ch: Any, g: GroupShm, heads: list[n
                 g.lane_lost += 1
             break
         for q in missing:
-            transport._check_usable(key, ch.ranks[q])  # a dead or departed peer, an aborted group: its error
+            check_peer(ch, q)  # a dead or departed peer, an aborted group: its error
         rung = await shm.doorbell(_RECHECK_S)
     if counter is not None:
         heard = getattr(p2p, "_heard", None)

@@ -466,23 +466,59 @@ def _cancel(t: _Turns) -> None:
             w.cancel()
 
 
+_WATCH_S = 0.01  # a wait on a peer outside the transport (a fetch) looks at the transport this often
+
+
+def channel_of(p2p: Any) -> Any:
+    """The op's transport Channel under the body's P2P wrappers (the tracker, a sub-op), or None."""
+    ch = p2p
+    while ch is not None and not hasattr(ch, "transport"):
+        ch = getattr(ch, "inner", None) or getattr(ch, "_p2p", None)
+    return ch
+
+
+def check_peer(ch: Any, peer: int) -> None:
+    """Raise the transport's error where group rank ``peer`` died or left, or the op's group
+    was aborted (a peer's ABORT, a desync): what a receive from that peer would raise."""
+    if ch is not None:
+        ch.transport._check_usable((ch.group_id, ch.seq, 0), ch.ranks[peer])
+
+
 async def _waited_on(p2p: Any, peer: int, aw: Any) -> Any:
     """Await ``aw``, a wait on group rank ``peer`` (a fetch its fd server answers once that rank
-    has the op in line), counted in the op's tracker where it has one: a timeout then names
-    the rank that never came, as for a receive."""
+    has the op in line), as a receive from it would: counted in the op's tracker where it has
+    one (a timeout names the rank that never came), and failed with the transport's error once
+    that peer dies or the group is aborted (checked every ``_WATCH_S``)."""
+    ch = channel_of(p2p)
     counter = getattr(p2p, "waiting_recv", None)
-    if counter is None:
-        return await aw
-    counter[peer] = counter.get(peer, 0) + 1
+    if counter is not None:
+        counter[peer] = counter.get(peer, 0) + 1
+    task = asyncio.ensure_future(aw)
     try:
-        got = await aw
+        while True:
+            done, _ = await asyncio.wait((task,), timeout=_WATCH_S)
+            if done:
+                got = task.result()
+                break
+            check_peer(ch, peer)
     except (asyncio.CancelledError, TimeoutError):
         raise  # still counted: the timeout message reads what was pending when it fired
     except BaseException:
-        counter[peer] -= 1
+        if counter is not None:
+            counter[peer] -= 1
         raise
-    counter[peer] -= 1
+    finally:
+        if not task.done():
+            task.cancel()
+            task.add_done_callback(_retrieve)
+    if counter is not None:
+        counter[peer] -= 1
     return got
+
+
+def _retrieve(t: asyncio.Future[Any]) -> None:
+    if not t.cancelled():
+        t.exception()
 
 
 def _wake(w: asyncio.Future[bool], value: bool) -> None:

@@ -75,6 +75,7 @@ log = logging.getLogger("aiodist.transport")
 
 _CLOSE_WAIT = 2.0  # seconds close() waits for connections to finish closing
 _DIAL_GRACE = 0.05  # seconds a waiting receive gives its peer to connect before dialing it
+_ABORT_DIAL_S = 5.0  # abort: how long a dial to a peer not yet connected may take
 _DIGESTS_KEPT = 4096  # per group: a collective digest is kept until its op is this many seqs old
 _NOWAIT_MAX_BYTES = 64 * 1024  # send_nowait only tries messages this small (the kernel takes them at once)
 _CONNECT_ATTEMPT_S = 5.0  # one connect attempt's deadline (a dropped SYN would otherwise wait minutes)
@@ -574,10 +575,24 @@ class Transport:
                 f"rank {self.rank}: connecting to ranks {todo} did not complete in {self.timeout:g} s{self.connection_report(todo)}"
             ) from None
 
-    async def abort(self, group_id: int, reason: str) -> None:
+    async def abort(self, group_id: int, reason: str, ranks: Sequence[int] = ()) -> None:
         """Tell every connected peer that ``group_id`` is dead, and fail its local pending and
-        later ops with ``DistBackendError(reason)``."""
+        later ops with ``DistBackendError(reason)``. Each of ``ranks`` (the group's) that this
+        rank has no connection to is dialed and told too, within ``_ABORT_DIAL_S``: ranks whose
+        ops met only through shared memory never needed a socket (aiodist.shm's lane)."""
         self._abort_now(group_id, reason)
+        todo = [r for r in ranks if r != self.rank and r not in self._send_conn and r not in self._dead]
+        if todo and not self._closed:
+            frame = abort_frame(self.rank, group_id, 0, reason)
+
+            async def tell(peer: int) -> None:
+                async with asyncio.timeout(_ABORT_DIAL_S):
+                    conn = await self._connection(peer)
+                conn.write_control(frame)
+
+            for peer, res in zip(todo, await asyncio.gather(*(tell(p) for p in todo), return_exceptions=True), strict=True):
+                if isinstance(res, BaseException):
+                    log.debug("rank %d: could not tell rank %d that group %d was aborted: %s", self.rank, peer, group_id, res)
 
     def _abort_now(self, group_id: int, reason: str) -> None:
         """``abort``'s work, which does not suspend (a frame's handler calls it too)."""
