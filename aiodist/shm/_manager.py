@@ -324,7 +324,10 @@ class SharedMemory:
     def _own_segment(self, group_id: int) -> Segment:
         seg = self._own.get(group_id)
         if seg is None:
-            seg = self._own[group_id] = Segment.create(f"aiodist-shm-g{group_id}-r{self.rank}", self.size)
+            # the latency lane comes on top of AIODIST_SHM_BYTES: the halves keep their size
+            # (a 16 MiB all_reduce is still one round of the default 32 MiB)
+            extra = LANE_BYTES if self.bell >= 0 else 0
+            seg = self._own[group_id] = Segment.create(f"aiodist-shm-g{group_id}-r{self.rank}", self.size + extra)
         return seg
 
     async def _segment_for(self, group_id: int) -> Segment | None:
