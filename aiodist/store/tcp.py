@@ -27,13 +27,15 @@ import ipaddress
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Generator, Sequence
+from collections.abc import Awaitable, Coroutine, Generator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from aiodist import _startup
+from aiodist._pending import communicating
 from aiodist._time import TimeoutLike, within
 from aiodist.errors import DistNetworkError, DistStoreError, QueueEmptyError, StoreTimeoutError
 from aiodist.store.base import (
@@ -53,6 +55,7 @@ from aiodist.store.base import (
 from aiodist.store.server import INIT_KEY, ListenError, ServerThread, TCPStoreServer, init_rank_key, local_socket_name
 from aiodist.wire.store import (
     CHECK_READY,
+    QUICK,
     STOP_WAITING,
     Limits,
     Op,
@@ -72,12 +75,14 @@ _U32 = ((Reply.U32, 0),)
 _I64 = ((Reply.I64, 0),)
 _BYTES = ((Reply.BYTES, 0),)
 _CHECK_GET = ((Reply.U8, 0), (Reply.BYTES, 0))
+_QUICK_I64, _QUICK_CHECK_GET = QUICK[_I64], QUICK[_CHECK_GET]
 _MAX_IDLE_WAITERS = 8
 _CONNECT_ATTEMPT_S = 5.0  # one connect attempt's deadline
 _DIAGNOSIS_S = 0.1  # how long a timed-out wait may take to learn which keys are missing
 
 log = logging.getLogger("aiodist.store")
 T = TypeVar("T")
+_get_running_loop = asyncio._get_running_loop
 
 
 class _Lost(Exception):
@@ -108,6 +113,7 @@ class _Pending(NamedTuple):
     seconds: float | None
     op: str
     arg: object
+    quick: Any  # the group's decoder for ReplyParser.feed_group, or None
 
 
 _new_pending = tuple.__new__
@@ -138,16 +144,21 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         parser, pending = self.parser, self.pending
         try:
-            parser.feed(data)
-            while pending:
-                head = pending[0]
-                values = parser.next_group(head.replies)
-                if values is None:
-                    return
+            if not pending:
+                parser.feed(data)  # bytes with no reply owed: feed raises
+                return
+            head = pending[0]
+            # The usual chunk is exactly the replies of the one group in flight: read in place.
+            values = parser.feed_group(data, head.replies, head.quick)
+            while values is not None:
                 pending.popleft()
                 if not head.fut.done():
                     head.fut.set_result(values)
-            parser.next_reply()  # nothing is owed now: a byte past the last reply raises
+                if not pending:
+                    parser.next_reply()  # nothing is owed now: a byte past the last reply raises
+                    return
+                head = pending[0]
+                values = parser.next_group(head.replies)
         except ProtocolError as exc:
             self._fail(_BadPeer(f"protocol error from the server: {exc}"))
             assert self.transport is not None
@@ -216,17 +227,26 @@ class _Connection(asyncio.Protocol):
         return self.error is None and self.transport is not None and not self.transport.is_closing()
 
     def send(
-        self, payload: bytes, shapes: tuple[tuple[Reply, int], ...], timeout: float | None, op: str = "request", arg: object = None
-    ) -> asyncio.Future[list[Any]]:
-        """Write one request group (``op(arg)``, as errors name it); a future of its replies.
-        With ``timeout``, the connection is closed if they are not all in by then: the group
-        fails with ``_NoReply``, every other one in flight with ``_Dropped``. A caller that
-        stops waiting earlier cancels the future; its replies are then read and dropped."""
+        self,
+        payload: bytes,
+        shapes: tuple[tuple[Reply, int], ...],
+        timeout: float | None,
+        op: str = "request",
+        arg: object = None,
+        fut: asyncio.Future[Any] | None = None,
+        quick: Any = None,
+    ) -> asyncio.Future[Any]:
+        """Write one request group (``op(arg)``, as errors name it); a future of its replies
+        (``fut`` when given: a ``_Call``, which makes the call's value of them). With
+        ``timeout``, the connection is closed if they are not all in by then: the group fails
+        with ``_NoReply``, every other one in flight with ``_Dropped``. A caller that stops
+        waiting earlier cancels the future; its replies are then read and dropped."""
         if self.error is not None:
             raise self.error
         assert self.transport is not None
         self.parser.expect_each(shapes)
-        fut = self.loop.create_future()
+        if fut is None:
+            fut = self.loop.create_future()
         if timeout is None:
             deadline = None
         else:
@@ -234,7 +254,7 @@ class _Connection(asyncio.Protocol):
             timer = self._timer
             if timer is None or timer.when() > deadline:  # (the hot path: a timer due earlier is armed)
                 self._arm(deadline)
-        self.pending.append(_new_pending(_Pending, (fut, len(shapes), deadline, timeout, op, arg)))
+        self.pending.append(_new_pending(_Pending, (fut, len(shapes), deadline, timeout, op, arg, quick)))
         self.transport.write(payload)
         return fut
 
@@ -255,6 +275,135 @@ class _Connection(asyncio.Protocol):
     def kind(self) -> str:
         sock = self.transport.get_extra_info("socket") if self.transport is not None else None
         return "unix" if sock is not None and sock.family == socket.AF_UNIX else "tcp"
+
+
+_future_await = asyncio.Future.__await__
+_future_result = asyncio.Future.set_result
+_future_exception = asyncio.Future.set_exception
+_future_add_done_callback = asyncio.Future.add_done_callback
+
+
+class _Call(asyncio.Future, Coroutine):  # type: ignore[type-arg]
+    """What ``get`` and ``add`` return while the main connection is up: the request is already
+    sent, and this future is the call itself. The connection resolves it as any request's
+    future, with the group's replies (``set_result``) or why it broke (``set_exception``), and
+    the subclass turns those into the call's value or error, or hands what is left (a missing
+    key's WAIT, a read's retry on a new connection) to a task that resolves it later. So
+    ``await store.add(k, 1)`` resumes no Python frame when the reply comes: the cost of one op
+    at a time is one loop pass (issue 15). Everywhere else it is a ``Pending``, as the other
+    calls' handles (``aiodist._pending``): a Coroutine (``create_task``, ``gather``,
+    ``wait_for`` take it), ``wait()`` and ``is_completed()``, and an ERROR that names the
+    line of a call dropped without an ``await`` (the request is sent anyway)."""
+
+    __slots__ = ("_store", "_arg", "_payload", "_deadline", "_site", "_used", "_it", "_task")
+    _op = "call"
+    _store: TCPStore
+    _arg: Any  # what errors name: get's key, add's (key, amount)
+    _payload: bytes  # get's request, for what is left of it
+    _deadline: float  # get's, time.monotonic(): the whole call ends by then
+    _site: tuple[str, int]  # where it was called, for a dropped call's ERROR
+    _used: bool  # awaited (or waited on, or run as a task)
+    _it: Any  # the future's iterator, when a task runs this as its coroutine
+    _task: asyncio.Task[Any]  # the task finishing the call, if any
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        self._used = True
+        return _future_await(self)
+
+    def add_done_callback(self, fn: Any, *, context: Any = None) -> None:
+        # What gather, wait_for, shield and asyncio.wait do with a future instead of awaiting it.
+        self._used = True
+        _future_add_done_callback(self, fn, context=context)
+
+    def _then(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Finish the call in a task running ``coro`` (cancelled with this future)."""
+        self._task = task = self.get_loop().create_task(coro)
+        task.add_done_callback(self._finished)
+        _future_add_done_callback(self, _cancel_task)
+
+    def _finished(self, task: asyncio.Task[Any]) -> None:
+        if self.done():
+            if not task.cancelled():
+                task.exception()  # retrieved: the call was cancelled, nobody wants it
+            return
+        if task.cancelled():
+            self.cancel()
+        elif (exc := task.exception()) is not None:
+            _future_exception(self, exc)
+        else:
+            _future_result(self, task.result())
+
+    def set_exception(self, exc: Any) -> None:  # the connection broke under the request
+        store = self._store
+        _future_exception(self, store._failure(exc, self._op, self._arg, store._timeout_s))
+
+    # the Coroutine protocol, for create_task
+    def send(self, value: Any) -> Any:
+        if self._it is None:
+            self._used = True
+            self._it = _future_await(self)
+        return self._it.send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        if self._it is None:
+            self._used = True
+            self._it = _future_await(self)
+        return self._it.throw(typ if val is None else val)
+
+    def close(self) -> None:
+        self._used = True
+        if self._it is not None:
+            self._it.close()
+
+    # torch's Work methods, as Pending's
+    async def wait(self, timeout: Any = None) -> bool:
+        await self
+        return True
+
+    def is_completed(self) -> bool:
+        self._used = True
+        return self.done()
+
+    def __del__(self) -> None:
+        if not self._used:
+            try:
+                file, line = self._site
+                op, state = f"store.{self._op}", "the op was started when called; nothing waits for it"
+                log.error("%s(...) called at %s:%d was never awaited: %s. Write `await %s(...)`.", op, file, line, state, op)
+            except Exception:  # pragma: no cover - interpreter shutdown
+                pass
+        super().__del__()  # the Future's own: an error nobody retrieved is logged
+
+
+def _cancel_task(call: asyncio.Future[Any]) -> None:
+    task = call._task  # type: ignore[attr-defined]
+    if call.cancelled() and not task.done():
+        task.cancel()
+
+
+class _AddCall(_Call):
+    __slots__ = ()
+    _op = "add"
+
+    def set_result(self, values: Any) -> None:
+        _future_result(self, values[0])
+
+
+class _GetCall(_Call):
+    __slots__ = ()
+    _op = "get"
+
+    def set_result(self, values: Any) -> None:
+        if values[0] == CHECK_READY:
+            _future_result(self, values[1])
+        else:  # not there yet: WAIT for it, then read it again
+            self._then(self._store._get_rest(self._arg, self._payload, self._deadline, False))
+
+    def set_exception(self, exc: Any) -> None:
+        if isinstance(exc, _Lost) and not isinstance(exc, _NoReply) and time.monotonic() < self._deadline:
+            self._then(self._store._get_rest(self._arg, self._payload, self._deadline, True))  # a read: retried
+        else:
+            super().set_exception(exc)
 
 
 _NO_ARG: Any = object()
@@ -712,15 +861,19 @@ class TCPStore(Store):
         arg: object = _NO_ARG,
         repeatable: bool = True,
         timeout: float | None = None,
+        *,
+        retry_by: float | None = None,
     ) -> list[Any]:
         """Send on the main connection; the replies. The call ends within its ``timeout`` (the
         store's by default), reconnects and the retry included. A broken connection is retried
         once for ``repeatable`` requests, else it is a DistStoreError naming the call
-        (``op(arg)``, formatted only when it fails: this is the hot path)."""
+        (``op(arg)``, formatted only when it fails: this is the hot path). ``retry_by`` (a
+        ``time.monotonic()`` deadline): this is that retry, of a call whose first try (a
+        ``_Call``'s) broke; it ends by then."""
         self._counts["requests"] += 1
         seconds = self._timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + seconds
-        for attempt in (0, 1):
+        deadline = time.monotonic() + seconds if retry_by is None else retry_by
+        for attempt in (0, 1) if retry_by is None else (1,):
             conn = self._main
             if conn is None or conn.error is not None or conn.loop is not asyncio.get_running_loop():
                 conn = await self._main_conn(deadline)
@@ -739,24 +892,29 @@ class TCPStore(Store):
                 if conn.paused:
                     await within(conn.drain(), left)
                 return await within(fut, deadline - time.monotonic())
-            except (_NoReply, TimeoutError):
-                raise StoreTimeoutError(
-                    f"{self._describe()}: {_what(op, arg)}: no reply from the server within {seconds:g} s (request timeout)"
-                ) from None
-            except _Lost as exc:
-                if repeatable and attempt == 0 and time.monotonic() < deadline:
+            except (_Lost, TimeoutError) as exc:
+                if repeatable and attempt == 0 and not isinstance(exc, (_NoReply, TimeoutError)) and time.monotonic() < deadline:
                     continue  # no time left for a retry: say why the first try failed, not "could not connect in 0 s"
-                if isinstance(exc, _Dropped):
-                    raise DistStoreError(
-                        f"{self._describe()}: {_what(op, arg)} failed: {exc}. Whether it took effect is unknown; the next call reconnects."
-                    ) from None
-                raise DistStoreError(
-                    f"{self._describe()}: {_what(op, arg)} failed: {exc}. Whether it took effect is unknown. "
-                    f"A TCPStore server closes a connection when it refuses any request on it (add on a key "
-                    f"holding a non-integer, a key or value over its limits), which also fails the other "
-                    f"requests in flight on this store object; the next call reconnects."
-                ) from None
+                raise self._failure(exc, op, arg, seconds) from None
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _failure(self, exc: Exception, op: str, arg: object, seconds: float) -> Exception:
+        """The error a call ``op(arg)`` fails with when its request broke with ``exc`` (a
+        ``_Lost`` from the connection, or the TimeoutError of its own deadline)."""
+        if isinstance(exc, (_NoReply, TimeoutError)):
+            return StoreTimeoutError(
+                f"{self._describe()}: {_what(op, arg)}: no reply from the server within {seconds:g} s (request timeout)"
+            )
+        if isinstance(exc, _Dropped):
+            return DistStoreError(
+                f"{self._describe()}: {_what(op, arg)} failed: {exc}. Whether it took effect is unknown; the next call reconnects."
+            )
+        return DistStoreError(
+            f"{self._describe()}: {_what(op, arg)} failed: {exc}. Whether it took effect is unknown. "
+            f"A TCPStore server closes a connection when it refuses any request on it (add on a key "
+            f"holding a non-integer, a key or value over its limits), which also fails the other "
+            f"requests in flight on this store object; the next call reconnects."
+        )
 
     async def _wait_keys(self, keys: list[bytes], deadline: float, what: str, timeout_s: float) -> None:
         """WAIT on a waiter connection until ``keys`` all exist or ``deadline`` (``time.monotonic()``)
@@ -825,20 +983,73 @@ class TCPStore(Store):
         k = _wire_key(key)
         await self._request(encode_set_ping(k, to_value(value)), _U32, "set", key, repeatable=False)
 
-    async def get(self, key: str) -> bytes:
+    # get and add: a ``_Call`` sent on the main connection when it is up on the running loop
+    # (the hot path, written out: every op at a time passes here), else the call as a
+    # coroutine (it reconnects, or runs when a loop runs it) made a ``Pending``, as any other.
+
+    def get(self, key: str) -> Awaitable[bytes]:  # type: ignore[override]
+        if type(key) is not str:
+            check_key(key)
+        loop, conn = _get_running_loop(), self._main
+        if loop is None or conn is None or conn.error is not None or conn.loop is not loop or conn.paused:
+            return self._get(key)  # type: ignore[no-any-return]
+        payload = encode_check_get(b"/" + key.encode())
+        call = _GetCall(loop=loop)
+        f = sys._getframe(1)
+        call._store, call._arg, call._payload, call._used, call._it = self, key, payload, False, None
+        call._site = (f.f_code.co_filename, f.f_lineno)
+        seconds = self._timeout_s
+        call._deadline = time.monotonic() + seconds
+        self._counts["requests"] += 1
+        conn.send(payload, _CHECK_GET, seconds, "get", key, call, _QUICK_CHECK_GET)
+        return call
+
+    def add(self, key: str, amount: int) -> Awaitable[int]:  # type: ignore[override]
+        if type(key) is not str:
+            check_key(key)
+        if type(amount) is not int or not -(2**63) <= amount < 2**63:
+            amount = to_amount(amount)
+        loop, conn = _get_running_loop(), self._main
+        if loop is None or conn is None or conn.error is not None or conn.loop is not loop or conn.paused:
+            return self._add(key, amount)  # type: ignore[no-any-return]
+        call = _AddCall(loop=loop)
+        f = sys._getframe(1)
+        arg = (key, amount)
+        call._store, call._arg, call._used, call._it = self, arg, False, None
+        call._site = (f.f_code.co_filename, f.f_lineno)
+        self._counts["requests"] += 1
+        conn.send(encode_add(b"/" + key.encode(), amount), _I64, self._timeout_s, "add", arg, call, _QUICK_I64)
+        return call
+
+    async def _get_rest(self, key: str, payload: bytes, deadline: float, retry: bool) -> bytes:
+        """What is left of a ``get`` whose first CHECK+GET found no key (``retry`` False) or
+        broke with its connection (True: it is read again on a new one, once)."""
         k = _wire_key(key)
-        payload = encode_check_get(k)
-        deadline = time.monotonic() + self._timeout_s
+        if retry:
+            ready, value = await self._request(payload, _CHECK_GET, "get", key, retry_by=deadline)
+            if ready == CHECK_READY:
+                return value  # type: ignore[no-any-return]
         while True:
+            await self._wait_keys([k], deadline, f"get({key!r})", self._timeout_s)
             ready, value = await self._request(payload, _CHECK_GET, "get", key)
             if ready == CHECK_READY:
                 return value  # type: ignore[no-any-return]
-            await self._wait_keys([k], deadline, f"get({key!r})", self._timeout_s)
 
-    async def add(self, key: str, amount: int) -> int:
-        k, n = _wire_key(key), to_amount(amount)
-        (v,) = await self._request(encode_add(k, n), _I64, "add", (key, n), repeatable=False)
+    async def _get_slow(self, key: str) -> bytes:
+        k = _wire_key(key)
+        payload = encode_check_get(k)
+        deadline = time.monotonic() + self._timeout_s
+        ready, value = await self._request(payload, _CHECK_GET, "get", key)
+        if ready == CHECK_READY:
+            return value  # type: ignore[no-any-return]
+        return await self._get_rest(key, payload, deadline, False)
+
+    async def _add_slow(self, key: str, amount: int) -> int:
+        (v,) = await self._request(encode_add(_wire_key(key), amount), _I64, "add", (key, amount), repeatable=False)
         return v  # type: ignore[no-any-return]
+
+    _get = communicating(_get_slow, "store.get")
+    _add = communicating(_add_slow, "store.add")
 
     async def compare_set(self, key: str, expected_value: ValueLike, desired_value: ValueLike) -> bytes:
         k = _wire_key(key)

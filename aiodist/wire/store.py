@@ -21,7 +21,7 @@ import struct
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 __all__ = [
     "MAGIC",
@@ -32,6 +32,7 @@ __all__ = [
     "ProtocolError",
     "RequestParser",
     "ReplyParser",
+    "QUICK",
     "quick_request",
     "encode_request",
     "encode",
@@ -552,6 +553,25 @@ _WHOLE: dict[Reply, Callable[[bytearray, int, int], tuple[object, int] | None]] 
 }
 
 
+def _quick_i64(data: bytes) -> tuple[int] | None:
+    return _I64.unpack(data) if len(data) == 8 else None  # type: ignore[return-value]
+
+
+def _quick_u8_bytes(data: bytes) -> tuple[int, bytes] | None:
+    if len(data) >= 9 and len(data) == 9 + _U64.unpack_from(data, 1)[0]:
+        return data[0], data[9:]
+    return None
+
+
+# Decoders of a whole reply group from a chunk that holds exactly it (None for any other
+# chunk), by the group's shapes: what ``ReplyParser.feed_group`` takes as ``quick``. The
+# client's hot calls: ADD's one i64, and a get's CHECK and GET.
+QUICK: dict[tuple[tuple[Reply, int], ...], Callable[[bytes], Any]] = {
+    ((Reply.I64, 0),): _quick_i64,
+    ((Reply.U8, 0), (Reply.BYTES, 0)): _quick_u8_bytes,
+}
+
+
 class ReplyParser:
     """Client side: ``expect(shape)`` for each request sent, in order; ``feed`` bytes;
     ``next_reply()`` returns each decoded reply in that order (None until complete).
@@ -575,6 +595,7 @@ class ReplyParser:
         self._dead: ProtocolError | None = None
         self._group: list[object] = []  # the replies of a group that ``next_group`` has so far
         self._max_value = self.limits.max_value_bytes
+        self.expect_each = self._expected.extend  # type: ignore[method-assign,assignment] # the method, bound in C: called per request
 
     @property
     def pending(self) -> int:
@@ -626,6 +647,42 @@ class ReplyParser:
         except ProtocolError as exc:
             raise self._die(exc)  # noqa: B904 - the parser's own error, raised as is
         return None
+
+    def feed_group(self, data: bytes, n: int, quick: Callable[[bytes], Any] | None = None) -> Any:
+        """``feed(data)`` then ``next_group(n)``, for a chunk that holds the next ``n`` replies
+        and nothing else while nothing is buffered (a client's one request in flight): those are
+        read from ``data`` in place, never copied into the buffer; by ``quick`` when given (one
+        of ``QUICK``'s decoders, of this group's shapes: None unless the chunk is exactly its
+        replies). Any other chunk is fed and read as those two calls would, with the same
+        replies and errors."""
+        if self._st.buf or self._gen is not None or self._group or self._dead is not None:
+            self.feed(data)
+            return self.next_group(n)
+        expected = self._expected
+        if quick is not None and len(data) <= self._max_value:  # (a value over the limit: the slow path refuses it)
+            got = quick(data)
+            if got is not None:
+                for _ in range(n):
+                    expected.popleft()
+                return got  # type: ignore[no-any-return]
+        limit, pos = self._max_value, 0
+        values: list[object] = []
+        try:
+            for i in range(n):
+                whole = _WHOLE.get(expected[i][0])
+                one = whole(data, pos, limit) if whole is not None else None  # type: ignore[arg-type]
+                if one is None:
+                    break
+                values.append(one[0])
+                pos = one[1]
+        except ProtocolError:
+            values = []  # the slow path raises it, and kills the parser
+        if len(values) == n and pos == len(data):
+            for _ in values:
+                expected.popleft()
+            return values
+        self.feed(data)
+        return self.next_group(n)
 
     def next_group(self, n: int) -> list[object] | None:
         """The next ``n`` replies (``n`` <= ``pending``) as a list, once the last of them is
