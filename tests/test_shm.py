@@ -74,7 +74,7 @@ async def main():
     rank, n = dist.get_rank(), dist.get_world_size()
     os.environ["AIODIST_ALGO_ALLREDUCE_SHM_MIN"] = "-1"  # read when a group is made: this one is socket-only
     os.environ["AIODIST_ALGO_ALLGATHER_SHM_MIN"] = "-1"
-    os.environ["AIODIST_ALGO_ALLREDUCE_LANE_MAX"] = "0"
+    os.environ["AIODIST_ALGO_LANE_MAX"] = "0"
     sock = await dist.new_group(list(range(n)))
     rng = np.random.default_rng(1234 + rank)
     digests, same = {{}}, {{}}
@@ -201,7 +201,7 @@ async def test_ops_in_flight_take_their_turns_in_issue_order(shm_env: None) -> N
 
     async def fn(rank: int) -> list[np.ndarray]:
         xs = [np.full(BIG + i, rank + 1 + 10 * i, np.float32) for i in range(3)]
-        y = np.full(5, rank + 7.0)
+        y = np.full(5000, rank + 7.0)  # 40 KB: over the latency lane's 16 KiB, so a socket-path broadcast
         works = [await dist.all_reduce(x, async_op=True) for x in xs[:2]]
         works.append(await dist.broadcast(y, src=1, async_op=True))
         works.append(await dist.all_reduce(xs[2], async_op=True))
@@ -214,7 +214,7 @@ async def test_ops_in_flight_take_their_turns_in_issue_order(shm_env: None) -> N
     for out in await run_world(2, fn, "gloo", timeout=30):
         for i in range(3):
             assert np.array_equal(out[i], np.full(BIG + i, 3 + 20 * i, np.float32)), (i, out[i][:4])
-        assert np.array_equal(out[3], np.full(5, 8.0))
+        assert np.array_equal(out[3], np.full(5000, 8.0))
     assert _memfds() == (0, 0)
 
 

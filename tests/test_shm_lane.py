@@ -44,7 +44,7 @@ SAME = (
 async def main():
     await dist.init_process_group("gloo", timeout=30)
     rank, n = dist.get_rank(), dist.get_world_size()
-    os.environ["AIODIST_ALGO_ALLREDUCE_LANE_MAX"] = "0"  # read when a group is made: this one has no lane
+    os.environ["AIODIST_ALGO_LANE_MAX"] = "0"  # read when a group is made: this one has no lane
     sock = await dist.new_group(list(range(n)))
     rng = np.random.default_rng(7 + rank)
     same, digests = {{}}, {{}}
@@ -65,6 +65,25 @@ async def main():
     await both("i64_max", rng.integers(-10**9, 10**9, 33), op=dist.ReduceOp.MAX)
     await both("u8_bor", rng.integers(0, 256, 17).astype(np.uint8), op=dist.ReduceOp.BOR)
     await both("c64", (rng.integers(-9, 9, 5) + 1j).astype(np.complex64))
+    # broadcast and all_gather: every rank gets the same bytes as through the socket
+    for root in range(n):
+        a = rng.standard_normal(9).astype(np.float32) if rank == root else np.zeros(9, np.float32)
+        b = a.copy()
+        await dist.broadcast(a, src=root)
+        await dist.broadcast(b, src=root, group=sock)
+        same[f"bcast_{{root}}"] = bool(np.array_equal(a, b)) and bool(a.any())
+        digests[f"bcast_{{root}}"] = hashlib.sha256(a.tobytes()).hexdigest()
+    part = (np.arange(1000, dtype=np.int32) + 1000 * rank)
+    oa, ob = np.zeros(1000 * n, np.int32), np.zeros(1000 * n, np.int32)
+    await dist.all_gather_into_tensor(oa, part)
+    await dist.all_gather_into_tensor(ob, part, group=sock)
+    same["agt"] = bool(np.array_equal(oa, ob)) and bool(np.array_equal(oa, np.arange(1000 * n)))
+    sizes = [3 + 5 * r for r in range(n)]  # uneven parts
+    mine = np.full(sizes[rank], rank + 0.5)
+    la, lb = [np.zeros(k) for k in sizes], [np.zeros(k) for k in sizes]
+    await dist.all_gather(la, mine)
+    await dist.all_gather(lb, mine, group=sock)
+    same["ag_uneven"] = all(np.array_equal(x, y) and np.all(x == r + 0.5) for r, (x, y) in enumerate(zip(la, lb)))
     # a big (shared-memory halves) op between small ones, and small ones in flight together
     big = np.ones(1 << 19, np.float32)
     await dist.all_reduce(big)
@@ -128,8 +147,8 @@ def test_lane_gives_the_socket_paths_bits(tmp_path: Path, n: int) -> None:
         assert all(out["same"].values()), f"rank {r}: lane and socket results differ: {out['same']}"
         assert out["digests"] == res[0]["digests"], f"rank {r}'s results are not rank 0's bits"
         assert out["shm"]["lane_groups"] == [0], out["shm"]
-        # 13 small ops of the default group + 7 in flight went through the lane
-        assert out["shm"]["lane_ops"] == 20, out["shm"]
+        # 13 small all_reduces, n broadcasts, 2 all_gathers, 7 all_reduces in flight
+        assert out["shm"]["lane_ops"] == 22 + n, out["shm"]
 
 
 @pytest.mark.parametrize("spin_us", ["0", "50"])

@@ -69,9 +69,11 @@ class Thresholds:
     allreduce_shm_min: int = 256 * KiB
     #: all_gather through shared memory from this many bytes in total (the output); negative: never.
     allgather_shm_min: int = 256 * KiB
-    #: all_reduce through shared memory's latency lane (aiodist.shm._lane: no socket message when
-    #: the ranks arrive together) up to this many bytes (at most the lane's 16 KiB); 0: never.
-    allreduce_lane_max: int = 16 * KiB
+    #: all_reduce, broadcast and all_gather through shared memory's latency lane (aiodist.shm._lane:
+    #: no socket message when the ranks arrive together) up to this many bytes per rank (at most
+    #: the lane's 16 KiB; all_reduce and all_gather from their ``_shm_min`` up take the halves);
+    #: 0: never (barrier too).
+    lane_max: int = 16 * KiB
 
     def __post_init__(self) -> None:
         if self.pipeline_piece < 1:
@@ -93,9 +95,7 @@ class Thresholds:
     @classmethod
     def halving(cls, pipeline_piece: int) -> Thresholds:
         """all_reduce on recursive halving/doubling at every size; the others as by default."""
-        return cls(
-            allreduce_rd_max=-1, allreduce_ring_min=1 << 62, pipeline_piece=pipeline_piece, allreduce_shm_min=-1, allreduce_lane_max=0
-        )
+        return cls(allreduce_rd_max=-1, allreduce_ring_min=1 << 62, pipeline_piece=pipeline_piece, allreduce_shm_min=-1, lane_max=0)
 
     def piece_elems(self, itemsize: int) -> int:
         """Pipelining piece in elements of ``itemsize`` bytes (at least one)."""
@@ -117,7 +117,12 @@ class Thresholds:
 
     def all_reduce_lane(self, nbytes: int) -> bool:
         """all_reduce of ``nbytes`` goes through shared memory's latency lane where the group has one."""
-        return 0 < nbytes <= self.allreduce_lane_max and not self.all_reduce_shm(nbytes)
+        return 0 < nbytes <= self.lane_max and not self.all_reduce_shm(nbytes)
+
+    def lane(self, nbytes: int) -> bool:
+        """An op whose largest per-rank payload is ``nbytes`` (0 for barrier) goes through the
+        latency lane where the group has one."""
+        return 0 <= nbytes <= self.lane_max and self.lane_max > 0
 
     def all_gather_shm(self, total_nbytes: int) -> bool:
         """all_gather of ``total_nbytes`` (every rank's part) goes through shared memory where the group can."""

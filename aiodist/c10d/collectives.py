@@ -33,7 +33,7 @@ from aiodist.c10d.process_group import describe_call
 from aiodist.c10d.work import Work
 from aiodist.c10d.world import _CURRENT, default_group
 from aiodist.errors import DistTimeoutError
-from aiodist.shm import Ticket, run_all_gather, run_all_reduce, run_barrier
+from aiodist.shm import Ticket, run_all_gather, run_all_reduce, run_barrier, run_broadcast
 from aiodist.types import Buffer, ReduceOp, ReduceOpLike, check_reduce, combiner, finalize, premultiply, to_reduce_op
 
 __all__ = [
@@ -160,11 +160,13 @@ async def broadcast(
         return await issue_on_device(dev, pg, "broadcast", {"tensor": tensor, "root": root}, asy)
     b = buf(tensor, "broadcast tensor", writable=pg.rank() != root)
     flat, th = b.flat, pg.thresholds
+    ticket = _shm_ticket(pg, flat.nbytes > 0 and th.lane(flat.nbytes))  # small: the latency lane
 
     async def body(p2p: P2P) -> None:
-        await alg.broadcast(p2p, flat, root, thresholds=th)
+        if ticket is None or not await run_broadcast(ticket, p2p, flat, root):
+            await alg.broadcast(p2p, flat, root, thresholds=th)
 
-    return await _finish(pg.issue("broadcast", body, [tensor], meta=_meta(tensor=_t(b), root=pg.ranks[root])), asy)
+    return await _finish(_issue_with(pg, ticket, "broadcast", body, [tensor], meta=_meta(tensor=_t(b), root=pg.ranks[root])), asy)
 
 
 @communicating
@@ -274,10 +276,12 @@ async def all_gather(tensor_list: Sequence[Any], tensor: Any, group: GroupArg = 
     same_dtype(outs, inp, "all_gather tensor_list")
     _same_size(outs[pg.rank()], inp.flat.size, f"all_gather tensor_list[{pg.rank()}] (this rank's own slot)")
     flats, mine, th = [o.flat for o in outs], inp.flat, pg.thresholds
-    ticket = _shm_ticket(pg, th.all_gather_shm(sum(f.nbytes for f in flats)))
+    big = th.all_gather_shm(sum(f.nbytes for f in flats))
+    lane = not big and th.lane(max(f.nbytes for f in flats))  # small parts: the latency lane
+    ticket = _shm_ticket(pg, big or lane)
 
     async def body(p2p: P2P) -> None:
-        if ticket is None or not await run_all_gather(ticket, p2p, flats, mine):
+        if ticket is None or not await run_all_gather(ticket, p2p, flats, mine, lane):
             await alg.all_gather(p2p, flats, mine, thresholds=th)
 
     return await _finish(
@@ -310,10 +314,12 @@ async def _all_gather_one(op: str, output_tensor: Any, input_tensor: Any, group:
     n = pg.size()
     _same_size(out, n * inp.flat.size, f"{op} output_tensor (world size x input size)")
     chunks, mine, th = _chunks(out.flat, n), inp.flat, pg.thresholds
-    ticket = _shm_ticket(pg, th.all_gather_shm(out.flat.nbytes))
+    big = th.all_gather_shm(out.flat.nbytes)
+    lane = not big and th.lane(mine.nbytes)  # small parts: the latency lane
+    ticket = _shm_ticket(pg, big or lane)
 
     async def body(p2p: P2P) -> None:
-        if ticket is None or not await run_all_gather(ticket, p2p, chunks, mine):
+        if ticket is None or not await run_all_gather(ticket, p2p, chunks, mine, lane):
             await alg.all_gather(p2p, chunks, mine, thresholds=th)
 
     return await _finish(_issue_with(pg, ticket, op, body, [output_tensor], meta=_meta(output=_t(out), input=_t(inp))), asy)
@@ -551,7 +557,7 @@ async def barrier(group: GroupArg = None, async_op: bool = False, device_ids: An
     if pg.host_refusal is not None and pg.devices:  # no CPU backend ("nccl" alone): a device barrier
         return await issue_on_device(next(iter(pg.devices.values())), pg, "barrier", {"device_ids": device_ids}, asy)
 
-    ticket = _shm_ticket(pg, pg.thresholds.all_reduce_lane(1))  # same-host ranks: the latency lane
+    ticket = _shm_ticket(pg, pg.thresholds.lane(0))  # same-host ranks: the latency lane
 
     async def body(p2p: P2P) -> None:
         if ticket is None or not await run_barrier(ticket, p2p):

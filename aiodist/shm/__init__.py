@@ -25,6 +25,7 @@ __all__ = [
     "run_all_reduce",
     "run_all_gather",
     "run_barrier",
+    "run_broadcast",
 ]
 
 
@@ -47,31 +48,46 @@ async def run_all_reduce(ticket: Ticket, p2p: P2P, flat: np.ndarray, combine: _a
         ticket.release()
 
 
-def _arrive(dst: np.ndarray, src: np.ndarray) -> None:
-    """A barrier's "reduction": arriving is all it needs."""
-
-
 async def run_barrier(ticket: Ticket, p2p: P2P) -> bool:
-    """A barrier through the latency lane in this op's turn (a one-byte lane op whose result
-    nobody reads); False (nothing done) where the group has no lane."""
+    """A barrier through the latency lane in this op's turn (a lane op that writes nothing);
+    False (nothing done) where the group has no lane."""
     try:
         g = await ticket.acquire(p2p)
-        if g is None or not _lane.fits(g, 1):
+        if g is None or not g.lane:
             return False
-        await _lane.all_reduce(ticket.shm, p2p, g, np.zeros(1, np.uint8), _arrive)
+        await _lane.exchange(ticket.shm, p2p, g, None, [0] * p2p.size, "barrier")
         return True
     finally:
         ticket.release()
 
 
-async def run_all_gather(ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray], mine: np.ndarray) -> bool:
+async def run_broadcast(ticket: Ticket, p2p: P2P, flat: np.ndarray, root: int) -> bool:
+    """A small broadcast through the latency lane in this op's turn; False (nothing done) where
+    the group has no lane (or the payload does not fit it)."""
+    try:
+        g = await ticket.acquire(p2p)
+        if g is None or not _lane.fits(g, flat.nbytes):
+            return False
+        await _lane.broadcast(ticket.shm, p2p, g, flat, root)
+        return True
+    finally:
+        ticket.release()
+
+
+async def run_all_gather(ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray], mine: np.ndarray, lane: bool = False) -> bool:
     """all_gather through shared memory in this op's turn; False (nothing done) where the group
-    uses the socket path."""
+    uses the socket path. ``lane``: small parts, for the latency lane, or the socket path where
+    the group has no lane (or the largest part does not fit it)."""
     try:
         g = await ticket.acquire(p2p)
         if g is None:
             return False
-        await _algorithms.all_gather(p2p, g, outs, mine)
+        if lane:
+            if not _lane.fits(g, max(o.nbytes for o in outs)):
+                return False
+            await _lane.all_gather(ticket.shm, p2p, g, outs, mine)
+        else:
+            await _algorithms.all_gather(p2p, g, outs, mine)
         return True
     finally:
         ticket.release()

@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -46,7 +46,7 @@ from aiodist._message import byte_view
 from aiodist.errors import DistBackendError
 from aiodist.shm._manager import GroupShm, SharedMemory, channel_of, check_peer
 
-__all__ = ["all_reduce", "fits"]
+__all__ = ["exchange", "all_reduce", "broadcast", "all_gather", "fits"]
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
 
@@ -62,21 +62,24 @@ def _fence() -> None:
 
 
 def fits(g: GroupShm, nbytes: int) -> bool:
-    """Whether an op of ``nbytes`` fits the group's lane (the same answer on every rank)."""
-    return g.lane and 0 < nbytes <= g.bodies[0][0].size
+    """Whether a rank's ``nbytes`` fit the group's lane (the same answer on every rank)."""
+    return g.lane and 0 <= nbytes <= g.bodies[0][0].size
 
 
-async def all_reduce(shm: SharedMemory, p2p: Any, g: GroupShm, flat: np.ndarray, combine: Combine) -> None:
-    """``flat`` reduced across the group in place, through the lane (see the module docstring)."""
+async def exchange(shm: SharedMemory, p2p: Any, g: GroupShm, mine: np.ndarray | None, sizes: Sequence[int], op: str) -> list[np.ndarray]:
+    """One lane op: write ``mine`` (bytes, or nothing), wait for every peer's, check each peer's
+    digest and that it wrote ``sizes[peer]`` bytes; every member's bytes (views of the slots,
+    valid until this rank's next lane op of the group)."""
     ch = channel_of(p2p)
     me, p = p2p.rank, p2p.size
     target = ch.seq + 1
     s = g.lane_ops & 1
     g.lane_ops += 1
-    n = flat.nbytes
-    mine = byte_view(flat)
     head = g.heads[me][s]
-    np.copyto(g.bodies[me][s][:n], mine)
+    n = 0
+    if mine is not None and mine.nbytes:
+        n = mine.nbytes
+        np.copyto(g.bodies[me][s][:n], mine)
     head[1] = ch.digest
     head[2] = n
     head[0] = target
@@ -95,15 +98,47 @@ async def all_reduce(shm: SharedMemory, p2p: Any, g: GroupShm, flat: np.ndarray,
             h = heads[q]
             if digest and h[1] and h[1] != digest:
                 _desync(ch, q, int(h[1]))
-            if h[2] != n:
+            if h[2] != sizes[q]:
                 raise DistBackendError(
-                    f"all_reduce of group {ch.group_id}, seq {ch.seq}: rank {ch.ranks[q]} passed {int(h[2])} bytes, "
-                    f"rank {ch.ranks[me]} {n} (every rank must pass the same shape and dtype)"
+                    f"{op} of group {ch.group_id}, seq {ch.seq}: rank {ch.ranks[q]} passed {int(h[2])} bytes, "
+                    f"rank {ch.ranks[me]} expected {sizes[q]} (every rank must pass the same shapes and dtype)"
                 )
+    return [g.bodies[q][s][: sizes[q]] for q in range(p)]
+
+
+async def all_reduce(shm: SharedMemory, p2p: Any, g: GroupShm, flat: np.ndarray, combine: Combine) -> None:
+    """``flat`` reduced across the group in place, in rank order (the same bits everywhere)."""
+    n = flat.nbytes
+    mine = byte_view(flat)
+    parts = await exchange(shm, p2p, g, mine, [n] * p2p.size, "all_reduce")
+    np.copyto(mine, parts[0])
     dt = flat.dtype
-    np.copyto(mine, g.bodies[0][s][:n])
-    for r in range(1, p):
-        combine(flat, g.bodies[r][s][:n].view(dt))
+    for part in parts[1:]:
+        combine(flat, part.view(dt))
+
+
+async def broadcast(shm: SharedMemory, p2p: Any, g: GroupShm, flat: np.ndarray, root: int) -> None:
+    """``flat`` of ``root`` into ``flat`` of every rank (every rank still waits for every flag:
+    the slots' reuse rule needs each lane op to be seen by all)."""
+    n = flat.nbytes
+    me = p2p.rank
+    sizes = [n if q == root else 0 for q in range(p2p.size)]
+    parts = await exchange(shm, p2p, g, byte_view(flat) if me == root else None, sizes, "broadcast")
+    if me != root:
+        np.copyto(byte_view(flat, writable=True), parts[root])
+
+
+async def all_gather(shm: SharedMemory, p2p: Any, g: GroupShm, outs: Sequence[np.ndarray], mine: np.ndarray) -> None:
+    """Every rank's ``mine`` into every rank's ``outs[that rank]`` (sizes may differ per rank)."""
+    me = p2p.rank
+    dsts = [byte_view(o, writable=True) for o in outs]
+    src = byte_view(mine)
+    parts = await exchange(shm, p2p, g, src, [d.nbytes for d in dsts], "all_gather")
+    for q, d in enumerate(dsts):
+        if q != me:
+            np.copyto(d, parts[q])
+    if outs[me] is not mine:
+        np.copyto(dsts[me], parts[me])  # from the slot: the input may overlap the output
 
 
 async def _wait(shm: SharedMemory, p2p: Any, ch: Any, g: GroupShm, heads: list[np.ndarray], missing: list[int], target: int) -> None:
