@@ -77,6 +77,7 @@ class Job:
     ops: int  # per client, per kind of op
     prefix: str  # keys of this run, so runs never see each other's data
     timeout: float
+    kinds: tuple[str, ...] = OPS  # the kinds of op timed, in OPS order
 
     @property
     def variant(self) -> str:
@@ -158,7 +159,9 @@ def _torch_job(job: Job, index: int, barrier: Any) -> dict[str, Any]:
     keys, counter, warm = _keys(job)
     store = TCPStore(HOST, job.port, None, False, timedelta(seconds=job.timeout))
     phases: dict[str, Phase] = {}
-    for op in OPS:
+    if "set" not in job.kinds:
+        _torch_ops(store, "set", 1, keys, warm)  # keys[0]: what the gets read
+    for op in job.kinds:
         # warm-up adds go to their own key: the shared counter must count timed adds only
         _torch_ops(store, op, min(WARMUP, job.ops), keys, warm)
         barrier.wait(job.timeout)
@@ -180,7 +183,9 @@ async def _aiodist_job(job: Job, index: int, barrier: Any) -> dict[str, Any]:
     transport = _transport_of(store)
     phases: dict[str, Phase] = {}
     try:
-        for op in OPS:
+        if "set" not in job.kinds:
+            await _aiodist_ops(store, "set", 1, keys, warm)  # keys[0]: what the gets read
+        for op in job.kinds:
             await _aiodist_phase(store, op, min(WARMUP, job.ops), job.tasks, keys, warm)
             # Blocking the loop here is deliberate: nothing else runs on it, and an
             # asyncio.to_thread hop would add a thread switch between release and start.
@@ -463,7 +468,7 @@ def collect(job: Job, rnd: int, results: list[dict[str, Any]]) -> list[Sample]:
     """The samples of one run, after checking what the clients saw."""
     total = job.clients * job.ops
     samples = []
-    for op in OPS:
+    for op in job.kinds:
         s = Sample(job.variant, op, job.clients, job.ops, rnd, "/".join(sorted({r["transport"] for r in results})))
         for r in results:
             ph: Phase = r["phases"][op]
@@ -472,12 +477,12 @@ def collect(job: Job, rnd: int, results: list[dict[str, Any]]) -> list[Sample]:
             s.cpus.append(ph.cpu)
         samples.append(s)
     where = f"{job.variant}, {job.clients} client(s)"
-    wrong_gets = sum(r["phases"]["get"].seen for r in results)
+    wrong_gets = sum(r["phases"]["get"].seen for r in results) if "get" in job.kinds else 0
     if wrong_gets:
         raise BenchError(f"CORRECTNESS: {where}: {wrong_gets} get(s) returned something other than the value set")
     counter = results[0]["counter"]
-    top = max(r["phases"]["add"].seen for r in results)
-    if counter != total or top != total:
+    top = max(r["phases"]["add"].seen for r in results) if "add" in job.kinds else 0
+    if "add" in job.kinds and (counter != total or top != total):
         raise BenchError(
             f"CORRECTNESS: {where}: the shared counter reads {counter} (largest add() result {top}), "
             f"expected {total} = {job.clients} clients x {job.ops} adds"
@@ -503,7 +508,9 @@ def _fmt_ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
-def report(samples: list[Sample], client_counts: Sequence[int], have_torch: bool) -> tuple[str, list[dict[str, Any]]]:
+def report(
+    samples: list[Sample], client_counts: Sequence[int], have_torch: bool, kinds: Sequence[str] = OPS
+) -> tuple[str, list[dict[str, Any]]]:
     """The table and target lines as text, and the targets as data. Each number is the
     median over the rounds."""
     rounds: dict[tuple[str, str, int], list[Sample]] = {}
@@ -551,7 +558,7 @@ def report(samples: list[Sample], client_counts: Sequence[int], have_torch: bool
             us("torch", op, c, latency),
             us("aiodist-seq", op, c, latency),
         ]
-        for op in OPS
+        for op in kinds
         for c in client_counts
     ]
     # The noise view: per-round ratios, and client CPU per op (steadier than wall time).
@@ -566,7 +573,7 @@ def report(samples: list[Sample], client_counts: Sequence[int], have_torch: bool
             us("aiodist-seq", op, c, cpu),
             us("aiodist-pipelined", op, c, cpu),
         ]
-        for op in OPS
+        for op in kinds
         for c in client_counts
     ]
     nrounds = len({s.round for s in samples})
@@ -577,7 +584,7 @@ def report(samples: list[Sample], client_counts: Sequence[int], have_torch: bool
         format_table(headers, rows),
         "",
         f"median of {nrounds} round(s); us = mean latency per op of one client (sequential variants);",
-        "torch's set has no reply: its loop is timed up to a check() round trip after the last set.",
+        *(["torch's set has no reply: its loop is timed up to a check() round trip after the last set."] if "set" in kinds else []),
         "",
         format_table(noise_headers, noise_rows),
         "",
@@ -586,6 +593,8 @@ def report(samples: list[Sample], client_counts: Sequence[int], have_torch: bool
     lines += ["", "targets (the issue's, measured on aiodist-seq; aiodist-pipelined stated alongside):"]
     targets = []
     for op, c, least, wording in TARGETS:
+        if op not in kinds:
+            continue
         for variant in ("aiodist-seq", "aiodist-pipelined"):
             r = ratio(variant, op, c)
             mode = variant.removeprefix("aiodist-")
@@ -609,7 +618,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m aiodist.bench store",
         description="TCPStore set/get/add throughput: aiodist (sequential and pipelined) against torch, in one run.",
     )
-    p.add_argument("--ops", type=int, default=3000, help="ops of each kind per client (default 3000)")
+    p.add_argument(
+        "--ops",
+        default="3000",
+        help="ops of each kind per client (default 3000), or which kinds to time: a comma-separated subset of set,get,add "
+        "(default all; the count is then --count)",
+    )
+    p.add_argument("--count", type=int, default=None, help="ops of each kind per client, when --ops names kinds (default 3000)")
     p.add_argument("--clients", default="1,4", help="client process counts, comma-separated (default 1,4)")
     p.add_argument("--tasks", type=int, default=32, help="concurrent tasks per client in aiodist-pipelined (default 32)")
     p.add_argument("--repeat", type=int, default=5, help="rounds; the table shows medians (default 5)")
@@ -626,6 +641,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--json", metavar="FILE", help="also write the raw numbers to FILE")
     args = p.parse_args(argv)
+    if args.ops.strip().isdigit():
+        args.kinds, args.ops = OPS, int(args.ops)
+    else:
+        asked = {k.strip() for k in args.ops.split(",") if k.strip()}
+        if not asked or asked - set(OPS):
+            p.error(f"--ops must be a count or a comma-separated subset of {','.join(OPS)}, got {args.ops!r}")
+        args.kinds, args.ops = tuple(k for k in OPS if k in asked), 3000
+    if args.count is not None:
+        args.ops = args.count
     try:
         args.client_counts = sorted({int(c) for c in args.clients.split(",") if c.strip()})
     except ValueError:
@@ -641,7 +665,11 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     counts: list[int] = args.client_counts
     info = machine_info()
     print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
-    print(f"ops per client per kind: {args.ops}; clients: {counts}; pipelined tasks: {args.tasks}; rounds: {args.repeat}", flush=True)
+    print(
+        f"kinds: {','.join(args.kinds)}; ops per client per kind: {args.ops}; clients: {counts}; "
+        f"pipelined tasks: {args.tasks}; rounds: {args.repeat}",
+        flush=True,
+    )
 
     started = time.monotonic()
     workers = Workers.start(max(counts), counts, timeout=max(120.0, args.timeout))
@@ -660,7 +688,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                 try:
                     for c in counts:
                         for tasks in [1] if impl == "torch" else [1, args.tasks]:
-                            job = Job(impl, tasks, server.port, c, args.ops, f"bench/{impl}/t{tasks}/c{c}", args.timeout)
+                            job = Job(impl, tasks, server.port, c, args.ops, f"bench/{impl}/t{tasks}/c{c}", args.timeout, args.kinds)
                             t = time.monotonic()
                             samples += collect(job, rnd, workers.run(job))
                             print(f"  round {rnd + 1}: {job.variant:<18} clients={c}  ({time.monotonic() - t:.1f} s)", flush=True)
@@ -675,11 +703,18 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         workers.stop()
 
-    text, targets = report(samples, counts, workers.torch_problem is None)
+    text, targets = report(samples, counts, workers.torch_problem is None, args.kinds)
     print(f"\n{text}\n\nwall time {time.monotonic() - started:.1f} s", flush=True)
     return {
         "machine": info,
-        "args": {"ops": args.ops, "clients": counts, "tasks": args.tasks, "repeat": args.repeat, "tcp_only": args.tcp_only},
+        "args": {
+            "ops": args.ops,
+            "kinds": list(args.kinds),
+            "clients": counts,
+            "tasks": args.tasks,
+            "repeat": args.repeat,
+            "tcp_only": args.tcp_only,
+        },
         "torch_skipped": workers.torch_problem,
         "samples": [
             {**asdict(s), "ops_per_s": s.ops_per_s, "mean_latency_us": s.mean_latency_us, "client_cpu_us": s.client_cpu_us} for s in samples
