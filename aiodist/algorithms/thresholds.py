@@ -71,9 +71,13 @@ class Thresholds:
     allgather_shm_min: int = 256 * KiB
     #: all_reduce, broadcast and all_gather through shared memory's latency lane (aiodist.shm._lane:
     #: no socket message when the ranks arrive together) up to this many bytes per rank (at most
-    #: the lane's 16 KiB; all_reduce and all_gather from their ``_shm_min`` up take the halves);
-    #: 0: never (barrier too).
-    lane_max: int = 16 * KiB
+    #: the lane's 256 KiB slots; all_reduce and all_gather from their ``_shm_min`` up take the
+    #: halves); 0: never (barrier too). Measured at 2 ranks here: all_reduce 64-128 KiB 120-230 us
+    #: through the lane against 340-1560 us on the socket.
+    lane_max: int = 256 * KiB
+    #: ... broadcast only up to this many bytes: a lane op waits for every rank's flag, where the
+    #: socket's root only sends (from 32 KiB up the socket's broadcast was faster here).
+    broadcast_lane_max: int = 16 * KiB
 
     def __post_init__(self) -> None:
         if self.pipeline_piece < 1:
@@ -84,13 +88,13 @@ class Thresholds:
         """Every op on its small-message schedule, whatever the size (for tests and benchmarks);
         never shared memory."""
         huge = 1 << 62
-        return cls(huge, huge, huge, huge, huge, huge, pipeline_piece, -1, -1, 0)
+        return cls(huge, huge, huge, huge, huge, huge, pipeline_piece, -1, -1, 0, 0)
 
     @classmethod
     def bandwidth_bound(cls, pipeline_piece: int) -> Thresholds:
         """Every op on its pipelined (ring, chain, pairwise) schedule, in pieces of
         ``pipeline_piece`` bytes, whatever the size."""
-        return cls(-1, -1, 0, -1, -1, -1, pipeline_piece, -1, -1, 0)
+        return cls(-1, -1, 0, -1, -1, -1, pipeline_piece, -1, -1, 0, 0)
 
     @classmethod
     def halving(cls, pipeline_piece: int) -> Thresholds:

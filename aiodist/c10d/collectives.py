@@ -160,7 +160,7 @@ async def broadcast(
         return await issue_on_device(dev, pg, "broadcast", {"tensor": tensor, "root": root}, asy)
     b = buf(tensor, "broadcast tensor", writable=pg.rank() != root)
     flat, th = b.flat, pg.thresholds
-    ticket = _shm_ticket(pg, flat.nbytes > 0 and th.lane(flat.nbytes))  # small: the latency lane
+    ticket = _shm_ticket(pg, 0 < flat.nbytes <= th.broadcast_lane_max and th.lane(flat.nbytes))  # small: the latency lane
 
     async def body(p2p: P2P) -> None:
         if ticket is None or not await run_broadcast(ticket, p2p, flat, root):

@@ -97,7 +97,7 @@ def segment_bytes(env: dict[str, str] | None = None) -> int:
 
 #: the latency lane (aiodist.shm._lane) at the start of every segment: a rank's "sleeping" word,
 #: then two slots of a 64-byte header (flag, digest, nbytes) and ``LANE_MAX`` payload bytes
-LANE_MAX = 16 << 10
+LANE_MAX = 256 << 10
 LANE_SLOT = 64 + LANE_MAX
 LANE_BYTES = (64 + 2 * LANE_SLOT + 4095) // 4096 * 4096
 
@@ -382,7 +382,7 @@ class SharedMemory:
         smallest = min(s.size for s in by_rank)
         # the lane: where every segment has room for it and every peer has a doorbell (the
         # same for every rank: the same segments, the same records)
-        lane = _TSO and self.bell >= 0 and smallest >= 4 * LANE_BYTES and all(s.bell >= 0 for s in segs)
+        lane = _TSO and self.bell >= 0 and smallest >= LANE_BYTES + _MIN_BYTES and all(s.bell >= 0 for s in segs)
         half = (smallest - (LANE_BYTES if lane else 0)) // 2 // _ALIGN * _ALIGN
         bells = [self.bell if r == self.rank else s.bell for r, s in zip(ranks, by_rank, strict=True)]
         pids = {os.getpid(), *(rec.get("pid") for rec in recs)}
