@@ -296,8 +296,10 @@ class _Conn(asyncio.Protocol):
             return b""
         finally:
             self.server.stats_counter["requests"] += n
-        if out:
-            self._write(out)
+        if out:  # self._write(out), written out
+            t = self.transport
+            if t is not None and not t.is_closing():
+                t.write(out[0] if len(out) == 1 else b"".join(out))
         return data[pos:] if pos else data
 
     def _process(self) -> None:

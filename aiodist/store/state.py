@@ -132,7 +132,13 @@ class KVState:
         ``ValueError``.
         """
         with self._lock:
-            n = counter_add(key, self._data.get(key), delta)
+            old = self._data.get(key)
+            if old is not None and old.isdigit() and len(old) < 19:  # what ADD stores, and the sum fits: counter_add's first case
+                n = int(old) + delta
+                if not -_I64_HALF <= n < _I64_HALF:
+                    n = counter_add(key, old, delta)
+            else:
+                n = counter_add(key, old, delta)
             self._data[key] = b"%d" % n
             wake = self._ready_waiters(key, one=False) if key in self._waiters else None
         if wake:

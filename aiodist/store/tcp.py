@@ -281,6 +281,7 @@ _future_await = asyncio.Future.__await__
 _future_result = asyncio.Future.set_result
 _future_exception = asyncio.Future.set_exception
 _future_add_done_callback = asyncio.Future.add_done_callback
+_future_del = asyncio.Future.__del__
 
 
 class _Call(asyncio.Future, Coroutine):  # type: ignore[type-arg]
@@ -364,7 +365,7 @@ class _Call(asyncio.Future, Coroutine):  # type: ignore[type-arg]
         self._used = True
         return self.done()
 
-    def __del__(self) -> None:
+    def __del__(self) -> None:  # (a Python call per op: kept to what the check needs)
         if not self._used:
             try:
                 file, line = self._site
@@ -372,7 +373,7 @@ class _Call(asyncio.Future, Coroutine):  # type: ignore[type-arg]
                 log.error("%s(...) called at %s:%d was never awaited: %s. Write `await %s(...)`.", op, file, line, state, op)
             except Exception:  # pragma: no cover - interpreter shutdown
                 pass
-        super().__del__()  # the Future's own: an error nobody retrieved is logged
+        _future_del(self)  # the Future's own: an error nobody retrieved is logged
 
 
 def _cancel_task(call: asyncio.Future[Any]) -> None:
