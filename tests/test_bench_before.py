@@ -132,3 +132,13 @@ def test_a_failing_before_rank_fails_the_run_with_its_traceback(tmp_path: pathli
     assert "(aiodist 0.0.fake)" in r.stdout
     assert "BENCHMARK FAILED: before rank " in r.stderr and "failed during all_reduce of 4 B" in r.stderr, r.stderr
     assert "Traceback" in r.stderr and "fake tree: all_reduce is broken" in r.stderr
+
+
+@pytest.mark.parametrize("nrows", [75, 76])  # 76: the default sweep to 64 MiB, a multiple of 2 sides
+@pytest.mark.parametrize("impls", [["aiodist", "before"], ["aiodist", "torch", "before"]])
+def test_every_row_has_every_side_first_over_as_many_rounds(nrows: int, impls: list[str]) -> None:
+    for row in range(nrows):
+        firsts = {bc.side_order(impls, row, rnd)[0] for rnd in range(len(impls))}
+        assert firsts == set(impls), (row, firsts)
+        assert sorted(bc.side_order(impls, row, 0)) == sorted(impls)
+    assert bc.side_order(impls, 0, 0)[0] != bc.side_order(impls, 1, 0)[0]  # next rows alternate too

@@ -872,9 +872,20 @@ class BeforeSide(Side):
 IDLE_PROBE_SECONDS = 0.5  # how long the probe runs alone before the sweep
 
 
+def side_order(impls: Sequence[str], row: int, rnd: int) -> list[str]:
+    """The order the sides run row ``row`` (its index in the round) in round ``rnd``: rotated by
+    one from row to row, and again from round to round, so that over ``len(impls)`` rounds every
+    row has had every side first. (Rotating by a count that runs on across rounds gave a row the
+    same order in every round whenever the rows per round were a multiple of the sides: 76 rows
+    and 2 sides for the default sweep to 64 MiB.)"""
+    k = (row + rnd) % len(impls)
+    return [*impls[k:], *impls[:k]]
+
+
 def run(args: argparse.Namespace, sz: tuple[int, ...]) -> tuple[dict[str, Results], list[float] | None]:
     """Every side's rows, interleaved: for each row, each side in turn (the order rotating
-    from row to row), so the machine's drift lands on all of them."""
+    from row to row and from round to round: ``side_order``), so the machine's drift lands on
+    all of them."""
     impls = ["aiodist", *args.impls]
     sides: dict[str, Side] = {}
     for i in impls:
@@ -890,19 +901,17 @@ def run(args: argparse.Namespace, sz: tuple[int, ...]) -> tuple[dict[str, Result
             info = sides["before"].info  # type: ignore[attr-defined]
             print(f"before: every rank imported {info['file']} (aiodist {info['version'] or 'version unknown'})", flush=True)
         idle = sides["aiodist"].idle_lags(IDLE_PROBE_SECONDS) if args.lag_probe else None
-        k = 0
+        plan = [(op, count) for op in args.op_list for count in _rows(op, sz, args.nproc)]
         for rnd in range(args.rounds):
-            for op in args.op_list:
-                for count in _rows(op, sz, args.nproc):
-                    for i in impls[k % len(impls) :] + impls[: k % len(impls)]:
-                        got = sides[i].row(op, count, args.warmup, args.iters)
-                        if count in out[i][op]:
-                            out[i][op][count].merge(got)
-                        else:
-                            out[i][op][count] = got
-                    k += 1
-                    if args.verbose:
-                        print(f"  round {rnd + 1}: {op} {count * ITEMSIZE} B", flush=True)
+            for j, (op, count) in enumerate(plan):
+                for i in side_order(impls, j, rnd):
+                    got = sides[i].row(op, count, args.warmup, args.iters)
+                    if count in out[i][op]:
+                        out[i][op][count].merge(got)
+                    else:
+                        out[i][op][count] = got
+                if args.verbose:
+                    print(f"  round {rnd + 1}: {op} {count * ITEMSIZE} B", flush=True)
         for side in sides.values():
             side.stop()
     finally:
