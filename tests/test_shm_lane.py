@@ -179,7 +179,7 @@ async def main():
     await dist.all_reduce(np.ones(4, np.float32))  # the group's lane is agreed
     t0 = time.monotonic()
     try:
-        await dist.all_reduce(np.ones(4 if rank == 0 else 8, np.float32))
+        await dist.all_reduce(np.ones({a} if rank == 0 else {b}, np.float32))
         msg = "no error"
     except dist.DistError as exc:
         msg = f"{{type(exc).__name__}}: {{exc}}"
@@ -191,11 +191,15 @@ asyncio.run(main())
 )
 
 
-def test_a_desync_in_the_lane_fails_both_ranks_at_once(tmp_path: Path) -> None:
-    res = _run(tmp_path, DESYNC.format(root=str(ROOT)), 2)
+@pytest.mark.parametrize("sizes", [(4, 8), (1 << 18, 1 << 19), (4, 1 << 18)], ids=["lane-lane", "halves-halves", "lane-halves"])
+def test_a_desync_fails_both_ranks_at_once(tmp_path: Path, sizes: tuple[int, int]) -> None:
+    """Another shape at the same seq: two lane ops (slot heads), two big ops (phase 0's check),
+    a lane op against a big one (each sleeps on words the other never writes: the current-op
+    words tell them)."""
+    res = _run(tmp_path, DESYNC.format(root=str(ROOT), a=sizes[0], b=sizes[1]), 2)
     for r, out in enumerate(res):
         assert "all_reduce" in out["msg"] and "seq 1" in out["msg"], f"rank {r}: {out}"
-        assert "desync detected" in out["msg"] and f"float32[{4 if r == 0 else 8}]" in out["msg"], f"rank {r}: {out}"
+        assert "desync detected" in out["msg"] and f"float32[{sizes[r]}]" in out["msg"], f"rank {r}: {out}"
         assert out["s"] < 10, f"rank {r} waited {out['s']:.1f} s: the mismatch was not seen at once"
 
 

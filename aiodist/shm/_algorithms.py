@@ -1,6 +1,8 @@
-"""all_reduce and all_gather through a group's shared segments, with zero-length doorbells on
-the op's own channel (so its timeout, a dead peer's abort and the frame digests work as on the
-socket path).
+"""all_reduce and all_gather through a group's shared segments. A "doorbell" below (every rank
+has reached a step) is the latency lane's phase word where the group has a lane
+(``aiodist.shm._lane.phase``: a flag, a yielding spin, then an eventfd; the op's timeout, a dead
+peer, an abort and the digest are checked there), else zero-length messages on the op's own
+channel (the frame digests and the transport's faults apply as on the socket path).
 
 Rules these keep:
 - A payload goes in rounds of one slot (half a segment); round c uses half c % 2 of every
@@ -30,6 +32,7 @@ import numpy as np
 
 from aiodist.algorithms import schedule as sch
 from aiodist.algorithms.p2p import P2P, byte_view
+from aiodist.shm import _lane
 from aiodist.shm._manager import GroupShm
 
 __all__ = ["all_reduce", "all_gather", "PIECE"]
@@ -99,6 +102,16 @@ async def _copy(dst: np.ndarray, src: np.ndarray, pace: _Pacer) -> None:
         await pace.tick()
 
 
+async def _sync(p2p: P2P, g: GroupShm, step: int, tag: int, nbytes: int) -> None:
+    """Every rank has reached this step of the op: the lane's phase words where the group has a
+    lane (no socket message: aiodist.shm._lane.phase, which checks digest and size at step 0),
+    else zero-length doorbells under ``tag``."""
+    if g.lane:
+        await _lane.phase(p2p, g, step, nbytes)
+    else:
+        await _doorbell(p2p, tag)
+
+
 async def all_reduce(p2p: P2P, g: GroupShm, flat: np.ndarray, combine: Combine) -> None:
     """``flat`` reduced across the group, in place (see the module docstring)."""
     p, me = p2p.size, p2p.rank
@@ -114,7 +127,7 @@ async def all_reduce(p2p: P2P, g: GroupShm, flat: np.ndarray, combine: Combine) 
         # the peers' slices only: this rank reduces its own slice from its own buffer
         await _copy(slots[me][:lo], chunk[:lo], pace)
         await _copy(slots[me][hi:], chunk[hi:], pace)
-        await _doorbell(p2p, _IN * _PHASE + k)
+        await _sync(p2p, g, 2 * k, _IN * _PHASE + k, flat.nbytes)
         for a in range(lo, hi, step):
             z = min(a + step, hi)
             out = chunk[a:z]
@@ -123,7 +136,7 @@ async def all_reduce(p2p: P2P, g: GroupShm, flat: np.ndarray, combine: Combine) 
                     combine(out, slots[r][a:z])
             np.copyto(slots[me][a:z], out)
             await pace.tick()
-        await _doorbell(p2p, _OUT * _PHASE + k)
+        await _sync(p2p, g, 2 * k + 1, _OUT * _PHASE + k, flat.nbytes)
         for q in range(p):
             if q != me:
                 await _copy(chunk[b[q] : b[q + 1]], slots[q][b[q] : b[q + 1]], pace)
@@ -156,7 +169,7 @@ async def all_gather(p2p: P2P, g: GroupShm, outs: Sequence[np.ndarray], mine: np
                 np.copyto(slot[a : a + step], piece)
                 np.copyto(mine_out[a : a + step], piece)  # from cache: the step above just read it
                 await pace.tick()
-        await _doorbell(p2p, _IN * _PHASE + k)
+        await _sync(p2p, g, k, _IN * _PHASE + k, sum(d.nbytes for d in dsts))
         for q in range(p):
             if q != me:
                 d = dsts[q][lo : lo + per]

@@ -46,7 +46,7 @@ from aiodist._message import byte_view
 from aiodist.errors import DistBackendError
 from aiodist.shm._manager import GroupShm, SharedMemory, channel_of, check_peer
 
-__all__ = ["exchange", "all_reduce", "broadcast", "all_gather", "fits"]
+__all__ = ["exchange", "phase", "announce", "all_reduce", "broadcast", "all_gather", "fits"]
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
 
@@ -75,6 +75,7 @@ async def exchange(shm: SharedMemory, p2p: Any, g: GroupShm, mine: np.ndarray | 
     target = ch.seq + 1
     s = g.lane_ops & 1
     g.lane_ops += 1
+    announce(ch, g, me)
     head = g.heads[me][s]
     n = 0
     if mine is not None and mine.nbytes:
@@ -141,11 +142,12 @@ async def all_gather(shm: SharedMemory, p2p: Any, g: GroupShm, outs: Sequence[np
         np.copyto(dsts[me], parts[me])  # from the slot: the input may overlap the output
 
 
-async def _wait(shm: SharedMemory, p2p: Any, ch: Any, g: GroupShm, heads: list[np.ndarray], missing: list[int], target: int) -> None:
-    """Until every peer in ``missing`` has written ``target``: spin, then sleep on the doorbell."""
+async def _wait(shm: SharedMemory, p2p: Any, ch: Any, g: GroupShm, words: list[np.ndarray], missing: list[int], target: int) -> None:
+    """Until ``words[q][0] >= target`` for every peer q in ``missing`` (a lane slot's flag, a
+    phase word: both only grow): spin, then sleep on the doorbell."""
     end = time.perf_counter() + g.spin_s
     while True:
-        missing = [q for q in missing if heads[q][0] != target]
+        missing = [q for q in missing if words[q][0] < target]
         if not missing or time.perf_counter() >= end:
             break
         os.sched_yield()  # a peer that shares this core runs now, not at the end of a time slice
@@ -162,13 +164,14 @@ async def _wait(shm: SharedMemory, p2p: Any, ch: Any, g: GroupShm, heads: list[n
     while True:
         own[0] = target
         _fence()
-        missing = [q for q in missing if heads[q][0] != target]
+        missing = [q for q in missing if words[q][0] < target]
         if not missing:
             if not rung:  # every flag was there, and no ring came for the last of them
                 g.lane_lost += 1
             break
         for q in missing:
             check_peer(ch, q)  # a dead or departed peer, an aborted group: its error
+            _check_current(ch, g, q)  # a peer in another shared-memory op at this seq
         rung = await shm.doorbell(_RECHECK_S)
     if counter is not None:
         heard = getattr(p2p, "_heard", None)
@@ -177,6 +180,55 @@ async def _wait(shm: SharedMemory, p2p: Any, ch: Any, g: GroupShm, heads: list[n
             counter[q] -= 1
             if heard is not None:
                 heard[q] = now
+
+
+def announce(ch: Any, g: GroupShm, me: int) -> None:
+    """Say which op this rank is in (digest, then seq + 1), for a peer that waits on it."""
+    cur = g.current[me]
+    cur[0] = ch.digest
+    cur[1] = ch.seq + 1
+
+
+def _check_current(ch: Any, g: GroupShm, q: int) -> None:
+    """A sleeping wait's look at peer ``q``'s current op: at this seq with another digest (say
+    a big all_reduce against a lane op, which write different words), a desync."""
+    cur = g.current[q]
+    if cur[1] == ch.seq + 1 and ch.digest and cur[0] and cur[0] != ch.digest:
+        _desync(ch, q, int(cur[0]))
+
+
+async def phase(p2p: Any, g: GroupShm, step: int, nbytes: int = -1) -> None:
+    """A big op's step ``step`` (0, 1, ... within the op): write this rank's phase word and wait
+    until every peer's has reached it (the halves' doorbell, without a socket message). At step
+    0 each peer's digest and size (``nbytes``) are checked against this rank's."""
+    ch = channel_of(p2p)
+    me, p = p2p.rank, p2p.size
+    if step == 0:
+        announce(ch, g, me)
+        g.current[me][2] = nbytes
+    target = ((ch.seq + 1) << 26) + 1 + step
+    g.phases[me][0] = target
+    _fence()
+    sleeping = g.sleeping
+    for q in range(p):
+        if q != me and sleeping[q][0] == target:
+            os.eventfd_write(g.bells[q], 1)
+    words = g.phases
+    missing = [q for q in range(p) if q != me and words[q][0] < target]
+    if missing:
+        await _wait(g.owner, p2p, ch, g, words, missing, target)
+    if step == 0:
+        digest = ch.digest
+        for q in range(p):
+            if q != me:
+                cur = g.current[q]
+                if digest and cur[0] and cur[0] != digest:
+                    _desync(ch, q, int(cur[0]))
+                if cur[2] != nbytes:
+                    raise DistBackendError(
+                        f"shared-memory op of group {ch.group_id}, seq {ch.seq}: rank {ch.ranks[q]} passed {int(cur[2])} bytes, "
+                        f"rank {ch.ranks[me]} {nbytes} (every rank must pass the same shapes and dtype)"
+                    )
 
 
 def _desync(ch: Any, q: int, theirs: int) -> None:

@@ -123,6 +123,11 @@ class GroupShm:
     sleeping: list[np.ndarray] = field(default_factory=list)
     heads: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     bodies: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    # ... phases[q]: a big op's step word (the halves' doorbell); current[q]: the op rank q is
+    # in (digest, seq + 1, nbytes of a big op)
+    phases: list[np.ndarray] = field(default_factory=list)
+    current: list[np.ndarray] = field(default_factory=list)
+    owner: Any = None  # the SharedMemory whose doorbell this rank sleeps on
 
     def __post_init__(self) -> None:
         base = LANE_BYTES if self.lane else 0
@@ -132,6 +137,8 @@ class GroupShm:
             for v in whole:
                 assert v is not None
                 self.sleeping.append(v[:8].view(np.int64))
+                self.phases.append(v[8:16].view(np.int64))
+                self.current.append(v[16:40].view(np.int64))
                 at = (64, 64 + LANE_SLOT)
                 self.heads.append((v[at[0] : at[0] + 24].view(np.int64), v[at[1] : at[1] + 24].view(np.int64)))
                 self.bodies.append((v[at[0] + 64 : at[0] + LANE_SLOT], v[at[1] + 64 : at[1] + LANE_SLOT]))
@@ -387,7 +394,7 @@ class SharedMemory:
         bells = [self.bell if r == self.rank else s.bell for r, s in zip(ranks, by_rank, strict=True)]
         pids = {os.getpid(), *(rec.get("pid") for rec in recs)}
         spin = spin_seconds() if len(pids) == len(ranks) else 0.0  # ranks sharing a process (and loop) never spin
-        return GroupShm(by_rank, half, lane=lane, bells=bells, spin_s=spin)
+        return GroupShm(by_rank, half, lane=lane, bells=bells, spin_s=spin, owner=self)
 
     async def agree(self, key: tuple[int, tuple[int, ...]], p2p: P2P) -> GroupShm | None:
         """Map the group's segments here and agree with its ranks whether all could; the group's
