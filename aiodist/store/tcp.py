@@ -32,6 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Coroutine, Generator, Sequence
+from types import CodeType
 from typing import Any, NamedTuple, TypeVar
 
 from aiodist import _startup
@@ -302,7 +303,7 @@ class _Call(asyncio.Future, Coroutine):  # type: ignore[type-arg]
     _arg: Any  # what errors name: get's key, add's (key, amount)
     _payload: bytes  # get's request, for what is left of it
     _deadline: float  # get's, time.monotonic(): the whole call ends by then
-    _site: tuple[str, int]  # where it was called, for a dropped call's ERROR
+    _site: tuple[CodeType, int]  # where it was called (code, instruction offset), for a dropped call's ERROR
     _used: bool  # awaited (or waited on, or run as a task)
     _it: Any  # the future's iterator, when a task runs this as its coroutine
     _task: asyncio.Task[Any]  # the task finishing the call, if any
@@ -368,7 +369,8 @@ class _Call(asyncio.Future, Coroutine):  # type: ignore[type-arg]
     def __del__(self) -> None:  # (a Python call per op: kept to what the check needs)
         if not self._used:
             try:
-                file, line = self._site
+                code, lasti = self._site
+                file, line = code.co_filename, next((n for a, b, n in code.co_lines() if a <= lasti < b), None) or 0
                 op, state = f"store.{self._op}", "the op was started when called; nothing waits for it"
                 log.error("%s(...) called at %s:%d was never awaited: %s. Write `await %s(...)`.", op, file, line, state, op)
             except Exception:  # pragma: no cover - interpreter shutdown
@@ -998,7 +1000,7 @@ class TCPStore(Store):
         call = _GetCall(loop=loop)
         f = sys._getframe(1)
         call._store, call._arg, call._payload, call._used, call._it = self, key, payload, False, None
-        call._site = (f.f_code.co_filename, f.f_lineno)
+        call._site = (f.f_code, f.f_lasti)  # the line is worked out only if it is ever named
         seconds = self._timeout_s
         call._deadline = time.monotonic() + seconds
         self._counts["requests"] += 1
@@ -1017,7 +1019,7 @@ class TCPStore(Store):
         f = sys._getframe(1)
         arg = (key, amount)
         call._store, call._arg, call._used, call._it = self, arg, False, None
-        call._site = (f.f_code.co_filename, f.f_lineno)
+        call._site = (f.f_code, f.f_lasti)  # the line is worked out only if it is ever named
         self._counts["requests"] += 1
         conn.send(encode_add(b"/" + key.encode(), amount), _I64, self._timeout_s, "add", arg, call, _QUICK_I64)
         return call
