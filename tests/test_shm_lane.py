@@ -207,11 +207,11 @@ MISSING = (
     HEAD
     + r"""
 async def main():
-    await dist.init_process_group("gloo", timeout=3)
+    await dist.init_process_group("gloo", timeout=1.5)
     rank = dist.get_rank()
     await dist.all_reduce(np.ones(4, np.float32))
     if rank == 1:
-        await asyncio.sleep(8)  # never issues seq 1 within rank 0's timeout
+        await asyncio.sleep(4.5)  # never issues seq 1 within rank 0's timeout (and its diagnosis)
         print(json.dumps({{"msg": "slept"}}))
         os._exit(0)
     try:
