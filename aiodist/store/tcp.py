@@ -16,6 +16,9 @@ How requests travel:
   a PING behind them and awaits its echo, so when the call returns the server has the data.
 - A lost connection fails the requests on it; the next call reconnects. Requests that are safe
   to repeat (reads) are retried once on the new connection.
+- ``get`` and ``add``, the calls made one at a time in a loop, send when called and return a
+  ``_Call``: a future the connection resolves with the call's value (no Python frame resumes
+  when the reply comes). The other calls are coroutines in a ``Pending``, as everywhere.
 A ``TCPStore`` object belongs to the event loop that awaited it; use ``clone()`` for another
 loop or thread.
 """
