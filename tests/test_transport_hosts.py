@@ -347,11 +347,14 @@ def test_launcher_endpoints_round_trip_ipv6(host: str, port: int, text: str) -> 
     assert parse_endpoint(text, 0) == (host.strip("[]"), port)
 
 
-async def test_a_group_timeout_says_no_connection_was_ever_made() -> None:
+async def test_a_group_timeout_says_no_connection_was_ever_made(monkeypatch: pytest.MonkeyPatch) -> None:
     """A peer whose published address refuses by the time it is dialed (a rank behind a
     firewall, a wrong --local-addr; here: a rank whose listener closed after init): the
-    all_reduce's timeout names the address and the OS error."""
+    all_reduce's timeout names the address and the OS error. Shared memory off: the socket path
+    is what dials (rank 1 here is a bare transport, with no shared memory of its own)."""
     import aiodist as dist
+
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "0")
 
     store = PrefixStore("default", HashStore())
 

@@ -42,6 +42,7 @@ from aiodist.store.base import Store
 __all__ = ["ProcessGroup"]
 
 log = logging.getLogger("aiodist.c10d")
+_TELL_AT_TEARDOWN_S = 0.5  # shutdown: how long a pending 'tell the peers' may still dial
 
 Body = Callable[[P2P], Coroutine[Any, Any, None]]
 
@@ -385,6 +386,10 @@ class ProcessGroup:
         what they hold for the group (an NCCL communicator is destroyed, or aborted where an op
         of it is still on the GPU)."""
         works = list(self._pending.values())
+        if self._aborting:  # telling the peers dials the ones never connected: a short while, then not
+            _, late = await asyncio.wait(list(self._aborting), timeout=_TELL_AT_TEARDOWN_S)
+            for t in late:
+                t.cancel()
         tasks = list(self._pending) + list(self._aborting)
         break_group(self, reason, tell_peers=False, abort_devices=False)
         for w in works:

@@ -183,8 +183,10 @@ async def _wait(shm: SharedMemory, p2p: Any, ch: Any, g: GroupShm, words: list[n
 
 
 def announce(ch: Any, g: GroupShm, me: int) -> None:
-    """Say which op this rank is in (digest, then seq + 1), for a peer that waits on it."""
+    """Say which op this rank is in, for a peer that waits on it: a seqlock (seq 0, the digest,
+    then seq + 1), so a reader never takes one op's digest for another's."""
     cur = g.current[me]
+    cur[1] = 0
     cur[0] = ch.digest
     cur[1] = ch.seq + 1
 
@@ -193,8 +195,9 @@ def _check_current(ch: Any, g: GroupShm, q: int) -> None:
     """A sleeping wait's look at peer ``q``'s current op: at this seq with another digest (say
     a big all_reduce against a lane op, which write different words), a desync."""
     cur = g.current[q]
-    if cur[1] == ch.seq + 1 and ch.digest and cur[0] and cur[0] != ch.digest:
-        _desync(ch, q, int(cur[0]))
+    seq, digest, again = int(cur[1]), int(cur[0]), int(cur[1])  # x86-TSO: loads in this order
+    if seq == again == ch.seq + 1 and ch.digest and digest and digest != ch.digest:
+        _desync(ch, q, digest)
 
 
 async def phase(p2p: Any, g: GroupShm, step: int, nbytes: int = -1) -> None:
@@ -205,7 +208,13 @@ async def phase(p2p: Any, g: GroupShm, step: int, nbytes: int = -1) -> None:
     me, p = p2p.rank, p2p.size
     if step == 0:
         announce(ch, g, me)
-        g.current[me][2] = nbytes
+        # digest and size of the group's k-th big op go in set k % 2: a peer writes that set
+        # again only after this rank's step 0 of the next big op (as the lane's slots)
+        k = g.big_ops & 1
+        g.big_ops += 1
+        mine = g.checks[me][k]
+        mine[0] = ch.digest
+        mine[1] = nbytes
     target = ((ch.seq + 1) << 26) + 1 + step
     g.phases[me][0] = target
     _fence()
@@ -221,12 +230,12 @@ async def phase(p2p: Any, g: GroupShm, step: int, nbytes: int = -1) -> None:
         digest = ch.digest
         for q in range(p):
             if q != me:
-                cur = g.current[q]
-                if digest and cur[0] and cur[0] != digest:
-                    _desync(ch, q, int(cur[0]))
-                if cur[2] != nbytes:
+                theirs = g.checks[q][k]
+                if digest and theirs[0] and theirs[0] != digest:
+                    _desync(ch, q, int(theirs[0]))
+                if theirs[1] != nbytes:
                     raise DistBackendError(
-                        f"shared-memory op of group {ch.group_id}, seq {ch.seq}: rank {ch.ranks[q]} passed {int(cur[2])} bytes, "
+                        f"shared-memory op of group {ch.group_id}, seq {ch.seq}: rank {ch.ranks[q]} passed {int(theirs[1])} bytes, "
                         f"rank {ch.ranks[me]} {nbytes} (every rank must pass the same shapes and dtype)"
                     )
 

@@ -124,9 +124,11 @@ class GroupShm:
     heads: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     bodies: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     # ... phases[q]: a big op's step word (the halves' doorbell); current[q]: the op rank q is
-    # in (digest, seq + 1, nbytes of a big op)
+    # in (digest, seq + 1: a seqlock); checks[q][k % 2]: digest and size of its k-th big op
     phases: list[np.ndarray] = field(default_factory=list)
     current: list[np.ndarray] = field(default_factory=list)
+    checks: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    big_ops: int = 0  # big ops (phases) ever run on this group
     owner: Any = None  # the SharedMemory whose doorbell this rank sleeps on
 
     def __post_init__(self) -> None:
@@ -138,7 +140,8 @@ class GroupShm:
                 assert v is not None
                 self.sleeping.append(v[:8].view(np.int64))
                 self.phases.append(v[8:16].view(np.int64))
-                self.current.append(v[16:40].view(np.int64))
+                self.current.append(v[16:32].view(np.int64))
+                self.checks.append((v[32:48].view(np.int64), v[48:64].view(np.int64)))
                 at = (64, 64 + LANE_SLOT)
                 self.heads.append((v[at[0] : at[0] + 24].view(np.int64), v[at[1] : at[1] + 24].view(np.int64)))
                 self.bodies.append((v[at[0] + 64 : at[0] + LANE_SLOT], v[at[1] + 64 : at[1] + LANE_SLOT]))
@@ -363,7 +366,9 @@ class SharedMemory:
     async def _map_all(self, group_id: int, ranks: tuple[int, ...], p2p: Any = None) -> GroupShm:
         """Every member's segment for the group, mapped here (this rank's own made if need be)."""
         peers = [r for r in ranks if r != self.rank]
-        recs = await asyncio.gather(*(self._record(r) for r in peers))
+        # each a wait on that rank (its record is there once it has started: a rank that never
+        # did is named by the op's timeout, as for a receive)
+        recs = await asyncio.gather(*(_waited_on(p2p, ranks.index(r), self._record(r)) for r in peers))
         for r, rec in zip(peers, recs, strict=True):
             if "off" in rec:
                 raise ValueError(f"rank {r} has it off ({rec['off']})")

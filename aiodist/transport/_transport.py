@@ -75,7 +75,7 @@ log = logging.getLogger("aiodist.transport")
 
 _CLOSE_WAIT = 2.0  # seconds close() waits for connections to finish closing
 _DIAL_GRACE = 0.05  # seconds a waiting receive gives its peer to connect before dialing it
-_ABORT_DIAL_S = 5.0  # abort: how long a dial to a peer not yet connected may take
+_ABORT_DIAL_S = 2.0  # abort: how long a dial to a peer not yet connected may take
 _DIGESTS_KEPT = 4096  # per group: a collective digest is kept until its op is this many seqs old
 _NOWAIT_MAX_BYTES = 64 * 1024  # send_nowait only tries messages this small (the kernel takes them at once)
 _CONNECT_ATTEMPT_S = 5.0  # one connect attempt's deadline (a dropped SYN would otherwise wait minutes)
@@ -578,7 +578,8 @@ class Transport:
     async def abort(self, group_id: int, reason: str, ranks: Sequence[int] = ()) -> None:
         """Tell every connected peer that ``group_id`` is dead, and fail its local pending and
         later ops with ``DistBackendError(reason)``. Each of ``ranks`` (the group's) that this
-        rank has no connection to is dialed and told too, within ``_ABORT_DIAL_S``: ranks whose
+        rank has no connection to is dialed and told too, within ``_ABORT_DIAL_S`` (a group torn
+        down first cancels that): ranks whose
         ops met only through shared memory never needed a socket (aiodist.shm's lane)."""
         self._abort_now(group_id, reason)
         todo = [r for r in ranks if r != self.rank and r not in self._send_conn and r not in self._dead]
