@@ -901,9 +901,9 @@ def run(args: argparse.Namespace, sz: tuple[int, ...]) -> tuple[dict[str, Result
             info = sides["before"].info  # type: ignore[attr-defined]
             print(f"before: every rank imported {info['file']} (aiodist {info['version'] or 'version unknown'})", flush=True)
         idle = sides["aiodist"].idle_lags(IDLE_PROBE_SECONDS) if args.lag_probe else None
-        plan = [(op, count) for op in args.op_list for count in _rows(op, sz, args.nproc)]
+        rows = [(op, count) for op in args.op_list for count in _rows(op, sz, args.nproc)]
         for rnd in range(args.rounds):
-            for j, (op, count) in enumerate(plan):
+            for j, (op, count) in enumerate(rows):
                 for i in side_order(impls, j, rnd):
                     got = sides[i].row(op, count, args.warmup, args.iters)
                     if count in out[i][op]:
