@@ -160,7 +160,9 @@ async def broadcast(
         return await issue_on_device(dev, pg, "broadcast", {"tensor": tensor, "root": root}, asy)
     b = buf(tensor, "broadcast tensor", writable=pg.rank() != root)
     flat, th = b.flat, pg.thresholds
-    ticket = _shm_ticket(pg, 0 < flat.nbytes <= th.broadcast_lane_max and th.lane(flat.nbytes))  # small: the latency lane
+    # small, 2 ranks: the latency lane (every lane op waits for every rank; with more ranks the
+    # socket's tree, where a rank waits only for its parent, was faster: 4 ranks, 1-16 KiB)
+    ticket = _shm_ticket(pg, len(pg.ranks) == 2 and 0 < flat.nbytes <= th.broadcast_lane_max and th.lane(flat.nbytes))
 
     async def body(p2p: P2P) -> None:
         if ticket is None or not await run_broadcast(ticket, p2p, flat, root):
