@@ -42,7 +42,7 @@ from aiodist.store.base import Store
 __all__ = ["ProcessGroup"]
 
 log = logging.getLogger("aiodist.c10d")
-_TELL_AT_TEARDOWN_S = 0.5  # shutdown: how long a pending 'tell the peers' may still dial
+_TELL_AT_TEARDOWN_S = 0.2  # shutdown: how long a pending 'tell the peers' may still dial
 
 Body = Callable[[P2P], Coroutine[Any, Any, None]]
 

@@ -577,12 +577,13 @@ class Transport:
 
     async def abort(self, group_id: int, reason: str, ranks: Sequence[int] = ()) -> None:
         """Tell every connected peer that ``group_id`` is dead, and fail its local pending and
-        later ops with ``DistBackendError(reason)``. Each of ``ranks`` (the group's) that this
-        rank has no connection to is dialed and told too, within ``_ABORT_DIAL_S`` (a group torn
-        down first cancels that): ranks whose
-        ops met only through shared memory never needed a socket (aiodist.shm's lane)."""
+        later ops with ``DistBackendError(reason)``. Where this rank is the first to abort the
+        group, each of ``ranks`` (the group's) it has no connection to is dialed and told too,
+        within ``_ABORT_DIAL_S`` (a group torn down first cancels that): ranks whose ops met
+        only through shared memory never needed a socket (aiodist.shm's lane)."""
+        first = group_id not in self._aborted  # a peer's ABORT came first: that peer told everyone
         self._abort_now(group_id, reason)
-        todo = [r for r in ranks if r != self.rank and r not in self._send_conn and r not in self._dead]
+        todo = [r for r in ranks if first and r != self.rank and r not in self._send_conn and r not in self._dead]
         if todo and not self._closed:
             frame = abort_frame(self.rank, group_id, 0, reason)
 
