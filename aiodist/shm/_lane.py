@@ -1,14 +1,17 @@
-"""The latency lane: small all_reduces through the first bytes of every member's segment, with
-no message on any socket when the group's ranks arrive together.
+"""The latency lane: small all_reduce, all_gather, broadcast and barrier through the first bytes
+of every member's segment, with no message on any socket when the group's ranks arrive
+together; and the phase words that are the big ops' doorbells (``phase``).
 
 Why: between processes on one host, what a small op costs is not the bytes but the wake-ups: a
 rank asleep in epoll that a peer's message wakes (on a VM, tens to hundreds of microseconds
 each). The lane has a rank write its input where its peers read it and watch their flags,
 spinning a little while (``GroupShm.spin_s``) before it sleeps on its doorbell.
 
-Layout (``aiodist.shm._manager``: ``LANE_BYTES`` at the start of every member's segment):
-``sleeping`` (int64: the flag value this rank is asleep waiting for), then two slots, each a
-64-byte head (flag, digest, nbytes: int64) and ``LANE_MAX`` payload bytes.
+Layout (``aiodist.shm._manager``: ``LANE_BYTES`` at the start of every member's segment), int64
+words: ``sleeping`` (the value this rank is asleep waiting for), ``phase`` (a big op's step),
+``current`` (the op this rank is in: digest, seq + 1, written as a seqlock), two ``checks`` sets
+(digest and size of the group's big ops, by their count's parity); then two slots, each a
+64-byte head (flag, digest, nbytes) and ``LANE_MAX`` payload bytes.
 
 Rules this module keeps:
 - A group's k-th lane op uses slot k % 2 of every member. A rank writes its slot for op k only
@@ -29,7 +32,12 @@ Rules this module keeps:
   then it raises that error. The op's timeout and ``break_group`` cancel it as any op.
 - Every rank checks each peer's digest and size against its own (the always-on desync check of
   aiodist._digest, which no frame carries here) and reduces every slot in rank order: the
-  same bits on every rank.
+  same bits on every rank. A big op checks them at its first phase, from the check set of its
+  parity (a peer writes that set again only after this rank's first phase of the next big op);
+  a sleeping wait reads its peers' ``current`` words, so a peer in another kind of op at the
+  same seq (which writes other words) is a desync, not a wait until the timeout.
+- Flags and phase words only grow (seq + 1, and ``(seq + 1) << 26`` plus the step), so a wait is
+  for a value at least its target.
 """
 
 from __future__ import annotations
