@@ -62,12 +62,7 @@ class Work(asyncio.Future[list[Any]]):
         # awaiting task waits on a plain future of its own, which the Work resolves the moment
         # it completes (``_wake``). Cancelling the task cancels that future only, at once.
         if not self.done():
-            waiter: asyncio.Future[None] = self.get_loop().create_future()
-            ws = self._waiters
-            if ws is None:
-                self._waiters = [waiter]
-            else:
-                ws.append(waiter)
+            waiter = self._waiter()
             try:
                 yield from waiter
             except BaseException:  # cancelled (or closed): this waiter is no longer wanted

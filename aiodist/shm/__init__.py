@@ -40,7 +40,7 @@ async def run_all_reduce(ticket: Ticket, p2p: P2P, flat: np.ndarray, combine: _a
         if lane:
             if not _lane.fits(g, flat.nbytes):
                 return False
-            await _lane.all_reduce(ticket.shm, p2p, g, flat, combine)
+            await _lane.all_reduce(p2p, g, flat, combine)
         elif flat.size:
             await _algorithms.all_reduce(p2p, g, flat, combine)
         return True
@@ -55,7 +55,7 @@ async def run_barrier(ticket: Ticket, p2p: P2P) -> bool:
         g = await ticket.acquire(p2p)
         if g is None or not g.lane:
             return False
-        await _lane.exchange(ticket.shm, p2p, g, None, [0] * p2p.size, "barrier")
+        await _lane.exchange(p2p, g, None, [0] * p2p.size, "barrier")
         return True
     finally:
         ticket.release()
@@ -68,7 +68,7 @@ async def run_broadcast(ticket: Ticket, p2p: P2P, flat: np.ndarray, root: int) -
         g = await ticket.acquire(p2p)
         if g is None or not _lane.fits(g, flat.nbytes):
             return False
-        await _lane.broadcast(ticket.shm, p2p, g, flat, root)
+        await _lane.broadcast(p2p, g, flat, root)
         return True
     finally:
         ticket.release()
@@ -85,7 +85,7 @@ async def run_all_gather(ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray], m
         if lane:
             if not _lane.fits(g, max(o.nbytes for o in outs)):
                 return False
-            await _lane.all_gather(ticket.shm, p2p, g, outs, mine)
+            await _lane.all_gather(p2p, g, outs, mine)
         else:
             await _algorithms.all_gather(p2p, g, outs, mine)
         return True

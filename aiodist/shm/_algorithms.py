@@ -33,7 +33,7 @@ import numpy as np
 from aiodist.algorithms import schedule as sch
 from aiodist.algorithms.p2p import P2P, byte_view
 from aiodist.shm import _lane
-from aiodist.shm._manager import GroupShm
+from aiodist.shm._manager import GroupShm, retrieve
 
 __all__ = ["all_reduce", "all_gather", "PIECE"]
 
@@ -45,11 +45,6 @@ _YIELD_S = 0.001  # and yields to the loop once this long has passed since the l
 _PHASE = 1 << 24
 _IN, _OUT = 0, 1
 _EMPTY = np.empty(0, np.uint8)
-
-
-def _retrieve(t: asyncio.Future[None]) -> None:
-    if not t.cancelled():
-        t.exception()
 
 
 async def _doorbell(p2p: P2P, tag: int) -> None:
@@ -74,7 +69,7 @@ async def _doorbell(p2p: P2P, tag: int) -> None:
         for f in pending:
             if not f.done():
                 f.cancel()
-            f.add_done_callback(_retrieve)
+            f.add_done_callback(retrieve)
         raise
 
 

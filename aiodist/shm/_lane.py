@@ -52,7 +52,7 @@ import numpy as np
 
 from aiodist._message import byte_view
 from aiodist.errors import DistBackendError
-from aiodist.shm._manager import GroupShm, SharedMemory, channel_of, check_peer
+from aiodist.shm._manager import GroupShm, channel_of, check_peer
 
 __all__ = ["exchange", "phase", "announce", "all_reduce", "broadcast", "all_gather", "fits"]
 
@@ -74,7 +74,7 @@ def fits(g: GroupShm, nbytes: int) -> bool:
     return g.lane and 0 <= nbytes <= g.bodies[0][0].size
 
 
-async def exchange(shm: SharedMemory, p2p: Any, g: GroupShm, mine: np.ndarray | None, sizes: Sequence[int], op: str) -> list[np.ndarray]:
+async def exchange(p2p: Any, g: GroupShm, mine: np.ndarray | None, sizes: Sequence[int], op: str) -> list[np.ndarray]:
     """One lane op: write ``mine`` (bytes, or nothing), wait for every peer's, check each peer's
     digest and that it wrote ``sizes[peer]`` bytes; every member's bytes (views of the slots,
     valid until this rank's next lane op of the group)."""
@@ -98,9 +98,9 @@ async def exchange(shm: SharedMemory, p2p: Any, g: GroupShm, mine: np.ndarray | 
         if q != me and sleeping[q][0] == target:
             os.eventfd_write(g.bells[q], 1)
     heads = [h[s] for h in g.heads]
-    missing = [q for q in range(p) if q != me and heads[q][0] != target]
+    missing = [q for q in range(p) if q != me and heads[q][0] < target]
     if missing:
-        await _wait(shm, p2p, ch, g, heads, missing, target)
+        await _wait(p2p, ch, g, heads, missing, target)
     digest = ch.digest
     for q in range(p):
         if q != me:
@@ -115,34 +115,34 @@ async def exchange(shm: SharedMemory, p2p: Any, g: GroupShm, mine: np.ndarray | 
     return [g.bodies[q][s][: sizes[q]] for q in range(p)]
 
 
-async def all_reduce(shm: SharedMemory, p2p: Any, g: GroupShm, flat: np.ndarray, combine: Combine) -> None:
+async def all_reduce(p2p: Any, g: GroupShm, flat: np.ndarray, combine: Combine) -> None:
     """``flat`` reduced across the group in place, in rank order (the same bits everywhere)."""
     n = flat.nbytes
     mine = byte_view(flat)
-    parts = await exchange(shm, p2p, g, mine, [n] * p2p.size, "all_reduce")
+    parts = await exchange(p2p, g, mine, [n] * p2p.size, "all_reduce")
     np.copyto(mine, parts[0])
     dt = flat.dtype
     for part in parts[1:]:
         combine(flat, part.view(dt))
 
 
-async def broadcast(shm: SharedMemory, p2p: Any, g: GroupShm, flat: np.ndarray, root: int) -> None:
+async def broadcast(p2p: Any, g: GroupShm, flat: np.ndarray, root: int) -> None:
     """``flat`` of ``root`` into ``flat`` of every rank (every rank still waits for every flag:
     the slots' reuse rule needs each lane op to be seen by all)."""
     n = flat.nbytes
     me = p2p.rank
     sizes = [n if q == root else 0 for q in range(p2p.size)]
-    parts = await exchange(shm, p2p, g, byte_view(flat) if me == root else None, sizes, "broadcast")
+    parts = await exchange(p2p, g, byte_view(flat) if me == root else None, sizes, "broadcast")
     if me != root:
         np.copyto(byte_view(flat, writable=True), parts[root])
 
 
-async def all_gather(shm: SharedMemory, p2p: Any, g: GroupShm, outs: Sequence[np.ndarray], mine: np.ndarray) -> None:
+async def all_gather(p2p: Any, g: GroupShm, outs: Sequence[np.ndarray], mine: np.ndarray) -> None:
     """Every rank's ``mine`` into every rank's ``outs[that rank]`` (sizes may differ per rank)."""
     me = p2p.rank
     dsts = [byte_view(o, writable=True) for o in outs]
     src = byte_view(mine)
-    parts = await exchange(shm, p2p, g, src, [d.nbytes for d in dsts], "all_gather")
+    parts = await exchange(p2p, g, src, [d.nbytes for d in dsts], "all_gather")
     for q, d in enumerate(dsts):
         if q != me:
             np.copyto(d, parts[q])
@@ -150,7 +150,7 @@ async def all_gather(shm: SharedMemory, p2p: Any, g: GroupShm, outs: Sequence[np
         np.copyto(dsts[me], parts[me])  # from the slot: the input may overlap the output
 
 
-async def _wait(shm: SharedMemory, p2p: Any, ch: Any, g: GroupShm, words: list[np.ndarray], missing: list[int], target: int) -> None:
+async def _wait(p2p: Any, ch: Any, g: GroupShm, words: list[np.ndarray], missing: list[int], target: int) -> None:
     """Until ``words[q][0] >= target`` for every peer q in ``missing`` (a lane slot's flag, a
     phase word: both only grow): spin, then sleep on the doorbell."""
     end = time.perf_counter() + g.spin_s
@@ -180,7 +180,7 @@ async def _wait(shm: SharedMemory, p2p: Any, ch: Any, g: GroupShm, words: list[n
         for q in missing:
             check_peer(ch, q)  # a dead or departed peer, an aborted group: its error
             _check_current(ch, g, q)  # a peer in another shared-memory op at this seq
-        rung = await shm.doorbell(_RECHECK_S)
+        rung = await g.owner.doorbell(_RECHECK_S)
     if counter is not None:
         heard = getattr(p2p, "_heard", None)
         now = time.time()
@@ -233,7 +233,7 @@ async def phase(p2p: Any, g: GroupShm, step: int, nbytes: int = -1) -> None:
     words = g.phases
     missing = [q for q in range(p) if q != me and words[q][0] < target]
     if missing:
-        await _wait(g.owner, p2p, ch, g, words, missing, target)
+        await _wait(p2p, ch, g, words, missing, target)
     if step == 0:
         digest = ch.digest
         for q in range(p):
@@ -256,4 +256,7 @@ def _desync(ch: Any, q: int, theirs: int) -> None:
     if mine is not None:
         t._desync(ch.group_id, ch.seq, mine, ch.ranks[q], theirs)
         raise t._abort_error((ch.group_id, ch.seq, 0))
-    raise DistBackendError(f"all_reduce of group {ch.group_id}, seq {ch.seq}: rank {ch.ranks[q]} called another op (digest {theirs:#x})")
+    raise DistBackendError(
+        f"shared-memory op of group {ch.group_id}, seq {ch.seq}: rank {ch.ranks[q]} called another op or other arguments "
+        f"(digest {theirs:#x}, rank {ch.ranks[ch.rank]}'s {ch.digest:#x})"
+    )

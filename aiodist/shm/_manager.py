@@ -189,10 +189,6 @@ class Ticket:
         turns.issued += 1
         self._done = False
 
-    @property
-    def shm(self) -> SharedMemory:
-        return self._shm
-
     def release(self, *_: Any) -> None:
         """Pass the turn on (idempotent; also a Work's done callback)."""
         if not self._done:
@@ -236,6 +232,7 @@ class SharedMemory:
         self._records: dict[int, dict[str, Any]] = {}
         self._host_id = ""
         self._closed = False
+        self.spin_s = 0.0  # a lane wait's spin (spin_seconds), read once at start
         self.bell = -1  # this rank's doorbell (an eventfd; aiodist.shm._lane), -1 where off
         self._bell_waiters: list[asyncio.Future[bool]] = []
 
@@ -243,10 +240,12 @@ class SharedMemory:
     async def start(cls, store: Store, rank: int, token: bytes, host_id: str) -> SharedMemory:
         """Start the fd server and publish this rank's record (or why it is off, said at INFO)."""
         size = segment_bytes()
+        spin = spin_seconds()  # a malformed value is refused here, as AIODIST_SHM_BYTES is
         off = None if size else f"{ENV_BYTES}=0"
         if off is None and not hasattr(os, "memfd_create"):
             off = "os.memfd_create is not available on this platform"
         self = cls(store, rank, token, size, off)
+        self.spin_s = spin
         self._host_id = host_id
         if off is None:
             try:
@@ -398,7 +397,7 @@ class SharedMemory:
         half = (smallest - (LANE_BYTES if lane else 0)) // 2 // _ALIGN * _ALIGN
         bells = [self.bell if r == self.rank else s.bell for r, s in zip(ranks, by_rank, strict=True)]
         pids = {os.getpid(), *(rec.get("pid") for rec in recs)}
-        spin = spin_seconds() if len(pids) == len(ranks) else 0.0  # ranks sharing a process (and loop) never spin
+        spin = self.spin_s if len(pids) == len(ranks) else 0.0  # ranks sharing a process (and loop) never spin
         return GroupShm(by_rank, half, lane=lane, bells=bells, spin_s=spin, owner=self)
 
     async def agree(self, key: tuple[int, tuple[int, ...]], p2p: P2P) -> GroupShm | None:
@@ -525,13 +524,14 @@ async def _waited_on(p2p: Any, peer: int, aw: Any) -> Any:
     finally:
         if not task.done():
             task.cancel()
-            task.add_done_callback(_retrieve)
+            task.add_done_callback(retrieve)
     if counter is not None:
         counter[peer] -= 1
     return got
 
 
-def _retrieve(t: asyncio.Future[Any]) -> None:
+def retrieve(t: asyncio.Future[Any]) -> None:
+    """A done callback: read the outcome of a future nobody awaits (no "never retrieved" log)."""
     if not t.cancelled():
         t.exception()
 
