@@ -142,10 +142,24 @@ def test_shared_memory_path_matches_the_socket_path(tmp_path: Path, n: int) -> N
     res = _world(tmp_path, n)
     for r, out in enumerate(res):
         assert out["shm"]["groups"] == [0], f"rank {r}: the default group did not use shared memory: {out['shm']}"
+        # the all_gathers took the single-copy path (process_vm_readv), which every Linux here allows
+        assert out["shm"]["cma_groups"] == [0] and out["shm"]["cma_ops"] >= 2, f"rank {r}: {out['shm']}"
         assert all(out["same"].values()), f"rank {r}: shared memory and socket results differ: {out['same']}"
         assert out["digests"] == res[0]["digests"], f"rank {r}'s results are not rank 0's bits"
         assert out["during"][0] >= n, f"rank {r}: expected {n} memfd mappings during the run, saw {out['during']}"
         assert out["after"] == [0, 0], f"rank {r}: memfd mappings/fds left after destroy_process_group: {out['after']}"
+
+
+@pytest.mark.subprocess
+def test_single_copy_off_on_one_rank_keeps_shared_memory_with_two_copies(tmp_path: Path) -> None:
+    """AIODIST_SHM_CMA=0 on one rank: the group votes single copy off, and its all_gathers go
+    through the segments (two copies) with the same results."""
+    res = _world(tmp_path, 2, {1: {"AIODIST_SHM_CMA": "0"}})
+    for out in res:
+        assert out["shm"]["groups"] == [0] and out["shm"]["cma_groups"] == [] and out["shm"]["cma_ops"] == 0, out["shm"]
+        assert all(out["same"].values()), out["same"]
+        assert out["digests"] == res[0]["digests"]
+    assert res[0]["shm"]["cma"] and not res[1]["shm"]["cma"]
 
 
 @pytest.mark.subprocess

@@ -18,6 +18,11 @@ Rules these keep:
   pass (the piece is in cache for the second copy), into its own output slice; rings "in"; and
   copies every peer's part out. A rank whose input is its own output slice (in place) copies it
   into its slot only; an input overlapping the output otherwise is read from a copy of it.
+- all_gather with single copy (``GroupShm.cma``, aiodist.shm._cma): each rank publishes where its
+  input is (address, size) and rings "in"; copies its part into its own output slice while the
+  peers read it; reads every peer's part straight from that peer's input into its output
+  (``process_vm_readv``, a piece at a time), and rings "out". A rank returns (and its caller may
+  reuse the input) only after every peer's "out": nobody reads it any more.
 - No synchronous step is longer than one piece (``PIECE`` bytes) of a copy or a reduction: the
   loop runs other tasks between pieces (once a millisecond has passed since it last did).
 """
@@ -25,6 +30,7 @@ Rules these keep:
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -32,8 +38,9 @@ import numpy as np
 
 from aiodist.algorithms import schedule as sch
 from aiodist.algorithms.p2p import P2P, byte_view
-from aiodist.shm import _lane
-from aiodist.shm._manager import GroupShm, retrieve
+from aiodist.errors import DistBackendError
+from aiodist.shm import _cma, _lane
+from aiodist.shm._manager import GroupShm, channel_of, check_peer, retrieve
 
 __all__ = ["all_reduce", "all_gather", "PIECE"]
 
@@ -147,6 +154,9 @@ async def all_gather(p2p: P2P, g: GroupShm, outs: Sequence[np.ndarray], mine: np
     in_place = _same_bytes(own, src)
     if not in_place and any(np.may_share_memory(src, d) for d in dsts):
         src = src.copy()  # a later round's output would overwrite input it has yet to send
+    if g.cma:
+        await _all_gather_single_copy(p2p, g, dsts, src, in_place)
+        return
     longest = max(d.nbytes for d in dsts)
     per = g.half
     step = max(1, PIECE // 2)  # a step writes a piece twice: into the slot and the own slice
@@ -169,6 +179,50 @@ async def all_gather(p2p: P2P, g: GroupShm, outs: Sequence[np.ndarray], mine: np
             if q != me:
                 d = dsts[q][lo : lo + per]
                 await _copy(d, slots[q][: d.size], pace)
+
+
+async def _all_gather_single_copy(p2p: P2P, g: GroupShm, dsts: list[np.ndarray], src: np.ndarray, in_place: bool) -> None:
+    """all_gather by single-copy reads (see the module docstring): every peer's input straight
+    into this rank's output, no segment in between."""
+    p, me = p2p.size, p2p.rank
+    total = sum(d.nbytes for d in dsts)
+    g.cma_ops += 1
+    words = g.cma_words[me]
+    words[0] = src.ctypes.data if src.nbytes else 0
+    words[1] = src.nbytes
+    await _lane.phase(p2p, g, 0, total)  # the words are written before the phase word (x86-TSO)
+    pace = _Pacer()
+    if not in_place:
+        await _copy(dsts[me], src, pace)
+    for q in range(p):
+        if q != me:
+            addr, n = int(g.cma_words[q][0]), int(g.cma_words[q][1])
+            d = dsts[q]
+            if n != d.nbytes:  # (step 0 checked the total and the digest: a part's size too, unless the digest is off)
+                ch = channel_of(p2p)
+                raise DistBackendError(
+                    f"all_gather on group {ch.group_id if ch else '?'}, seq {ch.seq if ch else '?'}: rank "
+                    f"{ch.ranks[q] if ch else q} passed {n} bytes, this rank expected {d.nbytes} from it "
+                    "(every rank must pass the same sizes)"
+                )
+            for a in range(0, n, PIECE):
+                try:
+                    _cma.read(g.pids[q], d[a : a + PIECE], addr + a)
+                except OSError as exc:
+                    _read_failed(p2p, q, g.pids[q], exc)
+                await pace.tick()
+    await _lane.phase(p2p, g, 1, total)  # every peer has read this rank's input
+
+
+def _read_failed(p2p: P2P, q: int, pid: int, exc: OSError) -> None:
+    """A single-copy read of group rank ``q`` failed: the transport's error where that peer
+    died or the group was aborted, else one that names the op's group, seq, the rank and why."""
+    ch = channel_of(p2p)
+    check_peer(ch, q)
+    raise DistBackendError(
+        f"all_gather on group {ch.group_id if ch else '?'}, seq {ch.seq if ch else '?'}: reading rank "
+        f"{ch.ranks[q] if ch else q}'s input (process {pid}) failed: {os.strerror(exc.errno or 0)}"
+    ) from exc
 
 
 def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:

@@ -40,6 +40,7 @@ import numpy as np
 from aiodist.algorithms import collectives as alg
 from aiodist.algorithms.p2p import P2P, SubP2P
 from aiodist.algorithms.thresholds import Thresholds
+from aiodist.shm import _cma
 from aiodist.shm._segment import FdServer, Segment, fetch
 from aiodist.store.base import Store
 
@@ -99,7 +100,10 @@ def segment_bytes(env: dict[str, str] | None = None) -> int:
 #: then two slots of a 64-byte header (flag, digest, nbytes) and ``LANE_MAX`` payload bytes
 LANE_MAX = 256 << 10
 LANE_SLOT = 64 + LANE_MAX
-LANE_BYTES = (64 + 2 * LANE_SLOT + 4095) // 4096 * 4096
+#: ... then a rank's single-copy words (``GroupShm.cma_words``: the address and size of its
+#: input in a single-copy all_gather), in the lane's last page
+LANE_CMA = 64 + 2 * LANE_SLOT
+LANE_BYTES = (LANE_CMA + 64 + 4095) // 4096 * 4096
 
 
 @dataclass
@@ -130,6 +134,12 @@ class GroupShm:
     checks: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     big_ops: int = 0  # big ops (phases) ever run on this group
     owner: Any = None  # the SharedMemory whose doorbell this rank sleeps on
+    # single-copy reads (aiodist.shm._cma): every rank can read every member's memory (agreed),
+    # the members' pids, and cma_words[q]: the address and size of rank q's input of a big op
+    cma: bool = False
+    pids: list[int] = field(default_factory=list)
+    cma_words: list[np.ndarray] = field(default_factory=list)
+    cma_ops: int = 0  # ops that took the single-copy path
 
     def __post_init__(self) -> None:
         base = LANE_BYTES if self.lane else 0
@@ -145,6 +155,7 @@ class GroupShm:
                 at = (64, 64 + LANE_SLOT)
                 self.heads.append((v[at[0] : at[0] + 24].view(np.int64), v[at[1] : at[1] + 24].view(np.int64)))
                 self.bodies.append((v[at[0] + 64 : at[0] + LANE_SLOT], v[at[1] + 64 : at[1] + LANE_SLOT]))
+                self.cma_words.append(v[LANE_CMA : LANE_CMA + 16].view(np.int64))
 
     def slots(self) -> list[np.ndarray]:
         """The next round's slot (a half) of every member's segment, in group-rank order."""
@@ -234,6 +245,7 @@ class SharedMemory:
         self._closed = False
         self.spin_s = 0.0  # a lane wait's spin (spin_seconds), read once at start
         self.bell = -1  # this rank's doorbell (an eventfd; aiodist.shm._lane), -1 where off
+        self.cma: dict[str, Any] | None = None  # this process's single-copy probe (aiodist.shm._cma), None where off
         self._bell_waiters: list[asyncio.Future[bool]] = []
 
     @classmethod
@@ -241,6 +253,7 @@ class SharedMemory:
         """Start the fd server and publish this rank's record (or why it is off, said at INFO)."""
         size = segment_bytes()
         spin = spin_seconds()  # a malformed value is refused here, as AIODIST_SHM_BYTES is
+        cma = _cma.enabled()  # and AIODIST_SHM_CMA
         off = None if size else f"{ENV_BYTES}=0"
         if off is None and not hasattr(os, "memfd_create"):
             off = "os.memfd_create is not available on this platform"
@@ -263,6 +276,9 @@ class SharedMemory:
         else:
             assert self.server is not None
             record = {"name": self.server.name.encode().hex(), "host_id": host_id, "pid": os.getpid()}
+            self.cma = _cma.record() if cma and self.bell >= 0 else None  # (single copy needs the lane's words)
+            if self.cma is not None:
+                record["cma"] = self.cma
         try:
             await store.set(f"{_KEY}{rank}", json.dumps(record))
         except BaseException:  # nobody else holds it yet: its server must not outlive this call
@@ -398,7 +414,10 @@ class SharedMemory:
         bells = [self.bell if r == self.rank else s.bell for r, s in zip(ranks, by_rank, strict=True)]
         pids = {os.getpid(), *(rec.get("pid") for rec in recs)}
         spin = self.spin_s if len(pids) == len(ranks) else 0.0  # ranks sharing a process (and loop) never spin
-        return GroupShm(by_rank, half, lane=lane, bells=bells, spin_s=spin, owner=self)
+        # single copy where this rank reads every peer's probe bytes (the vote makes it all or none)
+        by_pid = [os.getpid() if r == self.rank else recs[peers.index(r)].get("pid") for r in ranks]
+        cma = lane and self.cma is not None and all(_cma.readable(rec.get("pid"), rec.get("cma")) for rec in recs)
+        return GroupShm(by_rank, half, lane=lane, bells=bells, spin_s=spin, owner=self, cma=cma, pids=by_pid if cma else [])
 
     async def agree(self, key: tuple[int, tuple[int, ...]], p2p: P2P) -> GroupShm | None:
         """Map the group's segments here and agree with its ranks whether all could; the group's
@@ -413,7 +432,7 @@ class SharedMemory:
             except Exception as exc:  # whatever went wrong, this rank votes (CancelledError goes through)
                 why = str(exc) if type(exc) is ValueError else f"{type(exc).__name__}: {exc}"
                 state = None
-        vote = np.array([1 if state is not None else 0], np.uint8)
+        vote = np.array([state is not None, state is not None and state.cma], np.uint8)
         try:
             await alg.all_reduce(SubP2P(p2p, _AGREE_SUB), vote, _min, thresholds=_LATENCY)
         except BaseException:
@@ -421,6 +440,7 @@ class SharedMemory:
             raise
         if vote[0] == 1:
             assert state is not None
+            state.cma = bool(vote[1])
             log.debug("rank %d: group %d uses shared memory (%d ranks, %d-byte rounds)", self.rank, group_id, len(ranks), state.half)
             return state
         self._drop(group_id)  # every rank has voted: no peer fetches any of these any more
@@ -468,6 +488,9 @@ class SharedMemory:
             "lane_ops": sum(t.state.lane_ops for t in self._turns.values() if t.state is not None),
             "lane_sleeps": sum(t.state.lane_sleeps for t in self._turns.values() if t.state is not None),
             "lane_lost_wakeups": sum(t.state.lane_lost for t in self._turns.values() if t.state is not None),
+            "cma": self.cma is not None,
+            "cma_groups": sorted(k[0] for k, t in self._turns.items() if t.state is not None and t.state.cma),
+            "cma_ops": sum(t.state.cma_ops for t in self._turns.values() if t.state is not None),
             "own_segments": len(self._own),
             "mapped_segments": sum(len(m) for m in self._mapped.values()),
         }

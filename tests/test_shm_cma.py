@@ -1,0 +1,131 @@
+"""Single-copy reads between processes (aiodist.shm._cma): the probe that decides whether a
+peer can be read, the read itself and its errors. The collectives that use it are tested in
+tests/test_shm.py (real processes) and below in one process (run_world)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import gc
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import aiodist as dist
+from aiodist.errors import DistBackendError
+from aiodist.shm import _cma
+from aiodist.testing import run_world
+
+pytestmark = pytest.mark.skipif(not _cma.record(), reason="no process_vm_readv here")
+
+
+def test_reads_its_own_probe_and_refuses_wrong_bytes_or_a_wrong_pid() -> None:
+    rec = _cma.record()
+    assert rec is not None and _cma.readable(os.getpid(), rec)
+    assert not _cma.readable(os.getpid(), {**rec, "bytes": "00" * 16})  # the same address, other bytes
+    assert not _cma.readable(os.getpid(), {"addr": "x"}) and not _cma.readable("1", rec)
+    # another process at that pid (as a peer in another pid namespace would be): not its bytes
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        assert not _cma.readable(child.pid, rec)
+    finally:
+        child.communicate(b"", timeout=30)
+
+
+def test_a_read_of_a_process_that_is_gone_is_an_oserror() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=30)
+    with pytest.raises(OSError) as info:
+        _cma.read(child.pid, np.zeros(8, np.uint8), 4096)
+    assert info.value.errno == errno.ESRCH
+
+
+def test_a_read_of_unmapped_memory_is_an_oserror() -> None:
+    with pytest.raises(OSError) as info:
+        _cma.read(os.getpid(), np.zeros(8, np.uint8), 8)  # page 0 is never mapped
+    assert info.value.errno == errno.EFAULT
+
+
+def test_the_switch_is_0_or_1() -> None:
+    assert _cma.enabled({}) and _cma.enabled({_cma.ENV: "1"}) and not _cma.enabled({_cma.ENV: " 0 "})
+    with pytest.raises(ValueError, match="AIODIST_SHM_CMA='yes'"):
+        _cma.enabled({_cma.ENV: "yes"})
+
+
+ENV = {"AIODIST_SHM_BYTES": "1M", "AIODIST_ALGO_ALLGATHER_SHM_MIN": "0"}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+async def test_all_gather_in_place_and_not_through_single_copy(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """Out of place, in place (the input is the own output slice), uneven parts and an input
+    that overlaps another rank's output slice (read from a copy): the bits the socket path gives."""
+    for k, v in ENV.items():
+        monkeypatch.setenv(k, v)
+
+    async def fn(rank: int) -> int:
+        m = 300_007  # 1.2 MB: bigger than a segment's half, which single copy does not need
+        x = np.arange(m, dtype=np.int32) * (rank + 1)
+        out = np.empty(m * n, np.int32)
+        await dist.all_gather_into_tensor(out, x)
+        want = np.concatenate([np.arange(m, dtype=np.int32) * (q + 1) for q in range(n)])
+        assert np.array_equal(out, want)
+        buf = np.zeros(m * n, np.int32)
+        buf[rank * m : (rank + 1) * m] = x
+        await dist.all_gather_into_tensor(buf, buf[rank * m : (rank + 1) * m])  # in place
+        assert np.array_equal(buf, want)
+        sizes = [50_000 + 7_777 * q for q in range(n)]
+        parts = [np.empty(s, np.float64) for s in sizes]
+        await dist.all_gather(parts, np.full(sizes[rank], rank - 0.5))
+        assert all(np.all(p == q - 0.5) for q, p in enumerate(parts))
+        # the input is the next rank's output slice: it must be read before that slice is written
+        buf2 = np.concatenate([np.arange(m, dtype=np.int32) * (rank + 1)] * n)
+        nxt = (rank + 1) % n
+        await dist.all_gather_into_tensor(buf2, buf2[nxt * m : (nxt + 1) * m])
+        assert np.array_equal(buf2, want)
+        shm = dist.group.WORLD.backend.stats()["shm"]
+        return int(shm["cma_ops"])
+
+    ops = await run_world(n, fn, backend="gloo", timeout=60)
+    assert ops == [4] * n, ops
+
+
+async def test_a_failed_read_names_the_op_group_seq_and_rank_and_fails_the_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank's read of its peer's input fails (its first one is sent to page 0, which is
+    never mapped): that rank's op fails with a DistBackendError that says what and whose, and
+    the peer, which read fine and waits for it, fails too (the group is broken), well within
+    the timeout: no rank hangs."""
+    for k, v in ENV.items():
+        monkeypatch.setenv(k, v)
+    real = _cma.read
+    failed: list[int] = []
+
+    def bad(pid: int, dst: np.ndarray, addr: int) -> None:
+        if dst.nbytes > 16 and not failed:  # (the probes are 16 bytes)
+            failed.append(addr)
+            addr = 8
+        real(pid, dst, addr)
+
+    monkeypatch.setattr(_cma, "read", bad)
+
+    async def fn(rank: int) -> tuple[str, float]:
+        t = asyncio.get_running_loop().time()
+        try:
+            await dist.all_gather_into_tensor(np.empty(2 * 100_000, np.float32), np.ones(100_000, np.float32))
+        except DistBackendError as exc:
+            return str(exc), asyncio.get_running_loop().time() - t
+        return "ok", 0.0
+
+    results = await run_world(2, fn, backend="gloo", pg_timeout=20, timeout=60)
+    assert len(failed) == 1
+    msgs = [m for m, _ in results]
+    # both name the read that failed; the peer learned it from the failing rank's abort
+    assert all("all_gather on group 0, seq 0: reading rank" in m and "Bad address" in m for m in msgs), msgs
+    assert sum("aborted group 0" in m for m in msgs) == 1, msgs
+    assert all(dt < 10 for _, dt in results), results  # the peer learns it from the abort, not its 20 s timeout
+    # the failed op's traceback still viewed the segments; once it is collected they are unmapped
+    gc.collect()
+    with open("/proc/self/maps") as f:
+        assert not any("memfd:aiodist-shm" in line for line in f)
