@@ -19,9 +19,9 @@ Rules these keep:
   copies every peer's part out. A rank whose input is its own output slice (in place) copies it
   into its slot only; an input overlapping the output otherwise is read from a copy of it.
 - all_gather with single copy (``GroupShm.cma``, aiodist.shm._cma): each rank publishes where its
-  input is (address, size) and rings "in"; copies its part into its own output slice while the
-  peers read it; reads every peer's part straight from that peer's input into its output
-  (``process_vm_readv``, a piece at a time), and rings "out". A rank returns (and its caller may
+  input is (address, size) and rings "in"; reads every peer's part straight from that peer's
+  input into its output (``process_vm_readv``, a piece at a time); copies its own part into its
+  output slice; and rings "out". A rank returns (and its caller may
   reuse the input) only after every peer's "out": nobody reads it any more.
 - No synchronous step is longer than one piece (``PIECE`` bytes) of a copy or a reduction: the
   loop runs other tasks between pieces (once a millisecond has passed since it last did).
@@ -192,8 +192,6 @@ async def _all_gather_single_copy(p2p: P2P, g: GroupShm, dsts: list[np.ndarray],
     words[1] = src.nbytes
     await _lane.phase(p2p, g, 0, total)  # the words are written before the phase word (x86-TSO)
     pace = _Pacer()
-    if not in_place:
-        await _copy(dsts[me], src, pace)
     for q in range(p):
         if q != me:
             addr, n = int(g.cma_words[q][0]), int(g.cma_words[q][1])
@@ -211,6 +209,8 @@ async def _all_gather_single_copy(p2p: P2P, g: GroupShm, dsts: list[np.ndarray],
                 except OSError as exc:
                     _read_failed(p2p, q, g.pids[q], exc)
                 await pace.tick()
+    if not in_place:  # after the reads: 20-30% faster at 2 ranks here than before them
+        await _copy(dsts[me], src, pace)
     await _lane.phase(p2p, g, 1, total)  # every peer has read this rank's input
 
 
