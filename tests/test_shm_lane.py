@@ -213,7 +213,10 @@ async def main():
     rank = dist.get_rank()
     await dist.all_reduce(np.ones(4, np.float32))
     if rank == 1:
-        await asyncio.sleep(4.5)  # never issues seq 1 within rank 0's timeout (and its diagnosis)
+        # never issues seq 1 while rank 0 waits (its timeout and diagnosis): until rank 0 is done
+        end = time.monotonic() + 30
+        while not os.path.exists(__file__ + ".done") and time.monotonic() < end:
+            await asyncio.sleep(0.05)
         print(json.dumps({{"msg": "slept"}}))
         os._exit(0)
     try:
@@ -222,6 +225,7 @@ async def main():
     except dist.DistError as exc:
         msg = f"{{type(exc).__name__}}: {{exc}}"
     print(json.dumps({{"msg": msg}}))
+    open(__file__ + ".done", "w").close()
     os._exit(0)
 
 asyncio.run(main())
