@@ -75,6 +75,7 @@ async def main():
     os.environ["AIODIST_ALGO_ALLREDUCE_SHM_MIN"] = "-1"  # read when a group is made: this one is socket-only
     os.environ["AIODIST_ALGO_ALLGATHER_SHM_MIN"] = "-1"
     os.environ["AIODIST_ALGO_LANE_MAX"] = "0"
+    os.environ["AIODIST_ALGO_BROADCAST_SHM_MIN"] = "-1"
     sock = await dist.new_group(list(range(n)))
     rng = np.random.default_rng(1234 + rank)
     digests, same = {{}}, {{}}
@@ -114,6 +115,15 @@ async def main():
     same["all_gather_uneven"] = all(np.array_equal(x, y) for x, y in zip(lst_s, lst_k))
     same["all_gather_values"] = all(np.all(x == r - 0.25) for r, x in enumerate(lst_s))
 
+    ok = True
+    for root in range(n):  # big broadcasts: single-copy reads of the root's tensor
+        a = np.arange(300_007, dtype=np.float32) * (root + 1) if rank == root else np.zeros(300_007, np.float32)
+        b = a.copy()
+        await dist.broadcast(a, src=root)
+        await dist.broadcast(b, src=root, group=sock)
+        ok = ok and bool(np.array_equal(a, b)) and bool(np.array_equal(a, np.arange(300_007, dtype=np.float32) * (root + 1)))
+    same["broadcast"] = ok
+
     shm = dist.group.WORLD.backend.stats()["shm"]
     during = memfds()
     await dist.destroy_process_group()
@@ -142,8 +152,9 @@ def test_shared_memory_path_matches_the_socket_path(tmp_path: Path, n: int) -> N
     res = _world(tmp_path, n)
     for r, out in enumerate(res):
         assert out["shm"]["groups"] == [0], f"rank {r}: the default group did not use shared memory: {out['shm']}"
-        # the all_gathers took the single-copy path (process_vm_readv), which every Linux here allows
-        assert out["shm"]["cma_groups"] == [0] and out["shm"]["cma_ops"] >= 2, f"rank {r}: {out['shm']}"
+        # the big broadcasts (and at 2 ranks the all_gathers) took the single-copy path
+        # (process_vm_readv), which every Linux here allows
+        assert out["shm"]["cma_groups"] == [0] and out["shm"]["cma_ops"] == n + (2 if n == 2 else 0), f"rank {r}: {out['shm']}"
         assert all(out["same"].values()), f"rank {r}: shared memory and socket results differ: {out['same']}"
         assert out["digests"] == res[0]["digests"], f"rank {r}'s results are not rank 0's bits"
         assert out["during"][0] >= n, f"rank {r}: expected {n} memfd mappings during the run, saw {out['during']}"

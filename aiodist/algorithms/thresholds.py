@@ -78,6 +78,10 @@ class Thresholds:
     #: ... broadcast only up to this many bytes: a lane op waits for every rank's flag, where the
     #: socket's root only sends (from 32 KiB up the socket's broadcast was faster here).
     broadcast_lane_max: int = 16 * KiB
+    #: broadcast by single-copy reads of the root's tensor (aiodist.shm._cma: every rank of the
+    #: group on one host, and allowed to read the others' memory) from this many bytes; negative:
+    #: never. At 2 ranks here the socket's broadcast took 2.4-4.6x Open MPI's time from 1 MiB up.
+    broadcast_shm_min: int = 256 * KiB
 
     def __post_init__(self) -> None:
         if self.pipeline_piece < 1:

@@ -162,10 +162,12 @@ async def broadcast(
     flat, th = b.flat, pg.thresholds
     # small, 2 ranks: the latency lane (every lane op waits for every rank; with more ranks the
     # socket's tree, where a rank waits only for its parent, was faster: 4 ranks, 1-16 KiB)
-    ticket = _shm_ticket(pg, len(pg.ranks) == 2 and 0 < flat.nbytes <= th.broadcast_lane_max and th.lane(flat.nbytes))
+    # big: single-copy reads of the root's tensor where the group can (aiodist.shm._cma)
+    big = 0 <= th.broadcast_shm_min <= flat.nbytes and flat.nbytes > 0
+    ticket = _shm_ticket(pg, big or (len(pg.ranks) == 2 and 0 < flat.nbytes <= th.broadcast_lane_max and th.lane(flat.nbytes)))
 
     async def body(p2p: P2P) -> None:
-        if ticket is None or not await run_broadcast(ticket, p2p, flat, root):
+        if ticket is None or not await run_broadcast(ticket, p2p, flat, root, big):
             await alg.broadcast(p2p, flat, root, thresholds=th)
 
     return await _finish(_issue_with(pg, ticket, "broadcast", body, [tensor], meta=_meta(tensor=_t(b), root=pg.ranks[root])), asy)

@@ -61,12 +61,20 @@ async def run_barrier(ticket: Ticket, p2p: P2P) -> bool:
         ticket.release()
 
 
-async def run_broadcast(ticket: Ticket, p2p: P2P, flat: np.ndarray, root: int) -> bool:
-    """A small broadcast through the latency lane in this op's turn; False (nothing done) where
-    the group has no lane (or the payload does not fit it)."""
+async def run_broadcast(ticket: Ticket, p2p: P2P, flat: np.ndarray, root: int, big: bool = False) -> bool:
+    """A small broadcast through the latency lane in this op's turn, or a ``big`` one by
+    single-copy reads of the root's tensor; False (nothing done) where the group has no lane (or
+    the payload does not fit it), or for a big one no single copy."""
     try:
         g = await ticket.acquire(p2p)
-        if g is None or not _lane.fits(g, flat.nbytes):
+        if g is None:
+            return False
+        if big:
+            if not g.cma:
+                return False
+            await _algorithms.broadcast_single_copy(p2p, g, flat, root)
+            return True
+        if not _lane.fits(g, flat.nbytes):
             return False
         await _lane.broadcast(p2p, g, flat, root)
         return True

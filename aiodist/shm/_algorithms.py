@@ -18,11 +18,13 @@ Rules these keep:
   pass (the piece is in cache for the second copy), into its own output slice; rings "in"; and
   copies every peer's part out. A rank whose input is its own output slice (in place) copies it
   into its slot only; an input overlapping the output otherwise is read from a copy of it.
-- all_gather with single copy (``GroupShm.cma``, aiodist.shm._cma): each rank publishes where its
+- all_gather with single copy (``GroupShm.cma``, aiodist.shm._cma; groups of 2): each rank publishes where its
   input is (address, size) and rings "in"; reads every peer's part straight from that peer's
   input into its output (``process_vm_readv``, a piece at a time); copies its own part into its
   output slice; and rings "out". A rank returns (and its caller may
   reuse the input) only after every peer's "out": nobody reads it any more.
+- broadcast with single copy: the root publishes where its tensor is and rings "in"; every other
+  rank reads it straight into its own tensor and rings "out"; the root returns after every "out".
 - No synchronous step is longer than one piece (``PIECE`` bytes) of a copy or a reduction: the
   loop runs other tasks between pieces (once a millisecond has passed since it last did).
 """
@@ -42,7 +44,7 @@ from aiodist.errors import DistBackendError
 from aiodist.shm import _cma, _lane
 from aiodist.shm._manager import GroupShm, channel_of, check_peer, retrieve
 
-__all__ = ["all_reduce", "all_gather", "PIECE"]
+__all__ = ["all_reduce", "all_gather", "broadcast_single_copy", "PIECE"]
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
 
@@ -154,7 +156,7 @@ async def all_gather(p2p: P2P, g: GroupShm, outs: Sequence[np.ndarray], mine: np
     in_place = _same_bytes(own, src)
     if not in_place and any(np.may_share_memory(src, d) for d in dsts):
         src = src.copy()  # a later round's output would overwrite input it has yet to send
-    if g.cma:
+    if g.cma and p == 2:  # (with more ranks the reads, slower than memcpy here, cost more than the copy saved)
         await _all_gather_single_copy(p2p, g, dsts, src, in_place)
         return
     longest = max(d.nbytes for d in dsts)
@@ -203,25 +205,47 @@ async def _all_gather_single_copy(p2p: P2P, g: GroupShm, dsts: list[np.ndarray],
                     f"{ch.ranks[q] if ch else q} passed {n} bytes, this rank expected {d.nbytes} from it "
                     "(every rank must pass the same sizes)"
                 )
-            for a in range(0, n, PIECE):
-                try:
-                    _cma.read(g.pids[q], d[a : a + PIECE], addr + a)
-                except OSError as exc:
-                    _read_failed(p2p, q, g.pids[q], exc)
-                await pace.tick()
+            await _read(p2p, g, q, d, addr, pace)
     if not in_place:  # after the reads: 20-30% faster at 2 ranks here than before them
         await _copy(dsts[me], src, pace)
     await _lane.phase(p2p, g, 1, total)  # every peer has read this rank's input
 
 
-def _read_failed(p2p: P2P, q: int, pid: int, exc: OSError) -> None:
+async def broadcast_single_copy(p2p: P2P, g: GroupShm, flat: np.ndarray, root: int) -> None:
+    """``flat`` of ``root`` into ``flat`` of every rank, each reading the root's straight into
+    its own (see the module docstring)."""
+    me = p2p.rank
+    g.cma_ops += 1
+    if me == root:
+        src = byte_view(flat)
+        words = g.cma_words[me]
+        words[0] = src.ctypes.data
+        words[1] = src.nbytes
+    await _lane.phase(p2p, g, 0, flat.nbytes)  # (every rank's size is checked here)
+    if me != root:
+        await _read(p2p, g, root, byte_view(flat, writable=True), int(g.cma_words[root][0]), _Pacer(), "broadcast")
+    await _lane.phase(p2p, g, 1, flat.nbytes)  # every rank has read the root's tensor
+
+
+async def _read(p2p: P2P, g: GroupShm, q: int, dst: np.ndarray, addr: int, pace: _Pacer, op: str = "all_gather") -> None:
+    """Read ``dst.nbytes`` at ``addr`` of group rank ``q``'s process into ``dst``, a piece at a time."""
+    pid = g.pids[q]
+    for a in range(0, dst.nbytes, PIECE):
+        try:
+            _cma.read(pid, dst[a : a + PIECE], addr + a)
+        except OSError as exc:
+            _read_failed(p2p, q, pid, exc, op)
+        await pace.tick()
+
+
+def _read_failed(p2p: P2P, q: int, pid: int, exc: OSError, op: str) -> None:
     """A single-copy read of group rank ``q`` failed: the transport's error where that peer
     died or the group was aborted, else one that names the op's group, seq, the rank and why."""
     ch = channel_of(p2p)
     check_peer(ch, q)
     raise DistBackendError(
-        f"all_gather on group {ch.group_id if ch else '?'}, seq {ch.seq if ch else '?'}: reading rank "
-        f"{ch.ranks[q] if ch else q}'s input (process {pid}) failed: {os.strerror(exc.errno or 0)}"
+        f"{op} on group {ch.group_id if ch else '?'}, seq {ch.seq if ch else '?'}: reading rank "
+        f"{ch.ranks[q] if ch else q}'s {'tensor' if op == 'broadcast' else 'input'} (process {pid}) failed: {os.strerror(exc.errno or 0)}"
     ) from exc
 
 
