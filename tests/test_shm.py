@@ -21,6 +21,7 @@ import asyncio
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -453,3 +454,29 @@ async def test_all_gather_in_place_and_with_an_input_overlapping_the_output(shm_
         assert np.array_equal(inplace, np.concatenate([part(0, 1), part(1, 1)])), f"rank {r}: in place"
         assert np.array_equal(l0, part(0, 2)) and np.array_equal(l1, part(1, 2)), f"rank {r}: the list form"
         assert np.array_equal(straddle, np.concatenate(sent)), f"rank {r}: an input straddling the output's slices"
+
+
+async def test_eager_start_only_within_its_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lane all_reduce whose turn has come and whose peer already waits completes in its
+    issuing call (ProcessGroup.issue's eager start) only while an op of the group started in a
+    task within EAGER_S; past that it goes through a task, so the loop runs."""
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")  # (the default thresholds: 4 B goes through the lane)
+
+    async def fn(rank: int) -> list[int]:
+        x = np.ones(1, np.float32)
+        for _ in range(3):  # the agreement, and the lane in use
+            await dist.all_reduce(x)
+        pg = dist.group.WORLD
+        got = []
+        for stale in (False, True, False, True):
+            if rank == 1:
+                await asyncio.sleep(0.01)  # rank 0 is in the lane by now, waiting for rank 1
+                pg.ran = time.perf_counter() - (1.0 if stale else 0.0)
+            before = pg.stats()["eager"]
+            await dist.all_reduce(x)
+            got.append(pg.stats()["eager"] - before)
+        assert x[0] == 2.0**7
+        return got
+
+    res = await run_world(2, fn, "gloo", timeout=30)
+    assert res[1] == [1, 0, 1, 0], res

@@ -481,9 +481,13 @@ async def run(
     *,
     loop: asyncio.AbstractEventLoop | None = None,
     cell: list[Any] | None = None,
+    eager: bool = False,
 ) -> None:
     """Run one op of ``pg`` to its end: complete ``work``, or fail it (and break the group).
     ``cell`` holds the task running this (``_launch`` puts it there), ``loop`` its loop.
+    ``eager``: the first step runs in the issuing call, outside any task (``cell`` gets the
+    task that runs the rest, if any, before the loop runs again: the deadline's timer only
+    fires from the loop).
 
     The op's deadline is ``aiodist._time.Deadline``'s, written out here (one timer handle and
     no context manager per op, this being every op's path): a ``call_at`` that cancels the task
@@ -492,9 +496,12 @@ async def run(
     since = pg.recorder.started(entry) if entry is not None else time.time()
     if loop is None:
         loop = asyncio.get_running_loop()
-    if not cell:
+    if cell is None or not (cell or eager):
         cell = [asyncio.current_task()]
-    task = cell[0]
+    # (eager: the task that may run the rest is new, and goes in cell before the loop runs)
+    cancelling = 0 if eager else cell[0].cancelling()
+    if not eager:
+        pg.ran = time.perf_counter()
     grace = 0.0
     if pg.store is not None:
         grace = _GRACE.get(limit, -1.0)
@@ -502,7 +509,6 @@ async def run(
             grace = grace_for(limit)
             if len(_GRACE) < 64:
                 _GRACE[limit] = grace
-    cancelling = task.cancelling()
     due = loop.time() + (limit - grace)
     fired: list[float] = []  # when the deadline's timer ran, once it has
     handle = loop.call_at(due, _fire, cell, fired, loop)
@@ -511,12 +517,12 @@ async def run(
             await body(tracker)
         except BaseException as exc:
             handle.cancel()
-            if fired and task.uncancel() <= cancelling and isinstance(exc, asyncio.CancelledError):
+            if fired and cell[0].uncancel() <= cancelling and isinstance(exc, asyncio.CancelledError):
                 raise TimeoutError from exc
             raise
         handle.cancel()
         if fired:  # it fired, and the body completed anyway
-            task.uncancel()
+            cell[0].uncancel()
     except asyncio.CancelledError:
         work._fail(DistBackendError(f"{op} on {pg.describe()}, {label} was aborted: {pg.broken or 'the group was torn down'}"))
         raise

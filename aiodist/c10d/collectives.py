@@ -222,7 +222,9 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
                 await alg.all_reduce(p2p, flat, combine, thresholds=th)
             _finalize(flat, rop, n, dtype=name)
 
-        work = _issue_with(pg, ticket, "all_reduce", body, [tensor], described=described)
+        # a lane op whose turn has come may complete in this call (ProcessGroup.issue's eager)
+        eager = shm == 2 and ticket is not None and ticket.lane_now(flat.nbytes)
+        work = _issue_with(pg, ticket, "all_reduce", body, [tensor], described=described, eager=eager)
     if asy:
         return work
     if not work.done():  # ``await work``, without its generator (a cancelled wait leaves the op running)

@@ -24,7 +24,8 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine, Sequence
+import types
+from collections.abc import Callable, Coroutine, Generator, Sequence
 from typing import Any
 
 from aiodist._digest import op_digest
@@ -38,6 +39,31 @@ from aiodist.c10d._runner import TrackedP2P as _Tracked
 from aiodist.c10d.work import Work
 from aiodist.errors import DistBackendError
 from aiodist.store.base import Store
+
+#: an eager op (ProcessGroup.issue) starts in its issuing call only within this many seconds of
+#: the group's last op started in a task: back-to-back ops let the loop run at least this often
+EAGER_S = 0.001
+
+
+@types.coroutine
+def _rest(coro: Coroutine[Any, Any, None], waits_on: Any) -> Generator[Any, Any, None]:
+    """The rest of an op whose first step ran in its issuing call, as a task's coroutine:
+    ``waits_on`` is what that step yielded (the future it waits for). What the task sends or
+    throws in goes on to ``coro``, as ``yield from`` would."""
+    while True:
+        try:
+            sent = yield waits_on
+        except BaseException as exc:
+            try:
+                waits_on = coro.throw(exc)
+            except StopIteration:
+                return
+        else:
+            try:
+                waits_on = coro.send(sent)
+            except StopIteration:
+                return
+
 
 __all__ = ["ProcessGroup"]
 
@@ -134,6 +160,10 @@ class ProcessGroup:
         self.broken: str | None = None
         self._pending: dict[asyncio.Task[None], Work] = {}
         self._aborting: set[asyncio.Task[None]] = set()
+        # when an op of this group last started in a task (time.perf_counter()): the loop ran then
+        # (an eager op may start in its issuing call only within EAGER_S of that: see issue)
+        self.ran = 0.0
+        self.eager = 0  # ops that ended in their issuing call
         self.completed = 0
         # what the collectives' checks found for calls seen before, by call (aiodist.c10d.collectives)
         self.hot: dict[tuple[Any, ...], tuple[Any, ...]] = {}
@@ -174,6 +204,7 @@ class ProcessGroup:
             "seq": self.seq,
             "pending": len(self._pending),
             "completed": self.completed,
+            "eager": self.eager,
             "broken": self.broken,
             "timeout_s": self.timeout_s,
         }
@@ -197,8 +228,13 @@ class ProcessGroup:
         timeout_s: float | None = None,
         meta: dict[str, Any] | None = None,
         described: Described | None = None,
+        eager: bool = False,
     ) -> Work:
         """Take the next sequence number, open the channel and start the op (no suspension).
+        ``eager``: the body may run its first step in this call (up to its first wait; a
+        latency-lane op whose peers are already there completes in it, with no pass of the
+        loop), as long as an op of the group started in a task within ``EAGER_S``: so ops
+        issued back to back still let the loop run at least that often.
         ``timeout_s`` replaces the group's timeout for this op (monitored_barrier's own).
         ``meta`` describes the call for the flight recorder and DETAIL's desync check: its
         ``"same"`` dict holds what every rank must agree on (dtype, shape, root, reduce op).
@@ -235,10 +271,19 @@ class ProcessGroup:
         loop = asyncio.get_running_loop()
         cell: list[asyncio.Task[None]] = []
         label = f"seq {seq}"
-        task = loop.create_task(
-            run(self, op, label, _Tracked(channel, ranks, self._rank), body, work, limit, entry, loop=loop, cell=cell),
-            name=f"aiodist {op} {self.group_desc} {label}",
-        )
+        if eager and staging is None and not self.detail and time.perf_counter() - self.ran < EAGER_S:
+            coro = run(self, op, label, _Tracked(channel, ranks, self._rank), body, work, limit, entry, loop=loop, cell=cell, eager=True)
+            try:
+                waits_on = coro.send(None)  # the first step, here: no other task can run meanwhile
+            except StopIteration:
+                self.eager += 1
+                return work  # done (completed or failed, as run leaves it), with no task
+            task = loop.create_task(_rest(coro, waits_on), name=f"aiodist {op} {self.group_desc} {label}")
+        else:
+            task = loop.create_task(
+                run(self, op, label, _Tracked(channel, ranks, self._rank), body, work, limit, entry, loop=loop, cell=cell),
+                name=f"aiodist {op} {self.group_desc} {label}",
+            )
         cell.append(task)
         self._pending[task] = work
         task.add_done_callback(self._pending.pop)  # type: ignore[arg-type]

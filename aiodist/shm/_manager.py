@@ -206,6 +206,14 @@ class Ticket:
             self._done = True
             self._turns.release(self._n)
 
+    def lane_now(self, nbytes: int) -> bool:
+        """Whether this op would run through the group's latency lane at once: its turn has come,
+        the group agreed on shared memory with a lane, and ``nbytes`` fit it (so its body's first
+        step goes straight to the lane, with no wait on anything but the peers' flags)."""
+        t = self._turns
+        g = t.state
+        return t.serving == self._n and t.known and g is not None and g.lane and 0 <= nbytes <= g.bodies[0][0].size
+
     async def acquire(self, p2p: P2P) -> GroupShm | None:
         """Wait for this op's turn; the group's shared memory, or None for the socket path (then
         the turn is already passed on)."""
