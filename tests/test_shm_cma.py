@@ -10,13 +10,15 @@ import gc
 import os
 import subprocess
 import sys
+import time
+from typing import Any
 
 import numpy as np
 import pytest
 
 import aiodist as dist
 from aiodist.errors import DistBackendError
-from aiodist.shm import _cma
+from aiodist.shm import SharedMemory, _cma
 from aiodist.testing import run_world
 
 pytestmark = pytest.mark.skipif(not _cma.record(), reason="no process_vm_readv here")
@@ -112,6 +114,59 @@ async def test_big_broadcast_reads_the_roots_tensor(monkeypatch: pytest.MonkeyPa
         return int(dist.group.WORLD.backend.stats()["shm"]["cma_ops"])
 
     assert await run_world(n, fn, backend="gloo", timeout=60) == [n + 1] * n
+
+
+async def test_a_broadcast_whose_sizes_differ_across_the_threshold_is_a_desync_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mistake: the root passes 300 KB (single copy), the other rank 100 KB (the socket), or
+    the other way round. The rank on the socket path says which op it is in, so the rank
+    waiting in the lane finds the desync at once instead of waiting out its timeout."""
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+
+    for sizes in ((300_000, 100_000), (100_000, 300_000)):
+
+        async def fn(rank: int, sizes: tuple[int, int] = sizes) -> tuple[str, float]:
+            await dist.all_reduce(np.ones(1, np.float32))  # the agreement
+            t = np.zeros(sizes[rank], np.uint8)
+            t0 = time.monotonic()
+            try:
+                await dist.broadcast(t, src=0)
+            except dist.DistError as exc:
+                return str(exc), time.monotonic() - t0
+            return "ok", time.monotonic() - t0
+
+        results = await run_world(2, fn, backend="gloo", pg_timeout=20, timeout=60)
+        assert any("desync detected" in m for m, _ in results), results
+        assert all(m == "ok" or "desync detected" in m for m, _ in results), results  # the root may finish
+        assert all(dt < 5 for _, dt in results), results  # not the 20 s timeout
+
+
+async def test_the_vote_keeps_single_copy_off_when_one_rank_cannot_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 finds it cannot read rank 0 (as under a one-sided ptrace policy) while rank 0 can
+    read rank 1: the agreement's second byte turns single copy off on both, and the all_gather
+    and broadcast take the segments and the socket, with the same results."""
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+    real = SharedMemory._map_all
+
+    async def one_sided(self: SharedMemory, *args: Any, **kwargs: Any) -> Any:
+        state = await real(self, *args, **kwargs)
+        if self.rank == 1:
+            state.cma = False
+        return state
+
+    monkeypatch.setattr(SharedMemory, "_map_all", one_sided)
+
+    async def fn(rank: int) -> dict[str, Any]:
+        x = np.arange(200_000, dtype=np.int32) + rank
+        out = np.empty(400_000, np.int32)
+        await dist.all_gather_into_tensor(out, x)
+        assert np.array_equal(out, np.concatenate([np.arange(200_000, dtype=np.int32) + q for q in range(2)]))
+        b = np.arange(100_000, dtype=np.float32) if rank == 0 else np.zeros(100_000, np.float32)
+        await dist.broadcast(b, src=0)
+        assert np.array_equal(b, np.arange(100_000, dtype=np.float32))
+        return dist.group.WORLD.backend.stats()["shm"]  # type: ignore[no-any-return]
+
+    for shm in await run_world(2, fn, backend="gloo", timeout=60):
+        assert shm["groups"] == [0] and shm["cma_groups"] == [] and shm["cma_ops"] == 0, shm
 
 
 async def test_a_failed_read_names_the_op_group_seq_and_rank_and_fails_the_peer(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -162,12 +162,18 @@ async def broadcast(
     flat, th = b.flat, pg.thresholds
     # small, 2 ranks: the latency lane (every lane op waits for every rank; with more ranks the
     # socket's tree, where a rank waits only for its parent, was faster: 4 ranks, 1-16 KiB)
-    # big: single-copy reads of the root's tensor where the group can (aiodist.shm._cma)
+    lane = len(pg.ranks) == 2 and 0 < flat.nbytes <= th.broadcast_lane_max and th.lane(flat.nbytes)
+    # big: single-copy reads of the root's tensor where the group can (aiodist.shm._cma). Every
+    # broadcast past the lane's takes a place in line where this rank can read its peers, so
+    # that one on the socket path still says which op it is in (run_broadcast): a peer that
+    # took another path for a size that differs (a mistake) finds the desync, not its timeout
+    shm = getattr(pg.backend, "shm", None)
     big = 0 <= th.broadcast_shm_min <= flat.nbytes and flat.nbytes > 0
-    ticket = _shm_ticket(pg, big or (len(pg.ranks) == 2 and 0 < flat.nbytes <= th.broadcast_lane_max and th.lane(flat.nbytes)))
+    past_lane = th.broadcast_shm_min >= 0 and not lane and shm is not None and shm.cma is not None and (big or th.lane_max > 0)
+    ticket = _shm_ticket(pg, lane or past_lane)
 
     async def body(p2p: P2P) -> None:
-        if ticket is None or not await run_broadcast(ticket, p2p, flat, root, big):
+        if ticket is None or not await run_broadcast(ticket, p2p, flat, root, big, lane):
             await alg.broadcast(p2p, flat, root, thresholds=th)
 
     return await _finish(_issue_with(pg, ticket, "broadcast", body, [tensor], meta=_meta(tensor=_t(b), root=pg.ranks[root])), asy)

@@ -24,7 +24,6 @@ import functools
 import logging
 import os
 import time
-import types
 from collections.abc import Callable, Coroutine, Generator, Sequence
 from typing import Any
 
@@ -45,24 +44,45 @@ from aiodist.store.base import Store
 EAGER_S = 0.001
 
 
-@types.coroutine
-def _rest(coro: Coroutine[Any, Any, None], waits_on: Any) -> Generator[Any, Any, None]:
+class _Rest(Coroutine[Any, Any, None]):
     """The rest of an op whose first step ran in its issuing call, as a task's coroutine:
-    ``waits_on`` is what that step yielded (the future it waits for). What the task sends or
-    throws in goes on to ``coro``, as ``yield from`` would."""
-    while True:
-        try:
-            sent = yield waits_on
-        except BaseException as exc:
-            try:
-                waits_on = coro.throw(exc)
-            except StopIteration:
-                return
-        else:
-            try:
-                waits_on = coro.send(sent)
-            except StopIteration:
-                return
+    ``waits_on`` is what that step yielded (the future it waits for). The task's first send
+    gets it back; after that what the task sends or throws in goes on to ``coro``, as
+    ``yield from`` would. A class, not a generator: asyncio takes no generator as a task's
+    coroutine from Python 3.12, and a throw into an unstarted generator would never reach
+    ``coro`` (a task cancelled before its first step)."""
+
+    __slots__ = ("_coro", "_first")
+
+    _NONE: Any = object()
+
+    def __init__(self, coro: Coroutine[Any, Any, None], waits_on: Any) -> None:
+        self._coro = coro
+        self._first = waits_on
+
+    def send(self, value: Any) -> Any:
+        first = self._first
+        if first is not _Rest._NONE:
+            self._first = _Rest._NONE
+            return first
+        return self._coro.send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        self._first = _Rest._NONE
+        return self._coro.throw(typ if val is None else val)
+
+    def close(self) -> None:
+        self._first = _Rest._NONE
+        self._coro.close()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self  # type: ignore[return-value]
+
+    def __iter__(self) -> _Rest:
+        return self
+
+    def __next__(self) -> Any:
+        return self.send(None)
 
 
 __all__ = ["ProcessGroup"]
@@ -271,6 +291,7 @@ class ProcessGroup:
         loop = asyncio.get_running_loop()
         cell: list[asyncio.Task[None]] = []
         label = f"seq {seq}"
+        task: asyncio.Task[None]
         if eager and staging is None and not self.detail and time.perf_counter() - self.ran < EAGER_S:
             coro = run(self, op, label, _Tracked(channel, ranks, self._rank), body, work, limit, entry, loop=loop, cell=cell, eager=True)
             try:
@@ -278,7 +299,9 @@ class ProcessGroup:
             except StopIteration:
                 self.eager += 1
                 return work  # done (completed or failed, as run leaves it), with no task
-            task = loop.create_task(_rest(coro, waits_on), name=f"aiodist {op} {self.group_desc} {label}")
+            # (a BaseException run lets through, KeyboardInterrupt say, leaves the Work pending,
+            # as it would in a task)
+            task = loop.create_task(_Rest(coro, waits_on), name=f"aiodist {op} {self.group_desc} {label}")
         else:
             task = loop.create_task(
                 run(self, op, label, _Tracked(channel, ranks, self._rank), body, work, limit, entry, loop=loop, cell=cell),

@@ -13,7 +13,7 @@ import numpy as np
 
 from aiodist.algorithms.p2p import P2P
 from aiodist.shm import _algorithms, _lane
-from aiodist.shm._manager import DEFAULT_BYTES, ENV_BYTES, GroupShm, SharedMemory, Ticket, segment_bytes
+from aiodist.shm._manager import DEFAULT_BYTES, ENV_BYTES, GroupShm, SharedMemory, Ticket, channel_of, segment_bytes
 
 __all__ = [
     "SharedMemory",
@@ -61,20 +61,22 @@ async def run_barrier(ticket: Ticket, p2p: P2P) -> bool:
         ticket.release()
 
 
-async def run_broadcast(ticket: Ticket, p2p: P2P, flat: np.ndarray, root: int, big: bool = False) -> bool:
-    """A small broadcast through the latency lane in this op's turn, or a ``big`` one by
-    single-copy reads of the root's tensor; False (nothing done) where the group has no lane (or
-    the payload does not fit it), or for a big one no single copy."""
+async def run_broadcast(ticket: Ticket, p2p: P2P, flat: np.ndarray, root: int, big: bool = False, lane: bool = True) -> bool:
+    """A small broadcast (``lane``) through the latency lane in this op's turn, or a ``big`` one
+    by single-copy reads of the root's tensor; False (nothing done) where the group has no lane
+    (or the payload does not fit it), for a big one no single copy, and for one that is neither:
+    then, where the group has a lane, this rank says which op it is in (``_lane.announce``), so a
+    peer waiting in the lane for another op at this seq (a size that differs) sees the desync."""
     try:
         g = await ticket.acquire(p2p)
         if g is None:
             return False
-        if big:
-            if not g.cma:
-                return False
+        if big and g.cma:
             await _algorithms.broadcast_single_copy(p2p, g, flat, root)
             return True
-        if not _lane.fits(g, flat.nbytes):
+        if not lane or not _lane.fits(g, flat.nbytes):
+            if g.lane:  # the socket path: say which op this rank is in, for a peer that waits in the lane
+                _lane.announce(channel_of(p2p), g, p2p.rank)
             return False
         await _lane.broadcast(p2p, g, flat, root)
         return True

@@ -46,6 +46,17 @@ _readv: Any = None  # libc's process_vm_readv, once loaded; False where there is
 _probe: np.ndarray | None = None  # this process's 16 random bytes, at a fixed address while it lives
 
 
+def _forget() -> None:
+    """In a forked child: load again (Yama's ptracer exception is not inherited) and make its
+    own probe bytes (a sibling with the same ones, at the same address, could pass for it)."""
+    global _readv, _probe
+    _readv = None
+    _probe = None
+
+
+os.register_at_fork(after_in_child=_forget)
+
+
 def _load() -> Any:
     global _readv
     if _readv is None:
