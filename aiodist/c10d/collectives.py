@@ -169,7 +169,14 @@ async def broadcast(
     # took another path for a size that differs (a mistake) finds the desync, not its timeout
     shm = getattr(pg.backend, "shm", None)
     big = 0 <= th.broadcast_shm_min <= flat.nbytes and flat.nbytes > 0
-    past_lane = th.broadcast_shm_min >= 0 and not lane and shm is not None and shm.cma is not None and (big or th.lane_max > 0)
+    past_lane = (
+        th.broadcast_shm_min >= 0
+        and not lane
+        and flat.nbytes > th.broadcast_lane_max
+        and shm is not None
+        and shm.cma is not None
+        and (big or th.lane_max > 0)
+    )
     ticket = _shm_ticket(pg, lane or past_lane)
 
     async def body(p2p: P2P) -> None:
