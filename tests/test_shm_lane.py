@@ -283,7 +283,9 @@ def test_eager_lane_ops_end_in_their_call_and_still_let_the_loop_run(tmp_path: P
     res = _run(tmp_path, EAGER.format(root=str(ROOT)), 2)
     for r, out in enumerate(res):
         assert out["sum"] == 2.0, out
-        assert out["eager"] >= 2000 // 3, f"rank {r}: only {out['eager']} of 2000 ops ended in their call"
+        # about 1780 of 2000 here (one op in ~9 goes through a task: EAGER_S); a loaded machine,
+        # where ops take longer, has fewer within the budget: the floor only shows the path is used
+        assert out["eager"] >= 2000 // 20, f"rank {r}: only {out['eager']} of 2000 ops ended in their call"
         # a yielding op at least every 1 ms gives the ticker 2 turns (before and after its body):
         # 1.9-3 a millisecond here; without the EAGER_S budget 0.06-0.6 (the ops that slept; and
         # more where ops sleep more: test_eager_start_only_within_its_budget pins the rule)
