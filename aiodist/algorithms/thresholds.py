@@ -132,6 +132,10 @@ class Thresholds:
         latency lane where the group has one."""
         return 0 <= nbytes <= self.lane_max and self.lane_max > 0
 
+    def broadcast_shm(self, nbytes: int) -> bool:
+        """broadcast of ``nbytes`` goes by single-copy reads where the group can."""
+        return 0 <= self.broadcast_shm_min <= nbytes and nbytes > 0
+
     def all_gather_shm(self, total_nbytes: int) -> bool:
         """all_gather of ``total_nbytes`` (every rank's part) goes through shared memory where the group can."""
         return 0 <= self.allgather_shm_min <= total_nbytes

@@ -168,14 +168,12 @@ async def broadcast(
     # that one on the socket path still says which op it is in (run_broadcast): a peer that
     # took another path for a size that differs (a mistake) finds the desync, not its timeout
     shm = getattr(pg.backend, "shm", None)
-    big = 0 <= th.broadcast_shm_min <= flat.nbytes and flat.nbytes > 0
-    past_lane = (
-        th.broadcast_shm_min >= 0
-        and not lane
-        and flat.nbytes > th.broadcast_lane_max
-        and shm is not None
-        and shm.cma is not None
+    big = th.broadcast_shm(flat.nbytes)
+    past_lane = (  # (past broadcast_lane_max: never the lane)
+        flat.nbytes > th.broadcast_lane_max
+        and th.broadcast_shm_min >= 0
         and (big or th.lane_max > 0)
+        and getattr(shm, "cma", None) is not None
     )
     ticket = _shm_ticket(pg, lane or past_lane)
 

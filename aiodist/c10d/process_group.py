@@ -291,9 +291,11 @@ class ProcessGroup:
         loop = asyncio.get_running_loop()
         cell: list[asyncio.Task[None]] = []
         label = f"seq {seq}"
-        task: asyncio.Task[None]
-        if eager and staging is None and not self.detail and time.perf_counter() - self.ran < EAGER_S:
-            coro = run(self, op, label, _Tracked(channel, ranks, self._rank), body, work, limit, entry, loop=loop, cell=cell, eager=True)
+        eager = eager and staging is None and not self.detail and time.perf_counter() - self.ran < EAGER_S
+        coro: Coroutine[Any, Any, None] = run(
+            self, op, label, _Tracked(channel, ranks, self._rank), body, work, limit, entry, loop=loop, cell=cell, eager=eager
+        )
+        if eager:
             try:
                 waits_on = coro.send(None)  # the first step, here: no other task can run meanwhile
             except StopIteration:
@@ -301,12 +303,8 @@ class ProcessGroup:
                 return work  # done (completed or failed, as run leaves it), with no task
             # (a BaseException run lets through, KeyboardInterrupt say, leaves the Work pending,
             # as it would in a task)
-            task = loop.create_task(_Rest(coro, waits_on), name=f"aiodist {op} {self.group_desc} {label}")
-        else:
-            task = loop.create_task(
-                run(self, op, label, _Tracked(channel, ranks, self._rank), body, work, limit, entry, loop=loop, cell=cell),
-                name=f"aiodist {op} {self.group_desc} {label}",
-            )
+            coro = _Rest(coro, waits_on)
+        task = loop.create_task(coro, name=f"aiodist {op} {self.group_desc} {label}")
         cell.append(task)
         self._pending[task] = work
         task.add_done_callback(self._pending.pop)  # type: ignore[arg-type]

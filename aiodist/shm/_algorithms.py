@@ -201,9 +201,8 @@ async def _all_gather_single_copy(p2p: P2P, g: GroupShm, dsts: list[np.ndarray],
             if n != d.nbytes:  # (step 0 checked the total and the digest: a part's size too, unless the digest is off)
                 ch = channel_of(p2p)
                 raise DistBackendError(
-                    f"all_gather on group {ch.group_id if ch else '?'}, seq {ch.seq if ch else '?'}: rank "
-                    f"{ch.ranks[q] if ch else q} passed {n} bytes, this rank expected {d.nbytes} from it "
-                    "(every rank must pass the same sizes)"
+                    f"all_gather on group {ch.group_id}, seq {ch.seq}: rank {ch.ranks[q]} passed {n} bytes, this rank "
+                    f"(rank {ch.ranks[me]}) expected {d.nbytes} from it (every rank must pass the same sizes)"
                 )
             await _read(p2p, g, q, d, addr, pace)
     if not in_place:  # after the reads: 20-30% faster at 2 ranks here than before them
@@ -244,8 +243,8 @@ def _read_failed(p2p: P2P, q: int, pid: int, exc: OSError, op: str) -> None:
     ch = channel_of(p2p)
     check_peer(ch, q)
     raise DistBackendError(
-        f"{op} on group {ch.group_id if ch else '?'}, seq {ch.seq if ch else '?'}: reading rank "
-        f"{ch.ranks[q] if ch else q}'s {'tensor' if op == 'broadcast' else 'input'} (process {pid}) failed: {os.strerror(exc.errno or 0)}"
+        f"{op} on group {ch.group_id}, seq {ch.seq}: reading rank {ch.ranks[q]}'s {'tensor' if op == 'broadcast' else 'input'} "
+        f"(process {pid}) failed on rank {ch.ranks[p2p.rank]}: {os.strerror(exc.errno or 0)}"
     ) from exc
 
 

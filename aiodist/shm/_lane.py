@@ -71,7 +71,7 @@ def _fence() -> None:
 
 def fits(g: GroupShm, nbytes: int) -> bool:
     """Whether a rank's ``nbytes`` fit the group's lane (the same answer on every rank)."""
-    return g.lane and 0 <= nbytes <= g.bodies[0][0].size
+    return g.fits_lane(nbytes)
 
 
 async def exchange(p2p: Any, g: GroupShm, mine: np.ndarray | None, sizes: Sequence[int], op: str) -> list[np.ndarray]:

@@ -157,6 +157,10 @@ class GroupShm:
                 self.bodies.append((v[at[0] + 64 : at[0] + LANE_SLOT], v[at[1] + 64 : at[1] + LANE_SLOT]))
                 self.cma_words.append(v[LANE_CMA : LANE_CMA + 16].view(np.int64))
 
+    def fits_lane(self, nbytes: int) -> bool:
+        """Whether a rank's ``nbytes`` fit the group's lane (the same answer on every rank)."""
+        return self.lane and 0 <= nbytes <= self.bodies[0][0].size
+
     def slots(self) -> list[np.ndarray]:
         """The next round's slot (a half) of every member's segment, in group-rank order."""
         h = self.rounds % 2
@@ -211,8 +215,7 @@ class Ticket:
         the group agreed on shared memory with a lane, and ``nbytes`` fit it (so its body's first
         step goes straight to the lane, with no wait on anything but the peers' flags)."""
         t = self._turns
-        g = t.state
-        return t.serving == self._n and t.known and g is not None and g.lane and 0 <= nbytes <= g.bodies[0][0].size
+        return t.serving == self._n and t.known and t.state is not None and t.state.fits_lane(nbytes)
 
     async def acquire(self, p2p: P2P) -> GroupShm | None:
         """Wait for this op's turn; the group's shared memory, or None for the socket path (then
@@ -420,12 +423,11 @@ class SharedMemory:
         lane = _TSO and self.bell >= 0 and smallest >= LANE_BYTES + _MIN_BYTES and all(s.bell >= 0 for s in segs)
         half = (smallest - (LANE_BYTES if lane else 0)) // 2 // _ALIGN * _ALIGN
         bells = [self.bell if r == self.rank else s.bell for r, s in zip(ranks, by_rank, strict=True)]
-        pids = {os.getpid(), *(rec.get("pid") for rec in recs)}
-        spin = self.spin_s if len(pids) == len(ranks) else 0.0  # ranks sharing a process (and loop) never spin
+        pids = [os.getpid() if r == self.rank else recs[peers.index(r)].get("pid") for r in ranks]
+        spin = self.spin_s if len(set(pids)) == len(ranks) else 0.0  # ranks sharing a process (and loop) never spin
         # single copy where this rank reads every peer's probe bytes (the vote makes it all or none)
-        by_pid = [os.getpid() if r == self.rank else recs[peers.index(r)].get("pid") for r in ranks]
         cma = lane and self.cma is not None and all(_cma.readable(rec.get("pid"), rec.get("cma")) for rec in recs)
-        return GroupShm(by_rank, half, lane=lane, bells=bells, spin_s=spin, owner=self, cma=cma, pids=by_pid if cma else [])
+        return GroupShm(by_rank, half, lane=lane, bells=bells, spin_s=spin, owner=self, cma=cma, pids=pids if cma else [])
 
     async def agree(self, key: tuple[int, tuple[int, ...]], p2p: P2P) -> GroupShm | None:
         """Map the group's segments here and agree with its ranks whether all could; the group's
