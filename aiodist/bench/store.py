@@ -78,10 +78,42 @@ class Job:
     prefix: str  # keys of this run, so runs never see each other's data
     timeout: float
     kinds: tuple[str, ...] = OPS  # the kinds of op timed, in OPS order
+    cpus: tuple[int, ...] = ()  # client i runs on CPU cpus[i]; () wherever the scheduler puts it (PLACEMENTS)
+
+    def cpu(self, index: int) -> int | None:
+        return self.cpus[index] if self.cpus else None
 
     @property
     def variant(self) -> str:
         return "torch" if self.impl == "torch" else f"aiodist-{'seq' if self.tasks == 1 else 'pipelined'}"
+
+
+# Where the server and the clients run. A round trip between two processes that share a CPU is
+# a context switch; between two CPUs it is a wake-up from idle, which costs tens of
+# microseconds in a VM. The scheduler picks either, run by run ("os"), so one-op-at-a-time
+# rates of both implementations jump between two levels; "same" and "split" pin them (every
+# thread of the server, and each client) to one CPU or to different ones, for both alike.
+PLACEMENTS = ("os", "same", "split")
+
+
+def _placed(placement: str, clients: int) -> tuple[int | None, tuple[int, ...]]:
+    """The server's CPU (None: anywhere) and each client's (empty: anywhere) under ``placement``."""
+    if placement == "os":
+        return None, ()
+    cpus = sorted(os.sched_getaffinity(0))
+    if placement == "same" or len(cpus) == 1:
+        return cpus[0], (cpus[0],) * clients
+    return cpus[0], tuple(cpus[1 + i % (len(cpus) - 1)] for i in range(clients))
+
+
+def _pin_process(pid: int, cpu: int | None, allowed: set[int]) -> None:
+    """Every thread of ``pid`` on ``cpu`` (None: back on ``allowed``)."""
+    where = allowed if cpu is None else {cpu}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), where)
+        except ProcessLookupError:  # a thread that just ended
+            pass
 
 
 @dataclass(frozen=True)
@@ -239,6 +271,7 @@ def _worker_main(index: int, conn: multiprocessing.connection.Connection, barrie
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Importing torch here, once, keeps its seconds of import time out of every job.
     conn.send(("hello", _torch_check()))
+    allowed = os.sched_getaffinity(0)
     while True:
         try:
             job: Job | None = conn.recv()
@@ -248,6 +281,7 @@ def _worker_main(index: int, conn: multiprocessing.connection.Connection, barrie
             return
         barrier = barriers[job.clients]
         try:
+            _pin_process(os.getpid(), job.cpu(index), allowed)
             if job.impl == "torch":
                 result = _torch_job(job, index, barrier)
             else:
@@ -634,6 +668,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="bind the aiodist server to 127.0.0.1 only, so its clients use TCP like torch's rather than its same-host Unix socket",
     )
     p.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="os",
+        help="where the server and clients run: os = wherever the scheduler puts them (default); same = all on one CPU; "
+        "split = the server on one CPU, the clients on the others (a round trip is then a wake-up from idle)",
+    )
+    p.add_argument(
         "--timeout",
         type=float,
         default=60.0,
@@ -667,7 +708,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
     print(
         f"kinds: {','.join(args.kinds)}; ops per client per kind: {args.ops}; clients: {counts}; "
-        f"pipelined tasks: {args.tasks}; rounds: {args.repeat}",
+        f"pipelined tasks: {args.tasks}; rounds: {args.repeat}; placement: {args.placement}",
         flush=True,
     )
 
@@ -686,9 +727,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             for impl in impls if rnd % 2 == 0 else impls[::-1]:
                 server = start_server(impl, timeout=max(60.0, args.timeout), tcp_only=args.tcp_only)
                 try:
+                    _pin_process(server.proc.pid, _placed(args.placement, 1)[0], os.sched_getaffinity(0))
                     for c in counts:
                         for tasks in [1] if impl == "torch" else [1, args.tasks]:
-                            job = Job(impl, tasks, server.port, c, args.ops, f"bench/{impl}/t{tasks}/c{c}", args.timeout, args.kinds)
+                            job = Job(
+                                impl, tasks, server.port, c, args.ops, f"bench/{impl}/t{tasks}/c{c}", args.timeout, args.kinds, _placed(args.placement, c)[1]
+                            )
                             t = time.monotonic()
                             samples += collect(job, rnd, workers.run(job))
                             print(f"  round {rnd + 1}: {job.variant:<18} clients={c}  ({time.monotonic() - t:.1f} s)", flush=True)
@@ -714,6 +758,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             "tasks": args.tasks,
             "repeat": args.repeat,
             "tcp_only": args.tcp_only,
+            "placement": args.placement,
         },
         "torch_skipped": workers.torch_problem,
         "samples": [

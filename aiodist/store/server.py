@@ -28,7 +28,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from aiodist.errors import DistNetworkError, StoreTimeoutError
 from aiodist.store.state import KVState, Waiter
@@ -466,6 +466,12 @@ class TCPStoreServer:
     (``master_listen_fd``). ``limits`` bounds what one client may send.
     """
 
+    # How many servers are serving in this process (any thread, any loop). A client here does
+    # not spin for its replies while one is (tcp.py, ``_Connection.spin``): the server it
+    # waits for may need this thread's GIL, or this very loop, to answer.
+    serving_here: ClassVar[int] = 0
+    _serving_lock: ClassVar[threading.Lock] = threading.Lock()
+
     def __init__(
         self,
         host: str | None = None,
@@ -500,6 +506,8 @@ class TCPStoreServer:
                 raise DistNetworkError(f"master_listen_fd socket cannot listen: {exc}") from exc
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Conn(self), sock=sock, backlog=LISTEN_BACKLOG)
+        with TCPStoreServer._serving_lock:
+            TCPStoreServer.serving_here += 1
         self._port = sock.getsockname()[1]
         if sock.family == socket.AF_INET6 and self._host in (None, "") and self._sock is None:
             await self._start_local_listener(loop)
@@ -577,6 +585,8 @@ class TCPStoreServer:
         if self._server is None:
             return
         server, self._server = self._server, None
+        with TCPStoreServer._serving_lock:
+            TCPStoreServer.serving_here -= 1
         server.close()
         local, self._local = self._local, None
         if local is not None:
