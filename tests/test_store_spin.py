@@ -68,6 +68,18 @@ def _stop(p: subprocess.Popen[str]) -> None:
     p.stdout.close()
 
 
+def _sigstop(pid: int) -> None:
+    """SIGSTOP ``pid`` and return once it is stopped (kill returns before it has)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.001)
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[subprocess.Popen[str], int]]:
     p, port = _start_server()
@@ -155,7 +167,7 @@ async def test_the_loop_runs_while_a_task_makes_calls_back_to_back(client: TCPSt
             await asyncio.sleep(0)
 
     t = asyncio.ensure_future(ticker())
-    await asyncio.sleep(0)
+    await client.add("loop/n", 1)  # this task's first call (it does not spin), with the loop running
     ticks = 0
     before = client.stats()["spun"]
     for _ in range(2000):
@@ -186,7 +198,7 @@ async def test_a_spin_that_sees_no_reply_backs_off(server: tuple[subprocess.Pope
     store = await _client(port)
     try:
         n = await store.add("backoff/n", 0)
-        os.kill(p.pid, signal.SIGSTOP)
+        _sigstop(p.pid)
         try:
             start = time.monotonic()
             call = store.add("backoff/n", 1)
@@ -216,7 +228,7 @@ async def test_a_server_that_dies_during_a_spin_fails_the_call(monkeypatch: pyte
         try:
             assert await store.add("die/n", 1) == 1
             monkeypatch.setattr(tcp, "SPIN_S", 2.0)
-            os.kill(p.pid, signal.SIGSTOP)
+            _sigstop(p.pid)
             killer = threading.Timer(0.05, p.kill)
             killer.start()
             start = time.monotonic()
@@ -241,7 +253,7 @@ async def test_a_spin_ends_at_the_end_of_the_stream(monkeypatch: pytest.MonkeyPa
     ours, theirs = socket.socketpair()
     _, conn = await loop.create_unix_connection(lambda: tcp._Connection(loop), sock=ours)
     try:
-        conn._ran = time.monotonic()  # as if the loop had just run
+        conn._last_task = asyncio.current_task()  # as if this task had made the last call
         fut = conn.send(encode_add(b"/k", 1), tcp._I64, 5.0, "add", ("k", 1))
         assert theirs.recv(64) == encode_add(b"/k", 1)
         theirs.shutdown(socket.SHUT_WR)
@@ -253,3 +265,16 @@ async def test_a_spin_ends_at_the_end_of_the_stream(monkeypatch: pytest.MonkeyPa
     finally:
         conn.close()
         theirs.close()
+
+
+async def test_tasks_that_take_turns_pipeline_instead_of_spinning(client: TCPStore, long_spin: None) -> None:
+    # 32 tasks making calls on one store: each call's request goes out with the others' in one
+    # round trip. A spin would make each task wait out its own (the seq rate, not the pipe's).
+    async def adder() -> None:
+        for _ in range(50):
+            await client.add("turns/n", 1)
+
+    before = client.stats()["spun"]
+    await asyncio.gather(*(adder() for _ in range(32)))
+    assert await client.add("turns/n", 0) == 32 * 50
+    assert client.stats()["spun"] - before <= 100

@@ -97,6 +97,7 @@ _get_running_loop = asyncio._get_running_loop
 _monotonic = time.monotonic
 _read = os.read
 _yield = os.sched_yield
+_current_task = asyncio.current_task
 
 
 class _Lost(Exception):
@@ -148,14 +149,16 @@ class _Connection(asyncio.Protocol):
         self.paused = False
         self._drain: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
-        # spin(): the socket's fd and a poll on it (None: this connection never spins), when
-        # the loop last ran (ran()), whether that stamp is due, and requests left not to spin.
+        # spin(): the socket's fd and a poll on it (None: this connection never spins); when
+        # the current run of spins began, and whether the loop has yet to run since (_loop_ran);
+        # the back-off.
         self._fd = -1
         self._poll: Any = None
         self._ran = 0.0
         self._stamp_due = False
         self._skip = 0
         self._misses = 0
+        self._last_task: Any = None  # the task of the last request sent that could spin
 
     # asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -167,7 +170,6 @@ class _Connection(asyncio.Protocol):
             self._fd = sock.fileno()
             self._poll = select.poll()
             self._poll.register(self._fd, select.POLLIN)
-            self._ran = _monotonic()
 
     def data_received(self, data: bytes) -> None:
         parser, pending = self.parser, self.pending
@@ -251,7 +253,6 @@ class _Connection(asyncio.Protocol):
 
     def _loop_ran(self) -> None:
         self._stamp_due = False
-        self._ran = _monotonic()
 
     # API
     def spin(self, fut: asyncio.Future[Any]) -> None:
@@ -262,23 +263,35 @@ class _Connection(asyncio.Protocol):
         polls the thread yields its CPU, to the server when it shares it. Otherwise the
         transport reads the reply as always.
 
-        The loop is never held long: one spin is at most ``SPIN_S``, and calls end this way
-        only while the loop has run within ``SPIN_LOOP_S`` (``_loop_ran``, a callback), so a
-        task making calls one after another still lets the loop run every millisecond. After
+        The loop is never held long: one spin is at most ``SPIN_S``, and spins follow one
+        another without a pass of the loop (``_loop_ran``, a callback, sees one) for at most
+        ``SPIN_LOOP_S``; then a call waits in the loop, so a task making calls one after
+        another still lets the loop run every millisecond. After
         k spins in a row that saw no reply (a busy or slow server), the next 2**k - 1 requests
         do not spin (k at most ``SPIN_BACKOFF_MAX``); a reply in time resets k. Never while a server runs in this process (it may need
-        this thread's GIL or this loop to answer) nor on a connection to another host."""
+        this thread's GIL or this loop to answer), nor on a connection to another host, nor
+        for a call from another task than the last one: tasks that take turns on a store
+        pipeline their requests (one round trip for many), which a spin would serialise."""
         poll = self._poll
-        if poll is None or len(self.pending) != 1 or TCPStoreServer.serving_here:
+        if poll is None:
+            return
+        task = _current_task()
+        if task is not self._last_task:
+            self._last_task = task  # a task's first call, or tasks taking turns: they pipeline
+            return
+        if len(self.pending) != 1 or TCPStoreServer.serving_here:
             return
         if self._skip:
             self._skip -= 1
             return
         start = _monotonic()
-        if not self._stamp_due:
+        if not self._stamp_due:  # the loop ran since the last spin: a new run of spins starts
             self._stamp_due = True
+            self._ran = start
             self.loop.call_soon(self._loop_ran)
-        if start - self._ran > SPIN_LOOP_S or self.transport.get_write_buffer_size():  # type: ignore[union-attr]
+        elif start - self._ran > SPIN_LOOP_S:
+            return  # spins since `_ran` held the loop long enough: this call waits in it
+        if self.transport.get_write_buffer_size():  # type: ignore[union-attr]
             return
         end = start + SPIN_S
         try:
