@@ -169,6 +169,67 @@ async def test_the_vote_keeps_single_copy_off_when_one_rank_cannot_read(monkeypa
         assert shm["groups"] == [0] and shm["cma_groups"] == [] and shm["cma_ops"] == 0, shm
 
 
+@pytest.mark.parametrize("n", [2, 3])
+async def test_big_all_reduce_reads_the_peers_slices(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """From allreduce_cma_min up, in groups of 2: the bits of the segment path (own slice plus
+    the peer's, on the rank that owns the slice) on both ranks, for floats, ints, MAX, AVG, a
+    2-D tensor and an odd length; groups of 3 keep the halves."""
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+    monkeypatch.setenv("AIODIST_ALGO_ALLREDUCE_CMA_MIN", "64K")
+
+    def data(rank: int, m: int) -> np.ndarray:
+        return np.random.default_rng(1000 * rank + m).standard_normal(m).astype(np.float32)
+
+    async def fn(rank: int) -> tuple[list[np.ndarray], int]:
+        got = []
+        for m in (300_001, 70_001, 1_000_000):  # 1.2 MB, over a segment's half; 280 KB, just over the lane; 4 MB
+            x = data(rank, m)
+            await dist.all_reduce(x)
+            got.append(x)
+        i = np.arange(400_001, dtype=np.int64) * (rank + 1) - 7
+        await dist.all_reduce(i, op=dist.ReduceOp.MAX)
+        assert np.array_equal(i, np.arange(400_001, dtype=np.int64) * n - 7)
+        a = np.full((300, 301), float(rank), np.float64)
+        await dist.all_reduce(a, op=dist.ReduceOp.AVG)
+        assert np.all(a == sum(range(n)) / n)
+        return got, int(dist.group.WORLD.backend.stats()["shm"]["cma_ops"])
+
+    results = await run_world(n, fn, backend="gloo", timeout=60)
+    for k, m in enumerate((300_001, 70_001, 1_000_000)):
+        want = data(0, m)
+        for r in range(1, n):
+            want = want + data(r, m)  # n == 2: what either owner computes (a + b == b + a, bit for bit)
+        for got, _ in results:
+            if n == 2:
+                assert np.array_equal(got[k], want), (k, m)
+            assert np.array_equal(got[k], results[0][0][k])
+    assert [ops for _, ops in results] == [5 if n == 2 else 0] * n
+
+
+async def test_an_all_reduce_whose_sizes_differ_across_the_single_copy_threshold_is_a_desync_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A mistake: one rank passes 600 KB (single copy), the other 300 KB (the halves). Both
+    paths check the size at their first phase, so both ranks raise at once."""
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+    monkeypatch.setenv("AIODIST_ALGO_ALLREDUCE_CMA_MIN", "512K")
+
+    async def fn(rank: int) -> tuple[str, float]:
+        await dist.all_reduce(np.ones(1, np.float32))  # the agreement
+        t = np.zeros(600_000 if rank == 0 else 300_000, np.uint8)
+        t0 = time.monotonic()
+        try:
+            await dist.all_reduce(t)
+        except dist.DistError as exc:
+            return str(exc), time.monotonic() - t0
+        return "ok", time.monotonic() - t0
+
+    results = await run_world(2, fn, backend="gloo", pg_timeout=20, timeout=60)
+    assert all(m != "ok" for m, _ in results), results
+    assert any("desync" in m or "bytes" in m for m, _ in results), results
+    assert all(dt < 5 for _, dt in results), results  # not the 20 s timeout
+
+
 async def test_a_failed_read_names_the_op_group_seq_and_rank_and_fails_the_peer(monkeypatch: pytest.MonkeyPatch) -> None:
     """One rank's read of its peer's input fails (its first one is sent to page 0, which is
     never mapped): that rank's op fails with a DistBackendError that says what and whose, and
@@ -206,3 +267,34 @@ async def test_a_failed_read_names_the_op_group_seq_and_rank_and_fails_the_peer(
     gc.collect()
     with open("/proc/self/maps") as f:
         assert not any("memfd:aiodist-shm" in line for line in f)
+
+
+async def test_a_failed_read_in_an_all_reduce_fails_both_ranks_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, for the all_reduce's first read (of the peer's slice, to reduce it)."""
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+    monkeypatch.setenv("AIODIST_ALGO_ALLREDUCE_CMA_MIN", "256K")
+    real = _cma.read
+    failed: list[int] = []
+
+    def bad(pid: int, dst: np.ndarray, addr: int) -> None:
+        if dst.nbytes > 16 and not failed:
+            failed.append(addr)
+            addr = 8
+        real(pid, dst, addr)
+
+    monkeypatch.setattr(_cma, "read", bad)
+
+    async def fn(rank: int) -> tuple[str, float]:
+        t = asyncio.get_running_loop().time()
+        try:
+            await dist.all_reduce(np.ones(100_000, np.float32))
+        except DistBackendError as exc:
+            return str(exc), asyncio.get_running_loop().time() - t
+        return "ok", 0.0
+
+    results = await run_world(2, fn, backend="gloo", pg_timeout=20, timeout=60)
+    assert len(failed) == 1
+    msgs = [m for m, _ in results]
+    assert sum("all_reduce on group 0, seq 0: reading rank" in m and "Bad address" in m for m in msgs) >= 1, msgs
+    assert all(m != "ok" for m in msgs), msgs
+    assert all(dt < 10 for _, dt in results), results

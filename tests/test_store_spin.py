@@ -278,3 +278,13 @@ async def test_tasks_that_take_turns_pipeline_instead_of_spinning(client: TCPSto
     await asyncio.gather(*(adder() for _ in range(32)))
     assert await client.add("turns/n", 0) == 32 * 50
     assert client.stats()["spun"] - before <= 100
+
+
+def test_the_spin_setting(caplog: pytest.LogCaptureFixture) -> None:
+    assert tcp._spin_seconds(None) == tcp._spin_seconds("") == pytest.approx(100e-6)
+    assert tcp._spin_seconds("0") == 0.0
+    assert tcp._spin_seconds("250") == pytest.approx(250e-6)
+    for bad in ("fast", "-5", "inf", "nan"):
+        caplog.clear()
+        assert tcp._spin_seconds(bad) == pytest.approx(100e-6)
+        assert "AIODIST_STORE_SPIN_US" in caplog.text

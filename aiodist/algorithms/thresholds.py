@@ -82,6 +82,11 @@ class Thresholds:
     #: group on one host, and allowed to read the others' memory) from this many bytes; negative:
     #: never. At 2 ranks here the socket's broadcast took 2.4-4.6x Open MPI's time from 1 MiB up.
     broadcast_shm_min: int = 256 * KiB
+    #: all_reduce in a group of 2 by single-copy reads of the peer's buffer (aiodist.shm._cma)
+    #: from this many bytes, where the group can (below it, and with more ranks, the halves);
+    #: negative: never. At 2 ranks here: 2 and 4 MiB took the same time both ways, 8 MiB
+    #: 1.23-1.27 ms against 1.39-1.40, 16 MiB 2.0-2.2 ms against 2.7-2.8; 1 MiB was slower.
+    allreduce_cma_min: int = 4 * MiB
 
     def __post_init__(self) -> None:
         if self.pipeline_piece < 1:
@@ -122,6 +127,10 @@ class Thresholds:
     def all_reduce_shm(self, nbytes: int) -> bool:
         """all_reduce of ``nbytes`` goes through shared memory where the group can."""
         return 0 <= self.allreduce_shm_min <= nbytes
+
+    def all_reduce_cma(self, nbytes: int) -> bool:
+        """all_reduce of ``nbytes`` through shared memory goes by single-copy reads where the group can."""
+        return 0 <= self.allreduce_cma_min <= nbytes
 
     def all_reduce_lane(self, nbytes: int) -> bool:
         """all_reduce of ``nbytes`` goes through shared memory's latency lane where the group has one."""

@@ -229,7 +229,7 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
 
         async def body(p2p: P2P) -> None:
             _premultiply(flat, rop, dtype=name)
-            if ticket is None or not await run_all_reduce(ticket, p2p, flat, combine, shm == 2):
+            if ticket is None or not await run_all_reduce(ticket, p2p, flat, combine, shm == 2, shm == 1 and th.all_reduce_cma(flat.nbytes)):
                 await alg.all_reduce(p2p, flat, combine, thresholds=th)
             _finalize(flat, rop, n, dtype=name)
 

@@ -29,10 +29,13 @@ __all__ = [
 ]
 
 
-async def run_all_reduce(ticket: Ticket, p2p: P2P, flat: np.ndarray, combine: _algorithms.Combine, lane: bool = False) -> bool:
+async def run_all_reduce(
+    ticket: Ticket, p2p: P2P, flat: np.ndarray, combine: _algorithms.Combine, lane: bool = False, single_copy: bool = False
+) -> bool:
     """all_reduce ``flat`` through shared memory in this op's turn; False (nothing done) where
     the group uses the socket path. ``lane``: a small op, for the latency lane (aiodist.shm._lane),
-    or the socket path where the group has no lane."""
+    or the socket path where the group has no lane. ``single_copy``: a big one, by single-copy
+    reads where the group can (groups of 2)."""
     try:
         g = await ticket.acquire(p2p)
         if g is None:
@@ -42,7 +45,7 @@ async def run_all_reduce(ticket: Ticket, p2p: P2P, flat: np.ndarray, combine: _a
                 return False
             await _lane.all_reduce(p2p, g, flat, combine)
         elif flat.size:
-            await _algorithms.all_reduce(p2p, g, flat, combine)
+            await _algorithms.all_reduce(p2p, g, flat, combine, single_copy)
         return True
     finally:
         ticket.release()

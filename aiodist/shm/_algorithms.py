@@ -116,9 +116,13 @@ async def _sync(p2p: P2P, g: GroupShm, step: int, tag: int, nbytes: int) -> None
         await _doorbell(p2p, tag)
 
 
-async def all_reduce(p2p: P2P, g: GroupShm, flat: np.ndarray, combine: Combine) -> None:
-    """``flat`` reduced across the group, in place (see the module docstring)."""
+async def all_reduce(p2p: P2P, g: GroupShm, flat: np.ndarray, combine: Combine, single_copy: bool = False) -> None:
+    """``flat`` reduced across the group, in place (see the module docstring); by single-copy
+    reads where ``single_copy`` (the size is over ``allreduce_cma_min``) and the group can."""
     p, me = p2p.size, p2p.rank
+    if single_copy and g.cma and p == 2 and flat.flags.c_contiguous:
+        await _all_reduce_single_copy(p2p, g, flat, combine)
+        return
     per = max(1, g.half // flat.itemsize)
     step = max(1, PIECE // flat.itemsize)
     pace = _Pacer()
@@ -144,6 +148,38 @@ async def all_reduce(p2p: P2P, g: GroupShm, flat: np.ndarray, combine: Combine) 
         for q in range(p):
             if q != me:
                 await _copy(chunk[b[q] : b[q + 1]], slots[q][b[q] : b[q + 1]], pace)
+
+
+async def _all_reduce_single_copy(p2p: P2P, g: GroupShm, flat: np.ndarray, combine: Combine) -> None:
+    """all_reduce of a group of 2 by single-copy reads (see the module docstring): each rank
+    reduces its slice reading the peer's slice straight from the peer's buffer, a piece at a
+    time through a piece-sized buffer (in cache), then reads the peer's reduced slice straight
+    into its own buffer. Per rank that moves about half the bytes of the segment path."""
+    me = p2p.rank
+    q = 1 - me
+    g.cma_ops += 1
+    words = g.cma_words[me]
+    words[0] = flat.ctypes.data
+    words[1] = flat.nbytes
+    await _lane.phase(p2p, g, 0, flat.nbytes)  # (step 0 checks the size and the digest of both)
+    addr, pid, isz = int(g.cma_words[q][0]), g.pids[q], flat.itemsize
+    b = sch.chunk_bounds(flat.size, 2)
+    step = max(1, PIECE // isz)
+    tmp = np.empty(min(step, b[me + 1] - b[me]), flat.dtype)
+    raw = tmp.view(np.uint8)
+    pace = _Pacer()
+    for a in range(b[me], b[me + 1], step):
+        z = min(a + step, b[me + 1])
+        try:
+            _cma.read(pid, raw[: (z - a) * isz], addr + a * isz)
+        except OSError as exc:
+            _read_failed(p2p, q, pid, exc, "all_reduce")
+        combine(flat[a:z], tmp[: z - a])  # own, then the peer's: the order of the segment path
+        await pace.tick()
+    await _lane.phase(p2p, g, 1, flat.nbytes)  # both slices are reduced
+    mine = byte_view(flat, writable=True)
+    await _read(p2p, g, q, mine[b[q] * isz : b[q + 1] * isz], addr + b[q] * isz, pace, "all_reduce")
+    await _lane.phase(p2p, g, 2, flat.nbytes)  # the peer has read this rank's slice: the buffer is the caller's again
 
 
 async def all_gather(p2p: P2P, g: GroupShm, outs: Sequence[np.ndarray], mine: np.ndarray) -> None:

@@ -85,13 +85,31 @@ _MAX_IDLE_WAITERS = 8
 # Spinning for a reply (``_Connection.spin``): how long at most, per request (a same-host reply
 # comes in 7-40 us here, p99 65 us across CPUs); how recently the loop must have run for a call
 # to finish without it; and the back-off from spins that see no reply.
-SPIN_S = 1e-6 * float(os.environ.get("AIODIST_STORE_SPIN_US", "100"))
+SPIN_S = 0.0  # set below from AIODIST_STORE_SPIN_US
 SPIN_LOOP_S = 0.001
 SPIN_BACKOFF_MAX = 8  # after k spins in a row that saw no reply, 2**k - 1 requests do not spin (k <= 8)
 _CONNECT_ATTEMPT_S = 5.0  # one connect attempt's deadline
 _DIAGNOSIS_S = 0.1  # how long a timed-out wait may take to learn which keys are missing
 
 log = logging.getLogger("aiodist.store")
+
+
+def _spin_seconds(raw: str | None) -> float:
+    """``AIODIST_STORE_SPIN_US`` in seconds: microseconds, default 100, 0 never spins. A
+    malformed value is named in a WARNING and the default used (this runs at import)."""
+    if raw is None or not raw.strip():
+        return 100e-6
+    try:
+        us = float(raw)
+    except ValueError:
+        us = -1.0
+    if not 0 <= us < float("inf"):
+        log.warning("AIODIST_STORE_SPIN_US=%r: expected microseconds >= 0, such as 100 (0: never spin); using 100", raw)
+        return 100e-6
+    return us * 1e-6
+
+
+SPIN_S = _spin_seconds(os.environ.get("AIODIST_STORE_SPIN_US"))
 T = TypeVar("T")
 _get_running_loop = asyncio._get_running_loop
 _monotonic = time.monotonic
