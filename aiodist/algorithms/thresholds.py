@@ -82,10 +82,10 @@ class Thresholds:
     #: group on one host, and allowed to read the others' memory) from this many bytes; negative:
     #: never. At 2 ranks here the socket's broadcast took 2.4-4.6x Open MPI's time from 1 MiB up.
     broadcast_shm_min: int = 256 * KiB
-    #: all_reduce in a group of 2 by single-copy reads of the peer's buffer (aiodist.shm._cma)
-    #: from this many bytes, where the group can (below it, and with more ranks, the halves);
-    #: negative: never. At 2 ranks here: 2 and 4 MiB took the same time both ways, 8 MiB
-    #: 1.23-1.27 ms against 1.39-1.40, 16 MiB 2.0-2.2 ms against 2.7-2.8; 1 MiB was slower.
+    #: all_reduce by single-copy reads of the peers' buffers (aiodist.shm._cma) from this many
+    #: bytes, where the group can (below it, the halves); negative: never. Measured here, 16 MiB:
+    #: 2 ranks 2.0 ms against 2.7-2.8 through the halves, 4 ranks 6.8-7.7 against 12.0; 4 MiB
+    #: 0.65 against 0.72 ms (2 ranks), 2.0-2.3 against 2.6 (4); 1 MiB was slower (0.30 against 0.20).
     allreduce_cma_min: int = 4 * MiB
 
     def __post_init__(self) -> None:
