@@ -35,7 +35,7 @@ async def run_all_reduce(
     """all_reduce ``flat`` through shared memory in this op's turn; False (nothing done) where
     the group uses the socket path. ``lane``: a small op, for the latency lane (aiodist.shm._lane),
     or the socket path where the group has no lane. ``single_copy``: a big one, by single-copy
-    reads where the group can (groups of 2)."""
+    reads where the group can."""
     try:
         g = await ticket.acquire(p2p)
         if g is None:

@@ -85,7 +85,6 @@ _MAX_IDLE_WAITERS = 8
 # Spinning for a reply (``_Connection.spin``): how long at most, per request (a same-host reply
 # comes in 7-40 us here, p99 65 us across CPUs); how recently the loop must have run for a call
 # to finish without it; and the back-off from spins that see no reply.
-SPIN_S = 0.0  # set below from AIODIST_STORE_SPIN_US
 SPIN_LOOP_S = 0.001
 SPIN_BACKOFF_MAX = 8  # after k spins in a row that saw no reply, 2**k - 1 requests do not spin (k <= 8)
 _CONNECT_ATTEMPT_S = 5.0  # one connect attempt's deadline
@@ -284,12 +283,13 @@ class _Connection(asyncio.Protocol):
         The loop is never held long: one spin is at most ``SPIN_S``, and spins follow one
         another without a pass of the loop (``_loop_ran``, a callback, sees one) for at most
         ``SPIN_LOOP_S``; then a call waits in the loop, so a task making calls one after
-        another still lets the loop run every millisecond. After
-        k spins in a row that saw no reply (a busy or slow server), the next 2**k - 1 requests
-        do not spin (k at most ``SPIN_BACKOFF_MAX``); a reply in time resets k. Never while a server runs in this process (it may need
-        this thread's GIL or this loop to answer), nor on a connection to another host, nor
-        for a call from another task than the last one: tasks that take turns on a store
-        pipeline their requests (one round trip for many), which a spin would serialise."""
+        another still lets the loop run every millisecond. After k spins in a row that saw no
+        reply (a busy or slow server), the next 2**k - 1 requests do not spin (k at most
+        ``SPIN_BACKOFF_MAX``); a reply in time resets k. Never while a server runs in this
+        process (it may need this thread's GIL or this loop to answer), nor on a connection to
+        another host, nor for a call from another task than the last one: tasks that take
+        turns on a store pipeline their requests (one round trip for many), which a spin
+        would serialise."""
         poll = self._poll
         if poll is None:
             return
