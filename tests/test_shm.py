@@ -80,6 +80,7 @@ async def main():
     os.environ["AIODIST_ALGO_ALLGATHER_SHM_MIN"] = "-1"
     os.environ["AIODIST_ALGO_LANE_MAX"] = "0"
     os.environ["AIODIST_ALGO_BROADCAST_SHM_MIN"] = "-1"
+    os.environ["AIODIST_ALGO_REDUCE_CMA_MIN"] = "-1"
     sock = await dist.new_group(list(range(n)))
     rng = np.random.default_rng(1234 + rank)
     digests, same = {{}}, {{}}
@@ -127,6 +128,14 @@ async def main():
         await dist.broadcast(b, src=root, group=sock)
         ok = ok and bool(np.array_equal(a, b)) and bool(np.array_equal(a, np.arange(300_007, dtype=np.float32) * (root + 1)))
     same["broadcast"] = ok
+    ok = True
+    for root in range(n):  # reduces: single-copy reads of the peers' slices, the others' tensors left alone
+        a = ints.astype(np.float32) * (rank + 1)  # integer values: exact in either order
+        b, keep = a.copy(), a.copy()
+        await dist.reduce(a, dst=root)
+        await dist.reduce(b, dst=root, group=sock)
+        ok = ok and bool(np.array_equal(a, b)) and (rank == root or bool(np.array_equal(a, keep)))
+    same["reduce"] = ok
 
     shm = dist.group.WORLD.backend.stats()["shm"]
     during = memfds()
@@ -144,7 +153,7 @@ def _world(tmp_path: Path, n: int, extra: dict[int, dict[str, str]] | None = Non
     envs = []
     for r in range(n):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), WORLD_SIZE=str(n))
-        env.update(AIODIST_SHM_BYTES="1M", AIODIST_ALGO_ALLREDUCE_SHM_MIN="0", AIODIST_ALGO_ALLGATHER_SHM_MIN="0")
+        env.update(AIODIST_SHM_BYTES="1M", AIODIST_ALGO_ALLREDUCE_SHM_MIN="0", AIODIST_ALGO_ALLGATHER_SHM_MIN="0", AIODIST_ALGO_REDUCE_CMA_MIN="0")
         env.update((extra or {}).get(r, {}))
         envs.append(env)
     return run_ranks([[sys.executable, str(script)]] * n, envs, START_S)
@@ -171,10 +180,10 @@ def test_shared_memory_path_matches_the_socket_path(tmp_path: Path, n: int) -> N
     cma = _cma_between_processes()
     for r, out in enumerate(res):
         assert out["shm"]["groups"] == [0], f"rank {r}: the default group did not use shared memory: {out['shm']}"
-        # the big broadcasts (and at 2 ranks the all_gathers) took the single-copy path
-        # (process_vm_readv) where the kernel lets one process read another here
+        # the big broadcasts and reduces (and at 2 ranks the all_gathers) took the single-copy
+        # path (process_vm_readv) where the kernel lets one process read another here
         if cma:
-            assert out["shm"]["cma_groups"] == [0] and out["shm"]["cma_ops"] == n + (2 if n == 2 else 0), f"rank {r}: {out['shm']}"
+            assert out["shm"]["cma_groups"] == [0] and out["shm"]["cma_ops"] == 2 * n + (2 if n == 2 else 0), f"rank {r}: {out['shm']}"
         else:
             assert out["shm"]["cma_groups"] == [] and out["shm"]["cma_ops"] == 0, f"rank {r}: {out['shm']}"
         assert all(out["same"].values()), f"rank {r}: shared memory and socket results differ: {out['same']}"

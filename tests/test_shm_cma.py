@@ -61,6 +61,21 @@ def test_the_switch_is_0_or_1() -> None:
 ENV = {"AIODIST_SHM_BYTES": "1M", "AIODIST_ALGO_ALLGATHER_SHM_MIN": "0"}
 
 
+def _slice_owner_sum(xs: list[np.ndarray]) -> np.ndarray:
+    """The single-copy bits: the owner of slice r adds its own first, then the others in rank order."""
+    n, m = len(xs), xs[0].size
+    want = np.empty(m, xs[0].dtype)
+    bounds = chunk_bounds(m, n)
+    for r in range(n):
+        lo, hi = bounds[r], bounds[r + 1]
+        acc = xs[r][lo:hi].copy()
+        for q in range(n):
+            if q != r:
+                acc += xs[q][lo:hi]
+        want[lo:hi] = acc
+    return want
+
+
 @pytest.mark.parametrize("n", [2, 3])
 async def test_all_gather_in_place_uneven_and_overlapping(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
     """Out of place, in place (the input is the own output slice), uneven parts and an input
@@ -198,16 +213,7 @@ async def test_big_all_reduce_reads_the_peers_slices(monkeypatch: pytest.MonkeyP
 
     results = await run_world(n, fn, backend="gloo", timeout=60)
     for k, m in enumerate((300_001, 70_001, 1_000_000)):
-        xs = [data(r, m) for r in range(n)]
-        want = np.empty(m, np.float32)
-        bounds = chunk_bounds(m, n)
-        for r in range(n):  # the owner of slice r adds its own first, then the others in rank order
-            lo, hi = bounds[r], bounds[r + 1]
-            acc = xs[r][lo:hi].copy()
-            for q in range(n):
-                if q != r:
-                    acc += xs[q][lo:hi]
-            want[lo:hi] = acc
+        want = _slice_owner_sum([data(r, m) for r in range(n)])
         for got, _ in results:
             assert np.array_equal(got[k], results[0][0][k])  # every rank: the same bits
             if single or n == 2:
@@ -241,7 +247,72 @@ async def test_an_all_reduce_whose_sizes_differ_across_the_single_copy_threshold
     assert all(dt < 5 for _, dt in results), results  # not the 20 s timeout
 
 
-@pytest.mark.parametrize("op", ["all_gather", "all_reduce"])
+@pytest.mark.parametrize("n", [2, 3])
+async def test_big_reduce_reads_the_peers_slices_and_leaves_theirs_alone(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """From reduce_cma_min up (0 here: every size), every root in turn: the root gets the bits
+    of the single-copy all_reduce, every other rank's tensor is as it was; ints with MAX, AVG
+    of a 2-D tensor, and fewer elements than ranks (an empty slice) too."""
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+    monkeypatch.setenv("AIODIST_ALGO_REDUCE_CMA_MIN", "0")
+    sizes = (300_001, 70_001, 2)
+
+    def data(rank: int, m: int) -> np.ndarray:
+        return np.random.default_rng(1000 * rank + m).standard_normal(m).astype(np.float32)
+
+    async def fn(rank: int) -> tuple[list[np.ndarray], int]:
+        got = []
+        for root in range(n):
+            for m in sizes:
+                x = data(rank, m)
+                await dist.reduce(x, dst=root)
+                if rank == root:
+                    got.append(x)
+                else:
+                    assert np.array_equal(x, data(rank, m)), (rank, root, m)
+            i = np.arange(100_001, dtype=np.int64) * (rank + 1) - 7
+            await dist.reduce(i, dst=root, op=dist.ReduceOp.MAX)
+            assert np.array_equal(i, np.arange(100_001, dtype=np.int64) * (n if rank == root else rank + 1) - 7)
+            a = np.full((300, 301), float(rank), np.float64)
+            await dist.reduce(a, dst=root, op=dist.ReduceOp.AVG)
+            assert np.all(a == (sum(range(n)) / n if rank == root else rank))
+        return got, int(dist.group.WORLD.backend.stats()["shm"]["cma_ops"])
+
+    results = await run_world(n, fn, backend="gloo", timeout=60)
+    for root in range(n):
+        for k, m in enumerate(sizes):
+            want = _slice_owner_sum([data(r, m) for r in range(n)])
+            assert np.array_equal(results[root][0][k], want), (root, m)
+    assert [ops for _, ops in results] == [5 * n] * n
+
+
+async def test_a_reduce_whose_sizes_differ_across_the_single_copy_threshold_is_a_desync_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A mistake: one rank passes 600 KB (single copy), the other 300 KB (the socket's tree),
+    with either as the root. The rank on the socket path says which op it is in, so the rank
+    waiting for its peer's first phase finds the desync at once, not at its 20 s timeout."""
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+    monkeypatch.setenv("AIODIST_ALGO_REDUCE_CMA_MIN", "512K")
+
+    for root in (0, 1):
+
+        async def fn(rank: int, root: int = root) -> tuple[str, float]:
+            await dist.all_reduce(np.ones(1, np.float32))  # the agreement
+            t = np.zeros(600_000 if rank == 0 else 300_000, np.uint8)
+            t0 = time.monotonic()
+            try:
+                await dist.reduce(t, dst=root)
+            except dist.DistError as exc:
+                return str(exc), time.monotonic() - t0
+            return "ok", time.monotonic() - t0
+
+        results = await run_world(2, fn, backend="gloo", pg_timeout=20, timeout=60)
+        assert any("desync detected" in m for m, _ in results), (root, results)
+        assert all(m == "ok" or "desync" in m or "bytes" in m for m, _ in results), (root, results)
+        assert all(dt < 5 for _, dt in results), (root, results)
+
+
+@pytest.mark.parametrize("op", ["all_gather", "all_reduce", "reduce"])
 async def test_a_failed_read_names_the_op_group_seq_and_rank_and_fails_the_peer(monkeypatch: pytest.MonkeyPatch, op: str) -> None:
     """One rank's read of its peer's input fails (its first one is sent to page 0, which is
     never mapped): that rank's op fails with a DistBackendError that says what and whose, and
@@ -251,6 +322,7 @@ async def test_a_failed_read_names_the_op_group_seq_and_rank_and_fails_the_peer(
     for k, v in ENV.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("AIODIST_ALGO_ALLREDUCE_CMA_MIN", "256K")
+    monkeypatch.setenv("AIODIST_ALGO_REDUCE_CMA_MIN", "256K")
     real = _cma.read
     failed: list[int] = []
 
@@ -267,8 +339,10 @@ async def test_a_failed_read_names_the_op_group_seq_and_rank_and_fails_the_peer(
         try:
             if op == "all_gather":
                 await dist.all_gather_into_tensor(np.empty(2 * 100_000, np.float32), np.ones(100_000, np.float32))
-            else:
+            elif op == "all_reduce":
                 await dist.all_reduce(np.ones(100_000, np.float32))
+            else:
+                await dist.reduce(np.ones(100_000, np.float32), dst=1)
         except DistBackendError as exc:
             return str(exc), asyncio.get_running_loop().time() - t
         return "ok", 0.0
@@ -281,7 +355,7 @@ async def test_a_failed_read_names_the_op_group_seq_and_rank_and_fails_the_peer(
         assert all("all_gather on group 0, seq 0: reading rank" in m and "Bad address" in m for m in msgs), msgs
         assert sum("aborted group 0" in m for m in msgs) == 1, msgs
     else:
-        assert sum("all_reduce on group 0, seq 0: reading rank" in m and "Bad address" in m for m in msgs) >= 1, msgs
+        assert sum(f"{op} on group 0, seq 0: reading rank" in m and "Bad address" in m for m in msgs) >= 1, msgs
         assert all(m != "ok" for m in msgs), msgs
     assert all(dt < 10 for _, dt in results), results  # the peer learns it from the abort, not its 20 s timeout
     # the failed op's traceback still viewed the segments; once it is collected they are unmapped

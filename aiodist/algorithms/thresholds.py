@@ -87,6 +87,12 @@ class Thresholds:
     #: 2 ranks 2.0 ms against 2.7-2.8 through the halves, 4 ranks 6.8-7.7 against 12.0; 4 MiB
     #: 0.65 against 0.72 ms (2 ranks), 2.0-2.3 against 2.6 (4); 1 MiB was slower (0.30 against 0.20).
     allreduce_cma_min: int = 4 * MiB
+    #: reduce by single-copy reads (aiodist.shm._cma) from this many bytes, where the group can
+    #: (below it, the socket's tree); negative: never. Measured here: 2 ranks, 16 MiB 2.5 ms
+    #: against 4.9 on the socket, 4 MiB 0.77 against 1.16, 1 MiB 0.26 against 0.38, 256 KiB
+    #: slower (0.12 against 0.10); 4 ranks (on 2 cores), 16 MiB 7.2 against 19.0, 4 MiB 1.7
+    #: against 5.2, but 1 MiB slower (0.86 against 0.74) and 16 KiB-256 KiB 2-4x slower.
+    reduce_cma_min: int = 4 * MiB
 
     def __post_init__(self) -> None:
         if self.pipeline_piece < 1:
@@ -131,6 +137,10 @@ class Thresholds:
     def all_reduce_cma(self, nbytes: int) -> bool:
         """all_reduce of ``nbytes`` through shared memory goes by single-copy reads where the group can."""
         return 0 <= self.allreduce_cma_min <= nbytes
+
+    def reduce_cma(self, nbytes: int) -> bool:
+        """reduce of ``nbytes`` goes by single-copy reads where the group can."""
+        return 0 <= self.reduce_cma_min <= nbytes and nbytes > 0
 
     def all_reduce_lane(self, nbytes: int) -> bool:
         """all_reduce of ``nbytes`` goes through shared memory's latency lane where the group has one."""

@@ -33,7 +33,7 @@ from aiodist.c10d.process_group import describe_call
 from aiodist.c10d.work import Work
 from aiodist.c10d.world import _CURRENT, default_group
 from aiodist.errors import DistTimeoutError
-from aiodist.shm import Ticket, run_all_gather, run_all_reduce, run_barrier, run_broadcast
+from aiodist.shm import Ticket, run_all_gather, run_all_reduce, run_barrier, run_broadcast, run_reduce
 from aiodist.types import Buffer, ReduceOp, ReduceOpLike, check_reduce, combiner, finalize, premultiply, to_reduce_op
 
 __all__ = [
@@ -265,15 +265,27 @@ async def reduce(
     b = buf(tensor, "reduce tensor", writable=is_root)
     rop, combine = _reduction(op, b.dtype_name, "reduce")
     flat, name, n, th = b.flat, b.dtype_name, pg.size(), pg.thresholds
+    # big: single-copy reads where the group can (aiodist.shm._cma); as for broadcast, every
+    # reduce past the lane's sizes takes a place in line, so that one on the socket path says
+    # which op it is in (run_reduce): a peer on the other path (a size that differs) sees the desync
+    big = th.reduce_cma(flat.nbytes)
+    wanted = (
+        (big or flat.nbytes > th.broadcast_lane_max and th.lane_max > 0)
+        and th.reduce_cma_min >= 0
+        and getattr(getattr(pg.backend, "shm", None), "cma", None) is not None
+    )
+    ticket = _shm_ticket(pg, wanted)
 
     async def body(p2p: P2P) -> None:
         mine = flat if is_root or rop.op is not _PREMUL else flat.copy()
         _premultiply(mine, rop, dtype=name)
-        await alg.reduce(p2p, mine, root, combine, thresholds=th)
+        if ticket is None or not await run_reduce(ticket, p2p, mine, root, combine, big):
+            await alg.reduce(p2p, mine, root, combine, thresholds=th)
         if is_root:
             _finalize(mine, rop, n, dtype=name)
 
-    return await _finish(pg.issue("reduce", body, [tensor], meta=_meta(tensor=_t(b), op=_opname(rop), root=pg.ranks[root])), asy)
+    meta = _meta(tensor=_t(b), op=_opname(rop), root=pg.ranks[root])
+    return await _finish(_issue_with(pg, ticket, "reduce", body, [tensor], meta=meta), asy)
 
 
 # -- all_gather / gather / scatter -------------------------------------------------------------

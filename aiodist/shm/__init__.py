@@ -2,7 +2,7 @@
 
 The CPU socket backend owns a ``SharedMemory``; the collectives take a ``Ticket`` in their
 issuing step (``SharedMemory.ticket``) and, in their body, ``run_all_reduce`` /
-``run_all_gather``, which return False where the group uses the socket path instead.
+``run_all_gather``, ``run_broadcast``, ``run_reduce``, which return False where the group uses the socket path instead.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ __all__ = [
     "run_all_gather",
     "run_barrier",
     "run_broadcast",
+    "run_reduce",
 ]
 
 
@@ -83,6 +84,25 @@ async def run_broadcast(ticket: Ticket, p2p: P2P, flat: np.ndarray, root: int, b
             return False
         await _lane.broadcast(p2p, g, flat, root)
         return True
+    finally:
+        ticket.release()
+
+
+async def run_reduce(ticket: Ticket, p2p: P2P, flat: np.ndarray, root: int, combine: _algorithms.Combine, big: bool) -> bool:
+    """A ``big`` reduce by single-copy reads in this op's turn; False (nothing done) where the
+    group cannot read its peers or the op is not big: then, where the group has a lane, this
+    rank says which op it is in (``_lane.announce``), so a peer waiting in the lane for another
+    op at this seq (a size that differs) sees the desync."""
+    try:
+        g = await ticket.acquire(p2p)
+        if g is None:
+            return False
+        if big and g.cma:
+            await _algorithms.reduce_single_copy(p2p, g, flat, root, combine)
+            return True
+        if g.lane:
+            _lane.announce(channel_of(p2p), g, p2p.rank)
+        return False
     finally:
         ticket.release()
 

@@ -28,6 +28,12 @@ Rules these keep:
   time, into a piece-sized buffer and folds it into its own buffer's slice r, in rank order (the
   order above: the same bits); rings "reduced"; reads every peer's reduced slice straight into
   its own buffer; and rings "out". A rank returns only after every peer's "out".
+- reduce with single copy (from ``reduce_cma_min``): each rank publishes where its buffer is
+  and where its slice of the result will be (the root's own buffer; another rank's a scratch
+  slice, its buffer stays as it was) and rings "in"; rank r folds every peer's slice r into
+  its own slice r, own first then the others in rank order (the bits of the single-copy
+  all_reduce), and rings "reduced"; the root reads every other rank's reduced slice straight
+  into its buffer and rings "out". A rank returns only after the root's "out".
 - broadcast with single copy: the root publishes where its tensor is and rings "in"; every other
   rank reads it straight into its own tensor and rings "out"; the root returns after every "out".
 - No synchronous step is longer than one piece (``PIECE`` bytes) of a copy or a reduction: the
@@ -46,12 +52,13 @@ from typing import NoReturn
 import numpy as np
 
 from aiodist.algorithms import schedule as sch
+from aiodist.algorithms.collectives import _borrowed  # the bounded scratch pool (no full-size allocation per call)
 from aiodist.algorithms.p2p import P2P, byte_view
 from aiodist.errors import DistBackendError
 from aiodist.shm import _cma, _lane
 from aiodist.shm._manager import GroupShm, channel_of, check_peer, retrieve
 
-__all__ = ["all_reduce", "all_gather", "broadcast_single_copy", "PIECE"]
+__all__ = ["all_reduce", "all_gather", "broadcast_single_copy", "reduce_single_copy", "PIECE"]
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
 
@@ -196,6 +203,50 @@ async def _all_reduce_single_copy(p2p: P2P, g: GroupShm, flat: np.ndarray, combi
     for q in peers:
         await _read(p2p, g, q, mine[b[q] * isz : b[q + 1] * isz], addrs[q] + b[q] * isz, pace, "all_reduce")
     await _lane.phase(p2p, g, 2, flat.nbytes)  # every peer has read this rank's slice: the buffer is the caller's again
+
+
+async def reduce_single_copy(p2p: P2P, g: GroupShm, flat: np.ndarray, root: int, combine: Combine) -> None:
+    """Every rank's ``flat`` reduced into the root's, by single-copy reads (see the module
+    docstring): rank r reduces slice r of every rank's buffer, the root then reads the reduced
+    slices. The other ranks' ``flat`` are only read; their slice of the result is scratch from
+    the algorithms' pool (not a full-size allocation per call)."""
+    p, me = p2p.size, p2p.rank
+    g.cma_ops += 1
+    isz = flat.itemsize
+    b = sch.chunk_bounds(flat.size, p)
+    lo, hi = b[me], b[me + 1]
+    with _borrowed(flat.dtype, 0 if me == root else hi - lo) as scratch:
+        acc = flat[lo:hi] if me == root else scratch
+        words = g.cma_words[me]
+        words[0] = flat.ctypes.data
+        words[1] = flat.nbytes
+        words[2] = acc.ctypes.data
+        await _lane.phase(p2p, g, 0, flat.nbytes)  # (step 0 checks every rank's size and digest)
+        peers = [q for q in range(p) if q != me]
+        addrs = [int(g.cma_words[q][0]) for q in range(p)]
+        step = max(1, _CMA_PIECE // isz)
+        tmp = np.empty(max(0, min(step, hi - lo)), flat.dtype)
+        raw = tmp.view(np.uint8)
+        pace = _Pacer()
+        for a in range(lo, hi, step):
+            z = min(a + step, hi)
+            out = acc[a - lo : z - lo]
+            if me != root:
+                np.copyto(out, flat[a:z])
+            for q in peers:  # own, then the peers' in rank order
+                try:
+                    _cma.read(g.pids[q], raw[: (z - a) * isz], addrs[q] + a * isz)
+                except OSError as exc:
+                    await _read_failed(p2p, q, g.pids[q], exc, "reduce")
+                combine(out, tmp[: z - a])
+            await pace.tick()
+        await _lane.phase(p2p, g, 1, flat.nbytes)  # every slice is reduced
+        if me == root:
+            mine = byte_view(flat, writable=True)
+            for q in peers:
+                if b[q + 1] > b[q]:
+                    await _read(p2p, g, q, mine[b[q] * isz : b[q + 1] * isz], int(g.cma_words[q][2]), pace, "reduce")
+        await _lane.phase(p2p, g, 2, flat.nbytes)  # the root has read every reduced slice
 
 
 async def all_gather(p2p: P2P, g: GroupShm, outs: Sequence[np.ndarray], mine: np.ndarray) -> None:

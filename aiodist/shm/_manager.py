@@ -101,7 +101,7 @@ def segment_bytes(env: dict[str, str] | None = None) -> int:
 LANE_MAX = 256 << 10
 LANE_SLOT = 64 + LANE_MAX
 #: ... then a rank's single-copy words (``GroupShm.cma_words``: the address and size of its
-#: input in a single-copy all_gather), in the lane's last page
+#: input in a single-copy op, and a reduce's address of its reduced slice), in the lane's last page
 LANE_CMA = 64 + 2 * LANE_SLOT
 LANE_BYTES = (LANE_CMA + 64 + 4095) // 4096 * 4096
 
@@ -136,6 +136,7 @@ class GroupShm:
     owner: Any = None  # the SharedMemory whose doorbell this rank sleeps on
     # single-copy reads (aiodist.shm._cma): every rank can read every member's memory (agreed),
     # the members' pids, and cma_words[q]: the address and size of rank q's input of a big op
+    # (and, in a reduce, where its reduced slice is)
     cma: bool = False
     pids: list[int] = field(default_factory=list)
     cma_words: list[np.ndarray] = field(default_factory=list)
@@ -155,7 +156,7 @@ class GroupShm:
                 at = (64, 64 + LANE_SLOT)
                 self.heads.append((v[at[0] : at[0] + 24].view(np.int64), v[at[1] : at[1] + 24].view(np.int64)))
                 self.bodies.append((v[at[0] + 64 : at[0] + LANE_SLOT], v[at[1] + 64 : at[1] + LANE_SLOT]))
-                self.cma_words.append(v[LANE_CMA : LANE_CMA + 16].view(np.int64))
+                self.cma_words.append(v[LANE_CMA : LANE_CMA + 24].view(np.int64))
 
     def fits_lane(self, nbytes: int) -> bool:
         """Whether a rank's ``nbytes`` fit the group's lane (the same answer on every rank)."""
