@@ -250,14 +250,18 @@ def test_link_back_up_the_job_restarts_and_completes(hosts: netns.Hosts, backend
         rcs = [x.finish(40) for x in launchers]
         assert rcs == [0, 0], dump(launchers)
         check_collective_failures(launchers, GROUP_TIMEOUT + 1.0)
+        per_round: dict[int, set[int]] = {0: set(), 1: set()}
         for x in launchers:
-            (rank,) = x.ranks()
             out = x.text("out")
-            # --local-addr is what the workers advertise, in both rounds
+            # --local-addr is what the workers advertise, in both rounds. A c10d agent takes its
+            # node's ranks in order of arrival, so a restart may swap them (as torchrun's may)
             for k in (0, 1):
-                assert f"start rank {rank} of 2 restart {k} advertise={hosts.addr(x.host)}" in out, dump(launchers)
-            assert f"DONE rank {rank} restart 1" in out and f"DONE rank {rank} restart 0" not in out, dump(launchers)
+                m = re.search(rf"(?m)start rank (\d+) of 2 restart {k} advertise={re.escape(hosts.addr(x.host))}$", out)
+                assert m, dump(launchers)
+                per_round[k].add(int(m.group(1)))
+            assert f"DONE rank {m.group(1)} restart 1" in out and not re.search(r"DONE rank \d+ restart 0", out), dump(launchers)
             assert " FAILED\n" not in x.text("err") + "\n", x.text("err")
+        assert per_round == {0: {0, 1}, 1: {0, 1}}, per_round
     finally:
         for x in launchers:
             if x.p.poll() is None:

@@ -81,6 +81,7 @@ async def main():
     os.environ["AIODIST_ALGO_LANE_MAX"] = "0"
     os.environ["AIODIST_ALGO_BROADCAST_SHM_MIN"] = "-1"
     os.environ["AIODIST_ALGO_REDUCE_CMA_MIN"] = "-1"
+    os.environ["AIODIST_ALGO_REDUCE_SCATTER_CMA_MIN"] = "-1"
     sock = await dist.new_group(list(range(n)))
     rng = np.random.default_rng(1234 + rank)
     digests, same = {{}}, {{}}
@@ -136,6 +137,11 @@ async def main():
         await dist.reduce(b, dst=root, group=sock)
         ok = ok and bool(np.array_equal(a, b)) and (rank == root or bool(np.array_equal(a, keep)))
     same["reduce"] = ok
+    a = np.concatenate([ints[:250_000]] * n).astype(np.float32) * (rank + 1)  # integer values: exact in any order
+    o_s, o_k = np.empty(250_000, np.float32), np.empty(250_000, np.float32)
+    await dist.reduce_scatter_tensor(o_s, a)
+    await dist.reduce_scatter_tensor(o_k, a, group=sock)
+    same["reduce_scatter_tensor"] = bool(np.array_equal(o_s, o_k))
 
     shm = dist.group.WORLD.backend.stats()["shm"]
     during = memfds()
@@ -180,10 +186,10 @@ def test_shared_memory_path_matches_the_socket_path(tmp_path: Path, n: int) -> N
     cma = _cma_between_processes()
     for r, out in enumerate(res):
         assert out["shm"]["groups"] == [0], f"rank {r}: the default group did not use shared memory: {out['shm']}"
-        # the big broadcasts and reduces (and at 2 ranks the all_gathers) took the single-copy
-        # path (process_vm_readv) where the kernel lets one process read another here
+        # the big broadcasts, reduces and the reduce_scatter (and at 2 ranks the all_gathers)
+        # took the single-copy path (process_vm_readv) where the kernel lets one process read another here
         if cma:
-            assert out["shm"]["cma_groups"] == [0] and out["shm"]["cma_ops"] == 2 * n + (2 if n == 2 else 0), f"rank {r}: {out['shm']}"
+            assert out["shm"]["cma_groups"] == [0] and out["shm"]["cma_ops"] == 2 * n + 1 + (2 if n == 2 else 0), f"rank {r}: {out['shm']}"
         else:
             assert out["shm"]["cma_groups"] == [] and out["shm"]["cma_ops"] == 0, f"rank {r}: {out['shm']}"
         assert all(out["same"].values()), f"rank {r}: shared memory and socket results differ: {out['same']}"

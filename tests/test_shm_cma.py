@@ -285,23 +285,28 @@ async def test_big_reduce_reads_the_peers_slices_and_leaves_theirs_alone(monkeyp
     assert [ops for _, ops in results] == [5 * n] * n
 
 
+@pytest.mark.parametrize("op", ["reduce", "reduce_scatter_tensor"])
 async def test_a_reduce_whose_sizes_differ_across_the_single_copy_threshold_is_a_desync_at_once(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, op: str
 ) -> None:
-    """A mistake: one rank passes 600 KB (single copy), the other 300 KB (the socket's tree),
-    with either as the root. The rank on the socket path says which op it is in, so the rank
-    waiting for its peer's first phase finds the desync at once, not at its 20 s timeout."""
+    """A mistake: one rank passes 600 KB (single copy), the other 300 KB (the socket), with
+    either as the root (reduce). The rank on the socket path says which op it is in, so the
+    rank waiting for its peer's first phase finds the desync at once, not at its 20 s timeout."""
     monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
     monkeypatch.setenv("AIODIST_ALGO_REDUCE_CMA_MIN", "512K")
+    monkeypatch.setenv("AIODIST_ALGO_REDUCE_SCATTER_CMA_MIN", "512K")
 
-    for root in (0, 1):
+    for root in (0, 1) if op == "reduce" else (0,):
 
         async def fn(rank: int, root: int = root) -> tuple[str, float]:
             await dist.all_reduce(np.ones(1, np.float32))  # the agreement
             t = np.zeros(600_000 if rank == 0 else 300_000, np.uint8)
             t0 = time.monotonic()
             try:
-                await dist.reduce(t, dst=root)
+                if op == "reduce":
+                    await dist.reduce(t, dst=root)
+                else:
+                    await dist.reduce_scatter_tensor(np.empty(t.size // 2, np.uint8), t)
             except dist.DistError as exc:
                 return str(exc), time.monotonic() - t0
             return "ok", time.monotonic() - t0
@@ -312,7 +317,55 @@ async def test_a_reduce_whose_sizes_differ_across_the_single_copy_threshold_is_a
         assert all(dt < 5 for _, dt in results), (root, results)
 
 
-@pytest.mark.parametrize("op", ["all_gather", "all_reduce", "reduce"])
+@pytest.mark.parametrize("n", [2, 3])
+async def test_reduce_scatter_reads_every_ranks_part_in_rank_order(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """reduce_scatter by single copy (every size, the default): the bits of the direct schedule
+    (part r of rank 0, then + rank 1's, ...), for reduce_scatter_tensor, the list form with
+    parts in separate arrays (copied into one block first), in place (the output is the own
+    part of the input), an output that overlaps another rank's part, MAX on ints, and AVG."""
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+
+    def data(rank: int, m: int) -> np.ndarray:
+        return np.random.default_rng(77 * rank + m).standard_normal(m).astype(np.float32)
+
+    def rank_order(parts: list[np.ndarray]) -> np.ndarray:
+        acc = parts[0].copy()
+        for x in parts[1:]:
+            acc += x
+        return acc
+
+    m, sizes = 100_003, [30_001] * n  # (every rank's output has one shape: the desync check)
+
+    async def fn(rank: int) -> int:
+        x = data(rank, m * n)
+        out = np.empty(m, np.float32)
+        await dist.reduce_scatter_tensor(out, x)
+        assert np.array_equal(out, rank_order([data(q, m * n)[rank * m : (rank + 1) * m] for q in range(n)]))
+        parts = [data(rank, s) * (j + 1) for j, s in enumerate(sizes)]  # separate arrays
+        o = np.empty(sizes[rank], np.float32)
+        await dist.reduce_scatter(o, parts)
+        assert np.array_equal(o, rank_order([data(q, sizes[rank]) * (rank + 1) for q in range(n)]))
+        y = x.copy()
+        await dist.reduce_scatter_tensor(y[rank * m : (rank + 1) * m], y)  # in place
+        assert np.array_equal(y[rank * m : (rank + 1) * m], out)
+        z = x.copy()
+        nxt = (rank + 1) % n
+        await dist.reduce_scatter_tensor(z[nxt * m : (nxt + 1) * m], z)  # the output is the next rank's part
+        assert np.array_equal(z[nxt * m : (nxt + 1) * m], out)
+        i = (np.arange(m * n, dtype=np.int32) % 1000) * (rank + 1)
+        oi = np.empty(m, np.int32)
+        await dist.reduce_scatter_tensor(oi, i, op=dist.ReduceOp.MAX)
+        assert np.array_equal(oi, (np.arange(m * n, dtype=np.int32) % 1000)[rank * m : (rank + 1) * m] * n)
+        a = np.full((n, 300, 7), float(rank), np.float64)
+        oa = np.empty((300, 7), np.float64)
+        await dist.reduce_scatter_tensor(oa, a, op=dist.ReduceOp.AVG)
+        assert np.all(oa == sum(range(n)) / n)
+        return int(dist.group.WORLD.backend.stats()["shm"]["cma_ops"])
+
+    assert await run_world(n, fn, backend="gloo", timeout=60) == [6] * n
+
+
+@pytest.mark.parametrize("op", ["all_gather", "all_reduce", "reduce", "reduce_scatter"])
 async def test_a_failed_read_names_the_op_group_seq_and_rank_and_fails_the_peer(monkeypatch: pytest.MonkeyPatch, op: str) -> None:
     """One rank's read of its peer's input fails (its first one is sent to page 0, which is
     never mapped): that rank's op fails with a DistBackendError that says what and whose, and
@@ -341,8 +394,10 @@ async def test_a_failed_read_names_the_op_group_seq_and_rank_and_fails_the_peer(
                 await dist.all_gather_into_tensor(np.empty(2 * 100_000, np.float32), np.ones(100_000, np.float32))
             elif op == "all_reduce":
                 await dist.all_reduce(np.ones(100_000, np.float32))
-            else:
+            elif op == "reduce":
                 await dist.reduce(np.ones(100_000, np.float32), dst=1)
+            else:
+                await dist.reduce_scatter_tensor(np.empty(50_000, np.float32), np.ones(100_000, np.float32))
         except DistBackendError as exc:
             return str(exc), asyncio.get_running_loop().time() - t
         return "ok", 0.0

@@ -33,7 +33,7 @@ from aiodist.c10d.process_group import describe_call
 from aiodist.c10d.work import Work
 from aiodist.c10d.world import _CURRENT, default_group
 from aiodist.errors import DistTimeoutError
-from aiodist.shm import Ticket, run_all_gather, run_all_reduce, run_barrier, run_broadcast, run_reduce
+from aiodist.shm import Ticket, run_all_gather, run_all_reduce, run_barrier, run_broadcast, run_reduce, run_reduce_scatter
 from aiodist.types import Buffer, ReduceOp, ReduceOpLike, check_reduce, combiner, finalize, premultiply, to_reduce_op
 
 __all__ = [
@@ -122,6 +122,19 @@ def _shm_ticket(pg: Any, wanted: bool) -> Ticket | None:
     the size calls for it and the backend has shared memory; None for the socket path."""
     shm = getattr(pg.backend, "shm", None) if wanted else None
     return None if shm is None else shm.ticket(pg.group_id, pg.ranks)  # type: ignore[no-any-return]
+
+
+def _cma_wanted(pg: Any, big: bool, nbytes: int, threshold: int) -> bool:
+    """Whether an op that may go by single-copy reads (reduce, reduce_scatter) takes a place in
+    the group's shared-memory line: where this rank can read its peers and the op is ``big``,
+    or past the lane's 16 KiB (where the group has a lane), so that one on the socket path
+    says which op it is in and a peer on the other path (a size that differs) sees the desync."""
+    th = pg.thresholds
+    return (
+        (big or nbytes > th.broadcast_lane_max and th.lane_max > 0)
+        and threshold >= 0
+        and getattr(getattr(pg.backend, "shm", None), "cma", None) is not None
+    )
 
 
 def _issue_with(pg: Any, ticket: Ticket | None, *args: Any, **kwargs: Any) -> Work:
@@ -269,12 +282,7 @@ async def reduce(
     # reduce past the lane's sizes takes a place in line, so that one on the socket path says
     # which op it is in (run_reduce): a peer on the other path (a size that differs) sees the desync
     big = th.reduce_cma(flat.nbytes)
-    wanted = (
-        (big or flat.nbytes > th.broadcast_lane_max and th.lane_max > 0)
-        and th.reduce_cma_min >= 0
-        and getattr(getattr(pg.backend, "shm", None), "cma", None) is not None
-    )
-    ticket = _shm_ticket(pg, wanted)
+    ticket = _shm_ticket(pg, _cma_wanted(pg, big, flat.nbytes, th.reduce_cma_min))
 
     async def body(p2p: P2P) -> None:
         mine = flat if is_root or rop.op is not _PREMUL else flat.copy()
@@ -485,6 +493,9 @@ async def _reduce_scatter_one(name: str, output: Any, input: Any, op: ReduceOpLi
 
 def _issue_reduce_scatter(pg: Any, name: str, out: Buffer, parts: list[np.ndarray], rop: ReduceOp, combine: Any, output: Any) -> Work:
     dtype, n, th = out.dtype_name, pg.size(), pg.thresholds
+    total = sum(x.nbytes for x in parts)  # the same on every rank
+    big = th.reduce_scatter_cma(total)
+    ticket = _shm_ticket(pg, _cma_wanted(pg, big, total, th.reduce_scatter_cma_min))
 
     async def body(p2p: P2P) -> None:
         mine = parts
@@ -492,11 +503,11 @@ def _issue_reduce_scatter(pg: Any, name: str, out: Buffer, parts: list[np.ndarra
             mine = [p.copy() for p in parts]
             for p in mine:
                 _premultiply(p, rop, dtype=dtype)
-        await alg.reduce_scatter(p2p, out.flat, mine, combine, thresholds=th)
+        if ticket is None or not await run_reduce_scatter(ticket, p2p, out.flat, mine, combine, big):
+            await alg.reduce_scatter(p2p, out.flat, mine, combine, thresholds=th)
         _finalize(out.flat, rop, n, dtype=dtype)
 
-    work: Work = pg.issue(name, body, [output], meta=_meta(output=_t(out), op=_opname(rop)))
-    return work
+    return _issue_with(pg, ticket, name, body, [output], meta=_meta(output=_t(out), op=_opname(rop)))
 
 
 @communicating

@@ -2,7 +2,7 @@
 
 The CPU socket backend owns a ``SharedMemory``; the collectives take a ``Ticket`` in their
 issuing step (``SharedMemory.ticket``) and, in their body, ``run_all_reduce`` /
-``run_all_gather``, ``run_broadcast``, ``run_reduce``, which return False where the group uses the socket path instead.
+``run_all_gather``, ``run_broadcast``, ``run_reduce``, ``run_reduce_scatter``, which return False where the group uses the socket path instead.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ __all__ = [
     "run_barrier",
     "run_broadcast",
     "run_reduce",
+    "run_reduce_scatter",
 ]
 
 
@@ -99,6 +100,25 @@ async def run_reduce(ticket: Ticket, p2p: P2P, flat: np.ndarray, root: int, comb
             return False
         if big and g.cma:
             await _algorithms.reduce_single_copy(p2p, g, flat, root, combine)
+            return True
+        if g.lane:
+            _lane.announce(channel_of(p2p), g, p2p.rank)
+        return False
+    finally:
+        ticket.release()
+
+
+async def run_reduce_scatter(
+    ticket: Ticket, p2p: P2P, out: np.ndarray, parts: Sequence[np.ndarray], combine: _algorithms.Combine, big: bool
+) -> bool:
+    """A ``big`` reduce_scatter by single-copy reads in this op's turn; False (nothing done)
+    otherwise, saying which op this rank is in where the group has a lane (as ``run_reduce``)."""
+    try:
+        g = await ticket.acquire(p2p)
+        if g is None:
+            return False
+        if big and g.cma:
+            await _algorithms.reduce_scatter_single_copy(p2p, g, out, parts, combine)
             return True
         if g.lane:
             _lane.announce(channel_of(p2p), g, p2p.rank)

@@ -34,6 +34,11 @@ Rules these keep:
   its own slice r, own first then the others in rank order (the bits of the single-copy
   all_reduce), and rings "reduced"; the root reads every other rank's reduced slice straight
   into its buffer and rings "out". A rank returns only after the root's "out".
+- reduce_scatter with single copy (from ``reduce_scatter_cma_min``): each rank publishes where
+  its input (every part, one after the other; parts that are not laid out so are first copied
+  into scratch, and so is an input that the output overlaps) is and rings "in"; rank r reads
+  part r of every rank and folds them, in rank order (the bits of the socket's direct
+  schedule), into its output; and rings "out". A rank returns only after every peer's "out".
 - broadcast with single copy: the root publishes where its tensor is and rings "in"; every other
   rank reads it straight into its own tensor and rings "out"; the root returns after every "out".
 - No synchronous step is longer than one piece (``PIECE`` bytes) of a copy or a reduction: the
@@ -58,7 +63,7 @@ from aiodist.errors import DistBackendError
 from aiodist.shm import _cma, _lane
 from aiodist.shm._manager import GroupShm, channel_of, check_peer, retrieve
 
-__all__ = ["all_reduce", "all_gather", "broadcast_single_copy", "reduce_single_copy", "PIECE"]
+__all__ = ["all_reduce", "all_gather", "broadcast_single_copy", "reduce_single_copy", "reduce_scatter_single_copy", "PIECE"]
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
 
@@ -247,6 +252,66 @@ async def reduce_single_copy(p2p: P2P, g: GroupShm, flat: np.ndarray, root: int,
                 if b[q + 1] > b[q]:
                     await _read(p2p, g, q, mine[b[q] * isz : b[q + 1] * isz], int(g.cma_words[q][2]), pace, "reduce")
         await _lane.phase(p2p, g, 2, flat.nbytes)  # the root has read every reduced slice
+
+
+def _laid_out(parts: Sequence[np.ndarray], offs: list[int]) -> bool:
+    """The parts lie one after the other in memory, part q at ``offs[q]`` elements from the first."""
+    if not parts or not all(x.flags.c_contiguous for x in parts):
+        return False
+    base, isz = parts[0].ctypes.data, parts[0].itemsize
+    return all(x.ctypes.data == base + o * isz for x, o in zip(parts, offs))
+
+
+async def reduce_scatter_single_copy(p2p: P2P, g: GroupShm, out: np.ndarray, parts: Sequence[np.ndarray], combine: Combine) -> None:
+    """``out`` of rank r = part r of every rank's input, reduced in rank order, by single-copy
+    reads (see the module docstring). Part sizes may differ per r (every rank passes the same)."""
+    p, me = p2p.size, p2p.rank
+    g.cma_ops += 1
+    isz = out.itemsize
+    offs = [0]
+    for x in parts:
+        offs.append(offs[-1] + x.size)
+    pace = _Pacer()
+    aside = not _laid_out(parts, offs) or any(np.may_share_memory(out, x) for x in parts)
+    with _borrowed(out.dtype, offs[-1] if aside else 0) as scratch:
+        if aside:  # one block that nobody writes while the peers read it
+            for q in range(p):
+                await _copy(scratch[offs[q] : offs[q + 1]], parts[q], pace)
+            base = scratch.ctypes.data if scratch.size else 0
+            own = scratch[offs[me] : offs[me + 1]]
+        else:
+            base = parts[0].ctypes.data if offs[-1] else 0
+            own = parts[me]
+        words = g.cma_words[me]
+        words[0] = base
+        words[1] = offs[-1] * isz
+        await _lane.phase(p2p, g, 0, offs[-1] * isz)  # (step 0 checks every rank's size and digest)
+        addrs = [int(g.cma_words[q][0]) for q in range(p)]
+        step = max(1, _CMA_PIECE // isz)
+        m = out.size
+        tmp = np.empty(min(step, m), out.dtype)
+        raw = tmp.view(np.uint8)
+        at = offs[me] * isz  # where part ``me`` is in every rank's input
+        for a in range(0, m, step):
+            z = min(a + step, m)
+            o = out[a:z]
+            for q in range(p):  # rank order, as the direct schedule
+                if q == me:
+                    src = own[a:z]
+                else:
+                    dst = byte_view(o, writable=True) if q == 0 else raw[: (z - a) * isz]
+                    try:
+                        _cma.read(g.pids[q], dst, addrs[q] + at + a * isz)
+                    except OSError as exc:
+                        await _read_failed(p2p, q, g.pids[q], exc, "reduce_scatter")
+                    src = tmp[: z - a]
+                if q == 0:
+                    if me == 0:
+                        np.copyto(o, src)
+                else:
+                    combine(o, src)
+            await pace.tick()
+        await _lane.phase(p2p, g, 1, offs[-1] * isz)  # every peer has read this rank's input
 
 
 async def all_gather(p2p: P2P, g: GroupShm, outs: Sequence[np.ndarray], mine: np.ndarray) -> None:
