@@ -82,6 +82,7 @@ async def main():
     os.environ["AIODIST_ALGO_BROADCAST_SHM_MIN"] = "-1"
     os.environ["AIODIST_ALGO_REDUCE_CMA_MIN"] = "-1"
     os.environ["AIODIST_ALGO_REDUCE_SCATTER_CMA_MIN"] = "-1"
+    os.environ["AIODIST_ALGO_ALLTOALL_CMA"] = "-1"
     sock = await dist.new_group(list(range(n)))
     rng = np.random.default_rng(1234 + rank)
     digests, same = {{}}, {{}}
@@ -142,6 +143,13 @@ async def main():
     await dist.reduce_scatter_tensor(o_s, a)
     await dist.reduce_scatter_tensor(o_k, a, group=sock)
     same["reduce_scatter_tensor"] = bool(np.array_equal(o_s, o_k))
+    splits = [1000 * (rank + 1) + 7 * q for q in range(n)]  # uneven: what this rank sends each
+    got = [1000 * (q + 1) + 7 * rank for q in range(n)]
+    x = r2.standard_normal(sum(splits))
+    t_s, t_k = np.empty(sum(got)), np.empty(sum(got))
+    await dist.all_to_all_single(t_s, x, output_split_sizes=got, input_split_sizes=splits)
+    await dist.all_to_all_single(t_k, x, output_split_sizes=got, input_split_sizes=splits, group=sock)
+    same["all_to_all_single"] = bool(np.array_equal(t_s, t_k))
 
     shm = dist.group.WORLD.backend.stats()["shm"]
     during = memfds()
@@ -186,10 +194,10 @@ def test_shared_memory_path_matches_the_socket_path(tmp_path: Path, n: int) -> N
     cma = _cma_between_processes()
     for r, out in enumerate(res):
         assert out["shm"]["groups"] == [0], f"rank {r}: the default group did not use shared memory: {out['shm']}"
-        # the big broadcasts, reduces and the reduce_scatter (and at 2 ranks the all_gathers)
-        # took the single-copy path (process_vm_readv) where the kernel lets one process read another here
+        # the big broadcasts, reduces, the reduce_scatter and the all_to_all (and at 2 ranks the
+        # all_gathers) took the single-copy path (process_vm_readv) where the kernel lets one process read another here
         if cma:
-            assert out["shm"]["cma_groups"] == [0] and out["shm"]["cma_ops"] == 2 * n + 1 + (2 if n == 2 else 0), f"rank {r}: {out['shm']}"
+            assert out["shm"]["cma_groups"] == [0] and out["shm"]["cma_ops"] == 2 * n + 2 + (2 if n == 2 else 0), f"rank {r}: {out['shm']}"
         else:
             assert out["shm"]["cma_groups"] == [] and out["shm"]["cma_ops"] == 0, f"rank {r}: {out['shm']}"
         assert all(out["same"].values()), f"rank {r}: shared memory and socket results differ: {out['same']}"

@@ -365,7 +365,59 @@ async def test_reduce_scatter_reads_every_ranks_part_in_rank_order(monkeypatch: 
     assert await run_world(n, fn, backend="gloo", timeout=60) == [6] * n
 
 
-@pytest.mark.parametrize("op", ["all_gather", "all_reduce", "reduce", "reduce_scatter"])
+@pytest.mark.parametrize("n", [2, 3])
+async def test_all_to_all_reads_every_ranks_part_for_it(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """all_to_all by single copy (every one, the default): even and uneven splits, empty parts,
+    the list form (separate arrays), and in place (the output is the input: read from a copy)."""
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+
+    async def fn(rank: int) -> int:
+        m = 100_001
+        x = np.arange(m * n, dtype=np.float32) + 1000 * rank
+        out = np.empty(m * n, np.float32)
+        await dist.all_to_all_single(out, x)
+        want = np.concatenate([np.arange(m * n, dtype=np.float32)[rank * m : (rank + 1) * m] + 1000 * q for q in range(n)])
+        assert np.array_equal(out, want)
+        await dist.all_to_all_single(x, x)  # in place
+        assert np.array_equal(x, want)
+        ins = [(rank + 1) * 1000 + q if q != 1 else 0 for q in range(n)]  # nothing to rank 1
+        outs = [(q + 1) * 1000 + rank if rank != 1 else 0 for q in range(n)]
+        y = np.repeat(np.arange(n, dtype=np.int64) + 10 * rank, ins)
+        o = np.empty(sum(outs), np.int64)
+        await dist.all_to_all_single(o, y, output_split_sizes=outs, input_split_sizes=ins)
+        assert np.array_equal(o, np.repeat(np.arange(n, dtype=np.int64) * 10 + rank, outs))
+        lst_in = [np.full((3, 5 + q), rank * 100 + q, np.int16) for q in range(n)]
+        lst_out = [np.empty((3, 5 + rank), np.int16) for _ in range(n)]
+        await dist.all_to_all(lst_out, lst_in)
+        assert all(np.all(o == q * 100 + rank) for q, o in enumerate(lst_out))
+        return int(dist.group.WORLD.backend.stats()["shm"]["cma_ops"])
+
+    assert await run_world(n, fn, backend="gloo", timeout=60) == [4] * n
+
+
+async def test_an_all_to_all_whose_split_sizes_do_not_match_fails_on_both_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mistake: rank 0 sends rank 1 10 elements, rank 1 expects 12. Rank 1 finds it in the
+    table it reads and says so (the sizes and ranks); rank 0, waiting for rank 1 to finish
+    reading, fails too (the group is aborted), well within the timeout."""
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+
+    async def fn(rank: int) -> tuple[str, float]:
+        t0 = time.monotonic()
+        x = np.zeros(20, np.float32)
+        o = np.empty(22 if rank == 1 else 20, np.float32)
+        try:
+            await dist.all_to_all_single(o, x, output_split_sizes=[12, 10] if rank == 1 else None)
+        except dist.DistError as exc:
+            return str(exc), time.monotonic() - t0
+        return "ok", time.monotonic() - t0
+
+    results = await run_world(2, fn, backend="gloo", pg_timeout=20, timeout=60)
+    assert "rank 0 sends 40 bytes to rank 1, which expects 48 from it" in results[1][0], results
+    assert results[0][0] != "ok", results
+    assert all(dt < 5 for _, dt in results), results
+
+
+@pytest.mark.parametrize("op", ["all_gather", "all_reduce", "reduce", "reduce_scatter", "all_to_all"])
 async def test_a_failed_read_names_the_op_group_seq_and_rank_and_fails_the_peer(monkeypatch: pytest.MonkeyPatch, op: str) -> None:
     """One rank's read of its peer's input fails (its first one is sent to page 0, which is
     never mapped): that rank's op fails with a DistBackendError that says what and whose, and
@@ -396,8 +448,10 @@ async def test_a_failed_read_names_the_op_group_seq_and_rank_and_fails_the_peer(
                 await dist.all_reduce(np.ones(100_000, np.float32))
             elif op == "reduce":
                 await dist.reduce(np.ones(100_000, np.float32), dst=1)
-            else:
+            elif op == "reduce_scatter":
                 await dist.reduce_scatter_tensor(np.empty(50_000, np.float32), np.ones(100_000, np.float32))
+            else:
+                await dist.all_to_all_single(np.empty(100_000, np.float32), np.ones(100_000, np.float32))
         except DistBackendError as exc:
             return str(exc), asyncio.get_running_loop().time() - t
         return "ok", 0.0
@@ -417,3 +471,37 @@ async def test_a_failed_read_names_the_op_group_seq_and_rank_and_fails_the_peer(
     gc.collect()
     with open("/proc/self/maps") as f:
         assert not any("memfd:aiodist-shm" in line for line in f)
+
+
+@pytest.mark.parametrize("op", ["broadcast", "reduce", "reduce_scatter_tensor", "all_to_all_single"])
+async def test_a_rank_that_cannot_read_still_takes_its_turn_in_the_first_op(monkeypatch: pytest.MonkeyPatch, op: str) -> None:
+    """Rank 1 has no single copy of its own (its probe failed, or AIODIST_SHM_CMA=0 there) and
+    the group's first op is one that only single copy would take to shared memory: both ranks
+    still take their turn in line, so both vote in the group's agreement (single copy off),
+    and the op runs on the socket with the right result, instead of rank 0 waiting alone in
+    the agreement until its timeout."""
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+
+    async def fn(rank: int) -> dict[str, Any]:
+        if rank == 1:
+            dist.group.WORLD.backend.shm.cma = None
+        x = np.arange(2_000_000, dtype=np.float32) + rank  # 8 MB: past every single-copy threshold
+        if op == "broadcast":
+            await dist.broadcast(x, src=0)
+            assert np.array_equal(x, np.arange(2_000_000, dtype=np.float32))
+        elif op == "reduce":
+            await dist.reduce(x, dst=0)
+            assert rank == 1 or np.array_equal(x, 2 * np.arange(2_000_000, dtype=np.float32) + 1)
+        elif op == "reduce_scatter_tensor":
+            out = np.empty(1_000_000, np.float32)
+            await dist.reduce_scatter_tensor(out, x)
+            assert np.array_equal(out, 2 * np.arange(rank * 1_000_000, (rank + 1) * 1_000_000, dtype=np.float32) + 1)
+        else:
+            out = np.empty(2_000_000, np.float32)
+            await dist.all_to_all_single(out, x)
+            half = np.arange(rank * 1_000_000, (rank + 1) * 1_000_000, dtype=np.float32)
+            assert np.array_equal(out, np.concatenate([half, half + 1]))
+        return dist.group.WORLD.backend.stats()["shm"]  # type: ignore[no-any-return]
+
+    for shm in await run_world(2, fn, backend="gloo", pg_timeout=10, timeout=60):
+        assert shm["groups"] == [0] and shm["cma_groups"] == [] and shm["cma_ops"] == 0, shm

@@ -99,10 +99,16 @@ class Thresholds:
     #: against 223, 16 MiB 1.7 ms against 3.6; 4 ranks (on 2 cores) 1 KiB 0.38 ms against 1.29,
     #: 16 MiB 4.6 against 20.7.
     reduce_scatter_cma_min: int = 0
+    #: all_to_all by single-copy reads (aiodist.shm._cma) where the group can: 0, every one;
+    #: negative, never. Not a size: a rank knows only its own sizes, and every rank of a group
+    #: must take the same path, so no other value is allowed.
+    alltoall_cma: int = 0
 
     def __post_init__(self) -> None:
         if self.pipeline_piece < 1:
             raise ValueError(f"pipeline_piece must be at least 1 byte, got {self.pipeline_piece}")
+        if self.alltoall_cma > 0:
+            raise ValueError(f"alltoall_cma ({ENV_PREFIX}ALLTOALL_CMA) must be 0 (every all_to_all by single copy) or negative (never), got {self.alltoall_cma}")
 
     @classmethod
     def latency_bound(cls, pipeline_piece: int = 1 * MiB) -> Thresholds:

@@ -33,7 +33,7 @@ from aiodist.c10d.process_group import describe_call
 from aiodist.c10d.work import Work
 from aiodist.c10d.world import _CURRENT, default_group
 from aiodist.errors import DistTimeoutError
-from aiodist.shm import Ticket, run_all_gather, run_all_reduce, run_barrier, run_broadcast, run_reduce, run_reduce_scatter
+from aiodist.shm import Ticket, run_all_gather, run_all_reduce, run_all_to_all, run_barrier, run_broadcast, run_reduce, run_reduce_scatter
 from aiodist.types import Buffer, ReduceOp, ReduceOpLike, check_reduce, combiner, finalize, premultiply, to_reduce_op
 
 __all__ = [
@@ -126,15 +126,14 @@ def _shm_ticket(pg: Any, wanted: bool) -> Ticket | None:
 
 def _cma_wanted(pg: Any, big: bool, nbytes: int, threshold: int) -> bool:
     """Whether an op that may go by single-copy reads (reduce, reduce_scatter) takes a place in
-    the group's shared-memory line: where this rank can read its peers and the op is ``big``,
+    the group's shared-memory line: where the backend has shared memory and the op is ``big``,
     or past the lane's 16 KiB (where the group has a lane), so that one on the socket path
-    says which op it is in and a peer on the other path (a size that differs) sees the desync."""
+    says which op it is in and a peer on the other path (a size that differs) sees the desync.
+    Whether this rank itself can read its peers does not count: the group agrees on that, and
+    a rank that cannot must still take its turn, or a peer whose first op of the group this is
+    would wait alone in the agreement."""
     th = pg.thresholds
-    return (
-        (big or nbytes > th.broadcast_lane_max and th.lane_max > 0)
-        and threshold >= 0
-        and getattr(getattr(pg.backend, "shm", None), "cma", None) is not None
-    )
+    return (big or nbytes > th.broadcast_lane_max and th.lane_max > 0) and threshold >= 0 and getattr(pg.backend, "shm", None) is not None
 
 
 def _issue_with(pg: Any, ticket: Ticket | None, *args: Any, **kwargs: Any) -> Work:
@@ -177,7 +176,7 @@ async def broadcast(
     # socket's tree, where a rank waits only for its parent, was faster: 4 ranks, 1-16 KiB)
     lane = len(pg.ranks) == 2 and 0 < flat.nbytes <= th.broadcast_lane_max and th.lane(flat.nbytes)
     # big: single-copy reads of the root's tensor where the group can (aiodist.shm._cma). Every
-    # broadcast past the lane's takes a place in line where this rank can read its peers, so
+    # broadcast past the lane's takes a place in line where the backend has shared memory, so
     # that one on the socket path still says which op it is in (run_broadcast): a peer that
     # took another path for a size that differs (a mistake) finds the desync, not its timeout
     shm = getattr(pg.backend, "shm", None)
@@ -186,7 +185,7 @@ async def broadcast(
         flat.nbytes > th.broadcast_lane_max
         and th.broadcast_shm_min >= 0
         and (big or th.lane_max > 0)
-        and getattr(shm, "cma", None) is not None
+        and shm is not None  # (not "this rank can read": a rank that cannot must still vote in the group's agreement)
     )
     ticket = _shm_ticket(pg, lane or past_lane)
 
@@ -579,12 +578,15 @@ async def all_to_all_single(
 
 def _issue_all_to_all(pg: Any, name: str, outs: list[np.ndarray], ins: list[np.ndarray], outputs: list[Any]) -> Work:
     th = pg.thresholds
+    # single-copy reads where the group can: every all_to_all or none (``alltoall_cma``), as a
+    # rank knows only its own sizes, and every rank of the group must take the same path
+    ticket = _shm_ticket(pg, th.alltoall_cma >= 0 and getattr(pg.backend, "shm", None) is not None)
 
     async def body(p2p: P2P) -> None:
-        await alg.all_to_all(p2p, outs, ins, thresholds=th)
+        if ticket is None or not await run_all_to_all(ticket, p2p, outs, ins):
+            await alg.all_to_all(p2p, outs, ins, thresholds=th)
 
-    work: Work = pg.issue(name, body, outputs, meta=_meta(dtype=str(ins[0].dtype) if ins else "?"))
-    return work
+    return _issue_with(pg, ticket, name, body, outputs, meta=_meta(dtype=str(ins[0].dtype) if ins else "?"))
 
 
 @communicating

@@ -2,7 +2,7 @@
 
 The CPU socket backend owns a ``SharedMemory``; the collectives take a ``Ticket`` in their
 issuing step (``SharedMemory.ticket``) and, in their body, ``run_all_reduce`` /
-``run_all_gather``, ``run_broadcast``, ``run_reduce``, ``run_reduce_scatter``, which return False where the group uses the socket path instead.
+``run_all_gather``, ``run_broadcast``, ``run_reduce``, ``run_reduce_scatter``, ``run_all_to_all``, which return False where the group uses the socket path instead.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ __all__ = [
     "run_broadcast",
     "run_reduce",
     "run_reduce_scatter",
+    "run_all_to_all",
 ]
 
 
@@ -123,6 +124,19 @@ async def run_reduce_scatter(
         if g.lane:
             _lane.announce(channel_of(p2p), g, p2p.rank)
         return False
+    finally:
+        ticket.release()
+
+
+async def run_all_to_all(ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray], ins: Sequence[np.ndarray]) -> bool:
+    """An all_to_all by single-copy reads in this op's turn; False (nothing done) where the
+    group cannot (then every rank of it takes the socket: the group agreed on it)."""
+    try:
+        g = await ticket.acquire(p2p)
+        if g is None or not g.cma:
+            return False
+        await _algorithms.all_to_all_single_copy(p2p, g, outs, ins)
+        return True
     finally:
         ticket.release()
 

@@ -39,6 +39,12 @@ Rules these keep:
   into scratch, and so is an input that the output overlaps) is and rings "in"; rank r reads
   part r of every rank and folds them, in rank order (the bits of the socket's direct
   schedule), into its output; and rings "out". A rank returns only after every peer's "out".
+- all_to_all with single copy: each rank writes where each of its parts is (address and size,
+  per destination rank) through the latency lane (one lane op: the table is 16 bytes a rank,
+  too big for the single-copy words); reads its part of every peer's input straight into its
+  output; copies its own part; and takes a second lane op (nothing written) so that it returns
+  only after every peer has read its input. An input that any output overlaps is first copied
+  into one block of scratch.
 - broadcast with single copy: the root publishes where its tensor is and rings "in"; every other
   rank reads it straight into its own tensor and rings "out"; the root returns after every "out".
 - No synchronous step is longer than one piece (``PIECE`` bytes) of a copy or a reduction: the
@@ -63,7 +69,7 @@ from aiodist.errors import DistBackendError
 from aiodist.shm import _cma, _lane
 from aiodist.shm._manager import GroupShm, channel_of, check_peer, retrieve
 
-__all__ = ["all_reduce", "all_gather", "broadcast_single_copy", "reduce_single_copy", "reduce_scatter_single_copy", "PIECE"]
+__all__ = ["all_reduce", "all_gather", "broadcast_single_copy", "reduce_single_copy", "reduce_scatter_single_copy", "all_to_all_single_copy", "PIECE"]
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
 
@@ -312,6 +318,45 @@ async def reduce_scatter_single_copy(p2p: P2P, g: GroupShm, out: np.ndarray, par
                     combine(o, src)
             await pace.tick()
         await _lane.phase(p2p, g, 1, offs[-1] * isz)  # every peer has read this rank's input
+
+
+async def all_to_all_single_copy(p2p: P2P, g: GroupShm, outs: Sequence[np.ndarray], ins: Sequence[np.ndarray]) -> None:
+    """``ins[j]`` of rank i into ``outs[i]`` of rank j by single-copy reads (see the module
+    docstring); sizes may differ, but ``outs[i]`` must be the size of rank i's ``ins[rank]``."""
+    p, me = p2p.size, p2p.rank
+    g.cma_ops += 1
+    srcs = [byte_view(x) for x in ins]
+    dsts = [byte_view(o, writable=True) for o in outs]
+    aside = any(d.nbytes and x.nbytes and np.may_share_memory(d, x) for d in dsts for x in srcs)
+    pace = _Pacer()
+    with _borrowed(np.dtype(np.uint8), sum(x.nbytes for x in srcs) if aside else 0) as scratch:
+        if aside:  # one block that nobody writes while the peers read it
+            at = 0
+            for q, x in enumerate(srcs):
+                srcs[q] = scratch[at : at + x.nbytes]
+                await _copy(srcs[q], x, pace)
+                at += x.nbytes
+        table = np.zeros(2 * p, np.int64)
+        for q, x in enumerate(srcs):
+            if x.nbytes:
+                table[2 * q] = x.ctypes.data
+                table[2 * q + 1] = x.nbytes
+        got = await _lane.exchange(p2p, g, table.view(np.uint8), [16 * p] * p, "all_to_all")
+        frm = [(int(t[2 * me]), int(t[2 * me + 1])) for t in (v.view(np.int64) for v in got)]  # (views of the slots: read now)
+        for q in range(p):
+            if q == me:
+                continue
+            addr, n = frm[q]
+            if n != dsts[q].nbytes:
+                ch = channel_of(p2p)
+                raise DistBackendError(
+                    f"all_to_all on group {ch.group_id}, seq {ch.seq}: rank {ch.ranks[q]} sends {n} bytes to rank "
+                    f"{ch.ranks[me]}, which expects {dsts[q].nbytes} from it (the split sizes must match)"
+                )
+            await _read(p2p, g, q, dsts[q], addr, pace, "all_to_all")
+        if not _same_bytes(dsts[me], srcs[me]):
+            await _copy(dsts[me], srcs[me], pace)
+        await _lane.exchange(p2p, g, None, [0] * p, "all_to_all")  # every peer has read this rank's input
 
 
 async def all_gather(p2p: P2P, g: GroupShm, outs: Sequence[np.ndarray], mine: np.ndarray) -> None:
