@@ -290,17 +290,19 @@ async def test_a_reduce_whose_sizes_differ_across_the_single_copy_threshold_is_a
     monkeypatch: pytest.MonkeyPatch, op: str
 ) -> None:
     """A mistake: one rank passes 600 KB (single copy), the other 300 KB (the socket), with
-    either as the root (reduce). The rank on the socket path says which op it is in, so the
-    rank waiting for its peer's first phase finds the desync at once, not at its 20 s timeout."""
+    either as the root (reduce; and 200 KB, the lane, against 300 KB). The rank on the socket
+    path says which op it is in, so the rank waiting for its peer's first phase (or its lane
+    flag) finds the desync at once, not at its 20 s timeout."""
     monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
     monkeypatch.setenv("AIODIST_ALGO_REDUCE_CMA_MIN", "512K")
     monkeypatch.setenv("AIODIST_ALGO_REDUCE_SCATTER_CMA_MIN", "512K")
+    cases = [(r, m) for r in (0, 1) for m in (600_000, 200_000)] if op == "reduce" else [(0, 600_000)]
 
-    for root in (0, 1) if op == "reduce" else (0,):
+    for root, first in cases:
 
-        async def fn(rank: int, root: int = root) -> tuple[str, float]:
+        async def fn(rank: int, root: int = root, first: int = first) -> tuple[str, float]:
             await dist.all_reduce(np.ones(1, np.float32))  # the agreement
-            t = np.zeros(600_000 if rank == 0 else 300_000, np.uint8)
+            t = np.zeros(first if rank == 0 else 300_000, np.uint8)
             t0 = time.monotonic()
             try:
                 if op == "reduce":
@@ -312,9 +314,9 @@ async def test_a_reduce_whose_sizes_differ_across_the_single_copy_threshold_is_a
             return "ok", time.monotonic() - t0
 
         results = await run_world(2, fn, backend="gloo", pg_timeout=20, timeout=60)
-        assert any("desync detected" in m for m, _ in results), (root, results)
-        assert all(m == "ok" or "desync" in m or "bytes" in m for m, _ in results), (root, results)
-        assert all(dt < 5 for _, dt in results), (root, results)
+        assert any("desync detected" in m for m, _ in results), (root, first, results)
+        assert all(m == "ok" or "desync" in m or "bytes" in m for m, _ in results), (root, first, results)
+        assert all(dt < 5 for _, dt in results), (root, first, results)
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -505,3 +507,31 @@ async def test_a_rank_that_cannot_read_still_takes_its_turn_in_the_first_op(monk
 
     for shm in await run_world(2, fn, backend="gloo", pg_timeout=10, timeout=60):
         assert shm["groups"] == [0] and shm["cma_groups"] == [] and shm["cma_ops"] == 0, shm
+
+
+async def test_a_small_reduce_of_two_ranks_goes_through_the_lane(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to lane_max at 2 ranks: the root gets rank 0's value plus rank 1's (the lane
+    all_reduce's bits), the other rank's tensor is left as it was, AVG and MAX too; and every
+    such op is a lane op (none on the socket)."""
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+
+    def data(rank: int, m: int) -> np.ndarray:
+        return np.random.default_rng(31 * rank + m).standard_normal(m).astype(np.float32)
+
+    async def fn(rank: int) -> int:
+        for root in (0, 1):
+            for m in (1, 1000, 60_000):
+                x = data(rank, m)
+                await dist.reduce(x, dst=root)
+                want = data(0, m) + data(1, m) if rank == root else data(rank, m)
+                assert np.array_equal(x, want), (rank, root, m)
+            a = np.full((3, 4), float(rank + 1))
+            await dist.reduce(a, dst=root, op=dist.ReduceOp.AVG)
+            assert np.all(a == (1.5 if rank == root else rank + 1))
+            i = np.arange(10, dtype=np.int32) * (1 - rank)
+            await dist.reduce(i, dst=root, op=dist.ReduceOp.MAX)
+            assert np.array_equal(i, np.arange(10, dtype=np.int32) * (1 if rank == root else 1 - rank))
+        g = dist.group.WORLD.backend.stats()["shm"]
+        return int(g["lane_ops"])
+
+    assert await run_world(2, fn, backend="gloo", timeout=60) == [10, 10]

@@ -90,17 +90,22 @@ async def run_broadcast(ticket: Ticket, p2p: P2P, flat: np.ndarray, root: int, b
         ticket.release()
 
 
-async def run_reduce(ticket: Ticket, p2p: P2P, flat: np.ndarray, root: int, combine: _algorithms.Combine, big: bool) -> bool:
-    """A ``big`` reduce by single-copy reads in this op's turn; False (nothing done) where the
-    group cannot read its peers or the op is not big: then, where the group has a lane, this
-    rank says which op it is in (``_lane.announce``), so a peer waiting in the lane for another
-    op at this seq (a size that differs) sees the desync."""
+async def run_reduce(
+    ticket: Ticket, p2p: P2P, flat: np.ndarray, root: int, combine: _algorithms.Combine, big: bool, lane: bool = False
+) -> bool:
+    """A small reduce (``lane``) through the latency lane, or a ``big`` one by single-copy
+    reads, in this op's turn; False (nothing done) where the group can do neither for it: then,
+    where the group has a lane, this rank says which op it is in (``_lane.announce``), so a
+    peer waiting in the lane for another op at this seq (a size that differs) sees the desync."""
     try:
         g = await ticket.acquire(p2p)
         if g is None:
             return False
         if big and g.cma:
             await _algorithms.reduce_single_copy(p2p, g, flat, root, combine)
+            return True
+        if lane and _lane.fits(g, flat.nbytes):
+            await _lane.reduce(p2p, g, flat, root, combine)
             return True
         if g.lane:
             _lane.announce(channel_of(p2p), g, p2p.rank)

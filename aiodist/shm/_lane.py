@@ -54,7 +54,7 @@ from aiodist._message import byte_view
 from aiodist.errors import DistBackendError
 from aiodist.shm._manager import GroupShm, channel_of, check_peer
 
-__all__ = ["exchange", "phase", "announce", "all_reduce", "broadcast", "all_gather", "fits"]
+__all__ = ["exchange", "phase", "announce", "all_reduce", "reduce", "broadcast", "all_gather", "fits"]
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
 
@@ -124,6 +124,17 @@ async def all_reduce(p2p: Any, g: GroupShm, flat: np.ndarray, combine: Combine) 
     dt = flat.dtype
     for part in parts[1:]:
         combine(flat, part.view(dt))
+
+
+async def reduce(p2p: Any, g: GroupShm, flat: np.ndarray, root: int, combine: Combine) -> None:
+    """Every rank's ``flat`` reduced into the root's, in rank order (the lane all_reduce's
+    bits); the other ranks' ``flat`` are only read."""
+    parts = await exchange(p2p, g, byte_view(flat), [flat.nbytes] * p2p.size, "reduce")
+    if p2p.rank == root:
+        np.copyto(byte_view(flat, writable=True), parts[0])
+        dt = flat.dtype
+        for part in parts[1:]:
+            combine(flat, part.view(dt))
 
 
 async def broadcast(p2p: Any, g: GroupShm, flat: np.ndarray, root: int) -> None:
