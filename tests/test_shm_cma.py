@@ -449,7 +449,11 @@ async def test_a_failed_read_names_the_op_group_seq_and_rank_and_fails_the_peer(
             elif op == "all_reduce":
                 await dist.all_reduce(np.ones(100_000, np.float32))
             elif op == "reduce":
-                await dist.reduce(np.ones(100_000, np.float32), dst=1)
+                try:
+                    await dist.reduce(np.ones(100_000, np.float32), dst=1)
+                finally:  # a failed op's scratch that the peer reads by address stays alive until the group goes
+                    (turns,) = dist.group.WORLD.backend.shm._turns.values()
+                    assert [a.size for a in turns.state.parked] == ([50_000] if rank == 0 else []), rank
             elif op == "reduce_scatter":
                 await dist.reduce_scatter_tensor(np.empty(50_000, np.float32), np.ones(100_000, np.float32))
             else:

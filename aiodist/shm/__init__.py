@@ -138,7 +138,7 @@ async def run_all_to_all(ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray], i
     group cannot (then every rank of it takes the socket: the group agreed on it)."""
     try:
         g = await ticket.acquire(p2p)
-        if g is None or not g.cma:
+        if g is None or not g.cma or not _lane.fits(g, 16 * p2p.size):  # (the split tables go through the lane)
             return False
         await _algorithms.all_to_all_single_copy(p2p, g, outs, ins)
         return True

@@ -57,7 +57,8 @@ import asyncio
 import errno
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import NoReturn
 
 import numpy as np
@@ -216,6 +217,20 @@ async def _all_reduce_single_copy(p2p: P2P, g: GroupShm, flat: np.ndarray, combi
     await _lane.phase(p2p, g, 2, flat.nbytes)  # every peer has read this rank's slice: the buffer is the caller's again
 
 
+@contextmanager
+def _held(g: GroupShm, dtype: np.dtype, n: int) -> Iterator[np.ndarray]:
+    """Scratch from the pool that peers read by address: back to the pool once the op is done;
+    where the op fails, kept (``GroupShm.parked``) until the group goes, as a peer may still be
+    reading it (a rank's last ring says it has read its peers, not that they have read it)."""
+    with _borrowed(dtype, n) as a:
+        try:
+            yield a
+        except BaseException:
+            if a.size:
+                g.parked.append(a)
+            raise
+
+
 async def reduce_single_copy(p2p: P2P, g: GroupShm, flat: np.ndarray, root: int, combine: Combine) -> None:
     """Every rank's ``flat`` reduced into the root's, by single-copy reads (see the module
     docstring): rank r reduces slice r of every rank's buffer, the root then reads the reduced
@@ -226,7 +241,7 @@ async def reduce_single_copy(p2p: P2P, g: GroupShm, flat: np.ndarray, root: int,
     isz = flat.itemsize
     b = sch.chunk_bounds(flat.size, p)
     lo, hi = b[me], b[me + 1]
-    with _borrowed(flat.dtype, 0 if me == root else hi - lo) as scratch:
+    with _held(g, flat.dtype, 0 if me == root else hi - lo) as scratch:
         acc = flat[lo:hi] if me == root else scratch
         words = g.cma_words[me]
         words[0] = flat.ctypes.data
@@ -260,12 +275,15 @@ async def reduce_single_copy(p2p: P2P, g: GroupShm, flat: np.ndarray, root: int,
         await _lane.phase(p2p, g, 2, flat.nbytes)  # the root has read every reduced slice
 
 
-def _laid_out(parts: Sequence[np.ndarray], offs: list[int]) -> bool:
-    """The parts lie one after the other in memory, part q at ``offs[q]`` elements from the first."""
-    if not parts or not all(x.flags.c_contiguous for x in parts):
-        return False
-    base, isz = parts[0].ctypes.data, parts[0].itemsize
-    return all(x.ctypes.data == base + o * isz for x, o in zip(parts, offs))
+def _block(parts: Sequence[np.ndarray], offs: list[int]) -> int | None:
+    """Where the parts start, if they lie one after the other in memory (part q ``offs[q]``
+    elements from the start; empty parts lie anywhere); None if they do not."""
+    live = [(x, o) for x, o in zip(parts, offs) if x.size]
+    if not live or not all(x.flags.c_contiguous for x, _ in live):
+        return None
+    isz = live[0][0].itemsize
+    base = live[0][0].ctypes.data - live[0][1] * isz
+    return base if all(x.ctypes.data == base + o * isz for x, o in live) else None
 
 
 async def reduce_scatter_single_copy(p2p: P2P, g: GroupShm, out: np.ndarray, parts: Sequence[np.ndarray], combine: Combine) -> None:
@@ -278,15 +296,17 @@ async def reduce_scatter_single_copy(p2p: P2P, g: GroupShm, out: np.ndarray, par
     for x in parts:
         offs.append(offs[-1] + x.size)
     pace = _Pacer()
-    aside = not _laid_out(parts, offs) or any(np.may_share_memory(out, x) for x in parts)
-    with _borrowed(out.dtype, offs[-1] if aside else 0) as scratch:
+    block = _block(parts, offs)
+    aside = block is None or any(np.may_share_memory(out, x) for x in parts)
+    with _held(g, out.dtype, offs[-1] if aside else 0) as scratch:
         if aside:  # one block that nobody writes while the peers read it
             for q in range(p):
                 await _copy(scratch[offs[q] : offs[q + 1]], parts[q], pace)
             base = scratch.ctypes.data if scratch.size else 0
             own = scratch[offs[me] : offs[me + 1]]
         else:
-            base = parts[0].ctypes.data if offs[-1] else 0
+            assert block is not None
+            base = block
             own = parts[me]
         words = g.cma_words[me]
         words[0] = base
@@ -329,7 +349,7 @@ async def all_to_all_single_copy(p2p: P2P, g: GroupShm, outs: Sequence[np.ndarra
     dsts = [byte_view(o, writable=True) for o in outs]
     aside = any(d.nbytes and x.nbytes and np.may_share_memory(d, x) for d in dsts for x in srcs)
     pace = _Pacer()
-    with _borrowed(np.dtype(np.uint8), sum(x.nbytes for x in srcs) if aside else 0) as scratch:
+    with _held(g, np.dtype(np.uint8), sum(x.nbytes for x in srcs) if aside else 0) as scratch:
         if aside:  # one block that nobody writes while the peers read it
             at = 0
             for q, x in enumerate(srcs):

@@ -141,6 +141,9 @@ class GroupShm:
     pids: list[int] = field(default_factory=list)
     cma_words: list[np.ndarray] = field(default_factory=list)
     cma_ops: int = 0  # ops that took the single-copy path
+    # scratch that peers read by address, of single-copy ops that failed: kept until the group
+    # goes, as a peer may still be reading it (aiodist.shm._algorithms._held)
+    parked: list[np.ndarray] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         base = LANE_BYTES if self.lane else 0
