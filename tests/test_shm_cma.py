@@ -117,6 +117,7 @@ async def test_big_broadcast_reads_the_roots_tensor(monkeypatch: pytest.MonkeyPa
     for k, v in ENV.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("AIODIST_ALGO_BROADCAST_SHM_MIN", "64K")
+    monkeypatch.setenv("AIODIST_ALGO_CMA_WIDE_MIN", "0")
 
     async def fn(rank: int) -> int:
         for root in range(n):
@@ -254,6 +255,8 @@ async def test_big_reduce_reads_the_peers_slices_and_leaves_theirs_alone(monkeyp
     of a 2-D tensor, and fewer elements than ranks (an empty slice) too."""
     monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
     monkeypatch.setenv("AIODIST_ALGO_REDUCE_CMA_MIN", "0")
+    monkeypatch.setenv("AIODIST_ALGO_CMA_WIDE_MIN", "0")
+    monkeypatch.setenv("AIODIST_ALGO_LANE_MAX", "0")  # (a group of 2 would take the lane first)
     sizes = (300_001, 70_001, 2)
 
     def data(rank: int, m: int) -> np.ndarray:

@@ -88,11 +88,16 @@ class Thresholds:
     #: 0.65 against 0.72 ms (2 ranks), 2.0-2.3 against 2.6 (4); 1 MiB was slower (0.30 against 0.20).
     allreduce_cma_min: int = 4 * MiB
     #: reduce by single-copy reads (aiodist.shm._cma) from this many bytes, where the group can
-    #: (below it, the socket's tree); negative: never. Measured here: 2 ranks, 16 MiB 2.5 ms
-    #: against 4.9 on the socket, 4 MiB 0.77 against 1.16, 1 MiB 0.26 against 0.38, 256 KiB
-    #: slower (0.12 against 0.10); 4 ranks (on 2 cores), 16 MiB 7.2 against 19.0, 4 MiB 1.7
-    #: against 5.2, but 1 MiB slower (0.86 against 0.74) and 16 KiB-256 KiB 2-4x slower.
-    reduce_cma_min: int = 4 * MiB
+    #: (below it, the lane in groups of 2 up to ``lane_max``, else the socket's tree); negative:
+    #: never. Measured at 2 ranks: 16 MiB 2.5 ms against 4.9 on the socket, 4 MiB 0.77 against
+    #: 1.16, 1 MiB 0.26 against 0.38; 256 KiB 0.12 ms, where the lane took 0.08 (the lane comes
+    #: first). Groups of more ranks: ``cma_wide_min`` too.
+    reduce_cma_min: int = 256 * KiB
+    #: ... but in groups of more than 2 ranks, broadcast and reduce go by single copy only from
+    #: this many bytes too (every reader pulls the whole tensor at once there). Measured at 4
+    #: ranks on 2 cores: broadcast 1 MiB 0.65 ms against 0.54 on the socket's tree, 4 MiB 1.3
+    #: against 3.8; reduce 1 MiB 0.86 against 0.74, 4 MiB 1.7 against 5.2.
+    cma_wide_min: int = 4 * MiB
     #: reduce_scatter by single-copy reads (aiodist.shm._cma) from this many bytes of input
     #: (every part: the same on every rank), where the group can; negative: never. Measured
     #: here against the socket's schedules, it was faster at every size: 2 ranks 64 B 81 us
@@ -150,9 +155,10 @@ class Thresholds:
         """all_reduce of ``nbytes`` through shared memory goes by single-copy reads where the group can."""
         return 0 <= self.allreduce_cma_min <= nbytes
 
-    def reduce_cma(self, nbytes: int) -> bool:
-        """reduce of ``nbytes`` goes by single-copy reads where the group can."""
-        return 0 <= self.reduce_cma_min <= nbytes and nbytes > 0
+    def reduce_cma(self, nbytes: int, ranks: int = 2) -> bool:
+        """reduce of ``nbytes`` in a group of ``ranks`` goes by single-copy reads where the group
+        can (a group of 2 takes the lane first, up to ``lane_max``)."""
+        return 0 <= self.reduce_cma_min <= nbytes and nbytes > 0 and (ranks <= 2 or self.cma_wide_min <= nbytes)
 
     def reduce_scatter_cma(self, total_nbytes: int) -> bool:
         """reduce_scatter of ``total_nbytes`` of input goes by single-copy reads where the group can."""
@@ -167,9 +173,9 @@ class Thresholds:
         latency lane where the group has one."""
         return 0 <= nbytes <= self.lane_max and self.lane_max > 0
 
-    def broadcast_shm(self, nbytes: int) -> bool:
-        """broadcast of ``nbytes`` goes by single-copy reads where the group can."""
-        return 0 <= self.broadcast_shm_min <= nbytes and nbytes > 0
+    def broadcast_shm(self, nbytes: int, ranks: int = 2) -> bool:
+        """broadcast of ``nbytes`` in a group of ``ranks`` goes by single-copy reads where the group can."""
+        return 0 <= self.broadcast_shm_min <= nbytes and nbytes > 0 and (ranks <= 2 or self.cma_wide_min <= nbytes)
 
     def all_gather_shm(self, total_nbytes: int) -> bool:
         """all_gather of ``total_nbytes`` (every rank's part) goes through shared memory where the group can."""

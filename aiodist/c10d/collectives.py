@@ -180,7 +180,7 @@ async def broadcast(
     # that one on the socket path still says which op it is in (run_broadcast): a peer that
     # took another path for a size that differs (a mistake) finds the desync, not its timeout
     shm = getattr(pg.backend, "shm", None)
-    big = th.broadcast_shm(flat.nbytes)
+    big = th.broadcast_shm(flat.nbytes, len(pg.ranks))
     past_lane = (  # (past broadcast_lane_max: never the lane)
         flat.nbytes > th.broadcast_lane_max
         and th.broadcast_shm_min >= 0
@@ -280,10 +280,10 @@ async def reduce(
     # big: single-copy reads where the group can (aiodist.shm._cma); as for broadcast, every
     # reduce past the lane's sizes takes a place in line, so that one on the socket path says
     # which op it is in (run_reduce): a peer on the other path (a size that differs) sees the desync
-    big = th.reduce_cma(flat.nbytes)
     # small, 2 ranks: the latency lane (measured: 41-48 us against 87-108 on the socket, 4 B-64 KiB;
     # at 4 ranks on 2 cores the socket's tree was faster up to 64 KiB, 100-150 us against 190-290)
-    lane = len(pg.ranks) == 2 and not big and flat.nbytes > 0 and th.lane(flat.nbytes)
+    lane = len(pg.ranks) == 2 and flat.nbytes > 0 and th.lane(flat.nbytes)
+    big = not lane and th.reduce_cma(flat.nbytes, len(pg.ranks))
     ticket = _shm_ticket(pg, lane or _cma_wanted(pg, big, flat.nbytes, th.reduce_cma_min))
 
     async def body(p2p: P2P) -> None:
