@@ -95,9 +95,11 @@ class Thresholds:
     reduce_cma_min: int = 256 * KiB
     #: ... but in groups of more than 2 ranks, broadcast and reduce go by single copy only from
     #: this many bytes too (every reader pulls the whole tensor at once there). Measured at 4
-    #: ranks on 2 cores: broadcast 1 MiB 0.65 ms against 0.54 on the socket's tree, 4 MiB 1.3
-    #: against 3.8; reduce 1 MiB 0.86 against 0.74, 4 MiB 1.7 against 5.2.
-    cma_wide_min: int = 4 * MiB
+    #: ranks on 2 cores (two runs each, single copy against the socket's tree): broadcast 1 MiB
+    #: 0.61-0.67 ms against 0.61-0.74, 2 MiB 0.76-0.88 against 2.3-2.4; reduce 1 MiB 0.89-1.00
+    #: against 0.78-0.93, 2 MiB 1.22-1.27 against 3.8-4.0; 256 KiB broadcast was slower (0.25
+    #: against 0.17-0.21).
+    cma_wide_min: int = 2 * MiB
     #: reduce_scatter by single-copy reads (aiodist.shm._cma) from this many bytes of input
     #: (every part: the same on every rank), where the group can; negative: never. Measured
     #: here against the socket's schedules, it was faster at every size: 2 ranks 64 B 81 us
