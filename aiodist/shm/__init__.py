@@ -81,13 +81,19 @@ async def run_broadcast(ticket: Ticket, p2p: P2P, flat: np.ndarray, root: int, b
             await _algorithms.broadcast_single_copy(p2p, g, flat, root)
             return True
         if not lane or not _lane.fits(g, flat.nbytes):
-            if g.lane:  # the socket path: say which op this rank is in, for a peer that waits in the lane
-                _lane.announce(channel_of(p2p), g, p2p.rank)
-            return False
+            return _to_socket(p2p, g)
         await _lane.broadcast(p2p, g, flat, root)
         return True
     finally:
         ticket.release()
+
+
+def _to_socket(p2p: P2P, g: GroupShm) -> bool:
+    """False (the op takes the socket), after saying which op this rank is in where the group
+    has a lane: a peer waiting in the lane for another op at this seq sees the desync."""
+    if g.lane:
+        _lane.announce(channel_of(p2p), g, p2p.rank)
+    return False
 
 
 async def run_reduce(
@@ -107,9 +113,7 @@ async def run_reduce(
         if lane and _lane.fits(g, flat.nbytes):
             await _lane.reduce(p2p, g, flat, root, combine)
             return True
-        if g.lane:
-            _lane.announce(channel_of(p2p), g, p2p.rank)
-        return False
+        return _to_socket(p2p, g)
     finally:
         ticket.release()
 
@@ -126,9 +130,7 @@ async def run_reduce_scatter(
         if big and g.cma:
             await _algorithms.reduce_scatter_single_copy(p2p, g, out, parts, combine)
             return True
-        if g.lane:
-            _lane.announce(channel_of(p2p), g, p2p.rank)
-        return False
+        return _to_socket(p2p, g)
     finally:
         ticket.release()
 

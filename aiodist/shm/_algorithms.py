@@ -196,25 +196,39 @@ async def _all_reduce_single_copy(p2p: P2P, g: GroupShm, flat: np.ndarray, combi
     isz = flat.itemsize
     b = sch.chunk_bounds(flat.size, p)
     lo, hi = b[me], b[me + 1]
-    step = max(1, _CMA_PIECE // isz)
-    tmp = np.empty(max(0, min(step, hi - lo)), flat.dtype)
-    raw = tmp.view(np.uint8)
     pace = _Pacer()
-    for a in range(lo, hi, step):
-        z = min(a + step, hi)
-        out = flat[a:z]
-        for q in peers:  # own, then the peers' in rank order: the order of the segment path
-            try:
-                _cma.read(g.pids[q], raw[: (z - a) * isz], addrs[q] + a * isz)
-            except OSError as exc:
-                await _read_failed(p2p, q, g.pids[q], exc, "all_reduce")
-            combine(out, tmp[: z - a])
-        await pace.tick()
+    await _fold(p2p, g, flat[lo:hi], None, lo, addrs, combine, pace, "all_reduce")
     await _lane.phase(p2p, g, 1, flat.nbytes)  # every slice is reduced
     mine = byte_view(flat, writable=True)
     for q in peers:
         await _read(p2p, g, q, mine[b[q] * isz : b[q + 1] * isz], addrs[q] + b[q] * isz, pace, "all_reduce")
     await _lane.phase(p2p, g, 2, flat.nbytes)  # every peer has read this rank's slice: the buffer is the caller's again
+
+
+async def _fold(
+    p2p: P2P, g: GroupShm, acc: np.ndarray, own: np.ndarray | None, lo: int, addrs: list[int], combine: Combine, pace: _Pacer, op: str
+) -> None:
+    """Elements ``lo`` to ``lo + acc.size`` of every rank's buffer (rank q's at ``addrs[q]``),
+    reduced into ``acc``: this rank's own first (``own``, copied in; None: ``acc`` holds it
+    already), then every peer's in rank order, read a piece at a time into a piece-sized
+    buffer (it and the piece of ``acc`` stay in cache)."""
+    me, isz = p2p.rank, acc.itemsize
+    step = max(1, _CMA_PIECE // isz)
+    tmp = np.empty(min(step, acc.size), acc.dtype)
+    raw = tmp.view(np.uint8)
+    for a in range(0, acc.size, step):
+        z = min(a + step, acc.size)
+        out = acc[a:z]
+        if own is not None:
+            np.copyto(out, own[a:z])
+        for q in range(p2p.size):
+            if q != me:
+                try:
+                    _cma.read(g.pids[q], raw[: (z - a) * isz], addrs[q] + (lo + a) * isz)
+                except OSError as exc:
+                    await _read_failed(p2p, q, g.pids[q], exc, op)
+                combine(out, tmp[: z - a])
+        await pace.tick()
 
 
 @contextmanager
@@ -250,22 +264,8 @@ async def reduce_single_copy(p2p: P2P, g: GroupShm, flat: np.ndarray, root: int,
         await _lane.phase(p2p, g, 0, flat.nbytes)  # (step 0 checks every rank's size and digest)
         peers = [q for q in range(p) if q != me]
         addrs = [int(g.cma_words[q][0]) for q in range(p)]
-        step = max(1, _CMA_PIECE // isz)
-        tmp = np.empty(max(0, min(step, hi - lo)), flat.dtype)
-        raw = tmp.view(np.uint8)
         pace = _Pacer()
-        for a in range(lo, hi, step):
-            z = min(a + step, hi)
-            out = acc[a - lo : z - lo]
-            if me != root:
-                np.copyto(out, flat[a:z])
-            for q in peers:  # own, then the peers' in rank order
-                try:
-                    _cma.read(g.pids[q], raw[: (z - a) * isz], addrs[q] + a * isz)
-                except OSError as exc:
-                    await _read_failed(p2p, q, g.pids[q], exc, "reduce")
-                combine(out, tmp[: z - a])
-            await pace.tick()
+        await _fold(p2p, g, acc, None if me == root else flat[lo:hi], lo, addrs, combine, pace, "reduce")
         await _lane.phase(p2p, g, 1, flat.nbytes)  # every slice is reduced
         if me == root:
             mine = byte_view(flat, writable=True)
