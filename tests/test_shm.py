@@ -83,6 +83,7 @@ async def main():
     os.environ["AIODIST_ALGO_REDUCE_CMA_MIN"] = "-1"
     os.environ["AIODIST_ALGO_REDUCE_SCATTER_CMA_MIN"] = "-1"
     os.environ["AIODIST_ALGO_ALLTOALL_CMA"] = "-1"
+    os.environ["AIODIST_ALGO_GATHER_SCATTER_CMA"] = "-1"
     sock = await dist.new_group(list(range(n)))
     rng = np.random.default_rng(1234 + rank)
     digests, same = {{}}, {{}}
@@ -150,6 +151,17 @@ async def main():
     await dist.all_to_all_single(t_s, x, output_split_sizes=got, input_split_sizes=splits)
     await dist.all_to_all_single(t_k, x, output_split_sizes=got, input_split_sizes=splits, group=sock)
     same["all_to_all_single"] = bool(np.array_equal(t_s, t_k))
+    g_s = [np.empty(1000 * (q + 1) + 7 * q) for q in range(n)] if rank == 0 else None
+    g_k = [np.empty(1000 * (q + 1) + 7 * q) for q in range(n)] if rank == 0 else None
+    mine = x[: 1000 * (rank + 1) + 7 * rank]
+    await dist.gather(mine, g_s, dst=0)
+    await dist.gather(mine, g_k, dst=0, group=sock)
+    same["gather"] = g_s is None or all(np.array_equal(a, b) for a, b in zip(g_s, g_k))
+    s_s, s_k = np.empty(2000 + rank), np.empty(2000 + rank)
+    parts = [r2.standard_normal(2000 + q) for q in range(n)] if rank == n - 1 else None
+    await dist.scatter(s_s, parts, src=n - 1)
+    await dist.scatter(s_k, parts, src=n - 1, group=sock)
+    same["scatter"] = bool(np.array_equal(s_s, s_k))
 
     shm = dist.group.WORLD.backend.stats()["shm"]
     during = memfds()
@@ -194,10 +206,10 @@ def test_shared_memory_path_matches_the_socket_path(tmp_path: Path, n: int) -> N
     cma = _cma_between_processes()
     for r, out in enumerate(res):
         assert out["shm"]["groups"] == [0], f"rank {r}: the default group did not use shared memory: {out['shm']}"
-        # the big broadcasts, reduces, the reduce_scatter and the all_to_all (and at 2 ranks the
-        # all_gathers) took the single-copy path (process_vm_readv) where the kernel lets one process read another here
+        # the big broadcasts, reduces, the reduce_scatter and all_to_all (and at 2 ranks the
+        # all_gathers, the gather and the scatter) took the single-copy path (process_vm_readv) where the kernel lets one process read another here
         if cma:
-            assert out["shm"]["cma_groups"] == [0] and out["shm"]["cma_ops"] == 2 * n + 2 + (2 if n == 2 else 0), f"rank {r}: {out['shm']}"
+            assert out["shm"]["cma_groups"] == [0] and out["shm"]["cma_ops"] == 2 * n + 2 + (4 if n == 2 else 0), f"rank {r}: {out['shm']}"
         else:
             assert out["shm"]["cma_groups"] == [] and out["shm"]["cma_ops"] == 0, f"rank {r}: {out['shm']}"
         assert all(out["same"].values()), f"rank {r}: shared memory and socket results differ: {out['same']}"

@@ -422,7 +422,70 @@ async def test_an_all_to_all_whose_split_sizes_do_not_match_fails_on_both_ranks(
     assert all(dt < 5 for _, dt in results), results
 
 
-@pytest.mark.parametrize("op", ["all_gather", "all_reduce", "reduce", "reduce_scatter", "all_to_all"])
+@pytest.mark.parametrize("n", [2, 3])
+async def test_gather_and_scatter_read_straight_from_the_other_side(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """gather and scatter by single copy in groups of 2 (every one, the default; 3 ranks: the
+    socket, the same results), every root in turn: sizes that differ per rank, 2-D tensors,
+    and in place (the root's own slot is its tensor)."""
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+
+    async def fn(rank: int) -> int:
+        for root in range(n):
+            x = np.arange(70_001 + rank, dtype=np.float64) + rank
+            lst = [np.empty(70_001 + q) for q in range(n)] if rank == root else None
+            await dist.gather(x, lst, dst=root)
+            if lst is not None:
+                assert all(np.array_equal(lst[q], np.arange(70_001 + q) + q) for q in range(n))
+            m = np.full((3, 4), rank, np.int16)
+            own = [np.empty((3, 4), np.int16) for _ in range(n)] if rank == root else None
+            if own is not None:
+                own[root] = m  # in place
+            await dist.gather(m, own, dst=root)
+            if own is not None:
+                assert all(np.all(own[q] == q) for q in range(n))
+            o = np.empty(1000 + rank, np.int32)
+            sl = [np.full(1000 + q, q * 7 + root, np.int32) for q in range(n)] if rank == root else None
+            await dist.scatter(o, sl, src=root)
+            assert np.all(o == rank * 7 + root)
+            t = np.zeros((2, 5))
+            parts = [np.full((2, 5), float(q)) for q in range(n)] if rank == root else None
+            if parts is not None:
+                parts[root] = t  # in place
+                t[:] = root
+            await dist.scatter(t, parts, src=root)
+            assert np.all(t == rank)
+        return int(dist.group.WORLD.backend.stats()["shm"]["cma_ops"])
+
+    assert await run_world(n, fn, backend="gloo", timeout=60) == [4 * n if n == 2 else 0] * n
+
+
+@pytest.mark.parametrize("op", ["gather", "scatter"])
+async def test_a_gather_or_scatter_whose_sizes_do_not_match_fails_on_both_ranks(monkeypatch: pytest.MonkeyPatch, op: str) -> None:
+    """A mistake: rank 1 passes 12 elements where the root's list holds 10 for it. The rank
+    that reads says which ranks and sizes; the other fails too (the group is aborted), well
+    within the timeout."""
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+
+    async def fn(rank: int) -> tuple[str, float]:
+        t0 = time.monotonic()
+        try:
+            if op == "gather":
+                await dist.gather(np.zeros(12 if rank == 1 else 10, np.float32), [np.empty(10, np.float32)] * 2 if rank == 0 else None)
+            else:
+                await dist.scatter(np.empty(12 if rank == 1 else 10, np.float32), [np.zeros(10, np.float32)] * 2 if rank == 0 else None)
+        except dist.DistError as exc:
+            return str(exc), time.monotonic() - t0
+        return "ok", time.monotonic() - t0
+
+    results = await run_world(2, fn, backend="gloo", pg_timeout=20, timeout=60)
+    reader = 0 if op == "gather" else 1
+    want = "rank 1 sends 48 bytes to rank 0, which expects 40" if op == "gather" else "rank 0 sends 40 bytes to rank 1, which expects 48"
+    assert want in results[reader][0], results
+    assert results[1 - reader][0] != "ok", results
+    assert all(dt < 5 for _, dt in results), results
+
+
+@pytest.mark.parametrize("op", ["all_gather", "all_reduce", "reduce", "reduce_scatter", "all_to_all", "gather", "scatter"])
 async def test_a_failed_read_names_the_op_group_seq_and_rank_and_fails_the_peer(monkeypatch: pytest.MonkeyPatch, op: str) -> None:
     """One rank's read of its peer's input fails (its first one is sent to page 0, which is
     never mapped): that rank's op fails with a DistBackendError that says what and whose, and
@@ -459,8 +522,12 @@ async def test_a_failed_read_names_the_op_group_seq_and_rank_and_fails_the_peer(
                     assert [a.size for a in turns.state.parked] == ([50_000] if rank == 0 else []), rank
             elif op == "reduce_scatter":
                 await dist.reduce_scatter_tensor(np.empty(50_000, np.float32), np.ones(100_000, np.float32))
-            else:
+            elif op == "all_to_all":
                 await dist.all_to_all_single(np.empty(100_000, np.float32), np.ones(100_000, np.float32))
+            elif op == "gather":
+                await dist.gather(np.ones(100_000, np.float32), [np.empty(100_000, np.float32) for _ in range(2)] if rank == 0 else None)
+            else:
+                await dist.scatter(np.empty(100_000, np.float32), [np.ones(100_000, np.float32)] * 2 if rank == 0 else None)
         except DistBackendError as exc:
             return str(exc), asyncio.get_running_loop().time() - t
         return "ok", 0.0
@@ -482,7 +549,7 @@ async def test_a_failed_read_names_the_op_group_seq_and_rank_and_fails_the_peer(
         assert not any("memfd:aiodist-shm" in line for line in f)
 
 
-@pytest.mark.parametrize("op", ["broadcast", "reduce", "reduce_scatter_tensor", "all_to_all_single"])
+@pytest.mark.parametrize("op", ["broadcast", "reduce", "reduce_scatter_tensor", "all_to_all_single", "gather", "scatter"])
 async def test_a_rank_that_cannot_read_still_takes_its_turn_in_the_first_op(monkeypatch: pytest.MonkeyPatch, op: str) -> None:
     """Rank 1 has no single copy of its own (its probe failed, or AIODIST_SHM_CMA=0 there) and
     the group's first op is one that only single copy would take to shared memory: both ranks
@@ -505,11 +572,18 @@ async def test_a_rank_that_cannot_read_still_takes_its_turn_in_the_first_op(monk
             out = np.empty(1_000_000, np.float32)
             await dist.reduce_scatter_tensor(out, x)
             assert np.array_equal(out, 2 * np.arange(rank * 1_000_000, (rank + 1) * 1_000_000, dtype=np.float32) + 1)
-        else:
+        elif op == "all_to_all_single":
             out = np.empty(2_000_000, np.float32)
             await dist.all_to_all_single(out, x)
             half = np.arange(rank * 1_000_000, (rank + 1) * 1_000_000, dtype=np.float32)
             assert np.array_equal(out, np.concatenate([half, half + 1]))
+        elif op == "gather":
+            lst = [np.empty(2_000_000, np.float32) for _ in range(2)] if rank == 0 else None
+            await dist.gather(x, lst)
+            assert lst is None or all(np.array_equal(lst[q], np.arange(2_000_000, dtype=np.float32) + q) for q in range(2))
+        else:
+            await dist.scatter(x, [x + 5, x + 6] if rank == 0 else None)
+            assert np.array_equal(x, np.arange(2_000_000, dtype=np.float32) + 5 + rank)
         return dist.group.WORLD.backend.stats()["shm"]  # type: ignore[no-any-return]
 
     for shm in await run_world(2, fn, backend="gloo", pg_timeout=10, timeout=60):

@@ -110,12 +110,16 @@ class Thresholds:
     #: negative, never. Not a size: a rank knows only its own sizes, and every rank of a group
     #: must take the same path, so no other value is allowed.
     alltoall_cma: int = 0
+    #: gather and scatter by single-copy reads where the group can, in groups of 2: 0, every
+    #: one; negative, never (a switch, as ``alltoall_cma``; wider groups keep the socket).
+    gather_scatter_cma: int = 0
 
     def __post_init__(self) -> None:
         if self.pipeline_piece < 1:
             raise ValueError(f"pipeline_piece must be at least 1 byte, got {self.pipeline_piece}")
-        if self.alltoall_cma > 0:
-            raise ValueError(f"alltoall_cma ({ENV_PREFIX}ALLTOALL_CMA) must be 0 (every all_to_all by single copy) or negative (never), got {self.alltoall_cma}")
+        for name in ("alltoall_cma", "gather_scatter_cma"):
+            if getattr(self, name) > 0:
+                raise ValueError(f"{name} ({ENV_PREFIX}{name.upper()}) must be 0 (every such op by single copy) or negative (never), got {getattr(self, name)}")
 
     @classmethod
     def latency_bound(cls, pipeline_piece: int = 1 * MiB) -> Thresholds:

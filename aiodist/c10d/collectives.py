@@ -33,7 +33,18 @@ from aiodist.c10d.process_group import describe_call
 from aiodist.c10d.work import Work
 from aiodist.c10d.world import _CURRENT, default_group
 from aiodist.errors import DistTimeoutError
-from aiodist.shm import Ticket, run_all_gather, run_all_reduce, run_all_to_all, run_barrier, run_broadcast, run_reduce, run_reduce_scatter
+from aiodist.shm import (
+    Ticket,
+    run_all_gather,
+    run_all_reduce,
+    run_all_to_all,
+    run_barrier,
+    run_broadcast,
+    run_gather,
+    run_reduce,
+    run_reduce_scatter,
+    run_scatter,
+)
 from aiodist.types import Buffer, ReduceOp, ReduceOpLike, check_reduce, combiner, finalize, premultiply, to_reduce_op
 
 __all__ = [
@@ -134,6 +145,16 @@ def _cma_wanted(pg: Any, big: bool, nbytes: int, threshold: int) -> bool:
     would wait alone in the agreement."""
     th = pg.thresholds
     return (big or nbytes > th.broadcast_lane_max and th.lane_max > 0) and threshold >= 0 and getattr(pg.backend, "shm", None) is not None
+
+
+def _rooted_cma(pg: Any) -> bool:
+    """Whether a gather or scatter takes a place in the shared-memory line (and goes by
+    single copy where the group can): in groups of 2, every one (``gather_scatter_cma``; not
+    by size, as a rank knows only its own and every rank must take the same path). Measured
+    at 2 ranks: gather 4 B 72 us against 81 on the socket, 4 MiB 0.84 ms against 1.00;
+    scatter 4 B 80 against 113, 4 MiB 0.62 against 1.09. At 4 ranks on 2 cores single copy
+    was 2x slower up to 64 KiB (gather 250 us against 120) and faster from 4 MiB."""
+    return len(pg.ranks) == 2 and pg.thresholds.gather_scatter_cma >= 0 and getattr(pg.backend, "shm", None) is not None
 
 
 def _issue_with(pg: Any, ticket: Ticket | None, *args: Any, **kwargs: Any) -> Work:
@@ -403,14 +424,14 @@ async def gather(
     inp = buf(tensor, "gather tensor", writable=False)
     flats = _root_list(pg, root, gather_list, inp, "gather", "gather_list", "destination", writable=True)
     mine = inp.flat
+    ticket = _shm_ticket(pg, _rooted_cma(pg))
 
     async def body(p2p: P2P) -> None:
-        await alg.gather(p2p, flats, mine, root)
+        if ticket is None or not await run_gather(ticket, p2p, flats, mine, root):
+            await alg.gather(p2p, flats, mine, root)
 
-    return await _finish(
-        pg.issue("gather", body, list(gather_list or []), meta=_meta(dtype=inp.dtype_name, root=pg.ranks[root], local={"input": _t(inp)})),
-        asy,
-    )
+    meta = _meta(dtype=inp.dtype_name, root=pg.ranks[root], local={"input": _t(inp)})
+    return await _finish(_issue_with(pg, ticket, "gather", body, list(gather_list or []), meta=meta), asy)
 
 
 @communicating
@@ -433,13 +454,14 @@ async def scatter(
     out = buf(tensor, "scatter tensor", writable=True)
     flats = _root_list(pg, root, scatter_list, out, "scatter", "scatter_list", "source", writable=False)
     mine = out.flat
+    ticket = _shm_ticket(pg, _rooted_cma(pg))
 
     async def body(p2p: P2P) -> None:
-        await alg.scatter(p2p, mine, flats, root)
+        if ticket is None or not await run_scatter(ticket, p2p, mine, flats, root):
+            await alg.scatter(p2p, mine, flats, root)
 
-    return await _finish(
-        pg.issue("scatter", body, [tensor], meta=_meta(dtype=out.dtype_name, root=pg.ranks[root], local={"output": _t(out)})), asy
-    )
+    meta = _meta(dtype=out.dtype_name, root=pg.ranks[root], local={"output": _t(out)})
+    return await _finish(_issue_with(pg, ticket, "scatter", body, [tensor], meta=meta), asy)
 
 
 # -- reduce_scatter / all_to_all / barrier -----------------------------------------------------

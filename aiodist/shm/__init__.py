@@ -2,7 +2,7 @@
 
 The CPU socket backend owns a ``SharedMemory``; the collectives take a ``Ticket`` in their
 issuing step (``SharedMemory.ticket``) and, in their body, ``run_all_reduce`` /
-``run_all_gather``, ``run_broadcast``, ``run_reduce``, ``run_reduce_scatter``, ``run_all_to_all``, which return False where the group uses the socket path instead.
+``run_all_gather``, ``run_broadcast``, ``run_reduce``, ``run_reduce_scatter``, ``run_all_to_all``, ``run_gather``, ``run_scatter``, which return False where the group uses the socket path instead.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ __all__ = [
     "run_reduce",
     "run_reduce_scatter",
     "run_all_to_all",
+    "run_gather",
+    "run_scatter",
 ]
 
 
@@ -143,6 +145,32 @@ async def run_all_to_all(ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray], i
         if g is None or not g.cma or not _lane.fits(g, 16 * p2p.size):  # (the split tables go through the lane)
             return False
         await _algorithms.all_to_all_single_copy(p2p, g, outs, ins)
+        return True
+    finally:
+        ticket.release()
+
+
+async def run_gather(ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray] | None, mine: np.ndarray, root: int) -> bool:
+    """A gather by single-copy reads in this op's turn; False (nothing done) where the group
+    cannot (every rank of it then takes the socket: the group agreed on it)."""
+    try:
+        g = await ticket.acquire(p2p)
+        if g is None or not g.cma:
+            return False
+        await _algorithms.gather_single_copy(p2p, g, outs, mine, root)
+        return True
+    finally:
+        ticket.release()
+
+
+async def run_scatter(ticket: Ticket, p2p: P2P, out: np.ndarray, ins: Sequence[np.ndarray] | None, root: int) -> bool:
+    """A scatter by single-copy reads in this op's turn; False (nothing done) where the group
+    cannot, or its table of parts does not fit the lane."""
+    try:
+        g = await ticket.acquire(p2p)
+        if g is None or not g.cma or not _lane.fits(g, 16 * p2p.size):
+            return False
+        await _algorithms.scatter_single_copy(p2p, g, out, ins, root)
         return True
     finally:
         ticket.release()

@@ -45,6 +45,13 @@ Rules these keep:
   output; copies its own part; and takes a second lane op (nothing written) so that it returns
   only after every peer has read its input. An input that any output overlaps is first copied
   into one block of scratch.
+- gather with single copy: each rank publishes where its input is (address, size) and rings
+  "in"; the root copies its own part, reads every peer's input straight into its slot of the
+  list, and rings "out"; every rank returns after the root's "out".
+- scatter with single copy: the root writes where each part is (address and size, per rank)
+  through the latency lane (one lane op, as all_to_all); every other rank reads its part
+  straight into its tensor; a second lane op; then the root copies its own part (after the
+  peers' reads: its tensor may overlap another rank's part).
 - broadcast with single copy: the root publishes where its tensor is and rings "in"; every other
   rank reads it straight into its own tensor and rings "out"; the root returns after every "out".
 - No synchronous step is longer than one piece (``PIECE`` bytes) of a copy or a reduction: the
@@ -70,7 +77,7 @@ from aiodist.errors import DistBackendError
 from aiodist.shm import _cma, _lane
 from aiodist.shm._manager import GroupShm, channel_of, check_peer, retrieve
 
-__all__ = ["all_reduce", "all_gather", "broadcast_single_copy", "reduce_single_copy", "reduce_scatter_single_copy", "all_to_all_single_copy", "PIECE"]
+__all__ = ["all_reduce", "all_gather", "broadcast_single_copy", "reduce_single_copy", "reduce_scatter_single_copy", "all_to_all_single_copy", "gather_single_copy", "scatter_single_copy", "PIECE"]
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
 
@@ -368,15 +375,72 @@ async def all_to_all_single_copy(p2p: P2P, g: GroupShm, outs: Sequence[np.ndarra
                 continue
             addr, n = frm[q]
             if n != dsts[q].nbytes:
-                ch = channel_of(p2p)
-                raise DistBackendError(
-                    f"all_to_all on group {ch.group_id}, seq {ch.seq}: rank {ch.ranks[q]} sends {n} bytes to rank "
-                    f"{ch.ranks[me]}, which expects {dsts[q].nbytes} from it (the split sizes must match)"
-                )
+                raise _size_mismatch(p2p, "all_to_all", q, n, me, dsts[q].nbytes)
             await _read(p2p, g, q, dsts[q], addr, pace, "all_to_all")
         if not _same_bytes(dsts[me], srcs[me]):
             await _copy(dsts[me], srcs[me], pace)
         await _lane.exchange(p2p, g, None, [0] * p, "all_to_all")  # every peer has read this rank's input
+
+
+def _size_mismatch(p2p: P2P, op: str, sender: int, n: int, reader: int, want: int) -> DistBackendError:
+    ch = channel_of(p2p)
+    return DistBackendError(
+        f"{op} on group {ch.group_id}, seq {ch.seq}: rank {ch.ranks[sender]} sends {n} bytes to rank {ch.ranks[reader]}, "
+        f"which expects {want} from it (the sizes must match)"
+    )
+
+
+async def gather_single_copy(p2p: P2P, g: GroupShm, outs: Sequence[np.ndarray] | None, mine: np.ndarray, root: int) -> None:
+    """Every rank's ``mine`` into the root's ``outs[that rank]`` by single-copy reads (see the
+    module docstring); only the root passes ``outs``."""
+    p, me = p2p.size, p2p.rank
+    g.cma_ops += 1
+    src = byte_view(mine)
+    words = g.cma_words[me]
+    words[0] = src.ctypes.data if src.nbytes else 0
+    words[1] = src.nbytes
+    await _lane.phase(p2p, g, 0, 0)  # (sizes may differ per rank: the root checks each below)
+    if me == root:
+        assert outs is not None
+        dsts = [byte_view(o, writable=True) for o in outs]
+        pace = _Pacer()
+        if not _same_bytes(dsts[me], src):
+            await _copy(dsts[me], src, pace)  # first: the root's input may overlap a peer's slot
+        for q in range(p):
+            if q != me:
+                addr, n = int(g.cma_words[q][0]), int(g.cma_words[q][1])
+                if n != dsts[q].nbytes:
+                    raise _size_mismatch(p2p, "gather", q, n, me, dsts[q].nbytes)
+                await _read(p2p, g, q, dsts[q], addr, pace, "gather")
+    await _lane.phase(p2p, g, 1, 0)  # the root has read every input
+
+
+async def scatter_single_copy(p2p: P2P, g: GroupShm, out: np.ndarray, ins: Sequence[np.ndarray] | None, root: int) -> None:
+    """The root's ``ins[i]`` into rank i's ``out`` by single-copy reads (see the module
+    docstring); only the root passes ``ins``."""
+    p, me = p2p.size, p2p.rank
+    g.cma_ops += 1
+    dst = byte_view(out, writable=True)
+    table = None
+    if me == root:
+        assert ins is not None
+        srcs = [byte_view(x) for x in ins]
+        table = np.zeros(2 * p, np.int64)
+        for q, x in enumerate(srcs):
+            if x.nbytes:
+                table[2 * q] = x.ctypes.data
+                table[2 * q + 1] = x.nbytes
+    sizes = [16 * p if q == root else 0 for q in range(p)]
+    got = await _lane.exchange(p2p, g, None if table is None else table.view(np.uint8), sizes, "scatter")
+    if me != root:
+        t = got[root].view(np.int64)
+        addr, n = int(t[2 * me]), int(t[2 * me + 1])  # (a view of the root's slot: read now)
+        if n != dst.nbytes:
+            raise _size_mismatch(p2p, "scatter", root, n, me, dst.nbytes)
+        await _read(p2p, g, root, dst, addr, _Pacer(), "scatter")
+    await _lane.exchange(p2p, g, None, [0] * p, "scatter")  # every rank has read its part
+    if me == root and not _same_bytes(dst, srcs[me]):
+        await _copy(dst, srcs[me], _Pacer())
 
 
 async def all_gather(p2p: P2P, g: GroupShm, outs: Sequence[np.ndarray], mine: np.ndarray) -> None:
