@@ -1,5 +1,6 @@
-"""SIGKILL of one of 3 ranks while they loop on a 16 MiB all_reduce through shared memory
-(aiodist.shm): the survivors, waiting on the dead rank's doorbell or reading its pages, raise a
+"""SIGKILL of one of 3 ranks (2 for gather and scatter) while they loop on a 16 MiB op through
+shared memory (aiodist.shm: all_reduce, and the single-copy reduce, reduce_scatter,
+all_to_all, gather and scatter): the survivors, waiting on the dead rank's doorbell or reading its pages, raise a
 DistError naming it within 3 s (group timeout 20 s, so a pass shows the death was noticed, not
 timed out). The segments are memfds: nothing of them outlives the processes, whatever kills
 them (no name in /dev/shm to check)."""
@@ -17,7 +18,6 @@ from _procs import kill_all, read_lines_until, start_ranks  # this folder's help
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(90)]
 
-N = 3
 VICTIM = 1
 GROUP_TIMEOUT_S = 20.0
 DETECT_S = 3.0  # the bound under test (measured: tens of ms)
@@ -34,13 +34,31 @@ import aiodist as dist
 
 async def main():
     await dist.init_process_group("gloo", timeout={timeout})
-    x = np.ones((16 << 20) // 4, dtype=np.float32)
-    await dist.all_reduce(x)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x = np.ones((16 << 20) // 4 // n * n, dtype=np.float32)  # (n equal parts)
+    out = np.empty_like(x)
+    parts = [np.empty(x.size // n, np.float32) for _ in range(n)]
+
+    async def op():
+        if {op!r} == "all_reduce":
+            await dist.all_reduce(x)
+        elif {op!r} == "reduce":
+            await dist.reduce(x, dst=0)
+        elif {op!r} == "reduce_scatter_tensor":
+            await dist.reduce_scatter_tensor(out[: x.size // n], x)
+        elif {op!r} == "all_to_all_single":
+            await dist.all_to_all_single(out, x)
+        elif {op!r} == "gather":
+            await dist.gather(x[: x.size // n], parts if rank == 0 else None)
+        else:
+            await dist.scatter(x[: x.size // n], parts if rank == 0 else None)
+
+    await op()
     used = dist.group.WORLD.backend.stats()["shm"]["groups"]
     print(f"running {{used}}", flush=True)
     try:
         while True:
-            await dist.all_reduce(x)
+            await op()
     except dist.DistError as exc:
         t = time.time()
         print(f"ERROR {{t!r}} {{type(exc).__name__}}: {{' '.join(str(exc).split())}}", flush=True)
@@ -50,9 +68,15 @@ asyncio.run(main())
 """
 
 
-def test_sigkill_during_shared_memory_all_reduce_fails_the_survivors_fast(tmp_path: Path) -> None:
+# every op with a shared-memory path for 16 MiB (the single-copy ones read the victim's pages;
+# gather and scatter take it in groups of 2 only)
+OPS = [("all_reduce", 3), ("reduce", 3), ("reduce_scatter_tensor", 3), ("all_to_all_single", 3), ("gather", 2), ("scatter", 2)]
+
+
+@pytest.mark.parametrize("op,N", OPS, ids=[o for o, _ in OPS])
+def test_sigkill_during_a_shared_memory_op_fails_the_survivors_fast(tmp_path: Path, op: str, N: int) -> None:
     script = tmp_path / "rank.py"
-    script.write_text(WORKER.format(root=str(ROOT), timeout=GROUP_TIMEOUT_S))
+    script.write_text(WORKER.format(root=str(ROOT), timeout=GROUP_TIMEOUT_S, op=op))
     errs = [open(tmp_path / f"err{r}", "w") for r in range(N)]  # noqa: SIM115 - closed below
     outs: dict[int, list[str]] = {r: [] for r in range(N)}
     try:
