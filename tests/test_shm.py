@@ -541,6 +541,30 @@ async def test_eager_start_only_within_its_budget(monkeypatch: pytest.MonkeyPatc
     assert res[1] == [1, 0, 1, 0], res
 
 
+async def test_a_small_reduce_of_two_ranks_starts_eagerly_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small reduce (the lane) whose turn has come and whose peer already waits completes in
+    its issuing call, with the right result (single-copy ops of several steps need the peer to
+    run meanwhile: tests/test_shm_lane.py, in real processes)."""
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+    monkeypatch.setattr(process_group, "EAGER_S", 0.5)
+
+    async def fn(rank: int) -> int:
+        for _ in range(3):  # the agreement, and shared memory in use
+            await dist.all_reduce(np.ones(1, np.float32))
+        pg = dist.group.WORLD
+        if rank == 1:
+            await asyncio.sleep(0.01)  # rank 0 is in the op by now, waiting for rank 1
+            pg.ran = time.perf_counter()
+        before = pg.stats()["eager"]
+        x = np.arange(4, dtype=np.float32) + 10 * rank
+        await dist.reduce(x, dst=0)
+        assert rank == 1 or np.array_equal(x, 2 * np.arange(4, dtype=np.float32) + 10)
+        return int(pg.stats()["eager"] - before)
+
+    res = await run_world(2, fn, "gloo", timeout=30)
+    assert res[1] == 1, res
+
+
 async def test_the_rest_of_an_eager_op_gets_what_its_task_sends_and_throws() -> None:
     """The task that runs an eager op's rest hands the op's coroutine its first wait, then what
     the task sends or throws in: a cancellation before the task's first step included."""

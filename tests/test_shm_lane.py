@@ -264,13 +264,21 @@ async def main():
     t = asyncio.create_task(ticker())
     await asyncio.sleep(0)
     pg = dist.group.WORLD
+    two = np.full(2, dist.get_rank() + 1.0, np.float32)
+    out = np.empty(2, np.float32)
     before, ticks = pg.stats()["eager"], 0
     start = time.monotonic()
     for _ in range(N_OPS):
-        await dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        if {op!r} == "all_reduce":
+            await dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        elif {op!r} == "all_to_all_single":
+            await dist.all_to_all_single(out, two)  # out = [1, 2]
+        else:
+            await dist.reduce_scatter_tensor(out[:1], two)  # out[0] = 1 + 2
     took = time.monotonic() - start
     t.cancel()
-    print(json.dumps({{"eager": pg.stats()["eager"] - before, "ticks": ticks, "s": took, "sum": float(x[0])}}))
+    got = float(x[0]) if {op!r} == "all_reduce" else float(out.sum()) if {op!r} == "all_to_all_single" else float(out[0])
+    print(json.dumps({{"eager": pg.stats()["eager"] - before, "ticks": ticks, "s": took, "got": got}}))
     await dist.destroy_process_group()
 
 N_OPS = 2000
@@ -279,13 +287,15 @@ asyncio.run(main())
 )
 
 
-def test_eager_lane_ops_end_in_their_call_and_still_let_the_loop_run(tmp_path: Path) -> None:
-    """Small lane all_reduces issued back to back mostly complete in their issuing call (no
+@pytest.mark.parametrize("op", ["all_reduce", "all_to_all_single", "reduce_scatter_tensor"])
+def test_eager_lane_ops_end_in_their_call_and_still_let_the_loop_run(tmp_path: Path, op: str) -> None:
+    """Small lane all_reduces (and small single-copy all_to_alls and reduce_scatters, whose
+    steps are lane words too) issued back to back mostly complete in their issuing call (no
     pass of the loop: ProcessGroup.issue's eager start), yet another task on the loop still
     runs at least about once a millisecond (EAGER_S)."""
-    res = _run(tmp_path, EAGER.format(root=str(ROOT)), 2)
+    res = _run(tmp_path, EAGER.format(root=str(ROOT), op=op), 2)
     for r, out in enumerate(res):
-        assert out["sum"] == 2.0, out
+        assert out["got"] == (2.0 if op == "all_reduce" else 3.0), out
         # about 1780 of 2000 here (one op in ~9 goes through a task: EAGER_S); a loaded machine,
         # where ops take longer, has fewer within the budget: the floor only shows the path is used
         assert out["eager"] >= 2000 // 20, f"rank {r}: only {out['eager']} of 2000 ops ended in their call"

@@ -533,7 +533,9 @@ def _issue_reduce_scatter(pg: Any, name: str, out: Buffer, parts: list[np.ndarra
             await alg.reduce_scatter(p2p, out.flat, mine, combine, thresholds=th)
         _finalize(out.flat, rop, n, dtype=dtype)
 
-    return _issue_with(pg, ticket, name, body, [output], meta=_meta(output=_t(out), op=_opname(rop)))
+    # a small one whose turn has come may complete in this call (its phases are lane words)
+    eager = big and ticket is not None and 0 < total <= th.lane_max and ticket.lane_now(0)
+    return _issue_with(pg, ticket, name, body, [output], meta=_meta(output=_t(out), op=_opname(rop)), eager=eager)
 
 
 @communicating
@@ -613,7 +615,9 @@ def _issue_all_to_all(pg: Any, name: str, outs: list[np.ndarray], ins: list[np.n
         if ticket is None or not await run_all_to_all(ticket, p2p, outs, ins):
             await alg.all_to_all(p2p, outs, ins, thresholds=th)
 
-    return _issue_with(pg, ticket, name, body, outputs, meta=_meta(dtype=str(ins[0].dtype) if ins else "?"))
+    # a small one whose turn has come may complete in this call (its steps are lane ops)
+    eager = ticket is not None and sum(x.nbytes for x in ins) <= th.lane_max and ticket.lane_now(16 * len(ins))
+    return _issue_with(pg, ticket, name, body, outputs, meta=_meta(dtype=str(ins[0].dtype) if ins else "?"), eager=eager)
 
 
 @communicating
