@@ -1,8 +1,9 @@
 """Shared memory between the ranks of a group on one host (docs/transport.md, "Shared memory").
 
 The CPU socket backend owns a ``SharedMemory``; the collectives take a ``Ticket`` in their
-issuing step (``SharedMemory.ticket``) and, in their body, ``run_all_reduce`` /
-``run_all_gather``, ``run_broadcast``, ``run_reduce``, ``run_reduce_scatter``, ``run_all_to_all``, ``run_gather``, ``run_scatter``, which return False where the group uses the socket path instead.
+issuing step (``SharedMemory.ticket``) and, in their body, one of the ``run_*`` functions
+below (one per collective, and ``run_barrier``), which return False where the group uses the
+socket path instead.
 """
 
 from __future__ import annotations
