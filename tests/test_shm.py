@@ -83,7 +83,8 @@ async def main():
     os.environ["AIODIST_ALGO_REDUCE_CMA_MIN"] = "-1"
     os.environ["AIODIST_ALGO_REDUCE_SCATTER_CMA_MIN"] = "-1"
     os.environ["AIODIST_ALGO_ALLTOALL_CMA"] = "-1"
-    os.environ["AIODIST_ALGO_GATHER_SCATTER_CMA"] = "-1"
+    os.environ["AIODIST_ALGO_GATHER_CMA_MIN"] = "-1"
+    os.environ["AIODIST_ALGO_SCATTER_CMA_MIN"] = "-1"
     sock = await dist.new_group(list(range(n)))
     rng = np.random.default_rng(1234 + rank)
     digests, same = {{}}, {{}}
@@ -179,7 +180,7 @@ def _world(tmp_path: Path, n: int, extra: dict[int, dict[str, str]] | None = Non
     envs = []
     for r in range(n):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), WORLD_SIZE=str(n))
-        env.update(AIODIST_SHM_BYTES="1M", AIODIST_ALGO_ALLREDUCE_SHM_MIN="0", AIODIST_ALGO_ALLGATHER_SHM_MIN="0", AIODIST_ALGO_REDUCE_CMA_MIN="0", AIODIST_ALGO_CMA_WIDE_MIN="0")
+        env.update(AIODIST_SHM_BYTES="1M", AIODIST_ALGO_ALLREDUCE_SHM_MIN="0", AIODIST_ALGO_ALLGATHER_SHM_MIN="0", AIODIST_ALGO_REDUCE_CMA_MIN="0", AIODIST_ALGO_CMA_WIDE_MIN="0", AIODIST_ALGO_SCATTER_CMA_MIN="0")
         env.update((extra or {}).get(r, {}))
         envs.append(env)
     return run_ranks([[sys.executable, str(script)]] * n, envs, START_S)

@@ -288,7 +288,7 @@ async def test_big_reduce_reads_the_peers_slices_and_leaves_theirs_alone(monkeyp
     assert [ops for _, ops in results] == [5 * n] * n
 
 
-@pytest.mark.parametrize("op", ["reduce", "reduce_scatter_tensor"])
+@pytest.mark.parametrize("op", ["reduce", "reduce_scatter_tensor", "scatter"])
 async def test_a_reduce_whose_sizes_differ_across_the_single_copy_threshold_is_a_desync_at_once(
     monkeypatch: pytest.MonkeyPatch, op: str
 ) -> None:
@@ -299,6 +299,7 @@ async def test_a_reduce_whose_sizes_differ_across_the_single_copy_threshold_is_a
     monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
     monkeypatch.setenv("AIODIST_ALGO_REDUCE_CMA_MIN", "512K")
     monkeypatch.setenv("AIODIST_ALGO_REDUCE_SCATTER_CMA_MIN", "512K")
+    monkeypatch.setenv("AIODIST_ALGO_SCATTER_CMA_MIN", "512K")  # (scatter: sizes that differ are outside torch's contract too)
     cases = [(r, m) for r in (0, 1) for m in (600_000, 200_000)] if op == "reduce" else [(0, 600_000)]
 
     for root, first in cases:
@@ -310,8 +311,10 @@ async def test_a_reduce_whose_sizes_differ_across_the_single_copy_threshold_is_a
             try:
                 if op == "reduce":
                     await dist.reduce(t, dst=root)
-                else:
+                elif op == "reduce_scatter_tensor":
                     await dist.reduce_scatter_tensor(np.empty(t.size // 2, np.uint8), t)
+                else:
+                    await dist.scatter(t, [np.zeros(600_000, np.uint8), np.zeros(300_000, np.uint8)] if rank == 0 else None)
             except dist.DistError as exc:
                 return str(exc), time.monotonic() - t0
             return "ok", time.monotonic() - t0
@@ -424,10 +427,11 @@ async def test_an_all_to_all_whose_split_sizes_do_not_match_fails_on_both_ranks(
 
 @pytest.mark.parametrize("n", [2, 3])
 async def test_gather_and_scatter_read_straight_from_the_other_side(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
-    """gather and scatter by single copy in groups of 2 (every one, the default; 3 ranks: the
+    """gather and scatter by single copy in groups of 2 (every size here; 3 ranks: the
     socket, the same results), every root in turn: sizes that differ per rank, 2-D tensors,
     and in place (the root's own slot is its tensor)."""
     monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+    monkeypatch.setenv("AIODIST_ALGO_SCATTER_CMA_MIN", "0")
 
     async def fn(rank: int) -> int:
         for root in range(n):
@@ -465,6 +469,7 @@ async def test_a_gather_or_scatter_whose_sizes_do_not_match_fails_on_both_ranks(
     that reads says which ranks and sizes; the other fails too (the group is aborted), well
     within the timeout."""
     monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+    monkeypatch.setenv("AIODIST_ALGO_SCATTER_CMA_MIN", "0")
 
     async def fn(rank: int) -> tuple[str, float]:
         t0 = time.monotonic()

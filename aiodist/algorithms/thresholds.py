@@ -110,16 +110,20 @@ class Thresholds:
     #: negative, never. Not a size: a rank knows only its own sizes, and every rank of a group
     #: must take the same path, so no other value is allowed.
     alltoall_cma: int = 0
-    #: gather and scatter by single-copy reads where the group can, in groups of 2: 0, every
-    #: one; negative, never (a switch, as ``alltoall_cma``; wider groups keep the socket).
-    gather_scatter_cma: int = 0
+    #: gather and scatter by single-copy reads where the group can, in groups of 2 (wider
+    #: groups keep the socket), from this many bytes per rank (torch's gather and scatter take
+    #: the same size on every rank; a rank judges by its own); negative: never. Measured at 2
+    #: ranks against the socket: gather 64 B-64 KiB 61-64 us against 76-83, so every size;
+    #: scatter 64 B-16 KiB 69-71 against 62-67 (the socket's root only sends; single copy waits
+    #: for the other rank twice), 64 KiB even, 256 KiB 78 against 93, 1 MiB 110 against 181.
+    gather_cma_min: int = 0
+    scatter_cma_min: int = 64 * KiB
 
     def __post_init__(self) -> None:
         if self.pipeline_piece < 1:
             raise ValueError(f"pipeline_piece must be at least 1 byte, got {self.pipeline_piece}")
-        for name in ("alltoall_cma", "gather_scatter_cma"):
-            if getattr(self, name) > 0:
-                raise ValueError(f"{name} ({ENV_PREFIX}{name.upper()}) must be 0 (every such op by single copy) or negative (never), got {getattr(self, name)}")
+        if self.alltoall_cma > 0:
+            raise ValueError(f"alltoall_cma ({ENV_PREFIX}ALLTOALL_CMA) must be 0 (every all_to_all by single copy) or negative (never), got {self.alltoall_cma}")
 
     @classmethod
     def latency_bound(cls, pipeline_piece: int = 1 * MiB) -> Thresholds:

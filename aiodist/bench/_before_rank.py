@@ -51,16 +51,20 @@ def _random_input(rank: int, count: int) -> np.ndarray:
 
 
 class _Buffers:
-    def __init__(self, op: str, count: int, n: int) -> None:
-        part = count // n if op in ("all_gather_into_tensor", "reduce_scatter_tensor") else count
-        if op == "all_gather_into_tensor":
-            self.inp, self.out = np.zeros(part, np.float32), np.zeros(count, np.float32)
-        elif op == "reduce_scatter_tensor":
-            self.inp, self.out = np.zeros(count, np.float32), np.zeros(part, np.float32)
+    def __init__(self, op: str, count: int, n: int, rank: int = 0) -> None:
+        part = count // n if op in ("all_gather_into_tensor", "reduce_scatter_tensor", "gather", "scatter") else count
+        self.parts: list[np.ndarray] | None = None
+        if op in ("all_gather_into_tensor", "gather"):
+            self.inp, self.out = np.zeros(part, np.float32), np.zeros(count if op != "gather" or rank == 0 else 0, np.float32)
+        elif op in ("reduce_scatter_tensor", "scatter"):
+            self.inp, self.out = np.zeros(count if op != "scatter" or rank == 0 else 0, np.float32), np.zeros(part, np.float32)
         elif op == "all_to_all_single":
             self.inp, self.out = np.zeros(count, np.float32), np.zeros(count, np.float32)
         else:
             self.inp = self.out = np.zeros(count, np.float32)
+        if op in ("gather", "scatter") and rank == 0:
+            whole = self.out if op == "gather" else self.inp
+            self.parts = [whole[i * part : (i + 1) * part] for i in range(n)]
 
 
 def _trim() -> None:
@@ -124,6 +128,10 @@ async def _serve(rank: int, n: int, port: int, timeout: float, tree: str, conn: 
                 return aiodist.reduce_scatter_tensor(b.out, b.inp)
             if op == "all_to_all_single":
                 return aiodist.all_to_all_single(b.out, b.inp)
+            if op == "gather":
+                return aiodist.gather(b.inp, b.parts, dst=0)
+            if op == "scatter":
+                return aiodist.scatter(b.out, b.parts, src=0)
             return aiodist.barrier()
 
         async def do(aw: Any) -> None:
@@ -135,7 +143,7 @@ async def _serve(rank: int, n: int, port: int, timeout: float, tree: str, conn: 
         async def row(op: str, count: int, warmup: int, iters: int) -> dict[str, Any]:
             if os.environ.get(FAIL_ENV) == str(rank):
                 raise RuntimeError(f"rank {rank}: failing on purpose ({FAIL_ENV} is set)")
-            b = _Buffers(op, count, n)
+            b = _Buffers(op, count, n, rank)
             crc = None
             if op == "all_reduce" and count not in checked:
                 checked.add(count)

@@ -15,10 +15,11 @@ machine's drift lands on both. ``--rounds`` repeats the whole sweep.
 
 The time reported for one (op, size) is the MEDIAN over iterations (of every round) of the
 slowest rank's time for that iteration. algbw = size / time; busbw = algbw times nccl-tests' factor for the op
-(all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast, reduce 1).
+(all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all, gather, scatter (n-1)/n; broadcast, reduce 1).
 Sizes follow nccl-tests: all_reduce/broadcast/reduce move a buffer of ``size`` bytes;
 all_gather's size is its output (n parts), reduce_scatter's its input, all_to_all's one rank's
-input, each rounded down to a multiple of n elements.
+input, gather's output and scatter's input on the root (rank 0), each rounded down to a
+multiple of n elements.
 
 Correctness, checked once per all_reduce size before timing: the sum of small integers must be
 exact, and the sum of random floats must have the same bits on every rank. A wrong result, a
@@ -59,7 +60,9 @@ from aiodist.bench.probes import LagProbe, PeakRss, percentile
 __all__ = ["main", "OPS", "sizes"]
 
 HOST = "127.0.0.1"
-OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "barrier")
+OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "gather", "scatter", "barrier")
+#: ops whose size is that of n parts (nccl-tests' rounding: a multiple of n elements)
+_PARTED = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "gather", "scatter")
 ITEMSIZE = 4  # float32
 FAIL_ENV = "AIODIST_BENCH_FAIL_RANK"  # tests: the rank (of either side) that raises at its first row
 STARTUP = 120.0  # seconds a rank may take to start (import, spawn) and join, on top of --timeout
@@ -80,7 +83,7 @@ class BenchError(Exception):
 def _busbw_factor(op: str, n: int) -> float:
     if op == "all_reduce":
         return 2 * (n - 1) / n
-    if op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
+    if op in _PARTED:
         return (n - 1) / n
     return 1.0
 
@@ -90,7 +93,7 @@ def _count(op: str, nbytes: int, n: int) -> int:
     if op == "barrier":
         return 0
     count = nbytes // ITEMSIZE
-    if op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
+    if op in _PARTED:
         count -= count % n
     return count
 
@@ -146,18 +149,23 @@ def _random_input(rank: int, count: int) -> np.ndarray:
 
 
 class _Buffers:
-    """An op's buffers (numpy arrays; the torch side wraps them with torch.from_numpy)."""
+    """An op's buffers (numpy arrays; the torch side wraps them with torch.from_numpy). gather's
+    output and scatter's input (``parts``: their n views) are the root's (rank 0) alone."""
 
-    def __init__(self, op: str, count: int, n: int) -> None:
-        part = count // n if op in ("all_gather_into_tensor", "reduce_scatter_tensor") else count
-        if op == "all_gather_into_tensor":
-            self.inp, self.out = np.zeros(part, np.float32), np.zeros(count, np.float32)
-        elif op == "reduce_scatter_tensor":
-            self.inp, self.out = np.zeros(count, np.float32), np.zeros(part, np.float32)
+    def __init__(self, op: str, count: int, n: int, rank: int = 0) -> None:
+        part = count // n if op in ("all_gather_into_tensor", "reduce_scatter_tensor", "gather", "scatter") else count
+        self.parts: list[np.ndarray] | None = None
+        if op in ("all_gather_into_tensor", "gather"):
+            self.inp, self.out = np.zeros(part, np.float32), np.zeros(count if op != "gather" or rank == 0 else 0, np.float32)
+        elif op in ("reduce_scatter_tensor", "scatter"):
+            self.inp, self.out = np.zeros(count if op != "scatter" or rank == 0 else 0, np.float32), np.zeros(part, np.float32)
         elif op == "all_to_all_single":
             self.inp, self.out = np.zeros(count, np.float32), np.zeros(count, np.float32)
         else:  # in place (barrier: an empty one, unused)
             self.inp = self.out = np.zeros(count, np.float32)
+        if op in ("gather", "scatter") and rank == 0:
+            whole = self.out if op == "gather" else self.inp
+            self.parts = [whole[i * part : (i + 1) * part] for i in range(n)]
 
 
 def _wake(fut: asyncio.Future[None]) -> None:
@@ -200,7 +208,7 @@ class _Rank:
         size is seen, check its result first."""
         if os.environ.get(FAIL_ENV) == str(self.rank):
             raise RuntimeError(f"rank {self.rank}: failing on purpose ({FAIL_ENV} is set)")
-        b = _Buffers(op, count, self.n)
+        b = _Buffers(op, count, self.n, self.rank)
         crc = None
         if op == "all_reduce" and count not in self.checked:
             self.checked.add(count)
@@ -267,6 +275,10 @@ async def _aiodist_rank(plan: Plan, rank: int, conn: multiprocessing.connection.
                 return aiodist.reduce_scatter_tensor(b.out, b.inp)
             if op == "all_to_all_single":
                 return aiodist.all_to_all_single(b.out, b.inp)
+            if op == "gather":
+                return aiodist.gather(b.inp, b.parts, dst=0)
+            if op == "scatter":
+                return aiodist.scatter(b.out, b.parts, src=0)
             return aiodist.barrier()
 
         await _Rank(rank, n, call, aiodist.barrier, True, plan.lag_probe).serve(conn)
@@ -302,6 +314,10 @@ async def _torch_rank(plan: Plan, rank: int, conn: multiprocessing.connection.Co
                 dist.reduce_scatter_tensor(out, inp)
             elif op == "all_to_all_single":
                 dist.all_to_all_single(out, inp)
+            elif op == "gather":
+                dist.gather(inp, None if b.parts is None else [torch.from_numpy(x) for x in b.parts], dst=0)
+            elif op == "scatter":
+                dist.scatter(out, None if b.parts is None else [torch.from_numpy(x) for x in b.parts], src=0)
             else:
                 dist.barrier()
 
@@ -696,6 +712,10 @@ async def _mpi_rank(conn: multiprocessing.connection.Connection) -> None:
             comm.Reduce_scatter_block(b.inp, b.out, op=MPI.SUM)
         elif op == "all_to_all_single":
             comm.Alltoall(b.inp, b.out)
+        elif op == "gather":
+            comm.Gather(b.inp, b.out if rank == 0 else None, root=0)
+        elif op == "scatter":
+            comm.Scatter(b.inp if rank == 0 else None, b.out, root=0)
         else:
             comm.Barrier()
 

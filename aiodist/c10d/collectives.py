@@ -147,14 +147,14 @@ def _cma_wanted(pg: Any, big: bool, nbytes: int, threshold: int) -> bool:
     return (big or nbytes > th.broadcast_lane_max and th.lane_max > 0) and threshold >= 0 and getattr(pg.backend, "shm", None) is not None
 
 
-def _rooted_cma(pg: Any) -> bool:
-    """Whether a gather or scatter takes a place in the shared-memory line (and goes by
-    single copy where the group can): in groups of 2, every one (``gather_scatter_cma``; not
-    by size, as a rank knows only its own and every rank must take the same path). Measured
-    at 2 ranks: gather 4 B 72 us against 81 on the socket, 4 MiB 0.84 ms against 1.00;
-    scatter 4 B 80 against 113, 4 MiB 0.62 against 1.09. At 4 ranks on 2 cores single copy
-    was 2x slower up to 64 KiB (gather 250 us against 120) and faster from 4 MiB."""
-    return len(pg.ranks) == 2 and pg.thresholds.gather_scatter_cma >= 0 and getattr(pg.backend, "shm", None) is not None
+def _rooted_cma(pg: Any, threshold: int) -> bool:
+    """Whether a gather or scatter takes a place in the shared-memory line: in groups of 2,
+    where single copy is on for it (``threshold``: ``gather_cma_min`` / ``scatter_cma_min``),
+    whatever its size, so that one below the threshold says which op it is in (a size that
+    differs across ranks and straddles it is a desync at once). At 4 ranks on 2 cores single
+    copy was 2x slower up to 64 KiB (gather 250 us against 120) and faster from 4 MiB; wider
+    groups keep the socket."""
+    return len(pg.ranks) == 2 and threshold >= 0 and getattr(pg.backend, "shm", None) is not None
 
 
 def _issue_with(pg: Any, ticket: Ticket | None, *args: Any, **kwargs: Any) -> Work:
@@ -423,15 +423,17 @@ async def gather(
         return await issue_on_device(dev, pg, "gather", {"tensor": tensor, "gather_list": gather_list, "root": root}, asy)
     inp = buf(tensor, "gather tensor", writable=False)
     flats = _root_list(pg, root, gather_list, inp, "gather", "gather_list", "destination", writable=True)
-    mine = inp.flat
-    ticket = _shm_ticket(pg, _rooted_cma(pg))
+    mine, th = inp.flat, pg.thresholds
+    ticket = _shm_ticket(pg, _rooted_cma(pg, th.gather_cma_min))
+    big = 0 <= th.gather_cma_min <= mine.nbytes
 
     async def body(p2p: P2P) -> None:
-        if ticket is None or not await run_gather(ticket, p2p, flats, mine, root):
+        if ticket is None or not await run_gather(ticket, p2p, flats, mine, root, big):
             await alg.gather(p2p, flats, mine, root)
 
     meta = _meta(dtype=inp.dtype_name, root=pg.ranks[root], local={"input": _t(inp)})
-    return await _finish(_issue_with(pg, ticket, "gather", body, list(gather_list or []), meta=meta), asy)
+    eager = big and ticket is not None and mine.nbytes <= th.lane_max and ticket.lane_now(0)  # (as all_to_all's)
+    return await _finish(_issue_with(pg, ticket, "gather", body, list(gather_list or []), meta=meta, eager=eager), asy)
 
 
 @communicating
@@ -453,15 +455,17 @@ async def scatter(
         return await issue_on_device(dev, pg, "scatter", {"tensor": tensor, "scatter_list": scatter_list, "root": root}, asy)
     out = buf(tensor, "scatter tensor", writable=True)
     flats = _root_list(pg, root, scatter_list, out, "scatter", "scatter_list", "source", writable=False)
-    mine = out.flat
-    ticket = _shm_ticket(pg, _rooted_cma(pg))
+    mine, th = out.flat, pg.thresholds
+    ticket = _shm_ticket(pg, _rooted_cma(pg, th.scatter_cma_min))
+    big = 0 <= th.scatter_cma_min <= mine.nbytes
 
     async def body(p2p: P2P) -> None:
-        if ticket is None or not await run_scatter(ticket, p2p, mine, flats, root):
+        if ticket is None or not await run_scatter(ticket, p2p, mine, flats, root, big):
             await alg.scatter(p2p, mine, flats, root)
 
     meta = _meta(dtype=out.dtype_name, root=pg.ranks[root], local={"output": _t(out)})
-    return await _finish(_issue_with(pg, ticket, "scatter", body, [tensor], meta=meta), asy)
+    eager = big and ticket is not None and mine.nbytes <= th.lane_max and ticket.lane_now(16 * pg.size())  # (as all_to_all's)
+    return await _finish(_issue_with(pg, ticket, "scatter", body, [tensor], meta=meta, eager=eager), asy)
 
 
 # -- reduce_scatter / all_to_all / barrier -----------------------------------------------------

@@ -95,7 +95,7 @@ def _to_socket(p2p: P2P, g: GroupShm) -> bool:
     """False (the op takes the socket), after saying which op this rank is in where the group
     has a lane: a peer waiting in the lane for another op at this seq sees the desync."""
     if g.lane:
-        _lane.announce(channel_of(p2p), g, p2p.rank)
+        _lane.announce(channel_of(p2p), g, p2p.rank, socket=True)
     return False
 
 
@@ -151,28 +151,32 @@ async def run_all_to_all(ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray], i
         ticket.release()
 
 
-async def run_gather(ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray] | None, mine: np.ndarray, root: int) -> bool:
-    """A gather by single-copy reads in this op's turn; False (nothing done) where the group
-    cannot (every rank of it then takes the socket: the group agreed on it)."""
+async def run_gather(ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray] | None, mine: np.ndarray, root: int, big: bool = True) -> bool:
+    """A ``big`` gather by single-copy reads in this op's turn; False (nothing done) where the
+    group cannot, or the op is not big (then saying which op this rank is in: ``_to_socket``)."""
     try:
         g = await ticket.acquire(p2p)
-        if g is None or not g.cma:
+        if g is None:
             return False
-        await _algorithms.gather_single_copy(p2p, g, outs, mine, root)
-        return True
+        if big and g.cma:
+            await _algorithms.gather_single_copy(p2p, g, outs, mine, root)
+            return True
+        return _to_socket(p2p, g)
     finally:
         ticket.release()
 
 
-async def run_scatter(ticket: Ticket, p2p: P2P, out: np.ndarray, ins: Sequence[np.ndarray] | None, root: int) -> bool:
-    """A scatter by single-copy reads in this op's turn; False (nothing done) where the group
-    cannot, or its table of parts does not fit the lane."""
+async def run_scatter(ticket: Ticket, p2p: P2P, out: np.ndarray, ins: Sequence[np.ndarray] | None, root: int, big: bool = True) -> bool:
+    """A ``big`` scatter by single-copy reads in this op's turn; False (nothing done) where the
+    group cannot, its table of parts does not fit the lane, or the op is not big (as ``run_gather``)."""
     try:
         g = await ticket.acquire(p2p)
-        if g is None or not g.cma or not _lane.fits(g, 16 * p2p.size):
+        if g is None:
             return False
-        await _algorithms.scatter_single_copy(p2p, g, out, ins, root)
-        return True
+        if big and g.cma and _lane.fits(g, 16 * p2p.size):
+            await _algorithms.scatter_single_copy(p2p, g, out, ins, root)
+            return True
+        return _to_socket(p2p, g)
     finally:
         ticket.release()
 

@@ -42,6 +42,7 @@ Rules this module keeps:
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -57,6 +58,8 @@ from aiodist.shm._manager import GroupShm, channel_of, check_peer
 __all__ = ["exchange", "phase", "announce", "all_reduce", "reduce", "broadcast", "all_gather", "fits"]
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
+
+log = logging.getLogger("aiodist.shm")
 
 _RECHECK_S = 0.01  # a sleeping lane wait looks at the transport (dead peer, abort) this often
 _FENCE = threading.Lock()
@@ -201,12 +204,20 @@ async def _wait(p2p: Any, ch: Any, g: GroupShm, words: list[np.ndarray], missing
                 heard[q] = now
 
 
-def announce(ch: Any, g: GroupShm, me: int) -> None:
+#: marks the digest that a rank announces when it takes the socket for an op (``announce``'s
+#: ``socket``): a peer waiting in the lane or a phase at that seq is on the other path (sizes
+#: that differ across a threshold), a desync even where the digests agree (gather's and
+#: scatter's leave sizes out, as torch's take one size everywhere)
+SOCKET_MARK = 0x5A17_0000_0000_0001
+
+
+def announce(ch: Any, g: GroupShm, me: int, socket: bool = False) -> None:
     """Say which op this rank is in, for a peer that waits on it: a seqlock (seq 0, the digest,
-    then seq + 1), so a reader never takes one op's digest for another's."""
+    then seq + 1), so a reader never takes one op's digest for another's. ``socket``: this
+    rank takes the socket for it (the digest is marked: see ``SOCKET_MARK``)."""
     cur = g.current[me]
     cur[1] = 0
-    cur[0] = ch.digest
+    cur[0] = ch.digest ^ SOCKET_MARK if socket and ch.digest else ch.digest
     cur[1] = ch.seq + 1
 
 
@@ -216,6 +227,16 @@ def _check_current(ch: Any, g: GroupShm, q: int) -> None:
     cur = g.current[q]
     seq, digest, again = int(cur[1]), int(cur[0]), int(cur[1])  # x86-TSO: loads in this order
     if seq == again == ch.seq + 1 and ch.digest and digest and digest != ch.digest:
+        if digest == ch.digest ^ SOCKET_MARK:  # the same call, on the other path: sizes across a threshold
+            t = ch.transport
+            reason = (
+                f"desync detected: seq {ch.seq} on group {ch.group_id}: rank {ch.ranks[q]} took the socket for this op "
+                f"while rank {ch.ranks[ch.rank]} is in shared memory, which the op's size decides: the ranks passed sizes "
+                f"that differ across a threshold (every rank must pass the same sizes)"
+            )
+            log.error("rank %d: %s", t.rank, reason)
+            t._abort_now(ch.group_id, reason)
+            raise t._abort_error((ch.group_id, ch.seq, 0))
         _desync(ch, q, digest)
 
 
