@@ -114,10 +114,11 @@ class Thresholds:
     #: groups keep the socket), from this many bytes per rank (torch's gather and scatter take
     #: the same size on every rank; a rank judges by its own); negative: never. Measured at 2
     #: ranks against the socket: gather 64 B-64 KiB 61-64 us against 76-83, so every size;
-    #: scatter 64 B-16 KiB 69-71 against 62-67 (the socket's root only sends; single copy waits
-    #: for the other rank twice), 64 KiB even, 256 KiB 78 against 93, 1 MiB 110 against 181.
+    #: scatter 256 KiB 78 against 93, 1 MiB 110 against 181. Small scatters go through the
+    #: lane slot (the parts in it: one lane op) and are as fast as the socket's; uneven sizes
+    #: (scatter_object_list's) must take one path on every rank, so 0 is the default.
     gather_cma_min: int = 0
-    scatter_cma_min: int = 64 * KiB
+    scatter_cma_min: int = 0
 
     def __post_init__(self) -> None:
         if self.pipeline_piece < 1:

@@ -51,7 +51,8 @@ Rules these keep:
 - scatter with single copy: the root writes where each part is (address and size, per rank)
   through the latency lane (one lane op, as all_to_all); every other rank reads its part
   straight into its tensor; a second lane op; then the root copies its own part (after the
-  peers' reads: its tensor may overlap another rank's part).
+  peers' reads: its tensor may overlap another rank's part). Where the other ranks' parts fit
+  the lane slot, the root writes them into it instead (one lane op; the others copy theirs out).
 - broadcast with single copy: the root publishes where its tensor is and rings "in"; every other
   rank reads it straight into its own tensor and rings "out"; the root returns after every "out".
 - No synchronous step is longer than one piece (``PIECE`` bytes) of a copy or a reduction: the
@@ -421,24 +422,46 @@ async def scatter_single_copy(p2p: P2P, g: GroupShm, out: np.ndarray, ins: Seque
     p, me = p2p.size, p2p.rank
     g.cma_ops += 1
     dst = byte_view(out, writable=True)
-    table = None
+    msg = None
     if me == root:
         assert ins is not None
         srcs = [byte_view(x) for x in ins]
-        table = np.zeros(2 * p, np.int64)
+        # the table: a mode word, then (address or offset, size) per rank. Where every other
+        # rank's part fits the lane slot after the table, the parts go in it (inline: one lane
+        # op, the root waits for nobody to read); else their addresses (two lane ops)
+        head = 8 * (1 + 2 * p)
+        inline = head + sum(x.nbytes for q, x in enumerate(srcs) if q != me) <= g.bodies[me][0].size
+        table = np.zeros(1 + 2 * p, np.int64)
+        table[0] = inline
+        at = head
         for q, x in enumerate(srcs):
-            if x.nbytes:
-                table[2 * q] = x.ctypes.data
-                table[2 * q + 1] = x.nbytes
-    sizes = [16 * p if q == root else 0 for q in range(p)]
-    got = await _lane.exchange(p2p, g, None if table is None else table.view(np.uint8), sizes, "scatter")
+            if q != me and x.nbytes:
+                table[1 + 2 * q] = at if inline else x.ctypes.data
+                table[2 + 2 * q] = x.nbytes
+                at += x.nbytes
+        if inline:
+            msg = np.empty(at, np.uint8)
+            msg[:head] = table.view(np.uint8)
+            for q, x in enumerate(srcs):
+                if q != me and x.nbytes:
+                    np.copyto(msg[table[1 + 2 * q] : table[1 + 2 * q] + x.nbytes], x)
+        else:
+            msg = table.view(np.uint8)
+    sizes = [-1 if q == root else 0 for q in range(p)]
+    got = await _lane.exchange(p2p, g, msg, sizes, "scatter")
+    body = got[root]
+    t = body[: 8 * (1 + 2 * p)].view(np.int64)  # (views of the root's slot: read now)
+    inline = bool(t[0])
     if me != root:
-        t = got[root].view(np.int64)
-        addr, n = int(t[2 * me]), int(t[2 * me + 1])  # (a view of the root's slot: read now)
+        where, n = int(t[1 + 2 * me]), int(t[2 + 2 * me])
         if n != dst.nbytes:
             raise _size_mismatch(p2p, "scatter", root, n, me, dst.nbytes)
-        await _read(p2p, g, root, dst, addr, _Pacer(), "scatter")
-    await _lane.exchange(p2p, g, None, [0] * p, "scatter")  # every rank has read its part
+        if inline:
+            np.copyto(dst, body[where : where + n])
+        else:
+            await _read(p2p, g, root, dst, where, _Pacer(), "scatter")
+    if not inline:
+        await _lane.exchange(p2p, g, None, [0] * p, "scatter")  # every rank has read its part
     if me == root and not _same_bytes(dst, srcs[me]):
         await _copy(dst, srcs[me], _Pacer())
 

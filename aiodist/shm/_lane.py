@@ -79,8 +79,8 @@ def fits(g: GroupShm, nbytes: int) -> bool:
 
 async def exchange(p2p: Any, g: GroupShm, mine: np.ndarray | None, sizes: Sequence[int], op: str) -> list[np.ndarray]:
     """One lane op: write ``mine`` (bytes, or nothing), wait for every peer's, check each peer's
-    digest and that it wrote ``sizes[peer]`` bytes; every member's bytes (views of the slots,
-    valid until this rank's next lane op of the group)."""
+    digest and that it wrote ``sizes[peer]`` bytes (a negative size: any); every member's bytes
+    (views of the slots, valid until this rank's next lane op of the group)."""
     ch = channel_of(p2p)
     me, p = p2p.rank, p2p.size
     target = ch.seq + 1
@@ -110,12 +110,12 @@ async def exchange(p2p: Any, g: GroupShm, mine: np.ndarray | None, sizes: Sequen
             h = heads[q]
             if digest and h[1] and h[1] != digest:
                 _desync(ch, q, int(h[1]))
-            if h[2] != sizes[q]:
+            if h[2] != sizes[q] and sizes[q] >= 0:
                 raise DistBackendError(
                     f"{op} of group {ch.group_id}, seq {ch.seq}: rank {ch.ranks[q]} passed {int(h[2])} bytes, "
                     f"rank {ch.ranks[me]} expected {sizes[q]} (every rank must pass the same shapes and dtype)"
                 )
-    return [g.bodies[q][s][: sizes[q]] for q in range(p)]
+    return [g.bodies[q][s][: sizes[q] if sizes[q] >= 0 else int(heads[q][2])] for q in range(p)]
 
 
 async def all_reduce(p2p: Any, g: GroupShm, flat: np.ndarray, combine: Combine) -> None:
