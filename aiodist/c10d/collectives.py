@@ -144,7 +144,7 @@ def _cma_wanted(pg: Any, big: bool, nbytes: int, threshold: int) -> bool:
     a rank that cannot must still take its turn, or a peer whose first op of the group this is
     would wait alone in the agreement."""
     th = pg.thresholds
-    return (big or nbytes > th.broadcast_lane_max and th.lane_max > 0) and threshold >= 0 and getattr(pg.backend, "shm", None) is not None
+    return (big or nbytes > th.broadcast_lane_max and th.lane_max > 0) and threshold >= 0  # (_shm_ticket: where the backend has shared memory)
 
 
 def _rooted_cma(pg: Any, threshold: int) -> bool:
@@ -154,7 +154,7 @@ def _rooted_cma(pg: Any, threshold: int) -> bool:
     differs across ranks and straddles it is a desync at once). At 4 ranks on 2 cores single
     copy was 2x slower up to 64 KiB (gather 250 us against 120) and faster from 4 MiB; wider
     groups keep the socket."""
-    return len(pg.ranks) == 2 and threshold >= 0 and getattr(pg.backend, "shm", None) is not None
+    return len(pg.ranks) == 2 and threshold >= 0
 
 
 def _issue_with(pg: Any, ticket: Ticket | None, *args: Any, **kwargs: Any) -> Work:
@@ -200,14 +200,10 @@ async def broadcast(
     # broadcast past the lane's takes a place in line where the backend has shared memory, so
     # that one on the socket path still says which op it is in (run_broadcast): a peer that
     # took another path for a size that differs (a mistake) finds the desync, not its timeout
-    shm = getattr(pg.backend, "shm", None)
+    # (_shm_ticket takes one wherever the backend has shared memory, not only where this rank
+    # can read its peers: a rank that cannot must still vote in the group's agreement)
     big = th.broadcast_shm(flat.nbytes, len(pg.ranks))
-    past_lane = (  # (past broadcast_lane_max: never the lane)
-        flat.nbytes > th.broadcast_lane_max
-        and th.broadcast_shm_min >= 0
-        and (big or th.lane_max > 0)
-        and shm is not None  # (not "this rank can read": a rank that cannot must still vote in the group's agreement)
-    )
+    past_lane = flat.nbytes > th.broadcast_lane_max and th.broadcast_shm_min >= 0 and (big or th.lane_max > 0)
     ticket = _shm_ticket(pg, lane or past_lane)
 
     async def body(p2p: P2P) -> None:
@@ -613,7 +609,7 @@ def _issue_all_to_all(pg: Any, name: str, outs: list[np.ndarray], ins: list[np.n
     th = pg.thresholds
     # single-copy reads where the group can: every all_to_all or none (``alltoall_cma``), as a
     # rank knows only its own sizes, and every rank of the group must take the same path
-    ticket = _shm_ticket(pg, th.alltoall_cma >= 0 and getattr(pg.backend, "shm", None) is not None)
+    ticket = _shm_ticket(pg, th.alltoall_cma >= 0)
 
     async def body(p2p: P2P) -> None:
         if ticket is None or not await run_all_to_all(ticket, p2p, outs, ins):

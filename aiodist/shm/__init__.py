@@ -8,7 +8,7 @@ socket path instead.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
@@ -121,64 +121,44 @@ async def run_reduce(
         ticket.release()
 
 
+async def _single_copy(ticket: Ticket, p2p: P2P, big: bool, run: Callable[[GroupShm], Awaitable[None]], table: int = 0) -> bool:
+    """A ``big`` op by single-copy reads (``run``) in this op's turn, where the group can read
+    its peers (and, for an op that sends a table of ``table`` bytes through the lane, that
+    fits it); False (nothing done) otherwise, after ``_to_socket``."""
+    try:
+        g = await ticket.acquire(p2p)
+        if g is None:
+            return False
+        if big and g.cma and (not table or _lane.fits(g, table)):
+            await run(g)
+            return True
+        return _to_socket(p2p, g)
+    finally:
+        ticket.release()
+
+
 async def run_reduce_scatter(
     ticket: Ticket, p2p: P2P, out: np.ndarray, parts: Sequence[np.ndarray], combine: _algorithms.Combine, big: bool
 ) -> bool:
-    """A ``big`` reduce_scatter by single-copy reads in this op's turn; False (nothing done)
-    otherwise, saying which op this rank is in where the group has a lane (as ``run_reduce``)."""
-    try:
-        g = await ticket.acquire(p2p)
-        if g is None:
-            return False
-        if big and g.cma:
-            await _algorithms.reduce_scatter_single_copy(p2p, g, out, parts, combine)
-            return True
-        return _to_socket(p2p, g)
-    finally:
-        ticket.release()
+    """A ``big`` reduce_scatter by single-copy reads in this op's turn (``_single_copy``)."""
+    return await _single_copy(ticket, p2p, big, lambda g: _algorithms.reduce_scatter_single_copy(p2p, g, out, parts, combine))
 
 
 async def run_all_to_all(ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray], ins: Sequence[np.ndarray]) -> bool:
-    """An all_to_all by single-copy reads in this op's turn; False (nothing done) where the
-    group cannot (then every rank of it takes the socket: the group agreed on it)."""
-    try:
-        g = await ticket.acquire(p2p)
-        if g is None or not g.cma or not _lane.fits(g, 16 * p2p.size):  # (the split tables go through the lane)
-            return False
-        await _algorithms.all_to_all_single_copy(p2p, g, outs, ins)
-        return True
-    finally:
-        ticket.release()
+    """An all_to_all by single-copy reads in this op's turn (every one: the group agreed on
+    whether it can); its split tables go through the lane."""
+    return await _single_copy(ticket, p2p, True, lambda g: _algorithms.all_to_all_single_copy(p2p, g, outs, ins), 16 * p2p.size)
 
 
 async def run_gather(ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray] | None, mine: np.ndarray, root: int, big: bool = True) -> bool:
-    """A ``big`` gather by single-copy reads in this op's turn; False (nothing done) where the
-    group cannot, or the op is not big (then saying which op this rank is in: ``_to_socket``)."""
-    try:
-        g = await ticket.acquire(p2p)
-        if g is None:
-            return False
-        if big and g.cma:
-            await _algorithms.gather_single_copy(p2p, g, outs, mine, root)
-            return True
-        return _to_socket(p2p, g)
-    finally:
-        ticket.release()
+    """A ``big`` gather by single-copy reads in this op's turn (``_single_copy``)."""
+    return await _single_copy(ticket, p2p, big, lambda g: _algorithms.gather_single_copy(p2p, g, outs, mine, root))
 
 
 async def run_scatter(ticket: Ticket, p2p: P2P, out: np.ndarray, ins: Sequence[np.ndarray] | None, root: int, big: bool = True) -> bool:
-    """A ``big`` scatter by single-copy reads in this op's turn; False (nothing done) where the
-    group cannot, its table of parts does not fit the lane, or the op is not big (as ``run_gather``)."""
-    try:
-        g = await ticket.acquire(p2p)
-        if g is None:
-            return False
-        if big and g.cma and _lane.fits(g, 16 * p2p.size):
-            await _algorithms.scatter_single_copy(p2p, g, out, ins, root)
-            return True
-        return _to_socket(p2p, g)
-    finally:
-        ticket.release()
+    """A ``big`` scatter by single-copy reads in this op's turn (``_single_copy``); its table of
+    parts goes through the lane."""
+    return await _single_copy(ticket, p2p, big, lambda g: _algorithms.scatter_single_copy(p2p, g, out, ins, root), 16 * p2p.size)
 
 
 async def run_all_gather(ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray], mine: np.ndarray, lane: bool = False) -> bool:

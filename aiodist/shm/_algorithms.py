@@ -422,7 +422,7 @@ async def scatter_single_copy(p2p: P2P, g: GroupShm, out: np.ndarray, ins: Seque
     p, me = p2p.size, p2p.rank
     g.cma_ops += 1
     dst = byte_view(out, writable=True)
-    msg = None
+    msg: np.ndarray | list[np.ndarray] | None = None
     if me == root:
         assert ins is not None
         srcs = [byte_view(x) for x in ins]
@@ -439,14 +439,8 @@ async def scatter_single_copy(p2p: P2P, g: GroupShm, out: np.ndarray, ins: Seque
                 table[1 + 2 * q] = at if inline else x.ctypes.data
                 table[2 + 2 * q] = x.nbytes
                 at += x.nbytes
-        if inline:
-            msg = np.empty(at, np.uint8)
-            msg[:head] = table.view(np.uint8)
-            for q, x in enumerate(srcs):
-                if q != me and x.nbytes:
-                    np.copyto(msg[table[1 + 2 * q] : table[1 + 2 * q] + x.nbytes], x)
-        else:
-            msg = table.view(np.uint8)
+        # (inline: the table, then the parts in rank order, each copied once, into the slot)
+        msg = [table.view(np.uint8), *(x for q, x in enumerate(srcs) if q != me and x.nbytes)] if inline else table.view(np.uint8)
     sizes = [-1 if q == root else 0 for q in range(p)]
     got = await _lane.exchange(p2p, g, msg, sizes, "scatter")
     body = got[root]

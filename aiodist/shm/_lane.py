@@ -77,8 +77,9 @@ def fits(g: GroupShm, nbytes: int) -> bool:
     return g.fits_lane(nbytes)
 
 
-async def exchange(p2p: Any, g: GroupShm, mine: np.ndarray | None, sizes: Sequence[int], op: str) -> list[np.ndarray]:
-    """One lane op: write ``mine`` (bytes, or nothing), wait for every peer's, check each peer's
+async def exchange(p2p: Any, g: GroupShm, mine: np.ndarray | Sequence[np.ndarray] | None, sizes: Sequence[int], op: str) -> list[np.ndarray]:
+    """One lane op: write ``mine`` (bytes, pieces of bytes written one after the other, or
+    nothing), wait for every peer's, check each peer's
     digest and that it wrote ``sizes[peer]`` bytes (a negative size: any); every member's bytes
     (views of the slots, valid until this rank's next lane op of the group)."""
     ch = channel_of(p2p)
@@ -89,9 +90,15 @@ async def exchange(p2p: Any, g: GroupShm, mine: np.ndarray | None, sizes: Sequen
     announce(ch, g, me)
     head = g.heads[me][s]
     n = 0
-    if mine is not None and mine.nbytes:
+    if isinstance(mine, np.ndarray):
         n = mine.nbytes
-        np.copyto(g.bodies[me][s][:n], mine)
+        if n:
+            np.copyto(g.bodies[me][s][:n], mine)
+    elif mine is not None:
+        body = g.bodies[me][s]
+        for piece in mine:
+            np.copyto(body[n : n + piece.nbytes], piece)
+            n += piece.nbytes
     head[1] = ch.digest
     head[2] = n
     head[0] = target
@@ -229,8 +236,10 @@ def _check_current(ch: Any, g: GroupShm, q: int) -> None:
     if seq == again == ch.seq + 1 and ch.digest and digest and digest != ch.digest:
         if digest == ch.digest ^ SOCKET_MARK:  # the same call, on the other path: sizes across a threshold
             t = ch.transport
+            mine = t._digests.get((ch.group_id, ch.seq))
+            what = "this op" if mine is None else mine[1]
             reason = (
-                f"desync detected: seq {ch.seq} on group {ch.group_id}: rank {ch.ranks[q]} took the socket for this op "
+                f"desync detected: seq {ch.seq} on group {ch.group_id}: rank {ch.ranks[q]} took the socket for {what} "
                 f"while rank {ch.ranks[ch.rank]} is in shared memory, which the op's size decides: the ranks passed sizes "
                 f"that differ across a threshold (every rank must pass the same sizes)"
             )
