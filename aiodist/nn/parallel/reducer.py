@@ -364,7 +364,7 @@ class Reducer:
         indices of the parameters that got no gradient this step."""
         if not self._active:
             self._begin()
-        missing = [i for b in self.buckets for pos, i in enumerate(b.members) if not b.marks[pos]]
+        missing = sorted(i for b in self.buckets for pos, i in enumerate(b.members) if not b.marks[pos])
         try:
             self.mark_unused(missing)
             for bucket in self.buckets:
