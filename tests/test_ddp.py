@@ -420,3 +420,39 @@ async def test_a_second_backward_in_one_step_is_refused() -> None:
         await ddp.backward(out)  # a new step: allowed (as torch's, gradients accumulate)
 
     await run_world(2, fn)
+
+
+class TwoWays(torch.nn.Module):
+    """Two square layers applied in an order that depends on the rank: the gradients arrive in
+    opposite orders on the two ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.p = torch.nn.Linear(6, 6, bias=False)
+        self.q = torch.nn.Linear(6, 6, bias=False)
+
+    def forward(self, x: torch.Tensor, flip: bool) -> torch.Tensor:
+        return self.p(self.q(x)) if flip else self.q(self.p(x))
+
+
+async def test_buckets_issue_in_bucket_order_whatever_order_gradients_arrive_in() -> None:
+    def local_grads(rank: int) -> list[torch.Tensor]:
+        m = TwoWays()
+        x = torch.randn(3, 6, generator=torch.Generator().manual_seed(rank))
+        m(x, flip=rank == 1).sum().backward()
+        return [m.p.weight.grad, m.q.weight.grad]
+
+    async def fn(rank: int) -> list[np.ndarray]:
+        model = TwoWays()
+        ddp = await DistributedDataParallel(model, bucket_cap_mb=0.0001)  # one bucket per layer
+        assert len(ddp.reducer.buckets) == 2
+        x = torch.randn(3, 6, generator=torch.Generator().manual_seed(rank))
+        await ddp.backward(ddp(x, flip=rank == 1).sum())
+        return [model.p.weight.grad.numpy().copy(), model.q.weight.grad.numpy().copy()]
+
+    got = await run_world(2, fn)
+    want = [((a * 0.5) + (b * 0.5)).numpy() for a, b in zip(local_grads(0), local_grads(1))]
+    for rank in range(2):
+        np.testing.assert_array_equal(got[rank][0], want[0])
+        np.testing.assert_array_equal(got[rank][1], want[1])

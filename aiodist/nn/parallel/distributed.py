@@ -342,15 +342,20 @@ class DistributedDataParallel(torch.nn.Module):
                         ", ".join(self._param_names[i] for i in missing[:5]),
                     )
             if self.broadcast_buffers and sync:
-                buffers = [b.data for b in self.module.buffers()]
-                if buffers:
-                    with record_comm("ddp buffers"):
-                        await _broadcast_coalesced(buffers, 0, self.process_group)
+                await self.sync_buffers()
         finally:
             self._backward_runs = self._backward_calls
             self._direct_grads = False
         if sync:
             self._record(t0, t1)
+
+    async def sync_buffers(self) -> None:
+        """Broadcast rank 0's buffers to every rank (done after each synced backward when
+        ``broadcast_buffers``; call it after forwards that had no backward, if they matter)."""
+        buffers = [b.data for b in self.module.buffers()]
+        if buffers:
+            with record_comm("ddp buffers"):
+                await _broadcast_coalesced(buffers, 0, self.process_group)
 
     def _on_grad(self, i: int, param: torch.Tensor) -> None:
         """A parameter's gradient is final for this backward (autograd's post-accumulate hook)."""
