@@ -150,3 +150,26 @@ def test_transport_does_not_import_algorithms() -> None:
     assert "aiodist.wire.frame" in closure
     bad = {m: by for m, by in closure.items() if m.startswith(("aiodist.algorithms", "aiodist.backends", "aiodist.c10d"))}
     assert not bad, f"the transport imports {bad} (module: imported by): it must stay below the algorithms"
+
+
+def test_the_training_layer_sits_above_c10d() -> None:
+    """aiodist/nn and the DDP comm hooks use c10d only through its public package (never its
+    modules), and nothing below them imports them; only ``distributed.py`` imports torch."""
+    files = [*(ROOT / "nn").rglob("*.py"), *(ROOT / "algorithms" / "ddp_comm_hooks").glob("*.py")]
+    assert len(files) >= 6
+    for f in files:
+        names = imported_names(f)
+        private = {n for n in names if n.startswith("aiodist.c10d.") and n.split(".")[2] not in aiodist.c10d.__all__}
+        assert not private, f"{f.relative_to(ROOT.parent)} imports c10d internals {sorted(private)}"
+        if f.name != "distributed.py":
+            assert "torch" not in {n.split(".")[0] for n in names}, f"{f.name} imports torch"
+    below = [
+        p
+        for p in ROOT.rglob("*.py")
+        if not p.is_relative_to(ROOT / "nn")
+        and not p.is_relative_to(ROOT / "bench")
+        and not p.is_relative_to(ROOT / "algorithms" / "ddp_comm_hooks")
+    ]
+    for f in below:
+        bad = {n for n in imported_names(f) if n.startswith(("aiodist.nn", "aiodist.algorithms.ddp_comm_hooks"))}
+        assert not bad, f"{f.relative_to(ROOT.parent)} imports the training layer: {sorted(bad)}"
