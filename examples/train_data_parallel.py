@@ -16,12 +16,16 @@ What each rank does, as PyTorch's DistributedDataParallel would:
   (the script reports how often the step found a batch waiting).
 - **Model.** A multi-layer perceptron written out in numpy (ReLU hidden layer(s), softmax cross
   entropy, manual backprop), SGD with momentum. Every rank starts from the same seeded weights.
-- **Gradients.** The parameters are grouped into flat buckets in the order backward produces
-  their gradients (last layer first, DDP's order, up to ``--bucket-bytes`` each). As soon as
-  backward has produced every gradient of a bucket, the bucket is all-reduced with
-  ``async_op=True`` (``ReduceOp.AVG``) and backward goes on with the earlier layers while the bytes
-  move; the Works are awaited just before the optimizer step. Every rank then applies the same
-  averaged gradient, so the replicas stay identical.
+- **Gradients.** ``aiodist.nn.parallel.Reducer`` (the reducer under aiodist's
+  ``DistributedDataParallel``; it takes numpy parameters too) groups the parameters into flat
+  buckets in the order backward produces their gradients (last layer first, DDP's order, up to
+  ``--bucket-bytes`` each). Backward is a generator that yields each gradient as soon as it
+  exists; ``reducer.ready(i, grad)`` writes it into its bucket divided by the world size, and the
+  moment a bucket is complete issues its ``all_reduce`` (a sum of the quotients: DDP's averaging)
+  with ``async_op=True``; backward gives the event loop one turn, so the bytes move while it goes
+  on with the earlier layers. ``await reducer.finish()`` awaits every bucket just before the
+  optimizer step, and ``reducer.grad_view(i)`` is then parameter ``i``'s averaged gradient. Every
+  rank applies the same averaged gradient, so the replicas stay identical.
 - **Metrics.** Per epoch, the ranks' loss/accuracy sums (train and a held-out test set, each rank
   evaluating its shard) are all-reduced, and rank 0 prints them with steps/s.
 - **The end.** ``aiodist.model_averaging.average_parameters`` averages the parameters once more
@@ -42,12 +46,12 @@ import hashlib
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
 
 import numpy as np
 
 import aiodist as dist
 from aiodist.model_averaging import average_parameters
+from aiodist.nn.parallel import Reducer
 
 Batch = tuple[np.ndarray, np.ndarray]
 
@@ -187,72 +191,6 @@ class MLP:
                 d *= a > 0  # ReLU of the layer below (its output is this layer's input)
 
 
-# ---------------------------------------------------------------- gradient buckets
-
-
-@dataclass
-class Bucket:
-    flat: np.ndarray
-    slots: dict[int, tuple[int, tuple[int, ...]]]  # parameter index -> (offset, shape)
-    missing: set[int] = field(default_factory=set)
-    work: dist.Work | None = None
-
-
-class GradReducer:
-    """DDP's reducer, in small: parameters in backward order, packed into flat float32 buckets of
-    about ``cap_bytes``; ``await ready(i, grad)`` copies a gradient into its bucket and, when the
-    bucket is complete, issues its all_reduce (``async_op=True``) and lets it start; ``await
-    wait()`` awaits every bucket's Work and returns the averaged gradients (views of the buckets)."""
-
-    def __init__(self, params: list[np.ndarray], cap_bytes: int) -> None:
-        self.buckets: list[Bucket] = []
-        groups: list[list[int]] = [[]]
-        size = 0
-        for i in reversed(range(len(params))):  # backward order: the last layer's gradients come first
-            if groups[-1] and size >= cap_bytes:
-                groups.append([])
-                size = 0
-            groups[-1].append(i)
-            size += params[i].nbytes
-        self.owner: dict[int, Bucket] = {}
-        for members in groups:
-            flat = np.zeros(sum(params[i].size for i in members), np.float32)
-            slots, off = {}, 0
-            for i in members:
-                slots[i] = (off, params[i].shape)
-                off += params[i].size
-            bucket = Bucket(flat, slots)
-            self.buckets.append(bucket)
-            self.owner.update(dict.fromkeys(members, bucket))
-        self.wait_s = 0.0  # time spent waiting for all-reduces after backward ended
-
-    def start_step(self) -> None:
-        for b in self.buckets:
-            b.missing = set(b.slots)
-            b.work = None
-
-    async def ready(self, i: int, grad: np.ndarray) -> None:
-        b = self.owner[i]
-        off, _ = b.slots[i]
-        b.flat[off : off + grad.size] = grad.ravel()
-        b.missing.discard(i)
-        if not b.missing:
-            b.work = await dist.all_reduce(b.flat, op=dist.ReduceOp.AVG, async_op=True)
-            await asyncio.sleep(0)  # one turn of the loop: the op's task starts sending while backward goes on
-
-    async def wait(self) -> list[np.ndarray]:
-        t0 = time.perf_counter()
-        for b in self.buckets:
-            assert b.work is not None, "a bucket was never completed: backward missed a parameter"
-            await b.work
-        self.wait_s += time.perf_counter() - t0
-        grads: list[np.ndarray] = [np.empty(0, np.float32)] * len(self.owner)
-        for b in self.buckets:
-            for i, (off, shape) in b.slots.items():
-                grads[i] = b.flat[off : off + int(np.prod(shape))].reshape(shape)
-        return grads
-
-
 # ---------------------------------------------------------------- training
 
 
@@ -293,8 +231,11 @@ async def _train(args: argparse.Namespace) -> int:
         raise SystemExit(f"--batch-size {args.batch_size} is larger than a rank's shard ({len(x)} samples of {args.samples})")
     model = MLP([2, *args.hidden, 3], np.random.default_rng(args.seed))  # same seed: every replica starts equal
     velocity = [np.zeros_like(p) for p in model.params]
-    reducer = GradReducer(model.params, args.bucket_bytes)
-    layout = ", ".join("+".join(model.names[i] for i in b.slots) + f" ({b.flat.nbytes} B)" for b in reducer.buckets)
+    reducer = Reducer(model.params, names=model.names, bucket_cap_mb=args.bucket_bytes / 2**20)
+    bucket_ends = {b.members[-1] for b in reducer.buckets}  # the gradient that completes each bucket (backward's order)
+    layout = ", ".join(
+        "+".join(model.names[i] for i in b.members) + f" ({size} B)" for b, size in zip(reducer.buckets, reducer.bucket_sizes)
+    )
     say(
         f"{world} ranks, {len(x)} samples each ({len(x_all)} in all), batch {args.batch_size} per rank "
         f"(global {args.batch_size * world}), {len(loader)} steps/epoch; MLP 2-{'-'.join(map(str, args.hidden))}-3, "
@@ -303,6 +244,7 @@ async def _train(args: argparse.Namespace) -> int:
 
     first_loss = last_loss = test_acc = float("nan")
     steps = 0
+    wait_s = 0.0  # time spent waiting for the all-reduces after backward ended
     t_start = time.perf_counter()
     for epoch in range(1, args.epochs + 1):
         t0 = time.perf_counter()
@@ -311,13 +253,16 @@ async def _train(args: argparse.Namespace) -> int:
             logits, inputs = model.forward(xb)
             loss, correct, dlogits = model.loss(logits, yb)
             sums[:3] += (loss, correct, len(yb))
-            reducer.start_step()
             for i, grad in model.backward(inputs, dlogits):
-                await reducer.ready(i, grad)  # a complete bucket is all-reduced while backward goes on
-            grads = await reducer.wait()
-            for p, v, g in zip(model.params, velocity, grads):
+                reducer.ready(i, grad)  # into its bucket; a complete bucket's all_reduce is issued here
+                if i in bucket_ends:
+                    await asyncio.sleep(0)  # one turn of the loop: that all_reduce starts sending while backward goes on
+            t_wait = time.perf_counter()
+            await reducer.finish()  # every bucket reduced: the averaged gradients are in the buckets
+            wait_s += time.perf_counter() - t_wait
+            for i, (p, v) in enumerate(zip(model.params, velocity)):
                 v *= args.momentum
-                v += g
+                v += reducer.grad_view(i)
                 p -= args.lr * v
             steps += 1
         sums[3:5] = evaluate(model, xt, yt)
@@ -339,7 +284,7 @@ async def _train(args: argparse.Namespace) -> int:
     await dist.all_gather_object(checksums, checksum(model.params))
     identical = len(set(checksums)) == 1
     say(
-        f"{steps} steps in {elapsed:.2f} s ({steps / elapsed:.1f} steps/s); waited {reducer.wait_s / elapsed:.0%} of the time "
+        f"{steps} steps in {elapsed:.2f} s ({steps / elapsed:.1f} steps/s); waited {wait_s / elapsed:.0%} of the time "
         f"for gradients after backward; {loader.ready}/{loader.asked} batches were prefetched before the step asked"
     )
     say(f"loss {first_loss:.4f} -> {last_loss:.4f}, test accuracy {test_acc:.3f}")
@@ -363,12 +308,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.2)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bucket-bytes", type=int, default=512, help="gradient bucket size cap (DDP's bucket_cap_mb, in bytes)")
+    p.add_argument(
+        "--bucket-bytes", type=int, default=512, help="gradient bucket size cap in bytes (DDP's bucket_cap_mb = this / 2**20; default 512)"
+    )
     p.add_argument("--prefetch", type=int, default=4, help="batches the data loader may work ahead")
     p.add_argument("--min-accuracy", type=float, default=0.9, help="exit 1 below this test accuracy (default 0.9)")
     args = p.parse_args(argv)
-    if args.epochs < 1 or args.batch_size < 1 or args.samples < 3 or args.prefetch < 1 or min(args.hidden) < 1:
-        p.error("--epochs, --batch-size, --prefetch and --hidden must be >= 1, --samples >= 3")
+    if args.epochs < 1 or args.batch_size < 1 or args.samples < 3 or args.prefetch < 1 or min(args.hidden) < 1 or args.bucket_bytes < 1:
+        p.error("--epochs, --batch-size, --prefetch, --hidden and --bucket-bytes must be >= 1, --samples >= 3")
     return args
 
 

@@ -176,6 +176,79 @@ def test_train_data_parallel_under_the_launcher() -> None:
     assert len(EPOCH.findall(re.sub(r"^\[rank\d+\]: ?", "", r.stdout, flags=re.M))) == 4, r.stdout
 
 
+# ---------------------------------------------------------------- the torch DDP example
+
+TORCH_DDP = "examples/train_torch_ddp.py"
+
+
+def launch(script: str, nprocs: int, args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python -m aiodist.run --standalone --nproc-per-node N script args``, as docs/examples.md
+    starts it, bounded by ``timeout``; rank 0's lines with the launcher's prefix removed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_", "TORCHELASTIC_", "PET_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    r = subprocess.run(
+        [sys.executable, "-m", "aiodist.run", "--standalone", "--nproc-per-node", str(nprocs), script, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[rank0]: " in r.stdout and "[rank1]" not in r.stdout, r.stdout  # only rank 0 prints
+    r.stdout = re.sub(r"^\[rank\d+\]: ?", "", r.stdout, flags=re.M)
+    assert r.stdout.rstrip().endswith("OK"), r.stdout + r.stderr
+    return r
+
+
+@pytest.mark.subprocess
+@pytest.mark.torch
+@pytest.mark.timeout(60)
+def test_train_torch_ddp_2_ranks_under_the_launcher() -> None:
+    pytest.importorskip("torch")
+    out = launch(TORCH_DDP, 2, ["--epochs", "3"], timeout=45).stdout
+    assert "2 ranks, 2048 samples each, batch 32 per rank (global 64), 64 steps/epoch; MLP 8-64-64-4, 4996 parameters" in out, out
+    assert "in 1 gradient bucket (19984 B); comm hook none" in out, out  # torch's 1 MiB first bucket holds it all
+    rows = epochs(out)
+    assert len(rows) == 3 and rows[-1][0] < 0.5 * rows[0][0] and rows[-1][2] >= 0.9, out
+    assert "parameters identical on all 2 ranks (sha256 " in out, out
+
+
+@pytest.mark.subprocess
+@pytest.mark.torch
+@pytest.mark.timeout(60)
+def test_train_torch_ddp_accumulating_under_no_sync_trains_like_the_whole_batch() -> None:
+    """--accumulate 2: two micro-batches of 16, the first under no_sync(), make the same steps
+    as batches of 32 (the same samples, in the same order), up to rounding."""
+    pytest.importorskip("torch")
+    args = ["--epochs", "2", "--min-accuracy", "0.5"]
+    whole = ok(run_env_job(TORCH_DDP, 2, args, timeout=40)).out(0)
+    split = ok(run_env_job(TORCH_DDP, 2, [*args, "--accumulate", "2"], timeout=40)).out(0)
+    assert "batch 32 per rank (global 64) in 2 micro-batches of 16 (no_sync), 64 steps/epoch" in split, split
+    a, b = epochs(whole), epochs(split)
+    assert len(a) == len(b) == 2
+    assert np.allclose(a, b, atol=2e-3), (a, b)
+    assert "parameters identical on all 2 ranks" in split
+
+
+@pytest.mark.subprocess
+@pytest.mark.torch
+@pytest.mark.timeout(60)
+def test_train_torch_ddp_fp16_comm_hook_with_several_buckets() -> None:
+    pytest.importorskip("torch")
+    out = ok(run_env_job(TORCH_DDP, 2, ["--epochs", "2", "--hook", "fp16", "--bucket-cap-mb", "0.005"], timeout=40)).out(0)
+    assert "in 2 gradient buckets (17680, 2304 B); comm hook fp16" in out, out
+    assert "parameters identical on all 2 ranks" in out, out
+
+
+@pytest.mark.subprocess
+def test_train_torch_ddp_without_torch_exits_2_with_a_message() -> None:
+    code = f"import runpy, sys; sys.modules['torch'] = None; sys.argv = [{TORCH_DDP!r}]; runpy.run_path({TORCH_DDP!r}, run_name='__main__')"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "needs torch" in r.stderr and "pip install torch" in r.stderr, r.stderr
+
+
 # ---------------------------------------------------------------- the training example's parts, in process
 
 
@@ -243,22 +316,24 @@ async def test_async_loader_prefetches_shuffles_and_reports_a_failed_producer() 
     assert isinstance(info.value.__cause__, ValueError)
 
 
-async def test_grad_reducer_buckets_in_backward_order_and_averages() -> None:
-    t = load_train_module()
-    params = [np.zeros((2, 64), np.float32), np.zeros(64, np.float32), np.zeros((64, 3), np.float32), np.zeros(3, np.float32)]
-    layout = [list(b.slots) for b in t.GradReducer(params, 512).buckets]
-    assert layout == [[3, 2], [1, 0]]
-    assert [list(b.slots) for b in t.GradReducer(params, 1).buckets] == [[3], [2], [1], [0]]
-    assert [list(b.slots) for b in t.GradReducer(params, 10**6).buckets] == [[3, 2, 1, 0]]
+async def test_reducer_as_the_example_uses_it_buckets_in_backward_order_and_averages() -> None:
+    """The example's gradients go through aiodist.nn.parallel.Reducer, its --bucket-bytes as
+    bucket_cap_mb = bytes / 2**20: the buckets of the default MLP, last layer first, and the
+    average of a step whose gradients arrive in backward order."""
+    from aiodist.nn.parallel import Reducer
 
-    async def rank(r: int) -> list[np.ndarray]:
-        reducer = t.GradReducer(params, 512)
-        reducer.start_step()
+    params = [np.zeros((2, 64), np.float32), np.zeros(64, np.float32), np.zeros((64, 3), np.float32), np.zeros(3, np.float32)]
+
+    async def rank(r: int) -> tuple[list[list[int]], list[np.ndarray]]:
+        layouts = [[b.members for b in Reducer(params, bucket_cap_mb=cap / 2**20).buckets] for cap in (512, 1, 10**6)]
+        reducer = Reducer(params, bucket_cap_mb=512 / 2**20)
         for i in (3, 2, 1, 0):
-            await reducer.ready(i, np.full(params[i].shape, float(r + i), np.float32))
-        return list(await reducer.wait())
+            reducer.ready(i, np.full(params[i].shape, float(r + i), np.float32))
+        await reducer.finish()
+        return layouts, [np.array(reducer.grad_view(i)) for i in range(len(params))]
 
     results = await run_world(2, rank)
-    for grads in results:
+    for layouts, grads in results:
+        assert layouts == [[[3, 2], [1, 0]], [[3], [2], [1], [0]], [[3, 2, 1, 0]]]
         for i, g in enumerate(grads):
             assert g.shape == params[i].shape and np.all(g == i + 0.5)
