@@ -44,6 +44,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch._dynamo  # noqa: F401  # torch's optimizers import it on first use (1-2 s): here, before the event loop runs, not as a blocked loop
 
 from aiodist.c10d import all_gather_object, broadcast, get_backend, get_rank, get_world_size
 from aiodist.debug import DebugLevel, get_debug_level, record_comm

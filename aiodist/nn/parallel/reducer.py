@@ -12,7 +12,7 @@ registration order, a small first bucket, then ``bucket_cap_mb``). A training st
    numbers in step.
 2. ``await reducer.finish()`` issues whatever is still open (a parameter that got no gradient
    contributes zeros, so no peer waits for it), awaits every bucket and returns the indices of
-   the parameters that got no gradient. ``reducer.grad(i)`` is then parameter ``i``'s averaged
+   the parameters that got no gradient. ``reducer.grad_view(i)`` is then parameter ``i``'s averaged
    gradient, a view into its bucket.
 
 A comm hook (``register_comm_hook(state, hook)``) replaces the default division + ``all_reduce``:
@@ -282,8 +282,10 @@ class Reducer:
         b, pos = self._where[i]
         return self.buckets[b].views[pos]
 
-    def ready(self, i: int, grad: Any) -> None:
-        """Parameter ``i``'s gradient is final for this step: bucket it; issue what is complete."""
+    def ready(self, i: int, grad: Any) -> int:
+        """Parameter ``i``'s gradient is final for this step: bucket it; issue what is complete.
+        Returns how many buckets this issued (a hand-written async backward can give the loop a
+        turn then, so their all-reduces start moving)."""
         if not self._active:
             self._begin()
         b, pos = self._where[i]
@@ -305,20 +307,21 @@ class Reducer:
                 self._ops.copy_into(view, grad)
         bucket.marks[pos] = True
         bucket.missing -= 1
-        if bucket.missing == 0:
-            self._issue_ready()
+        return self._issue_ready() if bucket.missing == 0 else 0
 
     def mark_unused(self, indices: Sequence[int]) -> None:
         """These parameters get no gradient this step: their slots are zeros and count as ready."""
         for i in indices:
             self.ready(i, None)
 
-    def _issue_ready(self) -> None:
+    def _issue_ready(self) -> int:
         buckets = self.buckets
+        start = self._next
         while self._next < len(buckets) and buckets[self._next].missing == 0:
             bucket = buckets[self._next]
             self._next += 1
             self._issue(bucket)
+        return self._next - start
 
     def _issue(self, bucket: _Bucket) -> None:
         bucket.issued = True
