@@ -232,7 +232,6 @@ async def _train(args: argparse.Namespace) -> int:
     model = MLP([2, *args.hidden, 3], np.random.default_rng(args.seed))  # same seed: every replica starts equal
     velocity = [np.zeros_like(p) for p in model.params]
     reducer = Reducer(model.params, names=model.names, bucket_cap_mb=args.bucket_bytes / 2**20)
-    bucket_ends = {b.members[-1] for b in reducer.buckets}  # the gradient that completes each bucket (backward's order)
     layout = ", ".join(
         "+".join(model.names[i] for i in b.members) + f" ({size} B)" for b, size in zip(reducer.buckets, reducer.bucket_sizes)
     )
@@ -254,8 +253,7 @@ async def _train(args: argparse.Namespace) -> int:
             loss, correct, dlogits = model.loss(logits, yb)
             sums[:3] += (loss, correct, len(yb))
             for i, grad in model.backward(inputs, dlogits):
-                reducer.ready(i, grad)  # into its bucket; a complete bucket's all_reduce is issued here
-                if i in bucket_ends:
+                if reducer.ready(i, grad):  # into its bucket; a complete bucket's all_reduce is issued here
                     await asyncio.sleep(0)  # one turn of the loop: that all_reduce starts sending while backward goes on
             t_wait = time.perf_counter()
             await reducer.finish()  # every bucket reduced: the averaged gradients are in the buckets
