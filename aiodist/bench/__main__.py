@@ -10,6 +10,7 @@ import sys
 # imported only when chosen, so listing stays instant.
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "collectives": ("aiodist.bench.collectives", "collective time/algbw/busbw over a size sweep, nccl-tests style (--compare torch)"),
+    "ddp": ("aiodist.bench.ddp", "a DDP training step (MLP; many small parameters), 2 and 4 ranks, vs torch DDP (--compare torch)"),
     "debug": ("aiodist.bench.debug", "what AIODIST_DEBUG OFF/INFO/DETAIL (and the flight recorder) cost per small all_reduce"),
     "hosts": ("aiodist.bench.hosts", "all_reduce across 2 netns hosts on tbf-shaped veth: one interface vs two striped, vs torch gloo"),
     "store": ("aiodist.bench.store", "TCPStore set/get/add ops/s and latency: aiodist (seq, pipelined) vs torch"),
