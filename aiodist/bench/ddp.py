@@ -695,8 +695,8 @@ def main(argv: list[str] | None = None) -> int:
         "overhead = step - compute-only step; fwd/bwd/opt: the loop's own timing (bwd includes waiting for the gradients' all-reduces)",
         "ddp fwd/bwd compute/bwd comm/overlap (ms): the DDP's _get_ddp_logging_data() over the timed steps, mean over ranks "
         "(comm: first bucket issued to last bucket reduced; overlap: the part of it before backward's compute returned)",
-        "aiodist's all-reduces run on the rank's event loop, which loss.backward() holds: issued from the gradient hooks, they "
-        "move once backward returns, so its 'overlap' is time issued, not time moving",
+        "aiodist runs loss.backward() on a worker thread: the gradient hooks hand complete buckets to the rank's event loop, "
+        "whose all-reduces move while backward goes on (on 2 cores they share the CPU with the other ranks' compute)",
     ]
     if args.torch:
         notes.append("torch DDP: torch.nn.parallel.DistributedDataParallel over torch.distributed gloo (runtime-logging sample rate 1)")

@@ -15,10 +15,12 @@ How a step runs:
   step ended properly: an unawaited ``ddp.backward``, a ``loss.backward()`` called directly, and a
   step in which a parameter got no gradient (without ``find_unused_parameters``) are errors here,
   each saying what to write instead.
-- ``await ddp.backward(loss)`` runs ``loss.backward()`` on the calling thread. A hook on every
-  parameter (``register_post_accumulate_grad_hook``) hands each final gradient to the
-  :class:`~aiodist.nn.parallel.reducer.Reducer`, which issues a bucket's ``all_reduce`` as soon
-  as the bucket is complete. When autograd returns, the call awaits the buckets, writes the
+- ``await ddp.backward(loss)`` runs ``loss.backward()`` on a worker thread, so the event loop
+  stays free while autograd computes. A hook on every parameter
+  (``register_post_accumulate_grad_hook``, on that thread) hands each final gradient to the
+  :class:`~aiodist.nn.parallel.reducer.Reducer`; when a bucket is complete it is filled there and
+  handed to the loop (``call_soon_threadsafe``), which issues its ``all_reduce`` in bucket order,
+  so the bytes move while backward goes on. When autograd returns, the call awaits the buckets, writes the
   averages into ``param.grad`` (or leaves ``param.grad`` as a view of its bucket with
   ``gradient_as_bucket_view=True``) and, with ``broadcast_buffers=True``, broadcasts rank 0's
   buffers, so the next forward sees them as torch's broadcast at the start of forward would.
@@ -33,7 +35,9 @@ the flight recorder and on the debug page. docs/ddp.md lists the differences fro
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
 import inspect
 import logging
 import os
@@ -168,6 +172,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.static_graph = bool(static_graph)
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
+        self._synced_buffers = [b.data for b in module.buffers()]  # as torch, taken once at construction
         self._param_names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._reducer = Reducer(
@@ -321,7 +326,17 @@ class DistributedDataParallel(torch.nn.Module):
         try:
             if sync and self.find_unused_parameters:
                 reducer.mark_unused(self._unreachable(loss))
-            loss.backward(gradient, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs)
+            # autograd on a worker thread: the loop stays free, so each bucket's all_reduce moves
+            # while backward goes on (and the rank's other tasks run); the hooks hand complete
+            # buckets to the loop, which issues them in bucket order
+            loop = asyncio.get_running_loop()
+            ctx = contextvars.copy_context()
+            if sync:
+                reducer.post = lambda callback: loop.call_soon_threadsafe(callback, context=ctx)
+            try:
+                await asyncio.to_thread(loss.backward, gradient, retain_graph, create_graph, inputs)
+            finally:
+                reducer.post = None
         except BaseException:
             if reducer.active:
                 reducer.abandon()
@@ -353,7 +368,7 @@ class DistributedDataParallel(torch.nn.Module):
     async def sync_buffers(self) -> None:
         """Broadcast rank 0's buffers to every rank (done after each synced backward when
         ``broadcast_buffers``; call it after forwards that had no backward, if they matter)."""
-        buffers = [b.data for b in self.module.buffers()]
+        buffers = self._synced_buffers
         if buffers:
             with record_comm("ddp buffers"):
                 await _broadcast_coalesced(buffers, 0, self.process_group)
@@ -396,18 +411,24 @@ class DistributedDataParallel(torch.nn.Module):
     def _write_back(self) -> None:
         reducer = self._reducer
         unused = reducer.globally_unused if self.find_unused_parameters else set()
+        copy_to: list[torch.Tensor] = []
+        copy_from: list[torch.Tensor] = []
         with torch.no_grad():
             for i, p in enumerate(self._params):
                 if i in unused:
                     continue  # used by no rank: its grad stays as it was (torch)
                 view = reducer.grad_view(i)
+                grad = p.grad
                 if self.gradient_as_bucket_view:
-                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    if grad is None or grad.data_ptr() != view.data_ptr():
                         p.grad = view
-                elif p.grad is None:
+                elif grad is None:
                     p.grad = view.clone()
                 else:
-                    p.grad.copy_(view)
+                    copy_to.append(grad)
+                    copy_from.append(view)
+            if copy_to:
+                torch._foreach_copy_(copy_to, copy_from)  # one call for every parameter
 
     def _unused_message(self, missing: list[int]) -> str:
         rank = get_rank(self.process_group)

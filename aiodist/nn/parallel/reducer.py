@@ -77,6 +77,16 @@ class _NumpyOps:
         dst.fill(0)
 
     @staticmethod
+    def cat_scaled(flat: Any, grads: list[Any], factor: float | None) -> None:
+        np.concatenate([np.ravel(g) for g in grads], out=flat)
+        if factor is not None:
+            np.multiply(flat, factor, out=flat)
+
+    @staticmethod
+    def same(a: Any, b: Any) -> bool:
+        return a is b or (a.size > 0 and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
+
+    @staticmethod
     def nbytes(p: Any) -> int:
         return int(p.nbytes)
 
@@ -112,6 +122,19 @@ class _TorchOps:
     @staticmethod
     def zero(dst: Any) -> None:
         dst.zero_()
+
+    @staticmethod
+    def cat_scaled(flat: Any, grads: list[Any], factor: float | None) -> None:
+        # one copy and one scale for the whole bucket; x * factor rounds once either way, so the
+        # bits are those of torch's per-gradient mul_out
+        torch = sys.modules["torch"]
+        torch.cat([g.reshape(-1) for g in grads], out=flat)
+        if factor is not None:
+            flat.mul_(factor)
+
+    @staticmethod
+    def same(a: Any, b: Any) -> bool:
+        return a is b or (a.numel() > 0 and a.data_ptr() == b.data_ptr())
 
     @staticmethod
     def nbytes(p: Any) -> int:
@@ -169,6 +192,8 @@ class _Bucket:
     members: list[int]  # parameter indices, in bucket order
     flat: Any
     views: list[Any]  # one per member, shaped as the parameter
+    batched: bool = False  # many small gradients: copied with one cat instead of one call each
+    grads: list[Any] = field(default_factory=list)  # this step's gradients (None: none came)
     missing: int = 0
     issued: bool = False
     handle: Any = None  # what finish() awaits
@@ -178,6 +203,10 @@ class _Bucket:
 
 
 Hook = Callable[[Any, GradBucket], Any]
+
+#: a bucket whose gradients average fewer bytes than this is filled by one cat (per-call cost
+#: dominates there); bigger gradients are scaled into their slots one by one (one pass, not two)
+_BATCH_BELOW = 64 * 1024
 
 
 class Reducer:
@@ -225,9 +254,13 @@ class Reducer:
                 views.append(ops.view(flat, off, n, ops.shape(params[i])))
                 self._where[i] = (b, pos)
                 off += n
-            self.buckets.append(_Bucket(b, members, flat, views))
+            batched = len(members) > 8 and ops.nbytes(flat) < _BATCH_BELOW * len(members)
+            self.buckets.append(_Bucket(b, members, flat, views, batched))
         self._hook: Hook | None = None
         self._hook_state: Any = None
+        #: set while gradients arrive on another thread: hands the issuing to the loop's thread
+        self.post: Callable[[Callable[[], None]], Any] | None = None
+        self._issue_error: BaseException | None = None
         self._active = False
         self._next = 0
         self._used = np.zeros(len(params), np.int32)
@@ -267,9 +300,11 @@ class Reducer:
         for b in self.buckets:
             b.missing = len(b.members)
             b.marks = [False] * len(b.members)
+            b.grads = [None] * len(b.members)
             b.issued, b.handle, b.issued_at, b.done_at = False, None, 0.0, 0.0
         self._used[:] = 0
         self._next = 0
+        self._issue_error = None
         self._active = True
         self.first_issue = self.last_done = 0.0
 
@@ -296,18 +331,46 @@ class Reducer:
                 "in one step (a second backward through the same graph, or a parameter used by two reentrant backward "
                 "passes); finish the step first"
             )
-        view = bucket.views[pos]
-        if grad is None:
-            self._ops.zero(view)
-        else:
+        if grad is not None:
             self._used[i] = 1
-            if self._hook is None:
-                self._ops.scale_into(view, grad, 1.0 / self.world_size)
-            elif grad is not view:
-                self._ops.copy_into(view, grad)
+        bucket.grads[pos] = grad
         bucket.marks[pos] = True
         bucket.missing -= 1
-        return self._issue_ready() if bucket.missing == 0 else 0
+        if bucket.missing:
+            return 0
+        self._fill(bucket)
+        if self.post is not None:  # called off the loop's thread: the loop issues it
+            self.post(self._issue_on_loop)
+            return 0
+        return self._issue_ready()
+
+    def _fill(self, bucket: _Bucket) -> None:
+        """Write the bucket's gradients into it, divided by the group size unless a comm hook
+        reduces it (torch: the hook gets the plain sum of local gradients)."""
+        ops = self._ops
+        factor = None if self._hook is not None else 1.0 / self.world_size
+        grads, views = bucket.grads, bucket.views
+        if bucket.batched and all(g is not None and not ops.same(g, v) for g, v in zip(grads, views)):
+            ops.cat_scaled(bucket.flat, grads, factor)
+        elif bucket.batched and all(g is not None and ops.same(g, v) for g, v in zip(grads, views)):
+            if factor is not None:  # gradient_as_bucket_view: the gradients are the bucket already
+                ops.scale_into(bucket.flat, bucket.flat, factor)
+        else:
+            for grad, view in zip(grads, views):
+                if grad is None:
+                    ops.zero(view)
+                elif factor is not None:
+                    ops.scale_into(view, grad, factor)  # in place when grad is its slot
+                elif not ops.same(grad, view):
+                    ops.copy_into(view, grad)
+        bucket.grads = [None] * len(grads)  # the step keeps no gradient alive
+
+    def _issue_on_loop(self) -> None:
+        try:
+            self._issue_ready()
+        except BaseException as exc:  # a comm hook's error: finish() raises it in the step
+            if self._issue_error is None:
+                self._issue_error = exc
 
     def mark_unused(self, indices: Sequence[int]) -> None:
         """These parameters get no gradient this step: their slots are zeros and count as ready."""
@@ -369,7 +432,11 @@ class Reducer:
             self._begin()
         missing = sorted(i for b in self.buckets for pos, i in enumerate(b.members) if not b.marks[pos])
         try:
+            self.post = None
             self.mark_unused(missing)
+            self._issue_ready()  # anything a posted issue has not reached yet
+            if self._issue_error is not None:
+                raise self._issue_error
             for bucket in self.buckets:
                 result = await _settle(bucket.handle)
                 if self._hook is not None:
