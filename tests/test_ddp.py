@@ -457,3 +457,34 @@ async def test_buckets_issue_in_bucket_order_whatever_order_gradients_arrive_in(
     for rank in range(2):
         np.testing.assert_array_equal(got[rank][0], want[0])
         np.testing.assert_array_equal(got[rank][1], want[1])
+
+
+async def test_the_event_loop_runs_while_backward_computes() -> None:
+    """Backward runs on a worker thread: the rank's other tasks (and the buckets' all-reduces)
+    run meanwhile. Fails when loss.backward() runs on the loop's thread."""
+
+    async def fn(rank: int) -> int:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+        ddp = await DistributedDataParallel(model, bucket_cap_mb=1)
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0)
+                ticks += 1
+
+        x = torch.randn(256, 512)
+        loss = ddp(x).square().mean()
+        task = asyncio.create_task(tick())
+        await asyncio.sleep(0)
+        before = ticks
+        try:
+            await ddp.backward(loss)
+        finally:
+            task.cancel()
+        return ticks - before
+
+    ticks = (await run_world(1, fn))[0]
+    assert ticks > 20, f"the loop ran {ticks} times during backward"
