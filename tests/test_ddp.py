@@ -488,3 +488,31 @@ async def test_the_event_loop_runs_while_backward_computes() -> None:
 
     ticks = (await run_world(1, fn))[0]
     assert ticks > 20, f"the loop ran {ticks} times during backward"
+
+
+async def test_cancelling_the_awaiting_task_does_not_cancel_the_step() -> None:
+    async def fn(rank: int) -> tuple[str, bytes]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])
+        ddp = await DistributedDataParallel(model, bucket_cap_mb=0.3)
+        x = torch.randn(256, 256, generator=torch.Generator().manual_seed(rank))
+        task = asyncio.create_task(ddp.backward(ddp(x).square().sum()))
+        await asyncio.sleep(0.002)
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        try:
+            ddp(x)
+            early = "no error"
+        except RuntimeError as e:
+            early = str(e)
+        while ddp._step_task is not None and not ddp._step_task.done():
+            await asyncio.sleep(0.01)
+        grads = b"".join(p.grad.numpy().tobytes() for p in model.parameters())
+        await ddp.backward(ddp(x).sum())  # the next step runs
+        return early, grads
+
+    (e0, g0), (e1, g1) = await run_world(2, fn)
+    assert g0 == g1  # the cancelled step still averaged every gradient
+    assert "the previous ddp.backward is still running" in e0 + e1

@@ -69,6 +69,13 @@ _UNUSED_HINT = (
 )
 
 
+_STILL_RUNNING = (
+    "the previous ddp.backward is still running: the task awaiting it was cancelled, but the step belongs to the group "
+    "and ends on its own (its all-reduces must meet the other ranks'), within the group's timeout; start the next step "
+    "after it has ended"
+)
+
+
 def _broadcast_groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
@@ -191,6 +198,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._backward_runs = 0  # ... and awaited to their end
         self._direct_grads = False  # a hook fired outside ddp.backward (loss.backward() called directly)
         self._unused_error: str | None = None
+        self._step_task: asyncio.Future[None] | None = None
         self._iteration = 0
         self._stats = _Stats()
         self._forward_s = 0.0
@@ -274,6 +282,8 @@ class DistributedDataParallel(torch.nn.Module):
                 "DistributedDataParallel(model) was not awaited: write `ddp = await DistributedDataParallel(model)` "
                 "(the construction checks the model on every rank and broadcasts rank 0's parameters)"
             )
+        if self._step_task is not None and not self._step_task.done():
+            raise RuntimeError(_STILL_RUNNING)
         if self._backward_calls != self._backward_runs and not self._in_backward:
             self._reset_step()
             raise RuntimeError(
@@ -313,12 +323,19 @@ class DistributedDataParallel(torch.nn.Module):
         backward = inspect.markcoroutinefunction(backward)
 
     async def _backward(self, loss: torch.Tensor, gradient: Any, retain_graph: bool | None, create_graph: bool, inputs: Any) -> None:
-        if self._in_backward:
-            raise RuntimeError("ddp.backward is already running: await one backward before starting the next")
+        if self._step_task is not None and not self._step_task.done():
+            self._backward_runs = self._backward_calls
+            raise RuntimeError(_STILL_RUNNING)
         if self._unused_error is not None:
             self._backward_runs = self._backward_calls
             msg, self._unused_error = self._unused_error, None
             raise RuntimeError(msg)
+        # The step belongs to the group, as an op does: cancelling the task that awaits it does
+        # not cancel it (its all-reduces must meet the peers'); it runs to its end in its own task.
+        self._step_task = asyncio.ensure_future(self._step(loss, gradient, retain_graph, create_graph, inputs))
+        await asyncio.shield(self._step_task)
+
+    async def _step(self, loss: torch.Tensor, gradient: Any, retain_graph: bool | None, create_graph: bool, inputs: Any) -> None:
         sync = self._step_sync
         reducer = self._reducer
         self._in_backward = True
