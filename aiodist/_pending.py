@@ -31,12 +31,13 @@ import asyncio
 import collections.abc
 import contextvars
 import functools
+import inspect
 import logging
 import sys
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any, ParamSpec, TypeVar
 
-__all__ = ["Pending", "communicating"]
+__all__ = ["Pending", "communicating", "mark_coroutine_function"]
 
 log = logging.getLogger("aiodist.c10d")
 
@@ -44,6 +45,7 @@ _DONE = object()
 _LAZY = object()  # a handle made outside a running loop: nothing started yet
 P = ParamSpec("P")
 T = TypeVar("T")
+C = TypeVar("C", bound=Callable[..., Any])
 
 
 def _site(depth: int) -> tuple[str, int]:
@@ -288,5 +290,21 @@ def communicating(fn: Callable[P, Coroutine[Any, Any, T]], op: str | None = None
             raise
         return p
 
+    return mark_coroutine_function(call, fn)
+
+
+_ASYNCIO_MARK = getattr(asyncio.coroutines, "_is_coroutine", None)  # what asyncio.iscoroutinefunction looks for
+
+
+def mark_coroutine_function(call: C, fn: Callable[..., Any]) -> C:
+    """Let ``call`` (which returns a ``Pending``, or another awaitable) pass for the coroutine
+    function ``fn`` it stands for: ``inspect.iscoroutinefunction`` is True on Python 3.12+
+    (``inspect.markcoroutinefunction``) and ``asyncio.iscoroutinefunction`` on every version
+    (its ``_is_coroutine`` marker), so frameworks that look before they await take it as
+    ``async def``. ``__wrapped_coroutine__`` is ``fn``."""
     call.__wrapped_coroutine__ = fn  # type: ignore[attr-defined]
+    if _ASYNCIO_MARK is not None:
+        call._is_coroutine = _ASYNCIO_MARK  # type: ignore[attr-defined]
+    if sys.version_info >= (3, 12):
+        inspect.markcoroutinefunction(call)
     return call

@@ -16,10 +16,11 @@ Rules this module keeps:
   torch keeps a tensor factor by reference (NCCL reads it when the op runs), so there a later
   change to the tensor changes the op and here it does not. bool and complex factors are refused.
 - ``check_reduce(op, dtype)`` holds the dtype rules, in one table: bitwise ops on integers and
-  bool only; MIN/MAX not on complex; AVG and PREMUL_SUM on floating and complex only. A refusal is
-  a ``TypeError`` naming the op and the dtype; on complex, a ``ComplexReduceError`` (ValueError,
-  torch's type, and TypeError) that starts with torch's words. Beyond torch's gloo: int16 and uint16/32/64 (gloo:
-  "Invalid scalar type"), PREMUL_SUM (gloo refuses it; NCCL has it), complex PRODUCT.
+  bool only; MIN, MAX and PRODUCT not on complex (torch's list); AVG and PREMUL_SUM on floating
+  and complex only. A refusal is a ``TypeError`` naming the op and the dtype; on complex, a
+  ``ComplexReduceError`` (ValueError, torch's type, and TypeError) that starts with torch's words.
+  Beyond torch's gloo: int16 and uint16/32/64 (gloo: "Invalid scalar type"), PREMUL_SUM (gloo
+  refuses it; NCCL has it).
 - Reductions run in the array's own dtype and round after every step, as torch's gloo does
   (float16 too: measured, every element of a 3-rank gloo float16 sum is a step-by-step float16
   sum, not a float32 accumulation). Partial results travel between ranks in that dtype, so a
@@ -34,8 +35,6 @@ Rules this module keeps:
   is computed once, by one rank, and then copied gives bitwise identical results on every rank
   (DESIGN.md §1). Recomputing an element elsewhere is safe only in the same argument order:
   ``np.minimum(-0.0, 0.0)`` and ``np.minimum(0.0, -0.0)`` differ, and so does which NaN survives.
-  Complex PRODUCT is computed as four real products and two real sums, not with numpy's complex
-  multiply, which fuses (FMA) on some code paths and not on others.
 - PREMUL_SUM scales each rank's contribution by the factor as it enters (``premultiply``, once, on
   the buffer holding that rank's own data), then sums: prescaling is what keeps a float16 sum from
   overflowing. The factor is first converted to the element type (the parts' type for complex), as
@@ -270,15 +269,15 @@ DTYPES: Final[tuple[str, ...]] = _BOOL + _INTS + _FLOATS + _COMPLEX
 
 _R = ReduceOp.RedOpType
 _BITWISE = frozenset(_BOOL + _INTS)
-_ORDERED = frozenset(_BOOL + _INTS + _FLOATS)
+_REAL = frozenset(_BOOL + _INTS + _FLOATS)
 _INEXACT = frozenset(_FLOATS + _COMPLEX)
 
 # The dtype rules, in one table: the dtypes each kind of op is defined for, and why not the rest.
 _RULES: Final[dict[ReduceOp.RedOpType, tuple[frozenset[str], str]]] = {
     _R.SUM: (frozenset(DTYPES), ""),
-    _R.PRODUCT: (frozenset(DTYPES), ""),
-    _R.MIN: (_ORDERED, "complex numbers have no order"),
-    _R.MAX: (_ORDERED, "complex numbers have no order"),
+    _R.PRODUCT: (_REAL, "torch refuses it on complex tensors (its backends reduce them as pairs of reals)"),
+    _R.MIN: (_REAL, "complex numbers have no order"),
+    _R.MAX: (_REAL, "complex numbers have no order"),
     _R.BAND: (_BITWISE, "bitwise ops need integer or bool arrays"),
     _R.BOR: (_BITWISE, "bitwise ops need integer or bool arrays"),
     _R.BXOR: (_BITWISE, "bitwise ops need integer or bool arrays"),
@@ -345,9 +344,9 @@ def _kind(op: object) -> ReduceOp.RedOpType:
 
 
 class ComplexReduceError(ValueError, TypeError):
-    """A reduce op that complex tensors do not support (MIN, MAX, the bitwise ops). torch raises
-    ValueError with the words ``all_reduce does not support RedOpType.MAX on complex tensors``;
-    aiodist refused every op/dtype pair with TypeError before, so this is both."""
+    """A reduce op that complex tensors do not support (MIN, MAX, PRODUCT, the bitwise ops: torch's
+    list). torch raises ValueError with the words ``all_reduce does not support RedOpType.MAX on
+    complex tensors``; aiodist refused every op/dtype pair with TypeError before, so this is both."""
 
 
 def check_reduce(op: ReduceOpLike, dtype: object, what: str | None = None) -> None:
@@ -590,8 +589,6 @@ def reduce_into(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any], op: Reduce
             wide = bfloat16_to_float32(dst)
             ufunc(wide, bfloat16_to_float32(src), out=wide)
             float32_to_bfloat16(wide, out=dst)
-        elif kind is ReduceOp.RedOpType.PRODUCT and dst.dtype.kind == "c":
-            _complex_multiply_into(dst, src)
         else:
             ufunc(dst, src, out=dst)
 
@@ -618,7 +615,7 @@ def combiner(op: ReduceOpLike, dtype: str, what: str | None = None) -> Callable[
 
 
 def _make_combiner(kind: ReduceOp.RedOpType, name: str) -> Callable[[np.ndarray[Any, Any], np.ndarray[Any, Any]], None]:
-    if name == "bfloat16" or (kind is ReduceOp.RedOpType.PRODUCT and np.dtype(name).kind == "c"):
+    if name == "bfloat16":
 
         def slow(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
             reduce_into(dst, src, kind, dtype=name)
@@ -647,23 +644,6 @@ def _make_combiner(kind: ReduceOp.RedOpType, name: str) -> Callable[[np.ndarray[
             floating(dst, src)
 
     return floating_quiet
-
-
-def _complex_multiply_into(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
-    """dst *= src for complex arrays, as four real products and two real sums, each rounded.
-
-    numpy's own complex multiply fuses a product into a sum (FMA) in its SIMD loops but not in
-    others (a length-1 in-place call, scalars, CPUs without FMA), so the same two numbers can give
-    two results one ulp apart; and the fused form is not commutative. This form gives the same
-    bits on every path and CPU, and a*b == b*a."""
-    ar, ai, br, bi = dst.real.copy(), dst.imag.copy(), src.real, src.imag
-    re = ar * br
-    re -= ai * bi
-    ar *= bi
-    ai *= br
-    ar += ai
-    dst.real = re
-    dst.imag = ar
 
 
 def finalize(dst: np.ndarray[Any, Any], op: ReduceOpLike, world_size: int, *, dtype: str | None = None) -> None:

@@ -555,7 +555,10 @@ async def _timed_out(
     late: float = 0.0,
 ) -> None:
     me = pg.backend.rank
-    msg = f"{what} timed out after {limit:g} s on rank {me}"
+    # " timeout " as a word of its own: torch's tests match ``" (Timed out|closed|timeout) "``,
+    # and a message that has the word keeps its culprit-first headline (no ``Timeout: `` prefix)
+    whose = "the group" if limit == pg.timeout_s else "the call"
+    msg = f"{what} timed out after {limit:g} s on rank {me} (the timeout of {whose})"
     waiting = tracker.describe_waiting()
     msg += waiting or "; it was not waiting on any peer (the group was still running it)"
     if waiting:

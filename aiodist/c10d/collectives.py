@@ -669,9 +669,9 @@ async def all_reduce_coalesced(
     bs = [buf(t, f"all_reduce_coalesced tensors[{i}]", writable=True) for i, t in enumerate(ts)]
     rop = to_reduce_op(op)
     by_parts = rop.op in (ReduceOp.RedOpType.SUM, ReduceOp.RedOpType.AVG, ReduceOp.RedOpType.PREMUL_SUM)
-    for b in bs:  # a complex refusal first, as torch's (whatever the other tensors are)
+    for b in bs:  # a complex refusal first, in torch's words ("all_reduce does not support"), whatever the other tensors are
         if b.flat.dtype.kind == "c":
-            check_reduce(rop, b.dtype_name, "all_reduce_coalesced")
+            check_reduce(rop, b.dtype_name, "all_reduce")
     buckets: dict[str, list[np.ndarray]] = {}  # dtype -> the flat arrays reduced in its buffer
     for b in bs:
         flat, name = b.flat, b.dtype_name

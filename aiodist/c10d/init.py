@@ -32,7 +32,7 @@ from typing import Any
 from aiodist import _startup
 from aiodist._instrument.levels import DebugLevel, get_debug_level
 from aiodist._instrument.loop_watchdog import unwatch_loop, watch_loop  # issue 13: the loop watchdog
-from aiodist._pending import Pending, _site, communicating
+from aiodist._pending import Pending, _site, communicating, mark_coroutine_function
 from aiodist._time import TimeoutLike, to_seconds, to_timedelta
 from aiodist.backends.base import CommBackend
 from aiodist.backends.device import DeviceBackend
@@ -185,7 +185,7 @@ def _tracked_init(fn: Callable[..., Coroutine[Any, Any, None]]) -> Callable[...,
 
         return Pending("init_process_group", run(), site, own_context=True)
 
-    return call
+    return mark_coroutine_function(call, fn)
 
 
 @_tracked_init

@@ -116,7 +116,7 @@ async def exchange(p2p: Any, g: GroupShm, mine: np.ndarray | Sequence[np.ndarray
         if q != me:
             h = heads[q]
             if digest and h[1] and h[1] != digest:
-                _desync(ch, q, int(h[1]))
+                _desync(ch, q, int(h[1]), int(h[2]))
             if h[2] != sizes[q] and sizes[q] >= 0:
                 raise DistBackendError(
                     f"{op} of group {ch.group_id}, seq {ch.seq}: rank {ch.ranks[q]} passed {int(h[2])} bytes, "
@@ -281,7 +281,7 @@ async def phase(p2p: Any, g: GroupShm, step: int, nbytes: int = -1) -> None:
             if q != me:
                 theirs = g.checks[q][k]
                 if digest and theirs[0] and theirs[0] != digest:
-                    _desync(ch, q, int(theirs[0]))
+                    _desync(ch, q, int(theirs[0]), int(theirs[1]))
                 if theirs[1] != nbytes:
                     raise DistBackendError(
                         f"shared-memory op of group {ch.group_id}, seq {ch.seq}: rank {ch.ranks[q]} passed {int(theirs[1])} bytes, "
@@ -289,13 +289,14 @@ async def phase(p2p: Any, g: GroupShm, step: int, nbytes: int = -1) -> None:
                     )
 
 
-def _desync(ch: Any, q: int, theirs: int) -> None:
+def _desync(ch: Any, q: int, theirs: int, nbytes: int = -1) -> None:
     """A peer's digest differs: the transport's desync (it aborts the group on every rank, with
-    aiodist._digest's sentence), then that abort's error here."""
+    aiodist._digest's sentence, which reads the peer's arguments from ``nbytes``, the size it
+    wrote, where it can), then that abort's error here."""
     t = ch.transport
     mine = t._digests.get((ch.group_id, ch.seq))
     if mine is not None:
-        t._desync(ch.group_id, ch.seq, mine, ch.ranks[q], theirs)
+        t._desync(ch.group_id, ch.seq, mine, ch.ranks[q], theirs, nbytes)
         raise t._abort_error((ch.group_id, ch.seq, 0))
     raise DistBackendError(
         f"shared-memory op of group {ch.group_id}, seq {ch.seq}: rank {ch.ranks[q]} called another op or other arguments "

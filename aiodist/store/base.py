@@ -118,7 +118,8 @@ class Store(abc.ABC):
         super().__init_subclass__(**kwargs)
         for name in _COMMUNICATING:
             fn = cls.__dict__.get(name)
-            if fn is not None and inspect.iscoroutinefunction(fn):
+            # (a method already made a handle-returning call is marked as a coroutine function too)
+            if fn is not None and inspect.iscoroutinefunction(fn) and not hasattr(fn, "__wrapped_coroutine__"):
                 setattr(cls, name, communicating(fn, f"store.{name}"))
 
     def __init__(self, timeout: TimeoutLike = DEFAULT_STORE_TIMEOUT) -> None:

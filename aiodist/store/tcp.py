@@ -40,7 +40,7 @@ from types import CodeType
 from typing import Any, NamedTuple, TypeVar
 
 from aiodist import _startup
-from aiodist._pending import communicating
+from aiodist._pending import communicating, mark_coroutine_function
 from aiodist._time import TimeoutLike, within
 from aiodist.errors import DistNetworkError, DistStoreError, QueueEmptyError, StoreTimeoutError
 from aiodist.store.base import (
@@ -1180,6 +1180,9 @@ class TCPStore(Store):
 
     _get = communicating(_get_slow, "store.get")
     _add = communicating(_add_slow, "store.add")
+    # the hot paths pass for the coroutine functions they stand for, as every communicating call does
+    get = mark_coroutine_function(get, _get_slow)
+    add = mark_coroutine_function(add, _add_slow)
 
     async def compare_set(self, key: str, expected_value: ValueLike, desired_value: ValueLike) -> bytes:
         k = _wire_key(key)

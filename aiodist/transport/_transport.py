@@ -208,10 +208,11 @@ class Transport:
         self._order: dict[Any, asyncio.Lock] = {}  # per peer (or (peer, lane)): sends waiting for the connection, in call order
         self._queued: dict[Any, int] = {}  # per peer (or (peer, lane)): how many sends wait in that line
         self.staged_total = 0  # messages ever staged (came before their receive)
-        # always-on desync detection (aiodist._digest): (group, seq) -> (digest, op, args) of
-        # this rank's own collectives, and the digest of a message that came before its op
-        self._digests: dict[tuple[int, int], tuple[int, str, Any, str | None]] = {}
-        self._early_digests: dict[tuple[int, int], tuple[int, int]] = {}
+        # always-on desync detection (aiodist._digest): (group, seq) -> (digest, op, args, the
+        # group's name, its size) of this rank's own collectives, and (digest, source, length)
+        # of a message that came before its op
+        self._digests: dict[tuple[int, int], tuple[int, str, Any, str | None, int]] = {}
+        self._early_digests: dict[tuple[int, int], tuple[int, int, int]] = {}
         self._dead: dict[int, DistNetworkError] = {}
         self._aborted: dict[int, str] = {}
         self._self_staged = 0
@@ -397,12 +398,12 @@ class Transport:
         ch = Channel(self, group_id, seq, global_ranks, digest)
         if digest:
             k = (group_id, seq)
-            mine = (digest, *(call or ("an op", None, None)))
+            mine = (digest, *(call or ("an op", None, None)), len(global_ranks))
             self._digests[k] = mine
             self._digests.pop((group_id, seq - _DIGESTS_KEPT), None)  # ops that old are over
             early = self._early_digests.pop(k, None)
             if early is not None and early[0] != digest:
-                self._desync(group_id, seq, mine, early[1], early[0])
+                self._desync(group_id, seq, mine, early[1], early[0], early[2])
         return ch
 
     def _own_digest(self, header: FrameHeader) -> int | None:
@@ -413,13 +414,15 @@ class Transport:
         mine = self._digests.get(k)
         if mine is None:
             if len(self._early_digests) < _DIGESTS_KEPT:
-                self._early_digests.setdefault(k, (header.digest, header.source))
+                self._early_digests.setdefault(k, (header.digest, header.source, header.length))
             return None
         return mine[0]
 
-    def _desync(self, group: int, seq: int, mine: tuple[int, str, Any, str | None], peer: int, theirs: int) -> None:
+    def _desync(self, group: int, seq: int, mine: tuple[int, str, Any, str | None, int], peer: int, theirs: int, nbytes: int = -1) -> None:
+        """Break ``group`` on every rank: ``peer``'s digest for op ``seq`` is ``theirs``, not this
+        rank's; ``nbytes`` is the length of a message of the peer's in the op (-1: none seen)."""
         name = f"group {group}" if mine[3] is None else f"group {group} ({mine[3]!r})"
-        reason = describe_mismatch(name, seq, self.rank, mine[:3], peer, theirs)
+        reason = describe_mismatch(name, seq, self.rank, mine[:3], peer, theirs, nbytes, mine[4])
         log.error("rank %d: %s", self.rank, reason)
         self._abort_now(group, reason)
 
@@ -1072,7 +1075,7 @@ class Transport:
             if not recv.fut.done():
                 recv.fut.set_exception(size_error(self.rank, header.source, recv.key, header.length, recv.dst.nbytes))
         elif fate is DESYNC:
-            self._desync(header.group, header.seq, self._digests[(header.group, header.seq)], header.source, header.digest)
+            self._desync(header.group, header.seq, self._digests[(header.group, header.seq)], header.source, header.digest, header.length)
 
     def _room_freed(self) -> None:
         """A receive was posted or a group aborted: soon, let every connection holding a payload
