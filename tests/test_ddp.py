@@ -516,3 +516,113 @@ async def test_cancelling_the_awaiting_task_does_not_cancel_the_step() -> None:
     (e0, g0), (e1, g1) = await run_world(2, fn)
     assert g0 == g1  # the cancelled step still averaged every gradient
     assert "the previous ddp.backward is still running" in e0 + e1
+
+
+def local_average(make: Any, xs: list[Any]) -> list[Any]:
+    grads = []
+    for x in xs:
+        m = make()
+        m(x).square().sum().backward()
+        grads.append([p.grad for p in m.parameters()])
+    return [(a * 0.5) + (b * 0.5) for a, b in zip(*grads)]
+
+
+def wide() -> Any:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(3)])
+
+
+async def test_a_bucket_is_issued_only_once_it_is_filled() -> None:
+    """Buckets of one big gradient each: the loop must not issue a bucket whose last gradient has
+    arrived but is still being written (the backward thread fills it without the GIL)."""
+    xs = [torch.randn(64, 1024, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    want = local_average(wide, xs)
+
+    async def fn(rank: int) -> list[Any]:
+        model = wide()
+        ddp = await DistributedDataParallel(model, bucket_cap_mb=0.001)
+        out = []
+        for _ in range(4):
+            model.zero_grad()
+            await ddp.backward(ddp(xs[rank]).square().sum())
+            out.append([p.grad.clone() for p in model.parameters()])
+        return out
+
+    for per_rank in await run_world(2, fn, backend="aio"):
+        for grads in per_rank:
+            for g, w in zip(grads, want):
+                assert torch.equal(g, w)
+
+
+async def test_a_no_grad_forward_before_backward_keeps_the_step_synced() -> None:
+    xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+
+    def make() -> Any:
+        torch.manual_seed(0)
+        return mlp()
+
+    want = local_average(make, xs)
+
+    async def fn(rank: int) -> list[Any]:
+        model = make()
+        ddp = await DistributedDataParallel(model)
+        loss = ddp(xs[rank]).square().sum()
+        with torch.no_grad():
+            ddp(xs[rank])  # an evaluation forward between forward and backward
+        await ddp.backward(loss)
+        return [p.grad for p in model.parameters()]
+
+    for grads in await run_world(2, fn):
+        for g, w in zip(grads, want):
+            assert torch.equal(g, w)
+
+
+async def test_a_local_backward_after_the_step_is_the_users_own() -> None:
+    async def fn(rank: int) -> str:
+        model = mlp()
+        ddp = await DistributedDataParallel(model)
+        for _ in range(2):
+            x = torch.randn(2, 8)
+            await ddp.backward(ddp(x).sum())
+            if rank == 0:
+                model(x).sum().backward()  # the bare module, after the step: no collective, no error
+        return "ok"
+
+    assert await asyncio.wait_for(run_world(2, fn), 20) == ["ok", "ok"]
+
+
+async def test_a_step_that_fails_after_its_caller_was_cancelled_is_named_next() -> None:
+    async def fn(rank: int) -> str:
+        ddp = await DistributedDataParallel(mlp())
+
+        async def broken(state: Any, bucket: GradBucket) -> Any:
+            await asyncio.sleep(0.05)
+            raise ValueError("hook broke")
+
+        ddp.register_comm_hook(None, broken)
+        x = torch.randn(2, 8)
+        task = asyncio.create_task(ddp.backward(ddp(x).sum()))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.wait([task])
+        assert ddp._step_task is not None
+        await asyncio.wait([ddp._step_task], timeout=10)
+        with pytest.raises(RuntimeError, match="the previous ddp.backward failed .* hook broke"):
+            ddp(x)
+        return "ok"
+
+    assert await run_world(2, fn) == ["ok", "ok"]
+
+
+async def test_the_unused_error_waits_for_a_forward_that_expects_a_backward() -> None:
+    async def fn(rank: int) -> str:
+        ddp = await DistributedDataParallel(ddp_models.Branchy())
+        x, y = ddp_models.batch(rank, 0)
+        await ddp.backward(torch.nn.functional.mse_loss(ddp(x, use_side=False), y))
+        with torch.no_grad():
+            ddp(x)  # evaluation: not the next training step
+        with pytest.raises(RuntimeError, match="Expected to have finished reduction"):
+            ddp(x)
+        return "ok"
+
+    assert await run_world(2, fn) == ["ok", "ok"]

@@ -198,3 +198,27 @@ def test_import_aiodist_nn_parallel_needs_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.strip() == "False"
     assert dist.get_world_size is not None
+
+
+async def test_a_bucket_is_not_issued_while_it_is_being_filled() -> None:
+    """The loop's thread may run ``_issue_ready`` (a callback posted for an earlier bucket) while
+    the backward thread still writes a later bucket whose gradients have all arrived: that bucket
+    must wait until it is filled."""
+    seen: list[bool] = []
+
+    async def fn(rank: int) -> None:
+        reducer = Reducer(mlp_params(), bucket_cap_mb=40 / MiB)
+        fill = reducer._fill
+
+        def fill_with_the_loop_running(bucket: Any) -> None:
+            reducer._issue_ready()  # as if the loop ran now, mid-fill
+            seen.append(bucket.issued)
+            fill(bucket)
+
+        reducer._fill = fill_with_the_loop_running  # type: ignore[method-assign]
+        for i in reversed(range(len(reducer.params))):
+            reducer.ready(i, np.ones(reducer.params[i].shape, np.float32))
+        await reducer.finish()
+
+    await run_world(1, fn)
+    assert seen and not any(seen)

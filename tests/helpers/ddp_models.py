@@ -76,7 +76,9 @@ def torch_rank(rank: int, world: int, port_file: Path, out: Path) -> None:
     torch.set_num_threads(1)
     if rank == 0:
         store = tdist.TCPStore("127.0.0.1", 0, world, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
-        port_file.write_text(str(store.port))
+        tmp = port_file.with_suffix(".tmp")
+        tmp.write_text(str(store.port))
+        tmp.rename(port_file)  # atomic: rank 1 never reads a half-written port
     else:
         deadline = time.monotonic() + 30
         while not port_file.exists() or not port_file.read_text():

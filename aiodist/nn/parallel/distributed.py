@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import inspect
 import logging
 import os
@@ -269,21 +270,22 @@ class DistributedDataParallel(torch.nn.Module):
     # -- forward -----------------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        self._check_last_step()
-        self._step_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        grad = torch.is_grad_enabled()
+        self._check_last_step(grad)
+        if grad:  # torch: a no_grad forward neither starts nor cancels the expectation of a synced backward
+            self._step_sync = self.require_backward_grad_sync
         t0 = time.perf_counter()
         out = self.module(*inputs, **kwargs)
         self._forward_s = time.perf_counter() - t0
         return out
 
-    def _check_last_step(self) -> None:
+    def _check_last_step(self, grad_enabled: bool = True) -> None:
         if not self._ready:
             raise RuntimeError(
                 "DistributedDataParallel(model) was not awaited: write `ddp = await DistributedDataParallel(model)` "
                 "(the construction checks the model on every rank and broadcasts rank 0's parameters)"
             )
-        if self._step_task is not None and not self._step_task.done():
-            raise RuntimeError(_STILL_RUNNING)
+        self._raise_step_failure()
         if self._backward_calls != self._backward_runs and not self._in_backward:
             self._reset_step()
             raise RuntimeError(
@@ -297,13 +299,28 @@ class DistributedDataParallel(torch.nn.Module):
                 "started but never awaited, so optimizer.step() used gradients that were not averaged. "
                 "Write `await ddp.backward(loss)` instead of `loss.backward()`."
             )
-        if self._unused_error is not None:
+        if self._unused_error is not None and grad_enabled:  # torch: raised by a forward that expects a backward
             msg, self._unused_error = self._unused_error, None
             raise RuntimeError(msg)
+
+    def _raise_step_failure(self) -> None:
+        """A step still running, or one that failed after the task awaiting it was cancelled."""
+        task = self._step_task
+        if task is None:
+            return
+        if not task.done():
+            raise RuntimeError(_STILL_RUNNING)
+        self._step_task = None
+        if not task.cancelled() and task.exception() is not None:
+            raise RuntimeError(
+                "the previous ddp.backward failed after the task awaiting it was cancelled, so the gradients were not "
+                f"averaged: {task.exception()}"
+            ) from task.exception()
 
     def _reset_step(self) -> None:
         self._backward_runs = self._backward_calls
         self._direct_grads = False
+        self._step_sync = False
         if self._reducer.active:
             self._reducer.abandon()
 
@@ -323,17 +340,20 @@ class DistributedDataParallel(torch.nn.Module):
         backward = inspect.markcoroutinefunction(backward)
 
     async def _backward(self, loss: torch.Tensor, gradient: Any, retain_graph: bool | None, create_graph: bool, inputs: Any) -> None:
-        if self._step_task is not None and not self._step_task.done():
+        try:
+            self._raise_step_failure()
+        except RuntimeError:
             self._backward_runs = self._backward_calls
-            raise RuntimeError(_STILL_RUNNING)
+            raise
         if self._unused_error is not None:
             self._backward_runs = self._backward_calls
             msg, self._unused_error = self._unused_error, None
             raise RuntimeError(msg)
         # The step belongs to the group, as an op does: cancelling the task that awaits it does
         # not cancel it (its all-reduces must meet the peers'); it runs to its end in its own task.
-        self._step_task = asyncio.ensure_future(self._step(loss, gradient, retain_graph, create_graph, inputs))
-        await asyncio.shield(self._step_task)
+        task = self._step_task = asyncio.ensure_future(self._step(loss, gradient, retain_graph, create_graph, inputs))
+        await asyncio.shield(task)
+        self._step_task = None  # awaited to its end: its outcome was this call's
 
     async def _step(self, loss: torch.Tensor, gradient: Any, retain_graph: bool | None, create_graph: bool, inputs: Any) -> None:
         sync = self._step_sync
@@ -350,8 +370,14 @@ class DistributedDataParallel(torch.nn.Module):
             ctx = contextvars.copy_context()
             if sync:
                 reducer.post = lambda callback: loop.call_soon_threadsafe(callback, context=ctx)
+            # a Context can be entered by one thread at a time: the backward thread gets its own copy
+            run = functools.partial(contextvars.copy_context().run, loss.backward, gradient, retain_graph, create_graph, inputs)
+            thread = loop.run_in_executor(None, run)
             try:
-                await asyncio.to_thread(loss.backward, gradient, retain_graph, create_graph, inputs)
+                await asyncio.shield(thread)
+            except asyncio.CancelledError:
+                await asyncio.wait([thread])  # autograd cannot be stopped: let it end before the step is given up
+                raise
             finally:
                 reducer.post = None
         except BaseException:
@@ -379,6 +405,7 @@ class DistributedDataParallel(torch.nn.Module):
         finally:
             self._backward_runs = self._backward_calls
             self._direct_grads = False
+            self._step_sync = False  # until the next forward: a later local backward is the user's own (torch)
         if sync:
             self._record(t0, t1)
 

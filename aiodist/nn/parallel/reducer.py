@@ -195,6 +195,7 @@ class _Bucket:
     batched: bool = False  # many small gradients: copied with one cat instead of one call each
     grads: list[Any] = field(default_factory=list)  # this step's gradients (None: none came)
     missing: int = 0
+    filled: bool = False  # set last, after the gradients are written: the loop issues only then
     issued: bool = False
     handle: Any = None  # what finish() awaits
     issued_at: float = 0.0
@@ -301,7 +302,7 @@ class Reducer:
             b.missing = len(b.members)
             b.marks = [False] * len(b.members)
             b.grads = [None] * len(b.members)
-            b.issued, b.handle, b.issued_at, b.done_at = False, None, 0.0, 0.0
+            b.issued, b.filled, b.handle, b.issued_at, b.done_at = False, False, None, 0.0, 0.0
         self._used[:] = 0
         self._next = 0
         self._issue_error = None
@@ -339,8 +340,10 @@ class Reducer:
         if bucket.missing:
             return 0
         self._fill(bucket)
-        if self.post is not None:  # called off the loop's thread: the loop issues it
-            self.post(self._issue_on_loop)
+        bucket.filled = True  # only now may the loop's thread issue it
+        post = self.post
+        if post is not None:  # called off the loop's thread: the loop issues it
+            post(self._issue_on_loop)
             return 0
         return self._issue_ready()
 
@@ -380,7 +383,7 @@ class Reducer:
     def _issue_ready(self) -> int:
         buckets = self.buckets
         start = self._next
-        while self._next < len(buckets) and buckets[self._next].missing == 0:
+        while self._next < len(buckets) and buckets[self._next].filled:
             bucket = buckets[self._next]
             self._next += 1
             self._issue(bucket)
@@ -418,12 +421,24 @@ class Reducer:
         bucket.handle = handle
 
     def abandon(self) -> None:
-        """Give up this step (backward failed part way): what was issued runs on in its group."""
+        """Give up this step (backward failed part way, or was not awaited): what was issued runs
+        on in its group, into the old buffers; the buckets get new ones for the next step."""
         for b in self.buckets:
             if isinstance(b.handle, Pending):
                 b.handle.is_completed()  # marks it seen: abandoning is deliberate, not a forgotten await
+            if b.issued:
+                self._renew(b)
             b.handle = None
         self._active = False
+
+    def _renew(self, bucket: _Bucket) -> None:
+        ops = self._ops
+        bucket.flat = ops.flat(bucket.flat, len(bucket.flat))
+        off = 0
+        for pos, i in enumerate(bucket.members):
+            n = int(np.prod(ops.shape(self.params[i]), dtype=np.int64))
+            bucket.views[pos] = ops.view(bucket.flat, off, n, ops.shape(self.params[i]))
+            off += n
 
     async def finish(self) -> list[int]:
         """Issue what is left (missing gradients as zeros), await every bucket, and return the
