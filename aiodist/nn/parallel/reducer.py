@@ -53,7 +53,19 @@ def _is_torch(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-class _NumpyOps:
+class _Ops:
+    """What both kinds of array answer alike."""
+
+    @staticmethod
+    def dtype(p: Any) -> Any:
+        return p.dtype
+
+    @staticmethod
+    def shape(p: Any) -> tuple[int, ...]:
+        return tuple(p.shape)
+
+
+class _NumpyOps(_Ops):
     """Array operations on numpy parameters."""
 
     @staticmethod
@@ -90,16 +102,8 @@ class _NumpyOps:
     def nbytes(p: Any) -> int:
         return int(p.nbytes)
 
-    @staticmethod
-    def dtype(p: Any) -> Any:
-        return p.dtype
 
-    @staticmethod
-    def shape(p: Any) -> tuple[int, ...]:
-        return tuple(p.shape)
-
-
-class _TorchOps:
+class _TorchOps(_Ops):
     """The same on torch tensors, with torch's own kernels (so the bits are torch DDP's)."""
 
     @staticmethod
@@ -139,14 +143,6 @@ class _TorchOps:
     @staticmethod
     def nbytes(p: Any) -> int:
         return int(p.numel() * p.element_size())
-
-    @staticmethod
-    def dtype(p: Any) -> Any:
-        return p.dtype
-
-    @staticmethod
-    def shape(p: Any) -> tuple[int, ...]:
-        return tuple(p.shape)
 
 
 class GradBucket:
