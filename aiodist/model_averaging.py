@@ -27,13 +27,9 @@ import numpy as np
 from aiodist.c10d.collectives import all_reduce
 from aiodist.c10d.init import GroupArg, resolve_group
 from aiodist.c10d.world import NON_GROUP_MEMBER
+from aiodist.types import is_torch_tensor
 
 __all__ = ["average_parameters", "average_parameters_or_parameter_groups", "get_params_to_average"]
-
-
-def _torch_tensor(obj: object) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
 
 
 def _not_member(process_group: GroupArg) -> bool:
@@ -52,7 +48,7 @@ def get_params_to_average(params: Iterable[Any]) -> list[Any]:
             if "params" not in item:
                 raise TypeError("a parameter group (dict) must have a 'params' entry")
             group_params = item["params"]
-            members = [group_params] if isinstance(group_params, np.ndarray) or _torch_tensor(group_params) else list(group_params)
+            members = [group_params] if isinstance(group_params, np.ndarray) or is_torch_tensor(group_params) else list(group_params)
             out.extend(p for p in members if _counts(p, "a parameter group's params"))
         elif _counts(item, "params"):
             out.append(item)
@@ -62,7 +58,7 @@ def get_params_to_average(params: Iterable[Any]) -> list[Any]:
 def _counts(p: object, where: str) -> bool:
     if isinstance(p, np.ndarray):
         return True
-    if _torch_tensor(p):
+    if is_torch_tensor(p):
         return getattr(p, "grad", None) is not None
     raise TypeError(
         f"{where}: parameter input of type {type(p).__name__} is not supported (numpy arrays, torch tensors, or dicts with 'params')"
@@ -85,7 +81,7 @@ async def average_parameters(params: Iterable[Any], process_group: GroupArg) -> 
     n = pg.size()
     if all(isinstance(p, np.ndarray) for p in plist):
         await _average_numpy(plist, pg, n)
-    elif all(_torch_tensor(p) for p in plist):
+    elif all(is_torch_tensor(p) for p in plist):
         await _average_torch(plist, pg, n)
     else:
         kinds = sorted({type(p).__name__ for p in plist})

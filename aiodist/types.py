@@ -61,6 +61,7 @@ import numpy as np
 
 __all__ = [
     "combiner",
+    "is_torch_tensor",
     "ReduceOp",
     "RedOpType",
     "ReduceOpLike",
@@ -195,6 +196,12 @@ class ReduceOp:
 
 RedOpType = ReduceOp.RedOpType
 ReduceOpLike = ReduceOp | ReduceOp.RedOpType
+
+
+def is_torch_tensor(obj: object) -> bool:
+    """True for a torch tensor; torch is never imported here (only looked up if the caller has)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
 
 
 def _to_factor(factor: object) -> float:

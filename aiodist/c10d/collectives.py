@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,7 +44,7 @@ from aiodist.shm import (
     run_reduce_scatter,
     run_scatter,
 )
-from aiodist.types import Buffer, ReduceOp, ReduceOpLike, check_reduce, combiner, finalize, premultiply, to_reduce_op
+from aiodist.types import Buffer, ReduceOp, ReduceOpLike, check_reduce, combiner, finalize, is_torch_tensor, premultiply, to_reduce_op
 
 __all__ = [
     "broadcast",
@@ -665,7 +664,7 @@ async def all_reduce_coalesced(
     asy = check_async_op(async_op)
     if (dev := device_backend(pg, tensors, "all_reduce_coalesced tensors")) is not None:
         return await issue_on_device(dev, pg, "all_reduce_coalesced", {"tensors": tensors, "op": op}, asy)
-    ts = [tensors] if isinstance(tensors, np.ndarray) or _is_torch_tensor(tensors) else _list(tensors, "all_reduce_coalesced tensors")
+    ts = [tensors] if isinstance(tensors, np.ndarray) or is_torch_tensor(tensors) else _list(tensors, "all_reduce_coalesced tensors")
     bs = [buf(t, f"all_reduce_coalesced tensors[{i}]", writable=True) for i, t in enumerate(ts)]
     rop = to_reduce_op(op)
     by_parts = rop.op in (ReduceOp.RedOpType.SUM, ReduceOp.RedOpType.AVG, ReduceOp.RedOpType.PREMUL_SUM)
@@ -695,11 +694,6 @@ async def all_reduce_coalesced(
                     at += f.size
 
     return await _finish(pg.issue("all_reduce_coalesced", body, list(ts), meta=_meta(tensors=[_t(b) for b in bs], op=_opname(rop))), asy)
-
-
-def _is_torch_tensor(obj: object) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
 
 
 @communicating

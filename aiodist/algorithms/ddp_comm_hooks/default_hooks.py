@@ -25,19 +25,15 @@ from typing import Any
 import numpy as np
 
 from aiodist.c10d import all_reduce, get_world_size
+from aiodist.types import is_torch_tensor
 
 __all__ = ["allreduce_hook", "bf16_compress_hook", "bf16_compress_wrapper", "fp16_compress_hook", "fp16_compress_wrapper"]
 
 Hook = Callable[[Any, Any], Awaitable[Any]]
 
 
-def _is_torch(x: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
-
-
 def _cast(buffer: Any, half: str) -> Any:
-    if _is_torch(buffer):
+    if is_torch_tensor(buffer):
         return buffer.to(getattr(sys.modules["torch"], half))
     if half == "bfloat16":
         raise TypeError("bf16_compress_hook needs torch tensors (numpy has no bfloat16); use fp16_compress_hook for numpy buffers")
@@ -45,14 +41,14 @@ def _cast(buffer: Any, half: str) -> Any:
 
 
 def _divide(tensor: Any, n: int) -> Any:
-    if _is_torch(tensor):
+    if is_torch_tensor(tensor):
         return tensor.div_(n)
     np.divide(tensor, n, out=tensor)
     return tensor
 
 
 def _copy(dst: Any, src: Any) -> None:
-    if _is_torch(dst):
+    if is_torch_tensor(dst):
         dst.copy_(src)
     else:
         np.copyto(dst, src, casting="unsafe")

@@ -423,17 +423,12 @@ class DistributedDataParallel(torch.nn.Module):
             return  # no_sync: accumulate locally
         if not self._in_backward:
             self._direct_grads = True  # loss.backward() called directly: reduce anyway, so peers stay in step
-        reducer = self._reducer
         grad = param.grad
+        self._reducer.ready(i, grad)  # a gradient that is its bucket slot already is scaled in place
         if self.gradient_as_bucket_view:
-            view = reducer.grad_view(i)
-            if grad is not None and grad.data_ptr() == view.data_ptr():
-                reducer.ready(i, view)  # already the bucket: scaled in place
-            else:
-                reducer.ready(i, grad)
-                param.grad = view
-        else:
-            reducer.ready(i, grad)
+            view = self._reducer.grad_view(i)
+            if grad is None or grad.data_ptr() != view.data_ptr():
+                param.grad = view  # the fill reads the old tensor, which the bucket holds until then
 
     def _unreachable(self, loss: torch.Tensor) -> list[int]:
         """Parameters the loss's autograd graph does not reach (torch's search from the outputs)."""

@@ -43,14 +43,9 @@ from aiodist._pending import Pending
 from aiodist.c10d import all_reduce, get_world_size
 from aiodist.debug import record_comm
 from aiodist.nn.parallel._buckets import assign_buckets, bucket_limits, reverse_order
-from aiodist.types import ReduceOp
+from aiodist.types import ReduceOp, is_torch_tensor
 
 __all__ = ["GradBucket", "Reducer"]
-
-
-def _is_torch(x: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
 
 
 class _Ops:
@@ -217,12 +212,11 @@ class Reducer:
         bucket_cap_mb: float | None = None,
         names: Sequence[str] | None = None,
         find_unused_parameters: bool = False,
-        order: Sequence[int] | None = None,
     ) -> None:
         params = list(params)
         if not params:
             raise ValueError("Reducer needs at least one parameter")
-        torch_params = [_is_torch(p) for p in params]
+        torch_params = [is_torch_tensor(p) for p in params]
         if all(torch_params):
             self._ops: Any = _TorchOps
         elif not any(torch_params) and all(isinstance(p, np.ndarray) for p in params):
@@ -239,18 +233,15 @@ class Reducer:
         self.find_unused_parameters = bool(find_unused_parameters)
         self.limits = bucket_limits(bucket_cap_mb)
         ops = self._ops
-        order = list(order) if order is not None else reverse_order(len(params))
+        order = reverse_order(len(params))
         groups = assign_buckets([ops.nbytes(p) for p in params], [ops.dtype(p) for p in params], self.limits, order)
         self.buckets: list[_Bucket] = []
         self._where: list[tuple[int, int]] = [(0, 0)] * len(params)  # param -> (bucket, position in it)
         for b, members in enumerate(groups):
-            sizes = [int(np.prod(ops.shape(params[i]), dtype=np.int64)) for i in members]
-            flat = ops.flat(params[members[0]], sum(sizes))
-            views, off = [], 0
-            for pos, (i, n) in enumerate(zip(members, sizes)):
-                views.append(ops.view(flat, off, n, ops.shape(params[i])))
+            flat = ops.flat(params[members[0]], sum(_numel(ops.shape(params[i])) for i in members))
+            views = self._views(flat, members)
+            for pos, i in enumerate(members):
                 self._where[i] = (b, pos)
-                off += n
             batched = len(members) > 8 and ops.nbytes(flat) < _BATCH_BELOW * len(members)
             self.buckets.append(_Bucket(b, members, flat, views, batched))
         self._hook: Hook | None = None
@@ -304,10 +295,6 @@ class Reducer:
         self._issue_error = None
         self._active = True
         self.first_issue = self.last_done = 0.0
-
-    def is_ready(self, i: int) -> bool:
-        b, pos = self._where[i]
-        return self._active and self.buckets[b].marks[pos]
 
     def grad_view(self, i: int) -> Any:
         """Parameter ``i``'s slot in its bucket (after ``finish``: its averaged gradient)."""
@@ -428,13 +415,18 @@ class Reducer:
         self._active = False
 
     def _renew(self, bucket: _Bucket) -> None:
-        ops = self._ops
-        bucket.flat = ops.flat(bucket.flat, len(bucket.flat))
-        off = 0
-        for pos, i in enumerate(bucket.members):
-            n = int(np.prod(ops.shape(self.params[i]), dtype=np.int64))
-            bucket.views[pos] = ops.view(bucket.flat, off, n, ops.shape(self.params[i]))
+        bucket.flat = self._ops.flat(bucket.flat, len(bucket.flat))
+        bucket.views = self._views(bucket.flat, bucket.members)
+
+    def _views(self, flat: Any, members: list[int]) -> list[Any]:
+        """Each member's slot in ``flat``, shaped as the parameter, in bucket order."""
+        ops, views, off = self._ops, [], 0
+        for i in members:
+            shape = ops.shape(self.params[i])
+            n = _numel(shape)
+            views.append(ops.view(flat, off, n, shape))
             off += n
+        return views
 
     async def finish(self) -> list[int]:
         """Issue what is left (missing gradients as zeros), await every bucket, and return the
@@ -470,11 +462,15 @@ class Reducer:
             )
         if result is bucket.flat:
             return
-        n = int(np.prod(tuple(result.shape), dtype=np.int64))
+        n = _numel(tuple(result.shape))
         want = len(bucket.flat)
         if n != want:
             raise ValueError(f"comm hook gave {n} elements for bucket {bucket.index}, which has {want}")
         self._ops.copy_into(bucket.flat, result)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return int(np.prod(shape, dtype=np.int64))
 
 
 async def _settle(handle: Any) -> Any:
