@@ -33,7 +33,7 @@ Rules this module keeps:
   functions; torch is silent about them too.
 - Every function here is elementwise and deterministic, so a schedule in which each output element
   is computed once, by one rank, and then copied gives bitwise identical results on every rank
-  (DESIGN.md §1). Recomputing an element elsewhere is safe only in the same argument order:
+  (docs/architecture.md). Recomputing an element elsewhere is safe only in the same argument order:
   ``np.minimum(-0.0, 0.0)`` and ``np.minimum(0.0, -0.0)`` differ, and so does which NaN survives.
 - PREMUL_SUM scales each rank's contribution by the factor as it enters (``premultiply``, once, on
   the buffer holding that rank's own data), then sums: prescaling is what keeps a float16 sum from

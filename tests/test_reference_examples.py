@@ -1,6 +1,6 @@
 """Every code example of torch.distributed's reference sections "Point-to-point communication",
 "Synchronous and asynchronous collective operations" and "Collective functions"
-(/work/shared/reference/torch_distributed.md, torch 2.13), reproduced with the documented inputs
+(the torch.distributed documentation of torch 2.13), reproduced with the documented inputs
 and the documented outputs, on torch CPU tensors, over the memory backend and the socket
 backend ("gloo").
 

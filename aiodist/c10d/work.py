@@ -1,7 +1,7 @@
 """``Work``: the handle of an issued op. It *is* an ``asyncio.Future`` whose result is the list
 of the op's output arrays, with torch's ``Work`` methods on top.
 
-Cancellation: the op belongs to its group, not to whoever awaits it (DESIGN.md §1).
+Cancellation: the op belongs to its group, not to whoever awaits it (docs/architecture.md, "The rules of the API").
 ``work.cancel()`` refuses (returns False). Awaiting a Work (``await work``, ``await
 work.wait()``) waits on a future of the awaiting task's own (a shield, without its cost), so
 cancelling the awaiting task cancels that task at once and leaves the op running to

@@ -1,6 +1,6 @@
 """torch's TCPStore wire protocol, sans-I/O: encode/decode requests and replies on bytes.
 
-Rules this module keeps (see shared/reference/tcpstore_wire.md):
+Rules this module keeps (torch 2.13's TCPStore protocol, as its C++ client and server speak it):
 - A request is one opcode byte and its fields; integers are little-endian; strings are a
   u64 length then bytes; key lists are a u64 count then strings. There is no framing and no
   request id: replies come in request order (but a WAIT's reply may come after the replies
