@@ -327,20 +327,25 @@ async def _torch_rank(plan: Plan, rank: int, conn: multiprocessing.connection.Co
         dist.destroy_process_group()
 
 
-def _rank_main(plan: Plan, rank: int, conn: multiprocessing.connection.Connection) -> None:
-    """One rank process: serves the coordinator's commands; on failure sends ("error", traceback)."""
+def run_loop(coro: Any, *, fast: bool = True) -> None:
+    """Run a rank's coroutine on uvloop (``fast``, where installed) or asyncio's own loop."""
+    run: Callable[[Any], Any] = asyncio.run
+    if fast:
+        try:
+            import uvloop
+
+            run = uvloop.run
+        except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+            pass
+    run(coro)
+
+
+def report_to_coordinator(conn: multiprocessing.connection.Connection, body: Callable[[], None]) -> None:
+    """Run ``body`` in a rank process and tell the coordinator how it ended: ``("done",)`` or
+    ``("error", traceback)``; a coordinator that is gone is left alone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator stops its ranks itself
     try:
-        if plan.impl == "torch":
-            asyncio.run(_torch_rank(plan, rank, conn))
-        else:
-            try:
-                import uvloop
-
-                run: Callable[[Any], Any] = uvloop.run
-            except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-                run = asyncio.run
-            run(_aiodist_rank(plan, rank, conn))
+        body()
         reply: tuple[Any, ...] = ("done",)
     except EOFError:  # the coordinator is gone
         return
@@ -351,6 +356,14 @@ def _rank_main(plan: Plan, rank: int, conn: multiprocessing.connection.Connectio
     except OSError:  # the coordinator is gone
         pass
     conn.close()
+
+
+def _rank_main(plan: Plan, rank: int, conn: multiprocessing.connection.Connection) -> None:
+    """One rank process: serves the coordinator's commands; on failure sends ("error", traceback)."""
+    if plan.impl == "torch":
+        report_to_coordinator(conn, lambda: run_loop(_torch_rank(plan, rank, conn), fast=False))
+    else:
+        report_to_coordinator(conn, lambda: run_loop(_aiodist_rank(plan, rank, conn)))
 
 
 # ----------------------------------------------------------------------------- coordinator
@@ -383,6 +396,9 @@ Results = dict[str, dict[int, Row]]  # op -> count -> row
 class Side:
     """The rank processes of one implementation, started once and driven row by row."""
 
+    rank_main = staticmethod(_rank_main)  # what each rank process runs (a subclass names its own)
+    name = "bench"  # the processes' name prefix
+
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.procs: list[SpawnProcess] = []
@@ -392,7 +408,7 @@ class Side:
         ctx = multiprocessing.get_context("spawn")
         for r in range(self.plan.nproc):
             here, there = ctx.Pipe()
-            p = ctx.Process(target=_rank_main, args=(self.plan, r, there), name=f"bench-{self.plan.impl}-{r}", daemon=True)
+            p = ctx.Process(target=self.rank_main, args=(self.plan, r, there), name=f"{self.name}-{self.plan.impl}-{r}", daemon=True)
             p.start()
             there.close()
             self.procs.append(p)

@@ -51,17 +51,15 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import pathlib
-import signal
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiodist.bench import format_table, machine_info
-from aiodist.bench.collectives import HOST, BenchError, Plan, Side, _free_port, _next, side_order
+from aiodist.bench.collectives import HOST, BenchError, Plan, Side, _free_port, _next, report_to_coordinator, run_loop, side_order
 
 __all__ = ["main", "MODELS", "ROWS"]
 
@@ -316,29 +314,12 @@ def _prepare() -> None:
 
 def _rank_main(plan: Plan, rank: int, conn: multiprocessing.connection.Connection) -> None:
     """One rank process: serves the coordinator's commands; on failure sends ("error", traceback)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator stops its ranks itself
-    try:
-        _prepare()
-        if plan.impl == "aiodist":
-            try:
-                import uvloop
 
-                run: Callable[[Any], Any] = uvloop.run
-            except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-                run = asyncio.run
-            run(_serve(plan, rank, conn))
-        else:
-            asyncio.run(_serve(plan, rank, conn))
-        reply: tuple[Any, ...] = ("done",)
-    except EOFError:  # the coordinator is gone
-        return
-    except BaseException:
-        reply = ("error", traceback.format_exc())
-    try:
-        conn.send(reply)
-    except OSError:  # the coordinator is gone
-        pass
-    conn.close()
+    def body() -> None:
+        _prepare()
+        run_loop(_serve(plan, rank, conn), fast=plan.impl == "aiodist")
+
+    report_to_coordinator(conn, body)
 
 
 # ----------------------------------------------------------------------------- coordinator
@@ -347,15 +328,8 @@ def _rank_main(plan: Plan, rank: int, conn: multiprocessing.connection.Connectio
 class DdpSide(Side):
     """The rank processes of one implementation (aiodist, torch) at one rank count."""
 
-    def start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        for r in range(self.plan.nproc):
-            here, there = ctx.Pipe()
-            p = ctx.Process(target=_rank_main, args=(self.plan, r, there), name=f"bench-ddp-{self.plan.impl}-{r}", daemon=True)
-            p.start()
-            there.close()
-            self.procs.append(p)
-            self.conns.append(here)
+    rank_main = staticmethod(_rank_main)
+    name = "bench-ddp"
 
     def command(self, kind: str, impl: str, model: str, *args: Any) -> list[Any]:
         """Send ("kind", impl, model, *args) to every rank; every rank's answer."""
