@@ -450,6 +450,12 @@ class DistributedDataParallel(torch.nn.Module):
     def _write_back(self) -> None:
         reducer = self._reducer
         unused = reducer.globally_unused if self.find_unused_parameters else set()
+        if not unused and not self.gradient_as_bucket_view:
+            grads = [p.grad for p in self._params]
+            if not any(g is None for g in grads):  # the common step: one foreach copy (`None in grads` would call Tensor.__eq__)
+                with torch.no_grad():
+                    torch._foreach_copy_(grads, reducer.grad_views())
+                return
         copy_to: list[torch.Tensor] = []
         copy_from: list[torch.Tensor] = []
         with torch.no_grad():
