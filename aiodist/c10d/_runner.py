@@ -10,7 +10,8 @@ Rules:
   ranks it waits on wrote (and theirs), and the message's first clause names the culprit and
   what it did. Reading is an effect (``consult``); naming is a pure function of what was read
   (``explain``). A store that does not answer in time is said to, and no rank is blamed by
-  inference.
+  inference. The error itself comes at the op's timeout, not before: what the consultation
+  left of the grace is waited out (torch's tests check that a timeout is not raised early).
 - Any failure of an op breaks its group (``break_group``): the group's other pending ops fail,
   later ops are refused, and the peers are told.
 """
@@ -530,7 +531,7 @@ async def run(
         what = f"{op} on {pg.describe()}, {label}"
         if fired:
             # how late the timer ran, not how long the cancelled body then took to unwind
-            await _timed_out(pg, op, label, what, tracker, work, limit, grace, entry, since, max(0.0, fired[0] - due))
+            await _timed_out(pg, op, label, what, tracker, work, limit, grace, entry, since, max(0.0, fired[0] - due), end=due + grace)
         else:  # the body's own failure, a TimeoutError of its own included
             _failed(pg, op, label, what, work, exc)
         return
@@ -553,7 +554,11 @@ async def _timed_out(
     entry: Entry | None,
     since: float,
     late: float = 0.0,
+    *,
+    end: float = 0.0,
 ) -> None:
+    """Explain the timeout (with the store, in the grace), then fail the op and break the group
+    at ``end`` (the loop time the op's whole limit ends), or at once if that has passed."""
     me = pg.backend.rank
     # " timeout " as a word of its own: torch's tests match ``" (Timed out|closed|timeout) "``,
     # and a message that has the word keeps its culprit-first headline (no ``Timeout: `` prefix)
@@ -581,6 +586,14 @@ async def _timed_out(
     if late >= LATE_S and not explained:  # no store to consult, or point-to-point
         msg = f"{did_not_run(me, late)}; {msg}"
     err = DistTimeoutError(msg)
+    rest = end - asyncio.get_running_loop().time()
+    if rest > 0:  # the consultation ended early: the op still fails at its timeout, not before
+        try:
+            await asyncio.sleep(rest)
+        except asyncio.CancelledError:  # torn down meanwhile: the op still fails, with this message
+            break_group(pg, msg, err)
+            work._fail(err)
+            raise
     if entry is not None:
         pg.recorder.timed_out(entry, msg)
     try:
