@@ -43,6 +43,14 @@ def _one_thread() -> Any:
     torch.set_num_threads(old)
 
 
+@pytest.fixture(autouse=True, params=["thread", "loop"])
+def backward_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs with autograd on a worker thread and on the loop's thread (the
+    construction reads AIODIST_DDP_BACKWARD)."""
+    monkeypatch.setenv("AIODIST_DDP_BACKWARD", request.param)
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
 def torch_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every mode's parameters after torch's DDP run (2 ranks, gloo; rank 0's)."""
@@ -459,9 +467,9 @@ async def test_buckets_issue_in_bucket_order_whatever_order_gradients_arrive_in(
         np.testing.assert_array_equal(got[rank][1], want[1])
 
 
-async def test_the_event_loop_runs_while_backward_computes() -> None:
-    """Backward runs on a worker thread: the rank's other tasks (and the buckets' all-reduces)
-    run meanwhile. Fails when loss.backward() runs on the loop's thread."""
+async def test_the_event_loop_runs_while_backward_computes(backward_mode: str) -> None:
+    """On a worker thread the rank's other tasks (and the buckets' all-reduces) run during
+    backward; on the loop's thread they wait for it (the ticks say which ran)."""
 
     async def fn(rank: int) -> int:
         torch.manual_seed(0)
@@ -477,6 +485,8 @@ async def test_the_event_loop_runs_while_backward_computes() -> None:
 
         x = torch.randn(256, 512)
         loss = ddp(x).square().mean()
+        at_last_grad: list[int] = []  # the first layer's weight gets its gradient last
+        model[0].weight.register_hook(lambda g: at_last_grad.append(ticks) or g)
         task = asyncio.create_task(tick())
         await asyncio.sleep(0)
         before = ticks
@@ -484,10 +494,55 @@ async def test_the_event_loop_runs_while_backward_computes() -> None:
             await ddp.backward(loss)
         finally:
             task.cancel()
-        return ticks - before
+        return at_last_grad[0] - before
 
     ticks = (await run_world(1, fn))[0]
-    assert ticks > 20, f"the loop ran {ticks} times during backward"
+    if backward_mode == "thread":
+        assert ticks > 20, f"the loop ran {ticks} times during backward"
+    else:
+        # one turn: the step's task starts on the loop turn after the call; none during autograd
+        assert ticks <= 1, f"the loop ran {ticks} times during a backward on its own thread"
+
+
+@pytest.mark.parametrize(
+    "choice, cores, local_ranks, thread",
+    [
+        ("thread", 1, 8, True),
+        ("loop", 64, 2, False),
+        ("", 16, 2, True),  # a core to spare: a thread
+        ("auto", 16, 2, True),
+        (" AUTO ", 2, 2, False),  # the ranks fill the cores: the loop
+        ("auto", 2, 4, False),
+        ("auto", 3, 2, True),
+    ],
+)
+def test_where_backward_runs_is_one_rule(choice: str, cores: int, local_ranks: int, thread: bool) -> None:
+    from aiodist.nn.parallel.distributed import backward_on_thread
+
+    assert backward_on_thread(choice, cores, local_ranks) is thread
+
+
+def test_a_bad_backward_choice_names_the_variable() -> None:
+    from aiodist.nn.parallel.distributed import backward_on_thread
+
+    with pytest.raises(ValueError, match="AIODIST_DDP_BACKWARD='threads': expected thread, loop or auto"):
+        backward_on_thread("threads", 2, 2)
+
+
+async def test_the_hooks_run_on_the_thread_the_choice_names(backward_mode: str) -> None:
+    import threading
+
+    async def fn(rank: int) -> tuple[bool, bool]:
+        model = torch.nn.Linear(4, 4)
+        seen: list[bool] = []
+        model.weight.register_hook(lambda g: seen.append(threading.current_thread() is threading.main_thread()) or g)
+        ddp = await DistributedDataParallel(model)
+        await ddp.backward(ddp(torch.ones(2, 4)).sum())
+        return seen[0], bool(ddp._get_ddp_logging_data()["backward_on_thread"])
+
+    on_loop, on_thread = (await run_world(1, fn))[0]
+    assert on_thread is (backward_mode == "thread")
+    assert on_loop is (backward_mode == "loop")
 
 
 async def test_cancelling_the_awaiting_task_does_not_cancel_the_step() -> None:

@@ -50,6 +50,7 @@ import importlib.util
 import json
 import multiprocessing
 import multiprocessing.connection
+import os
 import pathlib
 import statistics
 import sys
@@ -76,6 +77,22 @@ DATA_SEED = 1000  # + rank: that rank's batches (the same in every row)
 
 
 # ----------------------------------------------------------------------------- ranks
+
+
+def where_backward_runs(rank_counts: list[int]) -> str:
+    """The legend line saying where aiodist's DDP ran autograd at each rank count (the rule
+    DistributedDataParallel applies: aiodist.nn.parallel.distributed.backward_on_thread)."""
+    from aiodist.nn.parallel.distributed import ENV_BACKWARD, _usable_cores, backward_on_thread
+
+    choice = os.environ.get(ENV_BACKWARD, "")
+    cores = _usable_cores()
+    where = ", ".join(
+        f"{n} ranks: {'a worker thread' if backward_on_thread(choice, cores, n) else 'the loop thread'}" for n in rank_counts
+    )
+    return (
+        f"aiodist runs loss.backward() where {ENV_BACKWARD}={choice or 'auto'} puts it on {cores} cores ({where}); "
+        "each bucket's all-reduce is issued the moment the bucket is filled"
+    )
 
 
 def build(name: str) -> tuple[Any, int, int, int]:
@@ -669,8 +686,7 @@ def main(argv: list[str] | None = None) -> int:
         "overhead = step - compute-only step; fwd/bwd/opt: the loop's own timing (bwd includes waiting for the gradients' all-reduces)",
         "ddp fwd/bwd compute/bwd comm/overlap (ms): the DDP's _get_ddp_logging_data() over the timed steps, mean over ranks "
         "(comm: first bucket issued to last bucket reduced; overlap: the part of it before backward's compute returned)",
-        "aiodist runs loss.backward() on a worker thread: the gradient hooks hand complete buckets to the rank's event loop, "
-        "whose all-reduces move while backward goes on (on 2 cores they share the CPU with the other ranks' compute)",
+        where_backward_runs(args.rank_list),
     ]
     if args.torch:
         notes.append("torch DDP: torch.nn.parallel.DistributedDataParallel over torch.distributed gloo (runtime-logging sample rate 1)")

@@ -15,12 +15,14 @@ How a step runs:
   step ended properly: an unawaited ``ddp.backward``, a ``loss.backward()`` called directly, and a
   step in which a parameter got no gradient (without ``find_unused_parameters``) are errors here,
   each saying what to write instead.
-- ``await ddp.backward(loss)`` runs ``loss.backward()`` on a worker thread, so the event loop
-  stays free while autograd computes. A hook on every parameter
-  (``register_post_accumulate_grad_hook``, on that thread) hands each final gradient to the
-  :class:`~aiodist.nn.parallel.reducer.Reducer`; when a bucket is complete it is filled there and
-  handed to the loop (``call_soon_threadsafe``), which issues its ``all_reduce`` in bucket order,
-  so the bytes move while backward goes on. When autograd returns, the call awaits the buckets, writes the
+- ``await ddp.backward(loss)`` runs ``loss.backward()`` on a worker thread where the host has a
+  core to spare for it, so the event loop stays free while autograd computes; on a host whose
+  ranks already fill its cores it runs on the loop's thread (:func:`backward_on_thread` says
+  which). A hook on every parameter (``register_post_accumulate_grad_hook``) hands each final
+  gradient to the :class:`~aiodist.nn.parallel.reducer.Reducer`; when a bucket is complete it is
+  filled there and its ``all_reduce`` is issued on the loop (from the worker thread, handed over
+  with ``call_soon_threadsafe``), in bucket order, so the bytes move while backward goes on.
+  When autograd returns, the call awaits the buckets, writes the
   averages into ``param.grad`` (or leaves ``param.grad`` as a view of its bucket with
   ``gradient_as_bucket_view=True``) and, with ``broadcast_buffers=True``, broadcasts rank 0's
   buffers, so the next forward sees them as torch's broadcast at the start of forward would.
@@ -55,7 +57,7 @@ from aiodist.c10d import all_gather_object, broadcast, get_backend, get_rank, ge
 from aiodist.debug import DebugLevel, get_debug_level, record_comm
 from aiodist.nn.parallel.reducer import Reducer
 
-__all__ = ["DDP", "DistributedDataParallel"]
+__all__ = ["DDP", "DistributedDataParallel", "backward_on_thread", "ENV_BACKWARD"]
 
 log = logging.getLogger("aiodist.ddp")
 
@@ -75,6 +77,44 @@ _STILL_RUNNING = (
     "and ends on its own (its all-reduces must meet the other ranks'), within the group's timeout; start the next step "
     "after it has ended"
 )
+
+
+#: where ``ddp.backward`` runs autograd: ``thread``, ``loop`` or ``auto`` (the default)
+ENV_BACKWARD = "AIODIST_DDP_BACKWARD"
+
+
+def backward_on_thread(choice: str, cores: int, local_ranks: int) -> bool:
+    """Whether ``ddp.backward`` runs autograd on a worker thread (True) or on the event loop's
+    thread (False). ``choice`` is ``AIODIST_DDP_BACKWARD``; ``cores`` the cores this process may
+    run on; ``local_ranks`` the ranks on this host. Rules, in order:
+
+    1. ``thread``: a worker thread. The loop stays free during backward: the buckets'
+       all-reduces progress while later gradients are computed, and the rank's other tasks run.
+    2. ``loop``: the loop's thread. Each bucket's all-reduce is still issued the moment it is
+       filled (its first step runs in the hook), the rest runs once backward returns; the loop
+       runs nothing else meanwhile.
+    3. ``auto`` (or unset): a thread when the host has more cores than ranks, so the thread has a
+       core to run on; otherwise the loop. Where the ranks fill the cores, the communication a
+       thread would overlap needs the same cores, and the thread only adds hand-offs (each
+       gradient hook takes the GIL from another thread; on a 2-core host, 2 ranks: 5-8 %% of a
+       step, docs/benchmarks.md).
+
+    Anything else is a ValueError naming the variable."""
+    c = choice.strip().lower()
+    if c == "thread":
+        return True
+    if c == "loop":
+        return False
+    if c in ("", "auto"):
+        return cores > local_ranks
+    raise ValueError(f"{ENV_BACKWARD}={choice!r}: expected thread, loop or auto")
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def _broadcast_groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -100,6 +140,10 @@ async def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: Any
                 n = t.numel()
                 t.copy_(flat[off : off + n].view_as(t))
                 off += n
+
+
+def _call_now(callback: Any) -> None:
+    callback()
 
 
 class _Stats:
@@ -191,6 +235,12 @@ class DistributedDataParallel(torch.nn.Module):
             find_unused_parameters=self.find_unused_parameters,
         )
         self.bucket_bytes_cap = self._reducer.limits[-1]
+        local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+        self._on_thread = backward_on_thread(
+            os.environ.get(ENV_BACKWARD, ""),
+            _usable_cores(),
+            int(local) if local.isdigit() else get_world_size(process_group),  # unknown: every rank may be here
+        )
         self._ready = False  # set when the awaited construction finished
         self._hooks: list[Any] = []
         self._step_sync = False  # did the last forward ask for a synced backward
@@ -363,23 +413,31 @@ class DistributedDataParallel(torch.nn.Module):
         try:
             if sync and self.find_unused_parameters:
                 reducer.mark_unused(self._unreachable(loss))
-            # autograd on a worker thread: the loop stays free, so each bucket's all_reduce moves
-            # while backward goes on (and the rank's other tasks run); the hooks hand complete
-            # buckets to the loop, which issues them in bucket order
-            loop = asyncio.get_running_loop()
-            ctx = contextvars.copy_context()
-            if sync:
-                reducer.post = lambda callback: loop.call_soon_threadsafe(callback, context=ctx)
-            # a Context can be entered by one thread at a time: the backward thread gets its own copy
-            run = functools.partial(contextvars.copy_context().run, loss.backward, gradient, retain_graph, create_graph, inputs)
-            thread = loop.run_in_executor(None, run)
-            try:
-                await asyncio.shield(thread)
-            except asyncio.CancelledError:
-                await asyncio.wait([thread])  # autograd cannot be stopped: let it end before the step is given up
-                raise
-            finally:
-                reducer.post = None
+            if not self._on_thread:  # on the loop's thread (backward_on_thread): the hooks issue at once
+                if sync:
+                    reducer.post = _call_now  # a comm hook's error is kept for finish(), as from a thread
+                try:
+                    loss.backward(gradient, retain_graph, create_graph, inputs)
+                finally:
+                    reducer.post = None
+            else:
+                # autograd on a worker thread: the loop stays free, so each bucket's all_reduce moves
+                # while backward goes on (and the rank's other tasks run); the hooks hand complete
+                # buckets to the loop, which issues them in bucket order
+                loop = asyncio.get_running_loop()
+                ctx = contextvars.copy_context()
+                if sync:
+                    reducer.post = lambda callback: loop.call_soon_threadsafe(callback, context=ctx)
+                # a Context can be entered by one thread at a time: the backward thread gets its own copy
+                run = functools.partial(contextvars.copy_context().run, loss.backward, gradient, retain_graph, create_graph, inputs)
+                thread = loop.run_in_executor(None, run)
+                try:
+                    await asyncio.shield(thread)
+                except asyncio.CancelledError:
+                    await asyncio.wait([thread])  # autograd cannot be stopped: let it end before the step is given up
+                    raise
+                finally:
+                    reducer.post = None
         except BaseException:
             if reducer.active:
                 reducer.abandon()
@@ -547,6 +605,7 @@ class DistributedDataParallel(torch.nn.Module):
             "find_unused_parameters": int(self.find_unused_parameters),
             "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
             "static_graph": int(self.static_graph),
+            "backward_on_thread": int(self._on_thread),
             "has_comm_hook": int(r.has_comm_hook),
             "iteration": self._iteration,
             "device_ids": "",

@@ -85,7 +85,8 @@ class _NumpyOps(_Ops):
 
     @staticmethod
     def cat_scaled(flat: Any, views: list[Any], grads: list[Any], factor: float | None) -> None:
-        np.concatenate([np.ravel(g) for g in grads], out=flat)
+        for view, g in zip(views, grads):  # a gradient that is its slot is copied onto itself
+            np.copyto(view, np.asarray(g).reshape(view.shape), casting="unsafe")
         if factor is not None:
             np.multiply(flat, factor, out=flat)
 
@@ -247,7 +248,8 @@ class Reducer:
         self._param_views: list[Any] | None = None  # grad_views(), built on first use
         self._hook: Hook | None = None
         self._hook_state: Any = None
-        #: set while gradients arrive on another thread: hands the issuing to the loop's thread
+        #: set during a step's backward: hands the issuing to the loop's thread (from a worker
+        #: thread), and keeps a comm hook's error for finish()
         self.post: Callable[[Callable[[], None]], Any] | None = None
         self._issue_error: BaseException | None = None
         self._active = False
@@ -344,11 +346,10 @@ class Reducer:
         ops = self._ops
         factor = None if self._hook is not None else 1.0 / self.world_size
         grads, views = bucket.grads, bucket.views
-        if bucket.batched and all(g is not None and not ops.same(g, v) for g, v in zip(grads, views)):
+        if bucket.batched and not any(g is None for g in grads):
+            # a gradient that is its slot already (gradient_as_bucket_view) is copied onto itself,
+            # which changes nothing: cheaper than asking each gradient where it lives
             ops.cat_scaled(bucket.flat, views, grads, factor)
-        elif bucket.batched and all(g is not None and ops.same(g, v) for g, v in zip(grads, views)):
-            if factor is not None:  # gradient_as_bucket_view: the gradients are the bucket already
-                ops.scale_into(bucket.flat, bucket.flat, factor)
         else:
             for grad, view in zip(grads, views):
                 if grad is None:
