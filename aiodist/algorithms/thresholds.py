@@ -129,9 +129,29 @@ class Thresholds:
     @classmethod
     def latency_bound(cls, pipeline_piece: int = 1 * MiB) -> Thresholds:
         """Every op on its small-message schedule, whatever the size (for tests and benchmarks);
-        never shared memory."""
+        never shared memory: no lane, no halves, no single copy (``plan`` gives the socket for
+        every op and size; tests/test_plan.py checks it)."""
         huge = 1 << 62
-        return cls(huge, huge, huge, huge, huge, huge, pipeline_piece, -1, -1, 0, 0)
+        return cls(
+            broadcast_tree_max=huge,
+            allreduce_rd_max=huge,
+            allreduce_ring_min=huge,
+            allgather_bruck_max=huge,
+            reduce_scatter_direct_max=huge,
+            alltoall_burst_max=huge,
+            pipeline_piece=pipeline_piece,
+            allreduce_shm_min=-1,
+            allgather_shm_min=-1,
+            lane_max=0,
+            broadcast_lane_max=0,
+            broadcast_shm_min=-1,
+            allreduce_cma_min=-1,
+            reduce_cma_min=-1,
+            reduce_scatter_cma_min=-1,
+            alltoall_cma=-1,
+            gather_cma_min=-1,
+            scatter_cma_min=-1,
+        )
 
     @classmethod
     def bandwidth_bound(cls, pipeline_piece: int) -> Thresholds:

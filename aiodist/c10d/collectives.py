@@ -25,6 +25,7 @@ from aiodist._pending import communicating
 from aiodist._time import TimeoutLike, to_seconds
 from aiodist.algorithms import collectives as alg
 from aiodist.algorithms.p2p import P2P, SubP2P, byte_view
+from aiodist.algorithms.plan import Plan, plan
 from aiodist.c10d._args import buf, bufs, check_async_op, group_root, same_dtype, split_sizes
 from aiodist.c10d._device import device_backend, issue_on_device
 from aiodist.c10d.init import GroupArg, not_member, resolve_group
@@ -134,26 +135,10 @@ def _shm_ticket(pg: Any, wanted: bool) -> Ticket | None:
     return None if shm is None else shm.ticket(pg.group_id, pg.ranks)  # type: ignore[no-any-return]
 
 
-def _cma_wanted(pg: Any, big: bool, nbytes: int, threshold: int) -> bool:
-    """Whether an op that may go by single-copy reads (reduce, reduce_scatter) takes a place in
-    the group's shared-memory line: where the backend has shared memory and the op is ``big``,
-    or past the lane's 16 KiB (where the group has a lane), so that one on the socket path
-    says which op it is in and a peer on the other path (a size that differs) sees the desync.
-    Whether this rank itself can read its peers does not count: the group agrees on that, and
-    a rank that cannot must still take its turn, or a peer whose first op of the group this is
-    would wait alone in the agreement."""
-    th = pg.thresholds
-    return (big or nbytes > th.broadcast_lane_max and th.lane_max > 0) and threshold >= 0  # (_shm_ticket: where the backend has shared memory)
-
-
-def _rooted_cma(pg: Any, threshold: int) -> bool:
-    """Whether a gather or scatter takes a place in the shared-memory line: in groups of 2,
-    where single copy is on for it (``threshold``: ``gather_cma_min`` / ``scatter_cma_min``),
-    whatever its size, so that one below the threshold says which op it is in (a size that
-    differs across ranks and straddles it is a desync at once). At 4 ranks on 2 cores single
-    copy was 2x slower up to 64 KiB (gather 250 us against 120) and faster from 4 MiB; wider
-    groups keep the socket."""
-    return len(pg.ranks) == 2 and threshold >= 0
+def _eager(pl: Plan, ticket: Ticket | None) -> bool:
+    """Whether the op may complete in the issuing call: its plan allows it and its turn in the
+    shared-memory line has come (``ProcessGroup.issue``'s eager)."""
+    return pl.eager is not None and ticket is not None and ticket.lane_now(pl.eager)
 
 
 def _issue_with(pg: Any, ticket: Ticket | None, *args: Any, **kwargs: Any) -> Work:
@@ -192,21 +177,14 @@ async def broadcast(
         return await issue_on_device(dev, pg, "broadcast", {"tensor": tensor, "root": root}, asy)
     b = buf(tensor, "broadcast tensor", writable=pg.rank() != root)
     flat, th = b.flat, pg.thresholds
-    # small, 2 ranks: the latency lane (every lane op waits for every rank; with more ranks the
-    # socket's tree, where a rank waits only for its parent, was faster: 4 ranks, 1-16 KiB)
-    lane = len(pg.ranks) == 2 and 0 < flat.nbytes <= th.broadcast_lane_max and th.lane(flat.nbytes)
-    # big: single-copy reads of the root's tensor where the group can (aiodist.shm._cma). Every
-    # broadcast past the lane's takes a place in line where the backend has shared memory, so
-    # that one on the socket path still says which op it is in (run_broadcast): a peer that
-    # took another path for a size that differs (a mistake) finds the desync, not its timeout
-    # (_shm_ticket takes one wherever the backend has shared memory, not only where this rank
-    # can read its peers: a rank that cannot must still vote in the group's agreement)
-    big = th.broadcast_shm(flat.nbytes, len(pg.ranks))
-    past_lane = flat.nbytes > th.broadcast_lane_max and th.broadcast_shm_min >= 0 and (big or th.lane_max > 0)
-    ticket = _shm_ticket(pg, lane or past_lane)
+    # the path is the plan's (aiodist.algorithms.plan); a place in line is taken wherever the
+    # backend has shared memory, not only where this rank can read its peers: a rank that
+    # cannot must still vote in the group's agreement
+    pl = plan("broadcast", flat.nbytes, len(pg.ranks), th)
+    ticket = _shm_ticket(pg, pl.shm)
 
     async def body(p2p: P2P) -> None:
-        if ticket is None or not await run_broadcast(ticket, p2p, flat, root, big, lane):
+        if ticket is None or not await run_broadcast(ticket, p2p, flat, root, pl.single_copy, pl.lane):
             await alg.broadcast(p2p, flat, root, thresholds=th)
 
     return await _finish(_issue_with(pg, ticket, "broadcast", body, [tensor], meta=_meta(tensor=_t(b), root=pg.ranks[root])), asy)
@@ -232,7 +210,7 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
         if flags.writeable and flags.c_contiguous:
             hit = pg.hot.get((_ALL_REDUCE, op, tensor.dtype, tensor.shape))
     if hit is not None:
-        rop, combine, name, described, shm, plain = hit
+        rop, combine, name, described, pl, plain = hit
         flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
     else:
         if (dev := device_backend(pg, tensor, "all_reduce tensor")) is not None:
@@ -241,13 +219,12 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
         rop, combine = _reduction(op, b.dtype_name, "all_reduce")
         flat, name = b.flat, b.dtype_name
         described = describe_call("all_reduce", _meta(tensor=_t(b), op=_opname(rop)))
-        # 1: the shared-memory schedule, 2: its latency lane (small ops), 0: neither
-        shm = 1 if pg.thresholds.all_reduce_shm(flat.nbytes) else 2 if pg.thresholds.all_reduce_lane(flat.nbytes) else 0
+        pl = plan("all_reduce", flat.nbytes, len(pg.ranks), pg.thresholds)
         plain = rop.op is not _PREMUL and rop.op is not _AVG  # nothing to do before or after the exchanges
         if type(tensor) is np.ndarray and type(op) is _KIND:
-            _keep(pg, (_ALL_REDUCE, op, tensor.dtype, tensor.shape), (rop, combine, name, described, shm, plain))
+            _keep(pg, (_ALL_REDUCE, op, tensor.dtype, tensor.shape), (rop, combine, name, described, pl, plain))
     th = pg.thresholds
-    ticket = _shm_ticket(pg, True) if shm else None
+    ticket = _shm_ticket(pg, pl.shm)
     if ticket is None and plain:
         work = pg.issue(
             "all_reduce", functools.partial(alg.all_reduce, buf=flat, combine=combine, thresholds=th), [tensor], described=described
@@ -257,13 +234,11 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
 
         async def body(p2p: P2P) -> None:
             _premultiply(flat, rop, dtype=name)
-            if ticket is None or not await run_all_reduce(ticket, p2p, flat, combine, shm == 2, shm == 1 and th.all_reduce_cma(flat.nbytes)):
+            if ticket is None or not await run_all_reduce(ticket, p2p, flat, combine, pl.lane, pl.single_copy):
                 await alg.all_reduce(p2p, flat, combine, thresholds=th)
             _finalize(flat, rop, n, dtype=name)
 
-        # a lane op whose turn has come may complete in this call (ProcessGroup.issue's eager)
-        eager = shm == 2 and ticket is not None and ticket.lane_now(flat.nbytes)
-        work = _issue_with(pg, ticket, "all_reduce", body, [tensor], described=described, eager=eager)
+        work = _issue_with(pg, ticket, "all_reduce", body, [tensor], described=described, eager=_eager(pl, ticket))
     if asy:
         return work
     if not work.done():  # ``await work``, without its generator (a cancelled wait leaves the op running)
@@ -293,27 +268,19 @@ async def reduce(
     b = buf(tensor, "reduce tensor", writable=is_root)
     rop, combine = _reduction(op, b.dtype_name, "reduce")
     flat, name, n, th = b.flat, b.dtype_name, pg.size(), pg.thresholds
-    # big: single-copy reads where the group can (aiodist.shm._cma); as for broadcast, every
-    # reduce past the lane's sizes takes a place in line, so that one on the socket path says
-    # which op it is in (run_reduce): a peer on the other path (a size that differs) sees the desync
-    # small, 2 ranks: the latency lane (measured: 41-48 us against 87-108 on the socket, 4 B-64 KiB;
-    # at 4 ranks on 2 cores the socket's tree was faster up to 64 KiB, 100-150 us against 190-290)
-    lane = len(pg.ranks) == 2 and flat.nbytes > 0 and th.lane(flat.nbytes)
-    big = not lane and th.reduce_cma(flat.nbytes, len(pg.ranks))
-    ticket = _shm_ticket(pg, lane or _cma_wanted(pg, big, flat.nbytes, th.reduce_cma_min))
+    pl = plan("reduce", flat.nbytes, len(pg.ranks), th)
+    ticket = _shm_ticket(pg, pl.shm)
 
     async def body(p2p: P2P) -> None:
         mine = flat if is_root or rop.op is not _PREMUL else flat.copy()
         _premultiply(mine, rop, dtype=name)
-        if ticket is None or not await run_reduce(ticket, p2p, mine, root, combine, big, lane):
+        if ticket is None or not await run_reduce(ticket, p2p, mine, root, combine, pl.single_copy, pl.lane):
             await alg.reduce(p2p, mine, root, combine, thresholds=th)
         if is_root:
             _finalize(mine, rop, n, dtype=name)
 
     meta = _meta(tensor=_t(b), op=_opname(rop), root=pg.ranks[root])
-    # a lane op whose turn has come may complete in this call (ProcessGroup.issue's eager)
-    eager = lane and ticket is not None and ticket.lane_now(flat.nbytes)
-    return await _finish(_issue_with(pg, ticket, "reduce", body, [tensor], meta=meta, eager=eager), asy)
+    return await _finish(_issue_with(pg, ticket, "reduce", body, [tensor], meta=meta, eager=_eager(pl, ticket)), asy)
 
 
 # -- all_gather / gather / scatter -------------------------------------------------------------
@@ -333,12 +300,11 @@ async def all_gather(tensor_list: Sequence[Any], tensor: Any, group: GroupArg = 
     same_dtype(outs, inp, "all_gather tensor_list")
     _same_size(outs[pg.rank()], inp.flat.size, f"all_gather tensor_list[{pg.rank()}] (this rank's own slot)")
     flats, mine, th = [o.flat for o in outs], inp.flat, pg.thresholds
-    big = th.all_gather_shm(sum(f.nbytes for f in flats))
-    lane = not big and th.lane(max(f.nbytes for f in flats))  # small parts: the latency lane
-    ticket = _shm_ticket(pg, big or lane)
+    pl = plan("all_gather", sum(f.nbytes for f in flats), len(pg.ranks), th, part=max(f.nbytes for f in flats))
+    ticket = _shm_ticket(pg, pl.shm)
 
     async def body(p2p: P2P) -> None:
-        if ticket is None or not await run_all_gather(ticket, p2p, flats, mine, lane):
+        if ticket is None or not await run_all_gather(ticket, p2p, flats, mine, pl.lane):
             await alg.all_gather(p2p, flats, mine, thresholds=th)
 
     return await _finish(
@@ -371,12 +337,11 @@ async def _all_gather_one(op: str, output_tensor: Any, input_tensor: Any, group:
     n = pg.size()
     _same_size(out, n * inp.flat.size, f"{op} output_tensor (world size x input size)")
     chunks, mine, th = _chunks(out.flat, n), inp.flat, pg.thresholds
-    big = th.all_gather_shm(out.flat.nbytes)
-    lane = not big and th.lane(mine.nbytes)  # small parts: the latency lane
-    ticket = _shm_ticket(pg, big or lane)
+    pl = plan("all_gather", out.flat.nbytes, n, th, part=mine.nbytes)
+    ticket = _shm_ticket(pg, pl.shm)
 
     async def body(p2p: P2P) -> None:
-        if ticket is None or not await run_all_gather(ticket, p2p, chunks, mine, lane):
+        if ticket is None or not await run_all_gather(ticket, p2p, chunks, mine, pl.lane):
             await alg.all_gather(p2p, chunks, mine, thresholds=th)
 
     return await _finish(_issue_with(pg, ticket, op, body, [output_tensor], meta=_meta(output=_t(out), input=_t(inp))), asy)
@@ -418,17 +383,16 @@ async def gather(
         return await issue_on_device(dev, pg, "gather", {"tensor": tensor, "gather_list": gather_list, "root": root}, asy)
     inp = buf(tensor, "gather tensor", writable=False)
     flats = _root_list(pg, root, gather_list, inp, "gather", "gather_list", "destination", writable=True)
-    mine, th = inp.flat, pg.thresholds
-    ticket = _shm_ticket(pg, _rooted_cma(pg, th.gather_cma_min))
-    big = 0 <= th.gather_cma_min <= mine.nbytes
+    mine = inp.flat
+    pl = plan("gather", mine.nbytes, len(pg.ranks), pg.thresholds)
+    ticket = _shm_ticket(pg, pl.shm)
 
     async def body(p2p: P2P) -> None:
-        if ticket is None or not await run_gather(ticket, p2p, flats, mine, root, big):
+        if ticket is None or not await run_gather(ticket, p2p, flats, mine, root, pl.single_copy):
             await alg.gather(p2p, flats, mine, root)
 
     meta = _meta(dtype=inp.dtype_name, root=pg.ranks[root], local={"input": _t(inp)})
-    eager = big and ticket is not None and mine.nbytes <= th.lane_max and ticket.lane_now(0)  # (as all_to_all's)
-    return await _finish(_issue_with(pg, ticket, "gather", body, list(gather_list or []), meta=meta, eager=eager), asy)
+    return await _finish(_issue_with(pg, ticket, "gather", body, list(gather_list or []), meta=meta, eager=_eager(pl, ticket)), asy)
 
 
 @communicating
@@ -450,17 +414,16 @@ async def scatter(
         return await issue_on_device(dev, pg, "scatter", {"tensor": tensor, "scatter_list": scatter_list, "root": root}, asy)
     out = buf(tensor, "scatter tensor", writable=True)
     flats = _root_list(pg, root, scatter_list, out, "scatter", "scatter_list", "source", writable=False)
-    mine, th = out.flat, pg.thresholds
-    ticket = _shm_ticket(pg, _rooted_cma(pg, th.scatter_cma_min))
-    big = 0 <= th.scatter_cma_min <= mine.nbytes
+    mine = out.flat
+    pl = plan("scatter", mine.nbytes, len(pg.ranks), pg.thresholds)
+    ticket = _shm_ticket(pg, pl.shm)
 
     async def body(p2p: P2P) -> None:
-        if ticket is None or not await run_scatter(ticket, p2p, mine, flats, root, big):
+        if ticket is None or not await run_scatter(ticket, p2p, mine, flats, root, pl.single_copy):
             await alg.scatter(p2p, mine, flats, root)
 
     meta = _meta(dtype=out.dtype_name, root=pg.ranks[root], local={"output": _t(out)})
-    eager = big and ticket is not None and mine.nbytes <= th.lane_max and ticket.lane_now(16 * pg.size())  # (as all_to_all's)
-    return await _finish(_issue_with(pg, ticket, "scatter", body, [tensor], meta=meta, eager=eager), asy)
+    return await _finish(_issue_with(pg, ticket, "scatter", body, [tensor], meta=meta, eager=_eager(pl, ticket)), asy)
 
 
 # -- reduce_scatter / all_to_all / barrier -----------------------------------------------------
@@ -519,8 +482,8 @@ async def _reduce_scatter_one(name: str, output: Any, input: Any, op: ReduceOpLi
 def _issue_reduce_scatter(pg: Any, name: str, out: Buffer, parts: list[np.ndarray], rop: ReduceOp, combine: Any, output: Any) -> Work:
     dtype, n, th = out.dtype_name, pg.size(), pg.thresholds
     total = sum(x.nbytes for x in parts)  # the same on every rank
-    big = th.reduce_scatter_cma(total)
-    ticket = _shm_ticket(pg, _cma_wanted(pg, big, total, th.reduce_scatter_cma_min))
+    pl = plan("reduce_scatter", total, n, th)
+    ticket = _shm_ticket(pg, pl.shm)
 
     async def body(p2p: P2P) -> None:
         mine = parts
@@ -528,13 +491,11 @@ def _issue_reduce_scatter(pg: Any, name: str, out: Buffer, parts: list[np.ndarra
             mine = [p.copy() for p in parts]
             for p in mine:
                 _premultiply(p, rop, dtype=dtype)
-        if ticket is None or not await run_reduce_scatter(ticket, p2p, out.flat, mine, combine, big):
+        if ticket is None or not await run_reduce_scatter(ticket, p2p, out.flat, mine, combine, pl.single_copy):
             await alg.reduce_scatter(p2p, out.flat, mine, combine, thresholds=th)
         _finalize(out.flat, rop, n, dtype=dtype)
 
-    # a small one whose turn has come may complete in this call (its phases are lane words)
-    eager = big and ticket is not None and 0 < total <= th.lane_max and ticket.lane_now(0)
-    return _issue_with(pg, ticket, name, body, [output], meta=_meta(output=_t(out), op=_opname(rop)), eager=eager)
+    return _issue_with(pg, ticket, name, body, [output], meta=_meta(output=_t(out), op=_opname(rop)), eager=_eager(pl, ticket))
 
 
 @communicating
@@ -606,17 +567,14 @@ async def all_to_all_single(
 
 def _issue_all_to_all(pg: Any, name: str, outs: list[np.ndarray], ins: list[np.ndarray], outputs: list[Any]) -> Work:
     th = pg.thresholds
-    # single-copy reads where the group can: every all_to_all or none (``alltoall_cma``), as a
-    # rank knows only its own sizes, and every rank of the group must take the same path
-    ticket = _shm_ticket(pg, th.alltoall_cma >= 0)
+    pl = plan("all_to_all", sum(x.nbytes for x in ins), len(pg.ranks), th, part=len(ins))
+    ticket = _shm_ticket(pg, pl.shm)
 
     async def body(p2p: P2P) -> None:
         if ticket is None or not await run_all_to_all(ticket, p2p, outs, ins):
             await alg.all_to_all(p2p, outs, ins, thresholds=th)
 
-    # a small one whose turn has come may complete in this call (its steps are lane ops)
-    eager = ticket is not None and sum(x.nbytes for x in ins) <= th.lane_max and ticket.lane_now(16 * len(ins))
-    return _issue_with(pg, ticket, name, body, outputs, meta=_meta(dtype=str(ins[0].dtype) if ins else "?"), eager=eager)
+    return _issue_with(pg, ticket, name, body, outputs, meta=_meta(dtype=str(ins[0].dtype) if ins else "?"), eager=_eager(pl, ticket))
 
 
 @communicating
@@ -629,7 +587,7 @@ async def barrier(group: GroupArg = None, async_op: bool = False, device_ids: An
     if pg.host_refusal is not None and pg.devices:  # no CPU backend ("nccl" alone): a device barrier
         return await issue_on_device(next(iter(pg.devices.values())), pg, "barrier", {"device_ids": device_ids}, asy)
 
-    ticket = _shm_ticket(pg, pg.thresholds.lane(0))  # same-host ranks: the latency lane
+    ticket = _shm_ticket(pg, plan("barrier", 0, len(pg.ranks), pg.thresholds).shm)
 
     async def body(p2p: P2P) -> None:
         if ticket is None or not await run_barrier(ticket, p2p):

@@ -1,0 +1,176 @@
+"""Which path a collective takes between ranks: one pure decision.
+
+``plan(op, nbytes, ranks, rules, part=...) -> Plan``. Its inputs are only what every rank of the
+group shares, so every rank plans alike: the op, its size in bytes as every rank knows it (an
+all_gather's or reduce_scatter's total, not one rank's part; ``part`` is the largest part where a
+rule needs it), the group's size, and the group's :class:`~aiodist.algorithms.thresholds.Thresholds`
+(the rules' byte limits, the same on every rank). all_to_all is the exception its own rule names:
+a rank knows only its own sizes there, so its path does not depend on a size.
+
+A :class:`Plan` says what the op tries first (``path``), whether it takes a place in the group's
+shared-memory line (``shm``: the backend decides whether it has shared memory and whether the
+group agreed on it, and falls back to the socket where not), and whether a small op whose turn
+has come may complete in the issuing call (``eager``). The socket's own schedule (tree or chain,
+recursive doubling or ring, ...) is chosen by ``aiodist.algorithms.collectives`` from the same
+Thresholds.
+
+The paths:
+
+- ``socket``: messages through the transport (``aiodist.algorithms.collectives``).
+- ``lane``: shared memory's latency lane (``aiodist.shm._lane``): one slot per rank, no message
+  when the ranks arrive together; small ops, where the group has a lane.
+- ``halves``: shared memory's two segment halves, pipelined (``aiodist.shm._algorithms``).
+- ``single_copy``: single-copy reads of the peers' buffers (``aiodist.shm._cma``), where the
+  group can read its peers' memory.
+
+An op on the socket path that still takes a place in line (``shm`` with path ``socket``) says
+there which op it is in, so a peer that took another path for a size that differs (a mistake)
+finds the desync at once instead of a timeout.
+
+The rules per op, in order (the first that applies decides; ``th`` is the Thresholds):
+
+broadcast
+  1. a group of 2, ``0 < nbytes <= th.broadcast_lane_max`` and the lane on: ``lane`` (before
+     single copy, where thresholds would allow both). Every lane op waits for every rank; with
+     more ranks the socket's tree, where a rank waits only for its parent, was faster.
+  2. past ``th.broadcast_lane_max`` and ``th.broadcast_shm(nbytes, ranks)``: ``single_copy``.
+  3. past ``th.broadcast_lane_max``, single copy allowed (``broadcast_shm_min >= 0``) and the
+     lane on: ``socket`` in line.
+  4. otherwise ``socket``.
+all_reduce
+  1. ``th.all_reduce_shm(nbytes)``: ``single_copy`` if ``th.all_reduce_cma(nbytes)``, else ``halves``.
+  2. ``th.all_reduce_lane(nbytes)``: ``lane``, eager.
+  3. otherwise ``socket``.
+reduce
+  1. a group of 2, ``nbytes > 0`` and ``th.lane(nbytes)``: ``lane``, eager.
+  2. ``th.reduce_cma(nbytes, ranks)``: ``single_copy``.
+  3. past the broadcast lane's sizes (lane on) with single copy allowed: ``socket`` in line.
+  4. otherwise ``socket``.
+all_gather, all_gather_into_tensor (``nbytes``: the output's total; ``part``: the largest part)
+  1. ``th.all_gather_shm(nbytes)``: ``halves``.
+  2. ``th.lane(part)``: ``lane``.
+  3. otherwise ``socket``.
+gather, scatter (``nbytes``: a rank's own part, the same on every rank as torch requires)
+  1. a group of other than 2 ranks, or single copy off for it: ``socket``. At 4 ranks on 2
+     cores single copy was 2x slower up to 64 KiB and faster only from 4 MiB.
+  2. ``nbytes >= th.gather_cma_min`` (``scatter_cma_min``): ``single_copy``, eager up to
+     ``th.lane_max``.
+  3. otherwise ``socket`` in line.
+reduce_scatter (``nbytes``: the input's total)
+  1. ``th.reduce_scatter_cma(nbytes)``: ``single_copy``, eager from 1 byte up to ``th.lane_max``.
+  2. past the broadcast lane's sizes (lane on) with single copy allowed: ``socket`` in line.
+  3. otherwise ``socket``.
+all_to_all (``nbytes``: what this rank sends in all; ``part``: the number of parts)
+  1. ``th.alltoall_cma >= 0``: ``single_copy`` for every all_to_all, eager up to ``th.lane_max``.
+  2. otherwise ``socket``.
+barrier
+  1. ``th.lane(0)``: ``lane``.
+  2. otherwise ``socket``.
+
+``plan`` is called once per op (all_reduce keeps its plan with the call's other checks for
+the next call like it); it does a few comparisons and allocates nothing but the Plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from aiodist.algorithms.thresholds import Thresholds
+
+__all__ = ["OPS", "Path", "Plan", "plan"]
+
+Path = Literal["socket", "lane", "halves", "single_copy"]
+
+OPS = (
+    "broadcast",
+    "all_reduce",
+    "reduce",
+    "all_gather",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "all_to_all",
+    "barrier",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What one op does: see the module docstring."""
+
+    path: Path
+    #: takes a place in the group's shared-memory line (where the backend has shared memory)
+    shm: bool
+    #: the lane bytes ``Ticket.lane_now`` is asked about to complete the op in the issuing call
+    #: when its turn has come; None: never in the issuing call
+    eager: int | None = None
+
+    @property
+    def lane(self) -> bool:
+        return self.path == "lane"
+
+    @property
+    def single_copy(self) -> bool:
+        return self.path == "single_copy"
+
+
+_SOCKET = Plan("socket", False)
+_SOCKET_IN_LINE = Plan("socket", True)
+
+
+def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0) -> Plan:
+    """The path of ``op`` (one of :data:`OPS`) for ``nbytes`` in a group of ``ranks``, by the
+    rules in the module docstring. An unknown op is a ValueError."""
+    if op == "all_reduce":
+        if th.all_reduce_shm(nbytes):
+            return Plan("single_copy" if th.all_reduce_cma(nbytes) else "halves", True)
+        if th.all_reduce_lane(nbytes):
+            return Plan("lane", True, nbytes)
+        return _SOCKET
+    if op == "broadcast":
+        if ranks == 2 and 0 < nbytes <= th.broadcast_lane_max and th.lane(nbytes):
+            return Plan("lane", True)
+        if nbytes > th.broadcast_lane_max and th.broadcast_shm_min >= 0:
+            if th.broadcast_shm(nbytes, ranks):
+                return Plan("single_copy", True)
+            if th.lane_max > 0:
+                return _SOCKET_IN_LINE
+        return _SOCKET
+    if op == "reduce":
+        if ranks == 2 and nbytes > 0 and th.lane(nbytes):
+            return Plan("lane", True, nbytes)
+        if th.reduce_cma(nbytes, ranks):
+            return Plan("single_copy", True)
+        return _SOCKET_IN_LINE if _past_lane(th, nbytes, th.reduce_cma_min) else _SOCKET
+    if op == "all_gather":
+        if th.all_gather_shm(nbytes):
+            return Plan("halves", True)
+        if th.lane(part):
+            return Plan("lane", True)
+        return _SOCKET
+    if op in ("gather", "scatter"):
+        threshold = th.gather_cma_min if op == "gather" else th.scatter_cma_min
+        if ranks != 2 or threshold < 0:
+            return _SOCKET
+        if threshold <= nbytes:
+            eager = 0 if op == "gather" else 16 * ranks
+            return Plan("single_copy", True, eager if nbytes <= th.lane_max else None)
+        return _SOCKET_IN_LINE
+    if op == "reduce_scatter":
+        if th.reduce_scatter_cma(nbytes):
+            return Plan("single_copy", True, 0 if 0 < nbytes <= th.lane_max else None)
+        return _SOCKET_IN_LINE if _past_lane(th, nbytes, th.reduce_scatter_cma_min) else _SOCKET
+    if op == "all_to_all":
+        if th.alltoall_cma >= 0:
+            return Plan("single_copy", True, 16 * part if nbytes <= th.lane_max else None)
+        return _SOCKET
+    if op == "barrier":
+        return Plan("lane", True) if th.lane(0) else _SOCKET
+    raise ValueError(f"plan: unknown op {op!r}; the ops are {', '.join(OPS)}")
+
+
+def _past_lane(th: Thresholds, nbytes: int, threshold: int) -> bool:
+    """An op that may go by single copy, past the broadcast lane's sizes where the group has a
+    lane, and with single copy allowed for it: it takes a place in line on the socket path too."""
+    return nbytes > th.broadcast_lane_max and th.lane_max > 0 and threshold >= 0

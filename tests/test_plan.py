@@ -1,0 +1,128 @@
+"""aiodist.algorithms.plan: the one decision of a collective's path, as a table (rules in the
+module docstring, in order), and the rule that c10d makes no path decision of its own."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from aiodist.algorithms.plan import OPS, Plan, plan
+from aiodist.algorithms.thresholds import Thresholds
+
+K, M = 1 << 10, 1 << 20
+D = Thresholds()
+NO_LANE = Thresholds(lane_max=0)
+NO_CMA = Thresholds(broadcast_shm_min=-1, reduce_cma_min=-1, reduce_scatter_cma_min=-1, alltoall_cma=-1, gather_cma_min=-1, scatter_cma_min=-1)
+
+
+class Row(NamedTuple):
+    why: str
+    op: str
+    nbytes: int
+    ranks: int
+    want: Plan
+    th: Thresholds = D
+    part: int = 0
+
+
+ROWS = [
+    # broadcast
+    Row("small, 2 ranks: the lane", "broadcast", 4, 2, Plan("lane", True)),
+    Row("16 KiB, 2 ranks: still the lane", "broadcast", 16 * K, 2, Plan("lane", True)),
+    Row("small, 4 ranks: the socket's tree", "broadcast", 4, 4, Plan("socket", False)),
+    Row("empty: the socket", "broadcast", 0, 2, Plan("socket", False)),
+    Row("past the lane, under single copy: socket, in line", "broadcast", 64 * K, 2, Plan("socket", True)),
+    Row("256 KiB, 2 ranks: single copy", "broadcast", 256 * K, 2, Plan("single_copy", True)),
+    Row("256 KiB, 4 ranks: under the wide groups' 2 MiB", "broadcast", 256 * K, 4, Plan("socket", True)),
+    Row("2 MiB, 4 ranks: single copy", "broadcast", 2 * M, 4, Plan("single_copy", True)),
+    Row("single copy off: the socket, out of line", "broadcast", 4 * M, 2, Plan("socket", False), NO_CMA),
+    Row("no lane, single copy on: single copy", "broadcast", 4 * M, 2, Plan("single_copy", True), NO_LANE),
+    Row("no lane, under single copy: socket, out of line", "broadcast", 64 * K, 2, Plan("socket", False), NO_LANE),
+    Row(
+        "lane before single copy where both would apply",
+        "broadcast",
+        8 * K,
+        2,
+        Plan("lane", True),
+        Thresholds(broadcast_shm_min=0),
+    ),
+    Row("single copy allowed but within the lane's sizes, 4 ranks: socket", "broadcast", 8, 4, Plan("socket", False), Thresholds(broadcast_shm_min=0, cma_wide_min=0)),
+    # all_reduce
+    Row("small: the lane, eager", "all_reduce", 4, 2, Plan("lane", True, 4)),
+    Row("small, 4 ranks: the lane too (where the group has one)", "all_reduce", 4, 4, Plan("lane", True, 4)),
+    Row("empty: the socket", "all_reduce", 0, 2, Plan("socket", False)),
+    Row("256 KiB: the halves", "all_reduce", 256 * K, 2, Plan("halves", True)),
+    Row("4 MiB: single copy", "all_reduce", 4 * M, 2, Plan("single_copy", True)),
+    Row("shared memory off, lane off: the socket", "all_reduce", 4 * M, 2, Plan("socket", False), Thresholds(allreduce_shm_min=-1, lane_max=0)),
+    # reduce
+    Row("small, 2 ranks: the lane, eager", "reduce", 64, 2, Plan("lane", True, 64)),
+    Row("small, 4 ranks: the socket", "reduce", 64, 4, Plan("socket", False)),
+    Row("256 KiB, 2 ranks: still the lane (it comes first)", "reduce", 256 * K, 2, Plan("lane", True, 256 * K)),
+    Row("1 MiB, 2 ranks: single copy", "reduce", M, 2, Plan("single_copy", True)),
+    Row("1 MiB, 4 ranks: socket, in line", "reduce", M, 4, Plan("socket", True)),
+    Row("2 MiB, 4 ranks: single copy", "reduce", 2 * M, 4, Plan("single_copy", True)),
+    Row("single copy off: socket, out of line", "reduce", M, 2, Plan("socket", False), NO_CMA),
+    # all_gather (nbytes: the total; part: the largest part)
+    Row("small parts: the lane", "all_gather", 8, 2, Plan("lane", True), part=4),
+    Row("256 KiB in all: the halves", "all_gather", 256 * K, 4, Plan("halves", True), part=64 * K),
+    Row("lane off, small: the socket", "all_gather", 8, 2, Plan("socket", False), NO_LANE, part=4),
+    # gather / scatter
+    Row("gather, 2 ranks: single copy, eager", "gather", 64, 2, Plan("single_copy", True, 0)),
+    Row("gather, 2 ranks, past the lane: single copy, not eager", "gather", M, 2, Plan("single_copy", True)),
+    Row("gather, 4 ranks: the socket", "gather", 64, 4, Plan("socket", False)),
+    Row("gather, under its threshold: socket, in line", "gather", 64, 2, Plan("socket", True), Thresholds(gather_cma_min=1 * K)),
+    Row("gather, single copy off: the socket", "gather", 64, 2, Plan("socket", False), NO_CMA),
+    Row("scatter, 2 ranks: single copy, eager with its parts' words", "scatter", 64, 2, Plan("single_copy", True, 32)),
+    # reduce_scatter
+    Row("reduce_scatter: single copy, eager", "reduce_scatter", 64, 2, Plan("single_copy", True, 0)),
+    Row("reduce_scatter, big: single copy", "reduce_scatter", 4 * M, 4, Plan("single_copy", True)),
+    Row("reduce_scatter, empty: the socket", "reduce_scatter", 0, 2, Plan("socket", False)),
+    Row("reduce_scatter, single copy from 1 MiB, 64 KiB: socket, in line", "reduce_scatter", 64 * K, 2, Plan("socket", True), Thresholds(reduce_scatter_cma_min=M)),
+    Row("reduce_scatter, single copy off: the socket", "reduce_scatter", 64 * K, 2, Plan("socket", False), NO_CMA),
+    # all_to_all (nbytes: this rank's own; part: the number of parts)
+    Row("all_to_all: single copy, eager with 16 B a part", "all_to_all", 64, 4, Plan("single_copy", True, 64), part=4),
+    Row("all_to_all, big: single copy, not eager", "all_to_all", M, 4, Plan("single_copy", True), part=4),
+    Row("all_to_all, single copy off: the socket", "all_to_all", 64, 4, Plan("socket", False), NO_CMA, part=4),
+    # barrier
+    Row("barrier: the lane", "barrier", 0, 4, Plan("lane", True)),
+    Row("barrier, lane off: the socket", "barrier", 0, 4, Plan("socket", False), NO_LANE),
+]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.why for r in ROWS])
+def test_plan(row: Row) -> None:
+    assert plan(row.op, row.nbytes, row.ranks, row.th, part=row.part) == row.want
+
+
+def test_every_op_has_a_row() -> None:
+    assert {r.op for r in ROWS} == set(OPS)
+
+
+def test_an_unknown_op_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown op 'allreduce'"):
+        plan("allreduce", 4, 2, D)
+
+
+def test_latency_bound_never_takes_shared_memory() -> None:
+    th = Thresholds.latency_bound()
+    for op in OPS:
+        for n in (0, 4, 64 * K, 4 * M, 64 * M):
+            for ranks in (2, 4):
+                assert plan(op, n, ranks, th, part=n or 1) == Plan("socket", False), (op, n, ranks)
+
+
+def test_c10d_makes_no_path_decision() -> None:
+    """c10d/collectives.py asks the plan; it reads no threshold itself (it only hands the table to
+    the socket's algorithms as ``thresholds=``)."""
+    src = Path(__file__).resolve().parent.parent / "aiodist" / "c10d" / "collectives.py"
+    tree = ast.parse(src.read_text())
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            v = node.value
+            if (isinstance(v, ast.Name) and v.id == "th") or (isinstance(v, ast.Attribute) and v.attr == "thresholds"):
+                bad.append(f"line {node.lineno}: .{node.attr}")
+    assert not bad, "c10d reads thresholds itself (a path decision belongs in aiodist.algorithms.plan): " + ", ".join(bad)
