@@ -126,3 +126,78 @@ def test_c10d_makes_no_path_decision() -> None:
             if (isinstance(v, ast.Name) and v.id == "th") or (isinstance(v, ast.Attribute) and v.attr == "thresholds"):
                 bad.append(f"line {node.lineno}: .{node.attr}")
     assert not bad, "c10d reads thresholds itself (a path decision belongs in aiodist.algorithms.plan): " + ", ".join(bad)
+
+
+# -- where the rules come from: the defaults, a rules file, the variables, a group's pg_options --
+
+
+def test_a_rules_file_then_the_variables(tmp_path: Path) -> None:
+    import json
+
+    from aiodist.algorithms.thresholds import from_env
+
+    f = tmp_path / "rules.json"
+    f.write_text(json.dumps({"lane_max": "64K", "allreduce_shm_min": 1048576, "broadcast_lane_max": "4K"}))
+    th = from_env({"AIODIST_ALGO_RULES": str(f), "AIODIST_ALGO_LANE_MAX": "32K"})
+    assert (th.lane_max, th.allreduce_shm_min, th.broadcast_lane_max) == (32 * K, M, 4 * K)  # the variable wins
+    assert plan("all_reduce", 128 * K, 2, th) == Plan("socket", False)  # past the lane, under the halves
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('{"lane_mx": 0}', "unknown threshold 'lane_mx'"),
+        ('{"lane_max": true}', "lane_max=True: expected a byte count"),
+        ('{"lane_max": "lots"}', "expected a byte count such as 65536"),
+        ("[1, 2]", "expected an object of threshold names"),
+        ("{", "not JSON"),
+    ],
+)
+def test_a_bad_rules_file_names_itself(tmp_path: Path, text: str, match: str) -> None:
+    from aiodist.algorithms.thresholds import from_env
+
+    f = tmp_path / "rules.json"
+    f.write_text(text)
+    with pytest.raises(ValueError, match=match) as e:
+        from_env({"AIODIST_ALGO_RULES": str(f)})
+    assert "AIODIST_ALGO_RULES=" in str(e.value)
+
+
+def test_a_missing_rules_file_is_named(tmp_path: Path) -> None:
+    from aiodist.algorithms.thresholds import from_env
+
+    with pytest.raises(ValueError, match=r"AIODIST_ALGO_RULES=.*nope\.json: cannot read it"):
+        from_env({"AIODIST_ALGO_RULES": str(tmp_path / "nope.json")})
+
+
+async def test_a_group_takes_its_rules_from_pg_options() -> None:
+    import numpy as np
+
+    import aiodist as dist
+    from aiodist.testing import run_world
+
+    async def fn(rank: int) -> tuple[int, int, int, float]:
+        by_map = await dist.new_group([0, 1], pg_options={"lane_max": 0, "allreduce_shm_min": "1K"})
+        by_table = await dist.new_group([0, 1], pg_options=Thresholds.latency_bound())
+        plain = await dist.new_group([0, 1])
+        x = np.full(1024, rank + 1.0, np.float32)
+        await dist.all_reduce(x, group=by_map)  # 4 KiB: the halves under this group's rules
+        await dist.all_reduce(x, group=by_table)
+        return by_map.thresholds.lane_max, by_map.thresholds.allreduce_shm_min, plain.thresholds.lane_max, float(x[0])
+
+    for lane_max, shm_min, plain_lane, value in await run_world(2, fn):
+        assert (lane_max, shm_min, plain_lane) == (0, 1024, 256 * K)
+        assert value == 6.0  # (1 + 2), then (3 + 3)
+
+
+async def test_bad_pg_options_rules_are_refused_at_the_group() -> None:
+    import aiodist as dist
+    from aiodist.testing import run_world
+
+    async def fn(rank: int) -> str:
+        with pytest.raises(ValueError) as e:
+            await dist.new_group([0, 1], pg_options={"lane": 0})
+        return str(e.value)
+
+    for msg in await run_world(2, fn):
+        assert "pg_options: unknown threshold 'lane'" in msg

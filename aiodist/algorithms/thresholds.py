@@ -8,24 +8,32 @@ Rules this module keeps:
   see the same values: set the variables in the launcher's environment, not per rank. The
   choice depends only on sizes all ranks know (an all_gather's total, not a rank's own part);
   all_to_all alone chooses by a rank's own bytes, as its two ways send the same messages.
-- ``AIODIST_ALGO_<FIELD>`` (for example ``AIODIST_ALGO_ALLREDUCE_RD_MAX=32K``) overrides a
-  field; values are integers with an optional binary suffix K, M or G. A malformed value is a
-  ValueError naming the variable, raised when the table is read.
+- Where the values come from, later ones winning: the defaults; a rules file named by
+  ``AIODIST_ALGO_RULES`` (a JSON object of field names to values); each
+  ``AIODIST_ALGO_<FIELD>`` variable (for example ``AIODIST_ALGO_ALLREDUCE_RD_MAX=32K``); and, for
+  one group, ``pg_options`` given to ``init_process_group``/``new_group``/``split_group`` (a
+  ``Thresholds``, used as it is, or a mapping of field names to values, applied over the
+  process's table: ``rules_from``). Values are integers with an optional binary suffix K, M or
+  G (a JSON number or string). A malformed value or an unknown field is a ValueError naming the
+  variable, file or option, raised when the table is read (when the group is made).
 - The defaults are starting points, to be tuned with ``python -m aiodist.bench``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["ENV_PREFIX", "Thresholds", "current", "from_env"]
+__all__ = ["ENV_PREFIX", "ENV_RULES", "Thresholds", "current", "from_env", "rules_from"]
 
 ENV_PREFIX = "AIODIST_ALGO_"
+#: a JSON file of field names to values, applied before the per-field variables
+ENV_RULES = ENV_PREFIX + "RULES"
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -238,17 +246,61 @@ _DEFAULT = Thresholds()
 _KNOWN = {ENV_PREFIX + f.upper(): f for f in _FIELDS}
 
 
-def from_env(env: Mapping[str, str]) -> Thresholds:
-    """The defaults with every ``AIODIST_ALGO_<FIELD>`` in ``env`` applied. An ``AIODIST_ALGO_``
-    name that matches no field is a ValueError: a misspelt override must not be ignored."""
+def _value(where: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{where}={value!r}: expected a byte count such as 65536, \"64K\" or \"4M\"")
+    return value if isinstance(value, int) else _parse(where, value)
+
+
+def _from_mapping(where: str, rules: Mapping[str, object]) -> dict[str, int]:
+    """Field name -> value from ``rules`` (a rules file's object, a group's ``pg_options``)."""
+    if not isinstance(rules, Mapping):
+        raise ValueError(f"{where}: expected an object of threshold names to byte counts, got {type(rules).__name__}")
     changes = {}
+    for key, value in rules.items():
+        if key not in _FIELDS:
+            raise ValueError(f"{where}: unknown threshold {key!r}; the thresholds are {', '.join(_FIELDS)}")
+        changes[key] = _value(f"{where}: {key}", value)
+    return changes
+
+
+def _rules_file(path: str) -> dict[str, int]:
+    where = f"{ENV_RULES}={path}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            rules = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"{where}: cannot read it: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not JSON: {exc}") from None
+    return _from_mapping(where, rules)
+
+
+def from_env(env: Mapping[str, str]) -> Thresholds:
+    """The defaults, then the rules file ``AIODIST_ALGO_RULES`` names (if any), then every
+    ``AIODIST_ALGO_<FIELD>`` in ``env``. An ``AIODIST_ALGO_`` name that matches no field is a
+    ValueError: a misspelt override must not be ignored."""
+    changes: dict[str, int] = {}
+    if env.get(ENV_RULES, "").strip():
+        changes.update(_rules_file(env[ENV_RULES].strip()))
     for name, value in env.items():
-        if name.startswith(ENV_PREFIX):
+        if name.startswith(ENV_PREFIX) and name != ENV_RULES:
             field = _KNOWN.get(name)
             if field is None:
-                raise ValueError(f"unknown {name}: the thresholds are {', '.join(sorted(_KNOWN))}")
+                raise ValueError(f"unknown {name}: the thresholds are {', '.join(sorted(_KNOWN))} (and {ENV_RULES}, a file)")
             changes[field] = _parse(name, value)
     return Thresholds(**changes) if changes else _DEFAULT
+
+
+def rules_from(pg_options: object) -> Thresholds | None:
+    """A group's own table from its ``pg_options``: a :class:`Thresholds` as it is; a mapping of
+    field names to values over the process's table (``current()``); anything else (a backend's
+    own options) None, the process's table then. Every rank must give the same."""
+    if isinstance(pg_options, Thresholds):
+        return pg_options
+    if isinstance(pg_options, Mapping):
+        return dataclasses.replace(current(), **_from_mapping("pg_options", pg_options))
+    return None
 
 
 def current() -> Thresholds:

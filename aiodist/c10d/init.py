@@ -34,6 +34,7 @@ from aiodist._instrument.levels import DebugLevel, get_debug_level
 from aiodist._instrument.loop_watchdog import unwatch_loop, watch_loop  # issue 13: the loop watchdog
 from aiodist._pending import Pending, _site, communicating, mark_coroutine_function
 from aiodist._time import TimeoutLike, to_seconds, to_timedelta
+from aiodist.algorithms.thresholds import rules_from
 from aiodist.backends.base import CommBackend
 from aiodist.backends.device import DeviceBackend
 from aiodist.c10d._blocked import publisher
@@ -205,7 +206,9 @@ async def init_process_group(
     ``store`` with ``rank`` and ``world_size``, or ``init_method`` (default ``env://``) through
     ``aiodist.rendezvous``. ``timeout`` (timedelta or seconds, default 30 min) bounds every op
     of the group. ``group_name`` (deprecated in torch) names the group; ``device_id`` and
-    ``pg_options`` are passed to the backend's creator where it takes them, otherwise ignored.
+    ``pg_options`` are passed to the backend's creator where it takes them; a
+    ``aiodist.algorithms.Thresholds`` or a mapping of its field names to byte counts sets the
+    group's path rules instead (``aiodist.algorithms.thresholds.rules_from``; the same on every rank).
     """
     world = current_world()
     if world.default_pg is not None:
@@ -259,7 +262,7 @@ async def init_process_group(
     world.backend_config = config
     world.devices = devices
     world.host_refusal = None if "cpu" in config or not isinstance(comm, _Hostless) else comm.refusal
-    pg = _make_group(world, 0, range(world_size), td.total_seconds(), name=group_name or "0", desc="default_pg")
+    pg = _make_group(world, 0, range(world_size), td.total_seconds(), name=group_name or "0", desc="default_pg", pg_options=pg_options)
     world.groups[0] = pg
     world.default_pg = pg
     # issue 13: the loop watchdog (docs/debugging.md), which also tells the peers through the
@@ -351,7 +354,9 @@ async def _create_backends(
     return comm, devices
 
 
-def _make_group(world: Any, gid: int, members: Sequence[int], seconds: float, *, name: str, desc: str) -> ProcessGroup:
+def _make_group(
+    world: Any, gid: int, members: Sequence[int], seconds: float, *, name: str, desc: str, pg_options: Any = None
+) -> ProcessGroup:
     assert world.backend is not None
     return ProcessGroup(
         world.backend,
@@ -364,6 +369,7 @@ def _make_group(world: Any, gid: int, members: Sequence[int], seconds: float, *,
         store=world.store,
         devices=world.devices,
         host_refusal=world.host_refusal,
+        thresholds=rules_from(pg_options),
     )
 
 
@@ -483,7 +489,7 @@ async def new_group(
         raise DistBackendError(
             f"new_group: group id {gid} is already in use on this rank (a hash collision of use_local_synchronization ids)"
         )
-    pg = _make_group(world, gid, members, seconds, name=str(gid), desc=group_desc or f"group {gid}")
+    pg = _make_group(world, gid, members, seconds, name=str(gid), desc=group_desc or f"group {gid}", pg_options=pg_options)
     world.groups[gid] = pg
     if not use_local_synchronization:  # every rank of the parent is here: device backends may split
         await _device_new_group(world, parent, pg, gid, members)
@@ -641,7 +647,9 @@ async def split_group(
     members = [parent.ranks[r] for r in sorted(mine)]
     gid = _derived_id(world, "split", parent.group_id, count, tuple(members))
     seconds = parent.timeout_s if timeout is None else to_seconds(timeout)
-    pg = _make_group(world, gid, members, seconds, name=str(gid), desc=group_desc or f"split {count} of {parent.group_desc}")
+    pg = _make_group(
+        world, gid, members, seconds, name=str(gid), desc=group_desc or f"split {count} of {parent.group_desc}", pg_options=pg_options
+    )
     world.groups[gid] = pg
     await _device_new_group(world, parent, pg, gid, members)
     return pg
@@ -686,7 +694,7 @@ async def shrink_group(
     pg.shrinks += 1
     members = [g for i, g in enumerate(pg.ranks) if i not in set(excl)]
     gid = _derived_id(world, "shrink", pg.group_id, count, tuple(members))
-    new = _make_group(world, gid, members, pg.timeout_s, name=str(gid), desc=f"{pg.group_desc} shrunk")
+    new = _make_group(world, gid, members, pg.timeout_s, name=str(gid), desc=f"{pg.group_desc} shrunk", pg_options=pg_options or pg.thresholds)
     world.groups[gid] = new
     return new
 

@@ -146,6 +146,7 @@ class ProcessGroup:
         store: Store | None = None,
         devices: dict[str, Any] | None = None,
         host_refusal: str | None = None,
+        thresholds: Thresholds | None = None,
     ) -> None:
         self.backend = backend
         self.backend_name = backend_name
@@ -171,7 +172,9 @@ class ProcessGroup:
         self._op_stats: dict[str, list[float]] | None = {} if level >= DebugLevel.INFO else None
         if level >= DebugLevel.INFO:
             log.info("rank %d: made %s, backend %s, timeout %g s", backend.rank, self.describe(), backend_name, timeout_s)
-        self.thresholds: Thresholds = current()  # read once per group, the same on every rank
+        # the group's rules (given: its pg_options), else the process's, read once per group;
+        # the same on every rank (aiodist.algorithms.plan decides every op's path from them)
+        self.thresholds: Thresholds = thresholds if thresholds is not None else current()
         self.seq = 0
         self.store: Store | None = store  # the World's store: used to explain a timeout
         self.splits = 0  # split_group calls on this group (part of the children's ids)
