@@ -48,7 +48,7 @@ import sys
 import time
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch._dynamo  # noqa: F401  # torch's optimizers import it on first use (1-2 s): here, before the event loop runs, not as a blocked loop
@@ -512,7 +512,7 @@ class DistributedDataParallel(torch.nn.Module):
             grads = [p.grad for p in self._params]
             if not any(g is None for g in grads):  # the common step: one foreach copy (`None in grads` would call Tensor.__eq__)
                 with torch.no_grad():
-                    torch._foreach_copy_(grads, reducer.grad_views())
+                    torch._foreach_copy_(cast("list[torch.Tensor]", grads), reducer.grad_views())
                 return
         copy_to: list[torch.Tensor] = []
         copy_from: list[torch.Tensor] = []
