@@ -411,3 +411,18 @@ def html_unescape(text: str) -> str:
     import html
 
     return html.unescape(text)
+
+
+def test_a_tasks_world_is_read_without_entering_its_context() -> None:
+    """The debug worker reads a blocked loop's task's World from another thread, while the loop's
+    thread is inside that task's Context: entering it again raises on 3.12+ (it did, /stacks
+    failed on a blocked loop). world_of reads it from inside the entered Context too."""
+    import contextvars
+
+    from aiodist.c10d.world import World, set_world, world_of
+
+    w = World("the task's")
+    ctx = contextvars.copy_context()
+    ctx.run(set_world, w)
+    assert ctx.run(lambda: world_of(ctx)) is w  # while ctx is entered
+    assert world_of(contextvars.Context()) is not w  # a Context that never set one: the process's World

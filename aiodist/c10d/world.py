@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from aiodist.backends.base import CommBackend
     from aiodist.c10d.process_group import ProcessGroup
 
-__all__ = ["World", "current_world", "use_world", "GroupMember", "group", "NON_GROUP_MEMBER", "default_group"]
+__all__ = ["World", "current_world", "world_of", "use_world", "GroupMember", "group", "NON_GROUP_MEMBER", "default_group"]
 
 
 class World:
@@ -86,6 +86,13 @@ _CURRENT: contextvars.ContextVar[World] = contextvars.ContextVar("aiodist_world"
 def current_world() -> World:
     """The World of the running task (the process's own unless ``use_world`` says otherwise)."""
     return _CURRENT.get()
+
+
+def world_of(ctx: contextvars.Context) -> World:
+    """The World ``ctx`` (a task's Context) points at, read without entering it: a Context
+    another thread has entered, or the running task's, cannot be entered again
+    (``Context.run`` raises RuntimeError)."""
+    return ctx.get(_CURRENT, _PROCESS_WORLD)
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ import traceback
 from typing import Any
 
 from aiodist._instrument.loop_watchdog import loop_state
-from aiodist.c10d.world import current_world
+from aiodist.c10d.world import current_world, world_of
 from aiodist.debug.analyze import analyze, format_report
 
 __all__ = ["DebugHandler", "HealthHandler", "StacksHandler", "FlightRecorderHandler", "StoreHandler", "default_handlers", "task_stack"]
@@ -165,7 +165,9 @@ def _task_world(task: asyncio.Task[Any]) -> Any:
     get_context = getattr(task, "get_context", None)  # Python 3.12+
     if get_context is None:
         return None
-    return get_context().run(current_world)  # the World the task's own Context points at
+    # read, not run: the loop's thread may be inside this very Context (a blocked loop's task,
+    # read from the debug worker's thread), and a Context cannot be entered twice
+    return world_of(get_context())  # the World the task's own Context points at
 
 
 class StacksHandler(DebugHandler):
