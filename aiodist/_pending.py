@@ -183,6 +183,12 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
     def __iter__(self) -> Any:
         return iter(self._work("__iter__"))
 
+    def __bool__(self) -> bool:
+        # a handle is true, as any object: without this, truth would fall back to __len__ (the
+        # Work's outputs), which fails before the Work exists; asyncio tests ``if task._coro:``
+        # (3.12's task repr, run by asyncio.run on a handle made before the loop ran)
+        return True
+
     def __len__(self) -> int:
         return len(self._work("__len__"))
 
