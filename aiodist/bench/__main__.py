@@ -13,6 +13,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "ddp": ("aiodist.bench.ddp", "a DDP training step (MLP; many small parameters), 2 and 4 ranks, vs torch DDP (--compare torch)"),
     "debug": ("aiodist.bench.debug", "what AIODIST_DEBUG OFF/INFO/DETAIL (and the flight recorder) cost per small all_reduce"),
     "hosts": ("aiodist.bench.hosts", "all_reduce across 2 netns hosts on tbf-shaped veth: one interface vs two striped, vs torch gloo"),
+    "soak": ("aiodist.bench.soak", "RSS and fds over thousands of group lifecycles with mixed ops (--max-growth for a bound)"),
     "store": ("aiodist.bench.store", "TCPStore set/get/add ops/s and latency: aiodist (seq, pipelined) vs torch"),
 }
 DEFAULT = "collectives"  # what runs with no name

@@ -24,12 +24,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
+
+from aiodist.bench._jobs import run_workers
 
 __all__ = ["main", "CONFIGS"]
 
@@ -89,35 +89,18 @@ async def _worker(args: argparse.Namespace) -> dict[str, float]:
         await dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _job(args: argparse.Namespace, env_extra: dict[str, str]) -> float:
     """One fresh job; the slowest rank's microseconds per op."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "aiodist.bench.debug", "--worker", "--iters", str(args.iters), "--warmup", str(args.warmup)]
-    cmd += ["--floats", str(args.floats), "--ranks", str(args.ranks), "--backend", args.backend]
-    procs = []
-    for rank in range(args.ranks):
-        env = {k: v for k, v in os.environ.items() if k not in ("AIODIST_DEBUG", "TORCH_DISTRIBUTED_DEBUG", "AIODIST_FR_BUFFER_SIZE")}
-        env.update(env_extra, RANK=str(rank), WORLD_SIZE=str(args.ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs: list[str] = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=_JOB_TIMEOUT_S)
-            if p.returncode != 0:
-                raise RuntimeError(f"a worker failed ({env_extra}): exit {p.returncode}\n{err[-2000:]}")
-            outs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    results = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    worker = ["--iters", str(args.iters), "--warmup", str(args.warmup), "--floats", str(args.floats)]
+    worker += ["--ranks", str(args.ranks), "--backend", args.backend]
+    results = run_workers(
+        "aiodist.bench.debug",
+        worker,
+        args.ranks,
+        timeout=_JOB_TIMEOUT_S,
+        env_extra=env_extra,
+        drop=("AIODIST_DEBUG", "TORCH_DISTRIBUTED_DEBUG", "AIODIST_FR_BUFFER_SIZE"),
+    )
     return max(float(r["us_per_op"]) for r in results)
 
 
