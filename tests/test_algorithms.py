@@ -12,6 +12,7 @@ thresholds table."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -339,6 +340,7 @@ async def test_message_counts_follow_the_schedule() -> None:
 
 
 async def test_thresholds_default_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # env-based on purpose: its subject is the AIODIST_ALGO_* fallback of an op given no thresholds
     x = [np.ones(8) for _ in range(4)]
     ws, _ = await run(4, lambda w: all_reduce(w, x[w.rank], add))
     assert [w.sent_messages for w in ws] == [2] * 4
@@ -559,6 +561,7 @@ async def test_local_p2p_cancelled_receive_leaves_nothing_behind() -> None:
 
 
 def test_thresholds_from_env() -> None:
+    # env-based on purpose: its subject is from_env, the AIODIST_ALGO_* variables' parsing and refusals
     assert thr.from_env({}) == Thresholds()
     t = thr.from_env(
         {
@@ -576,6 +579,34 @@ def test_thresholds_from_env() -> None:
         thr.from_env({"AIODIST_ALGO_ALLREDUCE_MAX": "1"})
     with pytest.raises(ValueError, match="pipeline_piece"):
         thr.from_env({"AIODIST_ALGO_PIPELINE_PIECE": "0"})
+
+
+async def test_run_world_gives_every_ranks_default_group_its_pg_options() -> None:
+    """run_world's pg_options reach every rank's init_process_group: a mapping is applied over
+    the process's table, a Thresholds is used as it is, none leaves the process's table; a
+    group made later takes its own (here none: the process's table); a bad one is refused."""
+    import aiodist as dist
+    from aiodist.testing import run_world
+
+    async def tables(rank: int) -> tuple[Thresholds, Thresholds, float]:
+        world = dist.GroupMember.WORLD
+        assert isinstance(world, dist.ProcessGroup)
+        sub = await dist.new_group([0, 1])
+        x = np.full(300, rank + 1.0)
+        await dist.all_reduce(x)  # the rules leave the results alone
+        return world.thresholds, sub.thresholds, float(x[0])
+
+    process = thr.current()
+    rules = {"lane_max": 0, "allreduce_rd_max": -1, "allreduce_ring_min": "1K"}
+    want = dataclasses.replace(process, lane_max=0, allreduce_rd_max=-1, allreduce_ring_min=1024)
+    assert want != process and want.all_reduce(2400) == "ring" != process.all_reduce(2400)
+    assert await run_world(2, tables, pg_options=rules) == [(want, process, 3.0)] * 2
+    table = Thresholds.latency_bound()
+    for world_th, sub_th, value in await run_world(2, tables, "gloo", pg_options=table):
+        assert world_th is table and sub_th == process and value == 3.0
+    assert await run_world(2, tables) == [(process, process, 3.0)] * 2
+    with pytest.raises(ValueError, match="pg_options: unknown threshold 'lane'"):
+        await run_world(2, tables, pg_options={"lane": 0})
 
 
 def test_thresholds_choose_by_size() -> None:

@@ -39,10 +39,11 @@ TIMEOUT = 30  # run_world watchdog, seconds
 T = TypeVar("T")
 
 
-async def run_gloo(n: int, fn: Callable[[int], Awaitable[T]]) -> list[T]:
-    """``run_world`` over real loopback sockets. Ranks leave as soon as they are done: what a rank
-    sent before leaving is still delivered (test_socket_message_sent_before_the_sender_leaves_is_delivered)."""
-    return await run_world(n, fn, backend="gloo", timeout=TIMEOUT)
+async def run_gloo(n: int, fn: Callable[[int], Awaitable[T]], pg_options: Any = None) -> list[T]:
+    """``run_world`` over real loopback sockets (``pg_options``: the default group's path rules).
+    Ranks leave as soon as they are done: what a rank sent before leaving is still delivered
+    (test_socket_message_sent_before_the_sender_leaves_is_delivered)."""
+    return await run_world(n, fn, backend="gloo", timeout=TIMEOUT, pg_options=pg_options)
 
 
 def issued(work: dist.Work | None) -> dist.Work:
@@ -343,28 +344,28 @@ async def test_socket_message_sent_before_the_sender_leaves_is_delivered() -> No
 
 # -- socket backend: every schedule forced, at awkward sizes ---------------------------------------
 
-_BIG = str(1 << 40)
-FORCED: dict[str, dict[str, str]] = {
+_BIG = 1 << 40
+FORCED: dict[str, dict[str, int]] = {
     # the bandwidth schedules for every size (chain, ring, pairwise), in tiny pipeline pieces
     "bandwidth": {
-        "AIODIST_ALGO_BROADCAST_TREE_MAX": "-1",
-        "AIODIST_ALGO_ALLREDUCE_RD_MAX": "-1",
-        "AIODIST_ALGO_ALLREDUCE_RING_MIN": "0",
-        "AIODIST_ALGO_ALLGATHER_BRUCK_MAX": "-1",
-        "AIODIST_ALGO_REDUCE_SCATTER_DIRECT_MAX": "-1",
-        "AIODIST_ALGO_ALLTOALL_BURST_MAX": "-1",
-        "AIODIST_ALGO_PIPELINE_PIECE": "24",
+        "broadcast_tree_max": -1,
+        "allreduce_rd_max": -1,
+        "allreduce_ring_min": 0,
+        "allgather_bruck_max": -1,
+        "reduce_scatter_direct_max": -1,
+        "alltoall_burst_max": -1,
+        "pipeline_piece": 24,
     },
     # recursive halving/doubling for every all_reduce, odd pieces
-    "halving": {"AIODIST_ALGO_ALLREDUCE_RD_MAX": "-1", "AIODIST_ALGO_ALLREDUCE_RING_MIN": _BIG, "AIODIST_ALGO_PIPELINE_PIECE": "40"},
+    "halving": {"allreduce_rd_max": -1, "allreduce_ring_min": _BIG, "pipeline_piece": 40},
     # the latency schedules for every size (tree, recursive doubling, Bruck, direct, burst)
     "latency": {
-        "AIODIST_ALGO_BROADCAST_TREE_MAX": _BIG,
-        "AIODIST_ALGO_ALLREDUCE_RD_MAX": _BIG,
-        "AIODIST_ALGO_ALLREDUCE_RING_MIN": _BIG,
-        "AIODIST_ALGO_ALLGATHER_BRUCK_MAX": _BIG,
-        "AIODIST_ALGO_REDUCE_SCATTER_DIRECT_MAX": _BIG,
-        "AIODIST_ALGO_ALLTOALL_BURST_MAX": _BIG,
+        "broadcast_tree_max": _BIG,
+        "allreduce_rd_max": _BIG,
+        "allreduce_ring_min": _BIG,
+        "allgather_bruck_max": _BIG,
+        "reduce_scatter_direct_max": _BIG,
+        "alltoall_burst_max": _BIG,
     },
 }
 EXPECTED_ALL_REDUCE = {"bandwidth": "ring", "halving": "halving_doubling", "latency": "recursive_doubling"}
@@ -372,12 +373,10 @@ EXPECTED_ALL_REDUCE = {"bandwidth": "ring", "halving": "halving_doubling", "late
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("variant", list(FORCED))
-async def test_socket_forced_schedules_at_awkward_sizes(variant: str, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each schedule family forced through AIODIST_ALGO_* (read when the group is made) over sizes
-    that do not divide evenly: empty, one element, fewer elements than ranks, n + 1, and enough
-    for hundreds of pipeline pieces."""
-    for name, value in FORCED[variant].items():
-        monkeypatch.setenv(name, value)
+async def test_socket_forced_schedules_at_awkward_sizes(variant: str, n: int) -> None:
+    """Each schedule family forced through the default group's pg_options over sizes that do
+    not divide evenly: empty, one element, fewer elements than ranks, n + 1, and enough for
+    hundreds of pipeline pieces."""
     counts = sorted({0, 1, max(n - 1, 1), n + 1, 2 * n + 3, 301})
 
     async def fn(rank: int) -> list[str]:
@@ -432,18 +431,16 @@ async def test_socket_forced_schedules_at_awkward_sizes(variant: str, n: int, mo
         await dist.barrier()
         return digests
 
-    results = await run_gloo(n, fn)
+    results = await run_gloo(n, fn, pg_options=FORCED[variant])
     assert all(d == results[0] for d in results), "float32 all_reduce results differ across ranks"
 
 
 @pytest.mark.parametrize("n", [3, 5])
 @pytest.mark.parametrize("variant", list(FORCED))
-async def test_socket_all_reduce_bitwise_identical_every_float_dtype_and_op(variant: str, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_socket_all_reduce_bitwise_identical_every_float_dtype_and_op(variant: str, n: int) -> None:
     """Random data with NaNs, infinities and signed zeros, where the order of a reduction shows in
     its bits: every rank still ends with the same bits, for every floating dtype and op."""
-    for name, value in FORCED[variant].items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("AIODIST_ALGO_PIPELINE_PIECE", "1000")  # still several pieces per chunk, fewer messages
+    rules = {**FORCED[variant], "pipeline_piece": 1000}  # still several pieces per chunk, fewer messages
     count = 1001
 
     def data(rank: int, dtype: str) -> np.ndarray:
@@ -458,6 +455,8 @@ async def test_socket_all_reduce_bitwise_identical_every_float_dtype_and_op(vari
         return x.astype(dtype)
 
     async def fn(rank: int) -> list[str]:
+        th = world_pg().thresholds  # the group's own rules took: this variant's schedule at every size
+        assert th.all_reduce(8 * count) == th.all_reduce(8) == EXPECTED_ALL_REDUCE[variant] and th.pipeline_piece == 1000
         out = []
         for dtype in ("float16", "float32", "float64", "complex64", "complex128"):
             for kind in (R.SUM, R.PRODUCT, R.MIN, R.MAX, R.AVG, R.PREMUL_SUM):
@@ -469,7 +468,7 @@ async def test_socket_all_reduce_bitwise_identical_every_float_dtype_and_op(vari
                 out.append(f"{dtype} {kind.name} {hashlib.sha256(x.tobytes()).hexdigest()}")
         return out
 
-    results = await run_gloo(n, fn)
+    results = await run_gloo(n, fn, pg_options=rules)
     for r in range(1, n):
         assert results[r] == results[0], f"rank {r} differs from rank 0: {set(results[r]) - set(results[0])}"
 

@@ -74,18 +74,13 @@ def memfds():
     return maps, fds
 
 async def main():
-    await dist.init_process_group("gloo", timeout=30)
+    rules = json.loads(sys.argv[1])  # the default group's path rules
+    await dist.init_process_group("gloo", timeout=30, pg_options=rules)
     rank, n = dist.get_rank(), dist.get_world_size()
-    os.environ["AIODIST_ALGO_ALLREDUCE_SHM_MIN"] = "-1"  # read when a group is made: this one is socket-only
-    os.environ["AIODIST_ALGO_ALLGATHER_SHM_MIN"] = "-1"
-    os.environ["AIODIST_ALGO_LANE_MAX"] = "0"
-    os.environ["AIODIST_ALGO_BROADCAST_SHM_MIN"] = "-1"
-    os.environ["AIODIST_ALGO_REDUCE_CMA_MIN"] = "-1"
-    os.environ["AIODIST_ALGO_REDUCE_SCATTER_CMA_MIN"] = "-1"
-    os.environ["AIODIST_ALGO_ALLTOALL_CMA"] = "-1"
-    os.environ["AIODIST_ALGO_GATHER_CMA_MIN"] = "-1"
-    os.environ["AIODIST_ALGO_SCATTER_CMA_MIN"] = "-1"
-    sock = await dist.new_group(list(range(n)))
+    # the same rules with every shared-memory path off: this group is socket-only
+    off = dict(allreduce_shm_min=-1, allgather_shm_min=-1, lane_max=0, broadcast_shm_min=-1, reduce_cma_min=-1,
+               reduce_scatter_cma_min=-1, alltoall_cma=-1, gather_cma_min=-1, scatter_cma_min=-1)
+    sock = await dist.new_group(list(range(n)), pg_options={{**rules, **off}})
     rng = np.random.default_rng(1234 + rank)
     digests, same = {{}}, {{}}
 
@@ -173,17 +168,21 @@ asyncio.run(main())
 """
 
 
+#: the default group's path rules in every rank (its init_process_group's pg_options): shared
+#: memory from 0 bytes, single copy for reduce and scatter at every size, in groups of any size
+WORKER_RULES = {"allreduce_shm_min": 0, "allgather_shm_min": 0, "reduce_cma_min": 0, "cma_wide_min": 0, "scatter_cma_min": 0}
+
+
 def _world(tmp_path: Path, n: int, extra: dict[int, dict[str, str]] | None = None) -> list[dict[str, Any]]:
     script = tmp_path / "rank.py"
     script.write_text(WORKER.format(root=str(ROOT)))
     port = str(get_free_port())
     envs = []
     for r in range(n):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), WORLD_SIZE=str(n))
-        env.update(AIODIST_SHM_BYTES="1M", AIODIST_ALGO_ALLREDUCE_SHM_MIN="0", AIODIST_ALGO_ALLGATHER_SHM_MIN="0", AIODIST_ALGO_REDUCE_CMA_MIN="0", AIODIST_ALGO_CMA_WIDE_MIN="0", AIODIST_ALGO_SCATTER_CMA_MIN="0")
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), WORLD_SIZE=str(n), AIODIST_SHM_BYTES="1M")
         env.update((extra or {}).get(r, {}))
         envs.append(env)
-    return run_ranks([[sys.executable, str(script)]] * n, envs, START_S)
+    return run_ranks([[sys.executable, str(script), json.dumps(WORKER_RULES)]] * n, envs, START_S)
 
 
 def _cma_between_processes() -> bool:
@@ -245,7 +244,10 @@ def test_shared_memory_off_on_one_rank_uses_the_socket_and_says_so(tmp_path: Pat
 
 # -- in one process: run_world's ranks over the socket backend, each with its own SharedMemory ---
 
-IN_PROCESS_ENV = {"AIODIST_SHM_BYTES": "1M", "AIODIST_ALGO_ALLREDUCE_SHM_MIN": "0", "AIODIST_ALGO_ALLGATHER_SHM_MIN": "0"}
+IN_PROCESS_ENV = {"AIODIST_SHM_BYTES": "1M"}
+#: the path rules of every group the tests with ``shm_env`` make (run_world's and new_group's
+#: pg_options): all_reduce and all_gather through shared memory from 0 bytes
+RULES = {"allreduce_shm_min": 0, "allgather_shm_min": 0}
 BIG = 300_007  # 1.2 MB of float32: three 512 KiB rounds, so ops in flight overlap round by round
 
 
@@ -296,7 +298,7 @@ async def test_ops_in_flight_take_their_turns_in_issue_order(shm_env: None) -> N
         assert (t.serving, t.issued, t.waiters) == (4, 4, {}), (t.serving, t.issued)
         return [*xs, y]
 
-    for out in await run_world(2, fn, "gloo", timeout=30):
+    for out in await run_world(2, fn, "gloo", timeout=30, pg_options=RULES):
         for i in range(3):
             assert np.array_equal(out[i], np.full(BIG + i, 3 + 20 * i, np.float32)), (i, out[i][:4])
         assert np.array_equal(out[3], np.full(5000, 8.0))
@@ -308,7 +310,7 @@ async def test_two_groups_of_the_same_ranks_issued_in_opposite_orders(shm_env: N
     the one of group 1 and rank 1 the other way round neither deadlocks nor mixes their data."""
 
     async def fn(rank: int) -> list[np.ndarray]:
-        groups = [await dist.new_group([0, 1]), await dist.new_group([0, 1])]
+        groups = [await dist.new_group([0, 1], pg_options=RULES), await dist.new_group([0, 1], pg_options=RULES)]
         xs = {(g, i): np.full(BIG, (rank + 1) * (1 + 2 * g + i), np.float32) for g in range(2) for i in range(2)}
         # the same order within a group (as torch requires), the opposite across the groups
         order = sorted(xs, key=lambda k: (k[1], k[0] if rank == 0 else -k[0]))
@@ -318,7 +320,7 @@ async def test_two_groups_of_the_same_ranks_issued_in_opposite_orders(shm_env: N
         assert sorted(_shm().stats()["groups"]) == sorted(g.group_id for g in groups)
         return [xs[k] for k in sorted(xs)]
 
-    for out in await run_world(2, fn, "gloo", timeout=30):
+    for out in await run_world(2, fn, "gloo", timeout=30, pg_options=RULES):
         for (g, i), x in zip(sorted((g, i) for g in range(2) for i in range(2)), out, strict=True):
             assert np.array_equal(x, np.full(BIG, 3 * (1 + 2 * g + i), np.float32)), (g, i, x[:4])
 
@@ -330,7 +332,7 @@ async def test_an_op_whose_body_never_runs_passes_its_turn_on(shm_env: None) -> 
     (the first by its body, the others by their Works), none left waiting."""
 
     async def fn(rank: int) -> tuple[int, int, int] | None:
-        sub = await dist.new_group([0, 1])
+        sub = await dist.new_group([0, 1], pg_options=RULES)
         if rank == 0:
             return None
         works = [await dist.all_reduce(np.ones(BIG, np.float32), group=sub, async_op=True)]
@@ -349,7 +351,7 @@ async def test_an_op_whose_body_never_runs_passes_its_turn_on(shm_env: None) -> 
             await asyncio.sleep(0.01)
         return t.serving, t.issued, len(t.waiters)
 
-    assert (await run_world(2, fn, "gloo", timeout=30))[1] == (4, 4, 0)
+    assert (await run_world(2, fn, "gloo", timeout=30, pg_options=RULES))[1] == (4, 4, 0)
 
 
 def test_the_line_skips_tickets_passed_on_before_their_turn() -> None:
@@ -376,7 +378,7 @@ async def test_a_destroyed_group_releases_its_segments(shm_env: None) -> None:
         await dist.all_reduce(x)
         seen = []
         for _ in range(4):
-            sub = await dist.new_group([0, 1])
+            sub = await dist.new_group([0, 1], pg_options=RULES)
             await dist.all_reduce(x, group=sub)
             await dist.destroy_process_group(sub)
             await dist.barrier()
@@ -386,7 +388,7 @@ async def test_a_destroyed_group_releases_its_segments(shm_env: None) -> None:
         assert (st["groups"], st["own_segments"], st["mapped_segments"]) == ([0], 1, 1), st
         return seen
 
-    for seen in await run_world(2, fn, "gloo", timeout=30):
+    for seen in await run_world(2, fn, "gloo", timeout=30, pg_options=RULES):
         # 2 ranks x (own + the peer's) mapped; fds: each own one, and mmap's duplicate of each mapping's
         assert all(s == (4, 6) for s in seen), seen
     assert _memfds() == (0, 0)
@@ -400,7 +402,7 @@ async def test_a_peer_gets_no_segment_for_a_group_this_rank_never_reached_or_des
     monkeypatch.setattr(shm_manager, "_SETUP_S", 0.3)
 
     async def fn(rank: int) -> dict[str, str] | None:
-        sub = await dist.new_group([0, 1])
+        sub = await dist.new_group([0, 1], pg_options=RULES)
         await dist.all_reduce(np.ones(4, np.float32), group=sub)
         await dist.destroy_process_group(sub)
         await dist.all_reduce(np.ones(4, np.float32))
@@ -420,7 +422,7 @@ async def test_a_peer_gets_no_segment_for_a_group_this_rank_never_reached_or_des
         await dist.barrier()
         return said
 
-    said = (await run_world(2, fn, "gloo", timeout=30))[0]
+    said = (await run_world(2, fn, "gloo", timeout=30, pg_options=RULES))[0]
     assert said == {
         "never made": "no shared memory for group 12345 on this rank",
         "destroyed": "no shared memory for group 1 on this rank",
@@ -458,7 +460,7 @@ async def test_an_error_in_the_agreement_sends_the_group_to_the_socket_path(shm_
         return x, _shm().stats()
 
     try:
-        res = await run_world(2, fn, "gloo", timeout=30)
+        res = await run_world(2, fn, "gloo", timeout=30, pg_options=RULES)
     finally:
         logging.getLogger("aiodist.shm").removeHandler(handler)
     for x, st in res:
@@ -507,7 +509,7 @@ async def test_all_gather_in_place_and_with_an_input_overlapping_the_output(shm_
         assert _shm().stats()["groups"] == [0]
         return [inplace, *lst, straddle[: 2 * n], sent]
 
-    res = await run_world(2, fn, "gloo", timeout=30)
+    res = await run_world(2, fn, "gloo", timeout=30, pg_options=RULES)
     sent = [out[-1] for out in res]
     for r, (inplace, l0, l1, straddle, _) in enumerate(res):
         assert np.array_equal(inplace, np.concatenate([part(0, 1), part(1, 1)])), f"rank {r}: in place"

@@ -58,7 +58,9 @@ def test_the_switch_is_0_or_1() -> None:
         _cma.enabled({_cma.ENV: "yes"})
 
 
-ENV = {"AIODIST_SHM_BYTES": "1M", "AIODIST_ALGO_ALLGATHER_SHM_MIN": "0"}
+ENV = {"AIODIST_SHM_BYTES": "1M"}
+#: the default group's path rules (run_world's pg_options): all_gather through shared memory at every size
+RULES: dict[str, int | str] = {"allgather_shm_min": 0}
 
 
 def _slice_owner_sum(xs: list[np.ndarray]) -> np.ndarray:
@@ -106,7 +108,7 @@ async def test_all_gather_in_place_uneven_and_overlapping(monkeypatch: pytest.Mo
         shm = dist.group.WORLD.backend.stats()["shm"]
         return int(shm["cma_ops"])
 
-    ops = await run_world(n, fn, backend="gloo", timeout=60)
+    ops = await run_world(n, fn, backend="gloo", timeout=60, pg_options=RULES)
     assert ops == [4 if n == 2 else 0] * n, ops  # single copy for all_gather in groups of 2 only
 
 
@@ -116,8 +118,6 @@ async def test_big_broadcast_reads_the_roots_tensor(monkeypatch: pytest.MonkeyPa
     through single copy."""
     for k, v in ENV.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setenv("AIODIST_ALGO_BROADCAST_SHM_MIN", "64K")
-    monkeypatch.setenv("AIODIST_ALGO_CMA_WIDE_MIN", "0")
 
     async def fn(rank: int) -> int:
         for root in range(n):
@@ -130,7 +130,8 @@ async def test_big_broadcast_reads_the_roots_tensor(monkeypatch: pytest.MonkeyPa
         assert np.all(m == 7)
         return int(dist.group.WORLD.backend.stats()["shm"]["cma_ops"])
 
-    assert await run_world(n, fn, backend="gloo", timeout=60) == [n + 1] * n
+    rules = {**RULES, "broadcast_shm_min": "64K", "cma_wide_min": 0}
+    assert await run_world(n, fn, backend="gloo", timeout=60, pg_options=rules) == [n + 1] * n
 
 
 async def test_a_broadcast_whose_sizes_differ_across_the_threshold_is_a_desync_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -193,7 +194,7 @@ async def test_big_all_reduce_reads_the_peers_slices(monkeypatch: pytest.MonkeyP
     the others' in rank order) on every rank, for floats, ints, MAX, AVG, a 2-D tensor and odd
     lengths. (``single`` off: the halves, the same bits at 2 ranks.)"""
     monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
-    monkeypatch.setenv("AIODIST_ALGO_ALLREDUCE_CMA_MIN", "64K" if single else "-1")
+    rules = {"allreduce_cma_min": "64K" if single else -1}
 
     def data(rank: int, m: int) -> np.ndarray:
         return np.random.default_rng(1000 * rank + m).standard_normal(m).astype(np.float32)
@@ -212,7 +213,7 @@ async def test_big_all_reduce_reads_the_peers_slices(monkeypatch: pytest.MonkeyP
         assert np.all(a == sum(range(n)) / n)
         return got, int(dist.group.WORLD.backend.stats()["shm"]["cma_ops"])
 
-    results = await run_world(n, fn, backend="gloo", timeout=60)
+    results = await run_world(n, fn, backend="gloo", timeout=60, pg_options=rules)
     for k, m in enumerate((300_001, 70_001, 1_000_000)):
         want = _slice_owner_sum([data(r, m) for r in range(n)])
         for got, _ in results:
@@ -230,7 +231,6 @@ async def test_an_all_reduce_whose_sizes_differ_across_the_single_copy_threshold
     """A mistake: one rank passes 600 KB (single copy), the other 300 KB (the halves). Both
     paths check the size at their first phase, so both ranks raise at once."""
     monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
-    monkeypatch.setenv("AIODIST_ALGO_ALLREDUCE_CMA_MIN", "512K")
 
     async def fn(rank: int) -> tuple[str, float]:
         await dist.all_reduce(np.ones(1, np.float32))  # the agreement
@@ -242,7 +242,7 @@ async def test_an_all_reduce_whose_sizes_differ_across_the_single_copy_threshold
             return str(exc), time.monotonic() - t0
         return "ok", time.monotonic() - t0
 
-    results = await run_world(2, fn, backend="gloo", pg_timeout=20, timeout=60)
+    results = await run_world(2, fn, backend="gloo", pg_timeout=20, timeout=60, pg_options={"allreduce_cma_min": "512K"})
     assert all(m != "ok" for m, _ in results), results
     assert any("desync" in m or "bytes" in m for m, _ in results), results
     assert all(dt < 5 for _, dt in results), results  # not the 20 s timeout
@@ -254,9 +254,7 @@ async def test_big_reduce_reads_the_peers_slices_and_leaves_theirs_alone(monkeyp
     of the single-copy all_reduce, every other rank's tensor is as it was; ints with MAX, AVG
     of a 2-D tensor, and fewer elements than ranks (an empty slice) too."""
     monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
-    monkeypatch.setenv("AIODIST_ALGO_REDUCE_CMA_MIN", "0")
-    monkeypatch.setenv("AIODIST_ALGO_CMA_WIDE_MIN", "0")
-    monkeypatch.setenv("AIODIST_ALGO_LANE_MAX", "0")  # (a group of 2 would take the lane first)
+    rules = {"reduce_cma_min": 0, "cma_wide_min": 0, "lane_max": 0}  # (lane_max: a group of 2 would take the lane first)
     sizes = (300_001, 70_001, 2)
 
     def data(rank: int, m: int) -> np.ndarray:
@@ -280,7 +278,7 @@ async def test_big_reduce_reads_the_peers_slices_and_leaves_theirs_alone(monkeyp
             assert np.all(a == (sum(range(n)) / n if rank == root else rank))
         return got, int(dist.group.WORLD.backend.stats()["shm"]["cma_ops"])
 
-    results = await run_world(n, fn, backend="gloo", timeout=60)
+    results = await run_world(n, fn, backend="gloo", timeout=60, pg_options=rules)
     for root in range(n):
         for k, m in enumerate(sizes):
             want = _slice_owner_sum([data(r, m) for r in range(n)])
@@ -297,9 +295,8 @@ async def test_a_reduce_whose_sizes_differ_across_the_single_copy_threshold_is_a
     path says which op it is in, so the rank waiting for its peer's first phase (or its lane
     flag) finds the desync at once, not at its 20 s timeout."""
     monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
-    monkeypatch.setenv("AIODIST_ALGO_REDUCE_CMA_MIN", "512K")
-    monkeypatch.setenv("AIODIST_ALGO_REDUCE_SCATTER_CMA_MIN", "512K")
-    monkeypatch.setenv("AIODIST_ALGO_SCATTER_CMA_MIN", "512K")  # (scatter: sizes that differ are outside torch's contract too)
+    # (scatter: sizes that differ are outside torch's contract too)
+    rules = {"reduce_cma_min": "512K", "reduce_scatter_cma_min": "512K", "scatter_cma_min": "512K"}
     cases = [(r, m) for r in (0, 1) for m in (600_000, 200_000)] if op == "reduce" else [(0, 600_000)]
 
     for root, first in cases:
@@ -319,7 +316,7 @@ async def test_a_reduce_whose_sizes_differ_across_the_single_copy_threshold_is_a
                 return str(exc), time.monotonic() - t0
             return "ok", time.monotonic() - t0
 
-        results = await run_world(2, fn, backend="gloo", pg_timeout=20, timeout=60)
+        results = await run_world(2, fn, backend="gloo", pg_timeout=20, timeout=60, pg_options=rules)
         assert any("desync detected" in m for m, _ in results), (root, first, results)
         assert all(m == "ok" or "desync" in m or "bytes" in m for m, _ in results), (root, first, results)
         assert all(dt < 5 for _, dt in results), (root, first, results)
@@ -431,7 +428,6 @@ async def test_gather_and_scatter_read_straight_from_the_other_side(monkeypatch:
     socket, the same results), every root in turn: sizes that differ per rank, 2-D tensors,
     and in place (the root's own slot is its tensor)."""
     monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
-    monkeypatch.setenv("AIODIST_ALGO_SCATTER_CMA_MIN", "0")
 
     async def fn(rank: int) -> int:
         for root in range(n):
@@ -460,7 +456,7 @@ async def test_gather_and_scatter_read_straight_from_the_other_side(monkeypatch:
             assert np.all(t == rank)
         return int(dist.group.WORLD.backend.stats()["shm"]["cma_ops"])
 
-    assert await run_world(n, fn, backend="gloo", timeout=60) == [4 * n if n == 2 else 0] * n
+    assert await run_world(n, fn, backend="gloo", timeout=60, pg_options={"scatter_cma_min": 0}) == [4 * n if n == 2 else 0] * n
 
 
 @pytest.mark.parametrize("op,m", [("gather", 10), ("scatter", 10), ("scatter", 100_000)], ids=["gather", "scatter-inline", "scatter-read"])
@@ -503,8 +499,7 @@ async def test_a_failed_read_names_the_op_group_seq_and_rank_and_fails_the_peer(
     to reduce it)."""
     for k, v in ENV.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setenv("AIODIST_ALGO_ALLREDUCE_CMA_MIN", "256K")
-    monkeypatch.setenv("AIODIST_ALGO_REDUCE_CMA_MIN", "256K")
+    rules = {**RULES, "allreduce_cma_min": "256K", "reduce_cma_min": "256K"}
     real = _cma.read
     failed: list[int] = []
 
@@ -541,7 +536,7 @@ async def test_a_failed_read_names_the_op_group_seq_and_rank_and_fails_the_peer(
             return str(exc), asyncio.get_running_loop().time() - t
         return "ok", 0.0
 
-    results = await run_world(2, fn, backend="gloo", pg_timeout=20, timeout=60)
+    results = await run_world(2, fn, backend="gloo", pg_timeout=20, timeout=60, pg_options=rules)
     assert len(failed) == 1
     msgs = [m for m, _ in results]
     if op == "all_gather":

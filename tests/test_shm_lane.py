@@ -44,8 +44,7 @@ SAME = (
 async def main():
     await dist.init_process_group("gloo", timeout=30)
     rank, n = dist.get_rank(), dist.get_world_size()
-    os.environ["AIODIST_ALGO_LANE_MAX"] = "0"  # read when a group is made: this one has no lane
-    sock = await dist.new_group(list(range(n)))
+    sock = await dist.new_group(list(range(n)), pg_options={{"lane_max": 0}})  # this group has no lane
     rng = np.random.default_rng(7 + rank)
     same, digests = {{}}, {{}}
 

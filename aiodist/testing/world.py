@@ -26,9 +26,15 @@ T = TypeVar("T")
 
 
 async def _rank_main(
-    rank: int, n: int, fn: Callable[[int], Awaitable[T]], backend: str, store: HashStore, pg_timeout: TimeoutLike | None
+    rank: int,
+    n: int,
+    fn: Callable[[int], Awaitable[T]],
+    backend: str,
+    store: HashStore,
+    pg_timeout: TimeoutLike | None,
+    pg_options: Any,
 ) -> T:
-    await init_process_group(backend, store=store, rank=rank, world_size=n, timeout=pg_timeout)
+    await init_process_group(backend, store=store, rank=rank, world_size=n, timeout=pg_timeout, pg_options=pg_options)
     try:
         return await fn(rank)
     finally:
@@ -37,12 +43,22 @@ async def _rank_main(
 
 
 async def run_world(
-    n: int, fn: Callable[[int], Awaitable[T]], backend: str = "memory", timeout: TimeoutLike = 30, *, pg_timeout: TimeoutLike | None = None
+    n: int,
+    fn: Callable[[int], Awaitable[T]],
+    backend: str = "memory",
+    timeout: TimeoutLike = 30,
+    *,
+    pg_timeout: TimeoutLike | None = None,
+    pg_options: Any = None,
 ) -> list[T]:
     """Run ``await fn(rank)`` for every rank 0..n-1 concurrently; return their results in rank order.
 
     Inside ``fn`` the aiodist API works on that rank's own World (``aiodist.get_rank()`` is
     ``rank``). ``pg_timeout`` is the default group's timeout (torch's 30 min if None).
+    ``pg_options`` is passed to every rank's ``init_process_group``: a
+    ``aiodist.algorithms.Thresholds``, or a mapping of its field names to byte counts (for
+    example ``{"lane_max": 0}``), sets the default group's path rules on every rank alike
+    (``aiodist.algorithms.thresholds.rules_from``); groups made later take their own.
     The first rank to fail (lowest rank among the first failures) has its error raised, with a
     note naming the rank; the other ranks are then cancelled. A world still running after
     ``timeout`` seconds is a ``DistTimeoutError`` naming the ranks that did not finish.
@@ -59,7 +75,9 @@ async def run_world(
         world = World(f"rank {rank}")
         ctx.run(set_world, world)
         worlds.append(world)
-        tasks.append(loop.create_task(_rank_main(rank, n, fn, backend, store, pg_timeout), name=f"run_world rank {rank}", context=ctx))
+        tasks.append(
+            loop.create_task(_rank_main(rank, n, fn, backend, store, pg_timeout, pg_options), name=f"run_world rank {rank}", context=ctx)
+        )
     try:
         done, pending = await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.FIRST_EXCEPTION)
     except BaseException:
