@@ -201,3 +201,13 @@ async def test_bad_pg_options_rules_are_refused_at_the_group() -> None:
 
     for msg in await run_world(2, fn):
         assert "pg_options: unknown threshold 'lane'" in msg
+
+
+async def test_bad_rules_at_init_are_refused_before_a_backend_is_made() -> None:
+    import aiodist as dist
+    from aiodist.c10d.world import World, use_world
+
+    with use_world(World("bad rules")) as w:
+        with pytest.raises(ValueError, match="pg_options: unknown threshold 'nope'"):
+            await dist.init_process_group("gloo", store=dist.HashStore(timeout=5), rank=0, world_size=1, pg_options={"nope": 1})
+        assert w.backend is None and w.default_pg is None

@@ -213,6 +213,7 @@ async def init_process_group(
     world = current_world()
     if world.default_pg is not None:
         raise ValueError("trying to initialize the default process group twice!")
+    rules = rules_from(pg_options)  # a bad rule is refused before anything is made
     rank = _int(rank, "rank")
     world_size = _int(world_size, "world_size")
     if store is not None and init_method is not None:
@@ -262,7 +263,7 @@ async def init_process_group(
     world.backend_config = config
     world.devices = devices
     world.host_refusal = None if "cpu" in config or not isinstance(comm, _Hostless) else comm.refusal
-    pg = _make_group(world, 0, range(world_size), td.total_seconds(), name=group_name or "0", desc="default_pg", pg_options=pg_options)
+    pg = _make_group(world, 0, range(world_size), td.total_seconds(), name=group_name or "0", desc="default_pg", pg_options=rules)
     world.groups[0] = pg
     world.default_pg = pg
     # issue 13: the loop watchdog (docs/debugging.md), which also tells the peers through the
