@@ -97,32 +97,8 @@ def test_quick_run_against_torch_without_the_probe() -> None:
             assert float(cells[7]) > 0 and float(cells[9]) > 0  # torch's time, the ratio
 
 
-def _mpi_missing() -> str | None:
-    from aiodist.bench.collectives import mpi_unavailable
-
-    return mpi_unavailable()
-
-
-@pytest.mark.skipif(_mpi_missing() is not None, reason=f"the MPI side cannot run here: {_mpi_missing()}")
-def test_quick_run_against_open_mpi() -> None:
-    r = run_bench("--compare", "mpi", "--ops", "all_reduce,all_gather_into_tensor,barrier")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "aiodist/mpi" in r.stdout and "mpi: mpi4py over Open MPI" in r.stdout
-    tables = parse(r.stdout)
-    assert set(tables) == {"all_reduce", "all_gather_into_tensor", "barrier"}
-    for rows in tables.values():
-        for cells in rows:
-            assert len(cells) == 11, cells
-            check_lag_and_mem(cells)
-            assert float(cells[8]) > 0 and float(cells[10]) > 0  # mpi's time, the ratio
-
-
-def test_mpi_missing_is_one_line_and_the_run_goes_on() -> None:
-    # an empty PATH for the check: mpirun is not found, whatever this machine has
-    r = run_bench("--ops", "barrier", "--no-lag-probe", "--compare", "mpi", env={"PATH": "/nonexistent"})
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert re.search(r"^mpi: skipped: mpirun is not on PATH", r.stdout, re.M), r.stdout
-    assert "aiodist/mpi" not in r.stdout and list(parse(r.stdout)) == ["barrier"]
+# The MPI sides (Open MPI, MPICH, Intel MPI: how each is found, the best-MPI columns, real runs
+# against each library installed here, --plot without matplotlib): tests/test_bench_mpi.py.
 
 
 def test_unknown_compare_is_refused() -> None:
@@ -137,17 +113,6 @@ def test_plot_draws_a_png(tmp_path: pathlib.Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"plot: {png}" in r.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
-
-
-def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from aiodist.bench import collectives
-
-    real = collectives.importlib.util.find_spec
-    monkeypatch.setattr(collectives.importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
-    with pytest.raises(SystemExit) as e:
-        collectives.parse_args(["--plot", "x.png"])
-    assert e.value.code == 2
-    assert "aiodist[plot]" in capsys.readouterr().err
 
 
 def test_a_failing_rank_fails_the_run_with_its_traceback() -> None:
@@ -187,10 +152,11 @@ def test_mpi_side_drops_a_connection_that_stalls_in_the_handshake(monkeypatch: p
     import socket
     import time
 
+    from aiodist.bench import _mpi
     from aiodist.bench import collectives as bc
 
     monkeypatch.setattr(bc, "STARTUP", 1.5)
-    side = bc.MpiSide(bc.Plan("mpi", 1, 0, 0.0))
+    side = bc.MpiSide(bc.Plan("openmpi", 1, 0, 0.0), _mpi.MpiLib("openmpi", "mpirun", sys.executable, None, "Open MPI", "4"))
     side._listener = socket.create_server((bc.HOST, 0))
     side.mpirun = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # stands in for mpirun
     stalled = socket.create_connection(side._listener.getsockname())

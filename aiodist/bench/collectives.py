@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from aiodist.bench import format_table, machine_info, package_version
+from aiodist.bench import _mpi, format_table, machine_info
 from aiodist.bench.probes import LagProbe, PeakRss, percentile
 
 __all__ = ["main", "OPS", "sizes"]
@@ -124,7 +124,7 @@ class Plan:
     """How the ranks of one side start. Sent to the rank processes as an argument; what they
     run comes row by row over their pipes."""
 
-    impl: str  # "aiodist" | "torch" | "mpi" | "before"
+    impl: str  # "aiodist" | "torch" | "openmpi" | "mpich" | "impi" | "before"
     nproc: int
     port: int
     timeout: float
@@ -504,36 +504,12 @@ class Side:
             c.close()
 
 
-# ----------------------------------------------------------------------------- Open MPI side
+# ----------------------------------------------------------------------------- MPI sides (Open MPI, MPICH, Intel MPI)
 
-#: how mpirun starts the MPI side: shared memory between the ranks (vader: Open MPI 4's
-#: single-copy shared-memory transport), no binding (aiodist's and torch's ranks are not bound
-#: either); ``--oversubscribe`` is added only for more ranks than cores (it makes Open MPI yield
-#: the core while it waits: 4 B all_reduce went from 1.5 us to 2.8 ms here)
-MPI_FLAGS = ("--mca", "btl", "self,vader", "--bind-to", "none")
 MPI_ENV = "AIODIST_BENCH_MPI"  # host:port:authkey(hex) of the coordinator, for the MPI ranks
-
-
-def mpi_flags(nproc: int) -> tuple[str, ...]:
-    return MPI_FLAGS + (("--oversubscribe",) if nproc > (os.cpu_count() or 1) else ())
-
-
-def mpi_unavailable() -> str | None:
-    """Why the MPI side cannot run here (None: it can)."""
-    if shutil.which("mpirun") is None:
-        return "mpirun is not on PATH (Debian: apt-get install openmpi-bin libopenmpi-dev)"
-    if importlib.util.find_spec("mpi4py") is None:
-        return "mpi4py is not installed (pip install mpi4py; it builds against the Open MPI found by mpicc)"
-    return None
-
-
-def mpirun_version() -> str:
-    try:
-        out = subprocess.run(["mpirun", "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    first = out.strip().splitlines()[:1]
-    return first[0] if first else "unknown"
+#: what the MPI ranks run, by path, with their library's Python (aiodist/bench/_mpi_rank.py:
+#: numpy and mpi4py only, since MPICH's and Intel MPI's venvs have no aiodist)
+MPI_RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_mpi_rank.py")
 
 
 class _PopenProc:
@@ -619,13 +595,52 @@ def _accept_ranks(
     return [by_rank[r] for r in range(nproc)]
 
 
-class MpiSide(Side):
-    """The MPI side: ``mpirun -np N python -m aiodist.bench._mpi_rank``; each rank connects back
-    to the coordinator (an authenticated ``multiprocessing.connection``) and then speaks the
-    same row protocol as the other sides."""
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:  # nobody left in it
+        pass
 
-    def __init__(self, plan: Plan) -> None:
+
+def _session(sid: int) -> list[int]:
+    """The processes of session ``sid`` (Linux: /proc), but the caller."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()  # after the (command), which may hold spaces
+        except OSError:  # gone meanwhile
+            continue
+        if len(fields) > 3 and int(fields[3]) == sid:  # state, ppid, pgrp, session
+            out.append(int(entry))
+    return out
+
+
+def _end_session(sid: int, grace: float = 5.0) -> None:
+    """Wait up to ``grace`` seconds for what is left of the launcher's session (``sid``: the
+    launcher's pid, which stays reserved while any process of the session lives, so whatever
+    still carries it is ours), then SIGKILL it."""
+    deadline = time.monotonic() + grace
+    while (left := _session(sid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class MpiSide(Side):
+    """One MPI library's side: its ``mpirun -np N PYTHON -I aiodist/bench/_mpi_rank.py`` (see
+    ``_mpi.MpiLib.command``); each rank connects back to the coordinator (an authenticated
+    ``multiprocessing.connection``), says which library it loaded, then speaks the same row
+    protocol as the other sides."""
+
+    def __init__(self, plan: Plan, lib: _mpi.MpiLib) -> None:
         super().__init__(plan)
+        self.lib = lib
         self.mpirun: subprocess.Popen[bytes] | None = None
         self._proc: _PopenProc | None = None
         self._listener: socket.socket | None = None
@@ -635,12 +650,8 @@ class MpiSide(Side):
     def start(self) -> None:
         self._listener = socket.create_server((HOST, 0))
         port = self._listener.getsockname()[1]
-        env = {**os.environ, MPI_ENV: f"{HOST}:{port}:{self._key.hex()}"}
-        cmd = ["mpirun", *mpi_flags(self.plan.nproc), "-np", str(self.plan.nproc), "-x", MPI_ENV]
-        if os.geteuid() == 0:  # Open MPI refuses root without both the flag and the variables
-            cmd.insert(1, "--allow-run-as-root")
-            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-        cmd += [sys.executable, "-m", "aiodist.bench._mpi_rank"]
+        env = self.lib.env({**os.environ, MPI_ENV: f"{HOST}:{port}:{self._key.hex()}"})
+        cmd = self.lib.command(self.plan.nproc, MPI_RANK, pass_on=[MPI_ENV, FAIL_ENV] if FAIL_ENV in env else [MPI_ENV])
         # its own session, so that a kill reaches the ranks it started too (see kill); its
         # output goes to a file, read only when it fails (a pipe nobody reads could fill)
         self._out = tempfile.TemporaryFile()
@@ -657,18 +668,23 @@ class MpiSide(Side):
         return self._out.read().decode(errors="replace")[-4000:]
 
     def wait_ready(self) -> None:
-        """Accept every rank's connection (each says its rank first), then wait for "ready"."""
+        """Accept every rank's connection (each says its rank first), then wait for "ready":
+        every rank must run the library that was found (a rank that loaded another fails the run)."""
         assert self._listener is not None and self.mpirun is not None
         mpirun = self.mpirun
 
         def died() -> str | None:
             if mpirun.poll() is None:
                 return None
-            return f"mpirun exited ({mpirun.returncode}) before every rank connected:\n{self._output()}"
+            return f"{os.path.basename(self.lib.mpirun)} exited ({mpirun.returncode}) before every rank connected:\n{self._output()}"
 
         self.conns = _accept_ranks(self._listener, self._key, self.plan.impl, self.plan.nproc, STARTUP + self.plan.timeout, died)
         self._listener.close()
-        super().wait_ready()
+        infos = self._gather("ready", STARTUP + self.plan.timeout, "start-up")
+        for r, info in enumerate(infos):
+            got = _mpi.short_library(str((info or {}).get("library", "")))
+            if got != self.lib.library:
+                raise BenchError(f"{self.plan.impl} rank {r} loaded {got!r}, not {self.lib.library!r}")
 
     def stop(self) -> None:
         try:
@@ -681,16 +697,23 @@ class MpiSide(Side):
             self.kill()
 
     def kill(self) -> None:
-        if self.mpirun is not None and self.mpirun.poll() is None:
-            self.mpirun.terminate()  # mpirun passes it on to its ranks
+        if self.mpirun is not None:
+            # SIGTERM to the launcher's whole process group (start_new_session: it leads its own),
+            # not to the launcher alone: Intel MPI's mpirun is a sh script that runs
+            # mpiexec.hydra as its child, and a SIGTERM to the script alone leaves hydra and the
+            # ranks running. Each launcher passes it on to its ranks (MPICH's and Intel MPI's put
+            # them in groups, or sessions, of their own).
+            sid = self.mpirun.pid
+            if self.mpirun.poll() is None:
+                self.mpirun.terminate()
+            _signal_group(sid, signal.SIGTERM)
             try:
                 self.mpirun.wait(5)
             except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(self.mpirun.pid, signal.SIGKILL)  # the session we started it in: mpirun and its ranks
-                except ProcessLookupError:
-                    pass
+                self.mpirun.kill()
+                _signal_group(sid, signal.SIGKILL)
                 self.mpirun.wait(5)
+            _end_session(sid)
         if self._proc is not None:
             self._proc.close()
             self._proc = None
@@ -702,62 +725,6 @@ class MpiSide(Side):
         if self._out is not None:
             self._out.close()
             self._out = None
-
-
-async def _mpi_rank(conn: multiprocessing.connection.Connection) -> None:
-    """One MPI rank (``aiodist.bench._mpi_rank`` under mpirun): blocking mpi4py calls on the
-    buffers' numpy arrays, in place where the op allows it."""
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    rank, n = comm.Get_rank(), comm.Get_size()
-
-    def call(op: str, b: _Buffers) -> None:
-        if op == "all_reduce":
-            comm.Allreduce(MPI.IN_PLACE, b.out, op=MPI.SUM)
-        elif op == "broadcast":
-            comm.Bcast(b.out, root=0)
-        elif op == "reduce":
-            if rank == 0:
-                comm.Reduce(MPI.IN_PLACE, b.out, op=MPI.SUM, root=0)
-            else:
-                comm.Reduce(b.out, None, op=MPI.SUM, root=0)
-        elif op == "all_gather_into_tensor":
-            comm.Allgather(b.inp, b.out)
-        elif op == "reduce_scatter_tensor":
-            comm.Reduce_scatter_block(b.inp, b.out, op=MPI.SUM)
-        elif op == "all_to_all_single":
-            comm.Alltoall(b.inp, b.out)
-        elif op == "gather":
-            comm.Gather(b.inp, b.out if rank == 0 else None, root=0)
-        elif op == "scatter":
-            comm.Scatter(b.inp if rank == 0 else None, b.out, root=0)
-        else:
-            comm.Barrier()
-
-    conn.send(("hello", rank))
-    await _Rank(rank, n, call, comm.Barrier, False).serve(conn)
-
-
-def mpi_rank_main() -> int:
-    host, port, key = os.environ[MPI_ENV].rsplit(":", 2)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from mpi4py import MPI  # noqa: F401  (MPI_Init waits for every rank: before the coordinator, which takes one rank at a time)
-
-    conn = multiprocessing.connection.Client((host, int(port)), authkey=bytes.fromhex(key))
-    try:
-        asyncio.run(_mpi_rank(conn))
-        reply: tuple[Any, ...] = ("done",)
-    except EOFError:
-        return 1
-    except BaseException:
-        reply = ("error", traceback.format_exc())
-    try:
-        conn.send(reply)
-    except OSError:
-        pass
-    conn.close()
-    return 0 if reply[0] == "done" else 1
 
 
 # ----------------------------------------------------------------------------- an older aiodist ("before")
@@ -926,7 +893,7 @@ def run(args: argparse.Namespace, sz: tuple[int, ...]) -> tuple[dict[str, Result
     sides: dict[str, Side] = {}
     for i in impls:
         plan = Plan(i, args.nproc, _free_port(), args.timeout, lag_probe=i == "aiodist" and args.lag_probe, tree=args.before)
-        sides[i] = MpiSide(plan) if i == "mpi" else BeforeSide(plan) if i == "before" else Side(plan)
+        sides[i] = MpiSide(plan, args.mpi[i]) if i in args.mpi else BeforeSide(plan) if i == "before" else Side(plan)
     out: dict[str, Results] = {i: {op: {} for op in args.op_list} for i in impls}
     try:
         for side in sides.values():
@@ -975,11 +942,29 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / (1 << 20):.1f}"
 
 
+def _median(results: dict[str, Results], impl: str, op: str, count: int) -> float | None:
+    r = results[impl].get(op, {}).get(count)
+    return statistics.median(r.times) if r is not None and r.times else None
+
+
+def mpi_cells(t: float, times: dict[str, float | None]) -> list[str]:
+    """A row's MPI columns: each library's time (us), then the best of them (the least time),
+    which library that is, and aiodist's time ``t`` over it."""
+    cells = [_fmt_us(tm) for tm in times.values()]
+    top = _mpi.best(times)
+    if top is None:
+        return cells + ["-", "-", "-"]
+    name, tm = top
+    return cells + [_fmt_us(tm), name, f"{t / tm:.2f}" if tm > 0 else "-"]
+
+
 def report(ops: Sequence[str], n: int, results: dict[str, Results]) -> str:
-    """A table per op: aiodist's time, bandwidth, loop lag and extra memory, then each other
-    implementation's time and busbw with the ratio of aiodist's time to it."""
+    """A table per op: aiodist's time, bandwidth, loop lag and extra memory; then each other
+    implementation's time and busbw with the ratio of aiodist's time to it, except the MPI
+    libraries, which get a time column each and then the best of them (``mpi_cells``)."""
     mine = results["aiodist"]
-    others = [i for i in results if i != "aiodist"]
+    mpis = [i for i in results if i in _mpi.LIBS]
+    others = [i for i in results if i != "aiodist" and i not in mpis]
     lag = any(r.lags is not None for rows in mine.values() for r in rows.values())
     blocks = []
     for op in ops:
@@ -988,6 +973,8 @@ def report(ops: Sequence[str], n: int, results: dict[str, Results]) -> str:
         headers += ["mem+(MiB)"]
         for i in others:
             headers += [f"{i}(us)", f"{i} busbw", f"aiodist/{i}"]
+        if mpis:
+            headers += [f"{i}(us)" for i in mpis] + ["best MPI(us)", "best MPI", "aiodist/best-MPI"]
         rows = []
         for count, r in mine[op].items():
             nbytes = count * ITEMSIZE
@@ -997,42 +984,47 @@ def report(ops: Sequence[str], n: int, results: dict[str, Results]) -> str:
             row += [_lag_cell(r.lags)] if lag else []
             row += [_mib(r.mem)]
             for i in others:
-                theirs = results[i].get(op, {}).get(count)
-                if theirs is not None and theirs.times:
-                    tm = statistics.median(theirs.times)
+                tm = _median(results, i, op, count)
+                if tm is not None:
                     row += [_fmt_us(tm), f"{_busbw(op, n, nbytes, tm):.3f}", f"{t / tm:.2f}" if tm > 0 else "-"]
                 else:
                     row += ["-", "-", "-"]
+            if mpis:
+                row += mpi_cells(t, {i: _median(results, i, op, count) for i in mpis})
             rows.append(row)
         blocks.append(f"# {op}\n{format_table(headers, rows)}")
     return "\n\n".join(blocks)
 
 
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
 def plot(path: str, ops: Sequence[str], n: int, results: dict[str, Results]) -> None:
-    """busbw against size, one panel per op (barrier has no bandwidth), a line per
-    implementation; written as an image to ``path`` (its suffix picks the format)."""
+    """Time against size, one panel per op (barrier has no size: left out) at ``n`` ranks, a
+    line per implementation (aiodist, torch, each MPI library, before); log-log; written to
+    ``path`` (its suffix picks the format: .png, .svg or .pdf)."""
     import matplotlib
 
     matplotlib.use("Agg")
+    matplotlib.rcParams["svg.fonttype"] = "none"  # an .svg keeps its text as text (searchable, selectable)
     import matplotlib.pyplot as plt
 
     shown = [op for op in ops if op != "barrier"]
     if not shown:
-        raise BenchError("--plot: no op with a bandwidth among --ops (barrier has none)")
+        raise BenchError("--plot: no op with a size among --ops (barrier has none)")
     cols = min(3, len(shown))
     nrows = -(-len(shown) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 3.8 * nrows), squeeze=False)
     for ax, op in zip(axes.flat, shown):
         for impl, res in results.items():
-            pts = sorted(
-                (c * ITEMSIZE, _busbw(op, n, c * ITEMSIZE, statistics.median(r.times))) for c, r in res.get(op, {}).items() if r.times
-            )
+            pts = sorted((c * ITEMSIZE, statistics.median(r.times) * 1e6) for c, r in res.get(op, {}).items() if r.times)
             if pts:
                 ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", markersize=3, label=impl)
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         ax.set_title(f"{op}, {n} ranks")
         ax.set_xlabel("size (bytes)")
-        ax.set_ylabel("busbw (GB/s)")
+        ax.set_ylabel("time (us, median)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     for ax in list(axes.flat)[len(shown) :]:
@@ -1049,13 +1041,15 @@ def _size(text: str) -> int:
     return int(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2).lower()]
 
 
-COMPARE = ("torch", "mpi", "before")
+COMPARE = ("torch", *_mpi.LIBS, "before")  # the sides, in their order; "mpi" is every MPI library
+PLOT_SKIP = "matplotlib is not installed: pip install matplotlib (or pip install 'aiodist[plot]')"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m aiodist.bench collectives",
-        description="Collective time, algbw and busbw over a size sweep (float32), nccl-tests style; optionally against torch gloo and Open MPI in the same run.",
+        description="Collective time, algbw and busbw over a size sweep (float32), nccl-tests style; optionally against torch gloo "
+        "and Open MPI, MPICH and Intel MPI in the same run.",
     )
     p.add_argument("--nproc", type=int, default=2, help="ranks (spawned processes; default 2)")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated ops (default all: {','.join(OPS)})")
@@ -1070,12 +1064,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--compare",
         default="",
-        help="comma-separated: torch (torch.distributed gloo), mpi (mpi4py over Open MPI's mpirun, shared memory; "
-        "skipped with a line saying why where mpirun or mpi4py is missing), before=PATH (an older aiodist checkout, "
-        "e.g. git worktree add /tmp/aiodist-before COMMIT; its ranks import aiodist from PATH), on the same plan, with ratio columns",
+        help="comma-separated: torch (torch.distributed gloo); mpi (every MPI library found: openmpi, mpich, impi, each its own "
+        "side, plus the best of them per row), or one or more of openmpi (mpirun on PATH, mpi4py in this Python), mpich "
+        f"(the venv ${_mpi.VENV_VAR['mpich']}, default {_mpi.DEFAULT_VENV['mpich']}), impi (${_mpi.VENV_VAR['impi']}, default "
+        f"{_mpi.DEFAULT_VENV['impi']}); a library not found is skipped with a line saying why and how to install it; "
+        "before=PATH (an older aiodist checkout, e.g. git worktree add /tmp/aiodist-before COMMIT; its ranks import aiodist "
+        "from PATH); all on the same plan, with ratio columns",
     )
     p.add_argument(
-        "--plot", metavar="FILE.png", help="draw busbw against size for every implementation (needs matplotlib: the 'plot' extra)"
+        "--plot",
+        metavar="FILE.png",
+        help="draw time against size, a panel per op, a line per implementation (.png, .svg or .pdf; needs matplotlib: "
+        "pip install matplotlib, or the 'plot' extra; without it the run says so and goes on)",
     )
     p.add_argument("--no-lag-probe", dest="lag_probe", action="store_false", help="do not run the loop-lag probe on aiodist's ranks")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any op, or the wait for the next size, may take (default 120)")
@@ -1085,9 +1085,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     wanted = [c.strip() for c in args.compare.split(",") if c.strip()]
     trees = [c[len("before=") :] for c in wanted if c.startswith("before=") and len(c) > len("before=")]
     wanted = ["before" if c.startswith("before=") and len(c) > len("before=") else c for c in wanted]
+    wanted = [x for c in wanted for x in (_mpi.LIBS if c == "mpi" else (c,))]
     bad = [c for c in wanted if c not in COMPARE or c == "before" and not trees]  # bare "before": it needs its PATH
     if bad:
-        p.error(f"--compare: unknown {bad}; choose from torch, mpi, before=PATH")
+        p.error(f"--compare: unknown {bad}; choose from torch, mpi, {', '.join(_mpi.LIBS)}, before=PATH")
     if len(trees) > 1:
         p.error("--compare: before=PATH given more than once")
     args.before = os.path.abspath(os.path.expanduser(trees[0])) if trees else None
@@ -1097,14 +1098,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--compare before={trees[0]}: refused: {why}")
     if "torch" in wanted and importlib.util.find_spec("torch") is None:
         p.error("--compare torch: torch is not installed")
-    args.skipped = {}
-    if "mpi" in wanted:
-        why = mpi_unavailable()
-        if why:
-            args.skipped["mpi"] = why
+    args.skipped, args.mpi = {}, {}
+    for name in _mpi.LIBS:
+        if name in wanted:
+            found = _mpi.find(name)
+            if isinstance(found, str):
+                args.skipped[name] = found
+            else:
+                args.mpi[name] = found
     args.impls = [c for c in COMPARE if c in wanted and c not in args.skipped]
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        p.error("--plot needs matplotlib, which is not installed: pip install 'aiodist[plot]' (or pip install matplotlib)")
+    if args.plot and os.path.splitext(args.plot)[1].lower() not in PLOT_SUFFIXES:
+        p.error(f"--plot: FILE must end in {', '.join(PLOT_SUFFIXES)}, got {args.plot!r}")
+    args.plot_skipped = PLOT_SKIP if args.plot and importlib.util.find_spec("matplotlib") is None else None
     if args.quick:
         args.min_bytes, args.max_bytes, args.step, args.iters, args.warmup = 4, 64 << 10, 16, 3, 1
     args.op_list = tuple(o.strip() for o in args.ops.split(",") if o.strip())
@@ -1123,10 +1128,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     sz = tuple(sizes(args.min_bytes, args.max_bytes, args.step))
     info = machine_info()
-    if "mpi" in args.impls:
-        info["mpi4py"] = package_version("mpi4py")
-        info["mpirun"] = mpirun_version()
     print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
+    for lib in args.mpi.values():
+        print(f"{lib.name}: {lib.library}, mpi4py {lib.mpi4py}, {lib.mpirun}", flush=True)
     print(
         f"ranks: {args.nproc}; dtype float32; sizes {sz[0]}..{sz[-1]} B x{args.step}; {args.warmup} warmup + {args.iters} timed iterations; "
         f"time = median over iterations of the slowest rank's time",
@@ -1134,6 +1138,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     for impl, why in args.skipped.items():
         print(f"{impl}: skipped: {why}", flush=True)
+    if args.plot_skipped:
+        print(f"plot: skipped: {args.plot_skipped}", flush=True)
     if args.before is not None:
         commit = tree_commit(args.before)
         print(f"before: {args.before}, commit {commit}", flush=True)
@@ -1159,8 +1165,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     if "torch" in args.impls:
         notes.append("torch: torch.distributed gloo")
-    if "mpi" in args.impls:
-        notes.append(f"mpi: mpi4py over Open MPI (mpirun {' '.join(mpi_flags(args.nproc))})")
+    for lib in args.mpi.values():
+        notes.append(lib.describe(args.nproc))
+    if args.mpi:
+        notes.append(
+            "best MPI = the least of the MPI libraries' times in the row (and which library); aiodist/best-MPI = aiodist's time over it"
+        )
     if "before" in args.impls:
         notes.append(
             f"before: the aiodist in {args.before} (commit {commit}), its 'gloo' backend on uvloop, through its public API only "
@@ -1168,7 +1178,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.impls:
         notes.append("aiodist/X = time ratio (below 1: aiodist faster); every ratio is from this one run")
-    if args.plot:
+    if args.plot and not args.plot_skipped:
         try:
             plot(args.plot, args.op_list, args.nproc, results)
         except BenchError as exc:
