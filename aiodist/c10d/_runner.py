@@ -22,7 +22,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -35,6 +35,7 @@ from aiodist.c10d._blocked import BLOCKED_KEY
 from aiodist.c10d._blocked import describe as describe_block
 from aiodist.debug.recorder import dump_on_timeout  # it dumps the World's groups: a tool above c10d
 from aiodist.errors import DistBackendError, DistError, DistTimeoutError
+from aiodist.shm._link import OpLink, op_link
 from aiodist.store.base import Store
 
 if TYPE_CHECKING:
@@ -85,10 +86,11 @@ class Tracker(Protocol):
 class TrackedP2P:
     """A collective's P2P that remembers which peers it is still waiting on, and when it last
     heard from each (for the timeout message). Plain dicts, not Counters: this is on every
-    message's path."""
+    message's path. It is the op's ``OpLink`` (aiodist.shm._link) for shared memory, whose
+    waits it counts with its receives'; the rest of that contract is its channel's."""
 
     diagnose = True
-    __slots__ = ("inner", "ranks", "rank", "size", "waiting_recv", "waiting_send", "_heard")
+    __slots__ = ("inner", "ranks", "rank", "size", "waiting_recv", "waiting_send", "_heard", "_link")
 
     def __init__(self, inner: P2P, ranks: Sequence[int], rank: int | None = None) -> None:
         self.inner = inner
@@ -98,6 +100,7 @@ class TrackedP2P:
         self.waiting_recv: dict[int, int] = {}
         self.waiting_send: dict[int, int] = {}
         self._heard: dict[int, float] = {}
+        self._link: OpLink | None = None  # the channel's OpLink, once shared memory asks
 
     async def send(self, peer: int, buf: np.ndarray, tag: int) -> None:
         counter = self.waiting_send
@@ -131,6 +134,58 @@ class TrackedP2P:
             counter[peer] = counter.get(peer, 0) + 1
             sent.add_done_callback(lambda _: counter.__setitem__(peer, counter[peer] - 1))
         return sent
+
+    # -- the OpLink side (aiodist.shm._link): the waits here, the rest the channel's ----------
+
+    def wait_on(self, peers: Iterable[int]) -> None:
+        counter = self.waiting_recv
+        for q in peers:
+            counter[q] = counter.get(q, 0) + 1
+
+    def waited_on(self, peers: Iterable[int], heard: bool) -> None:
+        counter = self.waiting_recv
+        now = time.time() if heard else 0.0
+        for q in peers:
+            counter[q] -= 1
+            if heard:
+                self._heard[q] = now
+
+    def _channel(self) -> OpLink:
+        link = self._link
+        if link is None:
+            link = self._link = op_link(self.inner)
+        return link
+
+    @property
+    def group_id(self) -> int:
+        return self._channel().group_id
+
+    @property
+    def seq(self) -> int:
+        return self._channel().seq
+
+    @property
+    def digest(self) -> int:
+        return self._channel().digest
+
+    @digest.setter
+    def digest(self, value: int) -> None:
+        self._channel().digest = value
+
+    @property
+    def op_name(self) -> str | None:
+        return self._channel().op_name
+
+    def check_peer(self, peer: int) -> None:
+        self._channel().check_peer(peer)
+
+    def abort_group(self, reason: str) -> DistBackendError:
+        return self._channel().abort_group(reason)
+
+    def desync(self, peer: int, theirs: int, nbytes: int = -1) -> DistBackendError | None:
+        return self._channel().desync(peer, theirs, nbytes)
+
+    # -- what the runner reads -----------------------------------------------------------------
 
     def silent(self) -> list[int]:
         return sorted(self.ranks[p] for p, n in self.waiting_recv.items() if n > 0)

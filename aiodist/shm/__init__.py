@@ -3,7 +3,9 @@
 The CPU socket backend owns a ``SharedMemory``; the collectives take a ``Ticket`` in their
 issuing step (``SharedMemory.ticket``) and, in their body, one of the ``run_*`` functions
 below (one per collective, and ``run_barrier``), which return False where the group uses the
-socket path instead.
+socket path instead. Each takes the op's ``P2P`` and runs over its ``OpLink``
+(aiodist.shm._link: ``op_link``), the only way these modules reach the transport and the op's
+tracker.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import numpy as np
 
 from aiodist.algorithms.p2p import P2P
 from aiodist.shm import _algorithms, _lane
-from aiodist.shm._manager import DEFAULT_BYTES, ENV_BYTES, GroupShm, SharedMemory, Ticket, channel_of, segment_bytes
+from aiodist.shm._link import OpLink, op_link
+from aiodist.shm._manager import DEFAULT_BYTES, ENV_BYTES, GroupShm, SharedMemory, Ticket, segment_bytes
 
 __all__ = [
     "SharedMemory",
+    "OpLink",
     "Ticket",
     "GroupShm",
     "ENV_BYTES",
@@ -43,15 +47,16 @@ async def run_all_reduce(
     or the socket path where the group has no lane. ``single_copy``: a big one, by single-copy
     reads where the group can."""
     try:
-        g = await ticket.acquire(p2p)
+        link = op_link(p2p)
+        g = await ticket.acquire(link)
         if g is None:
             return False
         if lane:
             if not _lane.fits(g, flat.nbytes):
                 return False
-            await _lane.all_reduce(p2p, g, flat, combine)
+            await _lane.all_reduce(link, g, flat, combine)
         elif flat.size:
-            await _algorithms.all_reduce(p2p, g, flat, combine, single_copy)
+            await _algorithms.all_reduce(link, g, flat, combine, single_copy)
         return True
     finally:
         ticket.release()
@@ -61,10 +66,11 @@ async def run_barrier(ticket: Ticket, p2p: P2P) -> bool:
     """A barrier through the latency lane in this op's turn (a lane op that writes nothing);
     False (nothing done) where the group has no lane."""
     try:
-        g = await ticket.acquire(p2p)
+        link = op_link(p2p)
+        g = await ticket.acquire(link)
         if g is None or not g.lane:
             return False
-        await _lane.exchange(p2p, g, None, [0] * p2p.size, "barrier")
+        await _lane.exchange(link, g, None, [0] * p2p.size, "barrier")
         return True
     finally:
         ticket.release()
@@ -77,25 +83,26 @@ async def run_broadcast(ticket: Ticket, p2p: P2P, flat: np.ndarray, root: int, b
     then, where the group has a lane, this rank says which op it is in (``_lane.announce``), so a
     peer waiting in the lane for another op at this seq (a size that differs) sees the desync."""
     try:
-        g = await ticket.acquire(p2p)
+        link = op_link(p2p)
+        g = await ticket.acquire(link)
         if g is None:
             return False
         if big and g.cma:
-            await _algorithms.broadcast_single_copy(p2p, g, flat, root)
+            await _algorithms.broadcast_single_copy(link, g, flat, root)
             return True
         if not lane or not _lane.fits(g, flat.nbytes):
-            return _to_socket(p2p, g)
-        await _lane.broadcast(p2p, g, flat, root)
+            return _to_socket(link, g)
+        await _lane.broadcast(link, g, flat, root)
         return True
     finally:
         ticket.release()
 
 
-def _to_socket(p2p: P2P, g: GroupShm) -> bool:
+def _to_socket(link: OpLink, g: GroupShm) -> bool:
     """False (the op takes the socket), after saying which op this rank is in where the group
     has a lane: a peer waiting in the lane for another op at this seq sees the desync."""
     if g.lane:
-        _lane.announce(channel_of(p2p), g, p2p.rank, socket=True)
+        _lane.announce(link, g, link.rank, socket=True)
     return False
 
 
@@ -107,32 +114,36 @@ async def run_reduce(
     where the group has a lane, this rank says which op it is in (``_lane.announce``), so a
     peer waiting in the lane for another op at this seq (a size that differs) sees the desync."""
     try:
-        g = await ticket.acquire(p2p)
+        link = op_link(p2p)
+        g = await ticket.acquire(link)
         if g is None:
             return False
         if big and g.cma:
-            await _algorithms.reduce_single_copy(p2p, g, flat, root, combine)
+            await _algorithms.reduce_single_copy(link, g, flat, root, combine)
             return True
         if lane and _lane.fits(g, flat.nbytes):
-            await _lane.reduce(p2p, g, flat, root, combine)
+            await _lane.reduce(link, g, flat, root, combine)
             return True
-        return _to_socket(p2p, g)
+        return _to_socket(link, g)
     finally:
         ticket.release()
 
 
-async def _single_copy(ticket: Ticket, p2p: P2P, big: bool, run: Callable[[GroupShm], Awaitable[None]], table: int = 0) -> bool:
+async def _single_copy(
+    ticket: Ticket, p2p: P2P, big: bool, run: Callable[[OpLink, GroupShm], Awaitable[None]], table: int = 0
+) -> bool:
     """A ``big`` op by single-copy reads (``run``) in this op's turn, where the group can read
     its peers (and, for an op that sends a table of ``table`` bytes through the lane, that
     fits it); False (nothing done) otherwise, after ``_to_socket``."""
     try:
-        g = await ticket.acquire(p2p)
+        link = op_link(p2p)
+        g = await ticket.acquire(link)
         if g is None:
             return False
         if big and g.cma and (not table or _lane.fits(g, table)):
-            await run(g)
+            await run(link, g)
             return True
-        return _to_socket(p2p, g)
+        return _to_socket(link, g)
     finally:
         ticket.release()
 
@@ -141,24 +152,24 @@ async def run_reduce_scatter(
     ticket: Ticket, p2p: P2P, out: np.ndarray, parts: Sequence[np.ndarray], combine: _algorithms.Combine, big: bool
 ) -> bool:
     """A ``big`` reduce_scatter by single-copy reads in this op's turn (``_single_copy``)."""
-    return await _single_copy(ticket, p2p, big, lambda g: _algorithms.reduce_scatter_single_copy(p2p, g, out, parts, combine))
+    return await _single_copy(ticket, p2p, big, lambda link, g: _algorithms.reduce_scatter_single_copy(link, g, out, parts, combine))
 
 
 async def run_all_to_all(ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray], ins: Sequence[np.ndarray]) -> bool:
     """An all_to_all by single-copy reads in this op's turn (every one: the group agreed on
     whether it can); its split tables go through the lane."""
-    return await _single_copy(ticket, p2p, True, lambda g: _algorithms.all_to_all_single_copy(p2p, g, outs, ins), 16 * p2p.size)
+    return await _single_copy(ticket, p2p, True, lambda link, g: _algorithms.all_to_all_single_copy(link, g, outs, ins), 16 * p2p.size)
 
 
 async def run_gather(ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray] | None, mine: np.ndarray, root: int, big: bool = True) -> bool:
     """A ``big`` gather by single-copy reads in this op's turn (``_single_copy``)."""
-    return await _single_copy(ticket, p2p, big, lambda g: _algorithms.gather_single_copy(p2p, g, outs, mine, root))
+    return await _single_copy(ticket, p2p, big, lambda link, g: _algorithms.gather_single_copy(link, g, outs, mine, root))
 
 
 async def run_scatter(ticket: Ticket, p2p: P2P, out: np.ndarray, ins: Sequence[np.ndarray] | None, root: int, big: bool = True) -> bool:
     """A ``big`` scatter by single-copy reads in this op's turn (``_single_copy``); its table of
     parts goes through the lane."""
-    return await _single_copy(ticket, p2p, big, lambda g: _algorithms.scatter_single_copy(p2p, g, out, ins, root), 16 * p2p.size)
+    return await _single_copy(ticket, p2p, big, lambda link, g: _algorithms.scatter_single_copy(link, g, out, ins, root), 16 * p2p.size)
 
 
 async def run_all_gather(ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray], mine: np.ndarray, lane: bool = False) -> bool:
@@ -166,15 +177,16 @@ async def run_all_gather(ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray], m
     uses the socket path. ``lane``: small parts, for the latency lane, or the socket path where
     the group has no lane (or the largest part does not fit it)."""
     try:
-        g = await ticket.acquire(p2p)
+        link = op_link(p2p)
+        g = await ticket.acquire(link)
         if g is None:
             return False
         if lane:
             if not _lane.fits(g, max(o.nbytes for o in outs)):
                 return False
-            await _lane.all_gather(p2p, g, outs, mine)
+            await _lane.all_gather(link, g, outs, mine)
         else:
-            await _algorithms.all_gather(p2p, g, outs, mine)
+            await _algorithms.all_gather(link, g, outs, mine)
         return True
     finally:
         ticket.release()

@@ -57,6 +57,8 @@ Rules these keep:
   rank reads it straight into its own tensor and rings "out"; the root returns after every "out".
 - No synchronous step is longer than one piece (``PIECE`` bytes) of a copy or a reduction: the
   loop runs other tasks between pieces (once a millisecond has passed since it last did).
+- The op's group, seq and ranks (for messages) and the transport's word on a peer come from
+  its ``OpLink`` (aiodist.shm._link), and from nothing else.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ from aiodist.algorithms.collectives import _borrowed  # the bounded scratch pool
 from aiodist.algorithms.p2p import P2P, byte_view
 from aiodist.errors import DistBackendError
 from aiodist.shm import _cma, _lane
-from aiodist.shm._manager import GroupShm, channel_of, check_peer, retrieve
+from aiodist.shm._link import OpLink
+from aiodist.shm._manager import GroupShm, retrieve
 
 __all__ = ["all_reduce", "all_gather", "broadcast_single_copy", "reduce_single_copy", "reduce_scatter_single_copy", "all_to_all_single_copy", "gather_single_copy", "scatter_single_copy", "PIECE"]
 
@@ -144,7 +147,7 @@ async def _copy(dst: np.ndarray, src: np.ndarray, pace: _Pacer) -> None:
         await pace.tick()
 
 
-async def _sync(p2p: P2P, g: GroupShm, step: int, tag: int, nbytes: int) -> None:
+async def _sync(p2p: OpLink, g: GroupShm, step: int, tag: int, nbytes: int) -> None:
     """Every rank has reached this step of the op: the lane's phase words where the group has a
     lane (no socket message: aiodist.shm._lane.phase, which checks digest and size at step 0),
     else zero-length doorbells under ``tag``."""
@@ -154,7 +157,7 @@ async def _sync(p2p: P2P, g: GroupShm, step: int, tag: int, nbytes: int) -> None
         await _doorbell(p2p, tag)
 
 
-async def all_reduce(p2p: P2P, g: GroupShm, flat: np.ndarray, combine: Combine, single_copy: bool = False) -> None:
+async def all_reduce(p2p: OpLink, g: GroupShm, flat: np.ndarray, combine: Combine, single_copy: bool = False) -> None:
     """``flat`` reduced across the group, in place (see the module docstring); by single-copy
     reads where ``single_copy`` (the size is over ``allreduce_cma_min``) and the group can."""
     p, me = p2p.size, p2p.rank
@@ -188,7 +191,7 @@ async def all_reduce(p2p: P2P, g: GroupShm, flat: np.ndarray, combine: Combine, 
                 await _copy(chunk[b[q] : b[q + 1]], slots[q][b[q] : b[q + 1]], pace)
 
 
-async def _all_reduce_single_copy(p2p: P2P, g: GroupShm, flat: np.ndarray, combine: Combine) -> None:
+async def _all_reduce_single_copy(p2p: OpLink, g: GroupShm, flat: np.ndarray, combine: Combine) -> None:
     """all_reduce by single-copy reads (see the module docstring): each rank reduces its slice
     reading every peer's slice straight from that peer's buffer, a piece at a time through a
     piece-sized buffer (in cache), then reads every peer's reduced slice straight into its own
@@ -214,7 +217,7 @@ async def _all_reduce_single_copy(p2p: P2P, g: GroupShm, flat: np.ndarray, combi
 
 
 async def _fold(
-    p2p: P2P, g: GroupShm, acc: np.ndarray, own: np.ndarray | None, lo: int, addrs: list[int], combine: Combine, pace: _Pacer, op: str
+    p2p: OpLink, g: GroupShm, acc: np.ndarray, own: np.ndarray | None, lo: int, addrs: list[int], combine: Combine, pace: _Pacer, op: str
 ) -> None:
     """Elements ``lo`` to ``lo + acc.size`` of every rank's buffer (rank q's at ``addrs[q]``),
     reduced into ``acc``: this rank's own first (``own``, copied in; None: ``acc`` holds it
@@ -253,7 +256,7 @@ def _held(g: GroupShm, dtype: np.dtype, n: int) -> Iterator[np.ndarray]:
             raise
 
 
-async def reduce_single_copy(p2p: P2P, g: GroupShm, flat: np.ndarray, root: int, combine: Combine) -> None:
+async def reduce_single_copy(p2p: OpLink, g: GroupShm, flat: np.ndarray, root: int, combine: Combine) -> None:
     """Every rank's ``flat`` reduced into the root's, by single-copy reads (see the module
     docstring): rank r reduces slice r of every rank's buffer, the root then reads the reduced
     slices. The other ranks' ``flat`` are only read; their slice of the result is scratch from
@@ -294,7 +297,7 @@ def _block(parts: Sequence[np.ndarray], offs: list[int]) -> int | None:
     return base if all(x.ctypes.data == base + o * isz for x, o in live) else None
 
 
-async def reduce_scatter_single_copy(p2p: P2P, g: GroupShm, out: np.ndarray, parts: Sequence[np.ndarray], combine: Combine) -> None:
+async def reduce_scatter_single_copy(p2p: OpLink, g: GroupShm, out: np.ndarray, parts: Sequence[np.ndarray], combine: Combine) -> None:
     """``out`` of rank r = part r of every rank's input, reduced in rank order, by single-copy
     reads (see the module docstring). Part sizes may differ per r (every rank passes the same)."""
     p, me = p2p.size, p2p.rank
@@ -348,7 +351,7 @@ async def reduce_scatter_single_copy(p2p: P2P, g: GroupShm, out: np.ndarray, par
         await _lane.phase(p2p, g, 1, offs[-1] * isz)  # every peer has read this rank's input
 
 
-async def all_to_all_single_copy(p2p: P2P, g: GroupShm, outs: Sequence[np.ndarray], ins: Sequence[np.ndarray]) -> None:
+async def all_to_all_single_copy(p2p: OpLink, g: GroupShm, outs: Sequence[np.ndarray], ins: Sequence[np.ndarray]) -> None:
     """``ins[j]`` of rank i into ``outs[i]`` of rank j by single-copy reads (see the module
     docstring); sizes may differ, but ``outs[i]`` must be the size of rank i's ``ins[rank]``."""
     p, me = p2p.size, p2p.rank
@@ -383,15 +386,15 @@ async def all_to_all_single_copy(p2p: P2P, g: GroupShm, outs: Sequence[np.ndarra
         await _lane.exchange(p2p, g, None, [0] * p, "all_to_all")  # every peer has read this rank's input
 
 
-def _size_mismatch(p2p: P2P, op: str, sender: int, n: int, reader: int, want: int) -> DistBackendError:
-    ch = channel_of(p2p)
+def _size_mismatch(p2p: OpLink, op: str, sender: int, n: int, reader: int, want: int) -> DistBackendError:
+    ranks = p2p.ranks
     return DistBackendError(
-        f"{op} on group {ch.group_id}, seq {ch.seq}: rank {ch.ranks[sender]} sends {n} bytes to rank {ch.ranks[reader]}, "
+        f"{op} on group {p2p.group_id}, seq {p2p.seq}: rank {ranks[sender]} sends {n} bytes to rank {ranks[reader]}, "
         f"which expects {want} from it (the sizes must match)"
     )
 
 
-async def gather_single_copy(p2p: P2P, g: GroupShm, outs: Sequence[np.ndarray] | None, mine: np.ndarray, root: int) -> None:
+async def gather_single_copy(p2p: OpLink, g: GroupShm, outs: Sequence[np.ndarray] | None, mine: np.ndarray, root: int) -> None:
     """Every rank's ``mine`` into the root's ``outs[that rank]`` by single-copy reads (see the
     module docstring); only the root passes ``outs``."""
     p, me = p2p.size, p2p.rank
@@ -416,7 +419,7 @@ async def gather_single_copy(p2p: P2P, g: GroupShm, outs: Sequence[np.ndarray] |
     await _lane.phase(p2p, g, 1, 0)  # the root has read every input
 
 
-async def scatter_single_copy(p2p: P2P, g: GroupShm, out: np.ndarray, ins: Sequence[np.ndarray] | None, root: int) -> None:
+async def scatter_single_copy(p2p: OpLink, g: GroupShm, out: np.ndarray, ins: Sequence[np.ndarray] | None, root: int) -> None:
     """The root's ``ins[i]`` into rank i's ``out`` by single-copy reads (see the module
     docstring); only the root passes ``ins``."""
     p, me = p2p.size, p2p.rank
@@ -460,7 +463,7 @@ async def scatter_single_copy(p2p: P2P, g: GroupShm, out: np.ndarray, ins: Seque
         await _copy(dst, srcs[me], _Pacer())
 
 
-async def all_gather(p2p: P2P, g: GroupShm, outs: Sequence[np.ndarray], mine: np.ndarray) -> None:
+async def all_gather(p2p: OpLink, g: GroupShm, outs: Sequence[np.ndarray], mine: np.ndarray) -> None:
     """Every rank's ``mine`` into every rank's ``outs[that rank]`` (sizes may differ per rank;
     every rank passes the same sizes)."""
     p, me = p2p.size, p2p.rank
@@ -497,7 +500,7 @@ async def all_gather(p2p: P2P, g: GroupShm, outs: Sequence[np.ndarray], mine: np
                 await _copy(d, slots[q][: d.size], pace)
 
 
-async def _all_gather_single_copy(p2p: P2P, g: GroupShm, dsts: list[np.ndarray], src: np.ndarray, in_place: bool) -> None:
+async def _all_gather_single_copy(p2p: OpLink, g: GroupShm, dsts: list[np.ndarray], src: np.ndarray, in_place: bool) -> None:
     """all_gather by single-copy reads (see the module docstring): every peer's input straight
     into this rank's output, no segment in between."""
     p, me = p2p.size, p2p.rank
@@ -513,10 +516,10 @@ async def _all_gather_single_copy(p2p: P2P, g: GroupShm, dsts: list[np.ndarray],
             addr, n = int(g.cma_words[q][0]), int(g.cma_words[q][1])
             d = dsts[q]
             if n != d.nbytes:  # (step 0 checked the total and the digest: a part's size too, unless the digest is off)
-                ch = channel_of(p2p)
+                ranks = p2p.ranks
                 raise DistBackendError(
-                    f"all_gather on group {ch.group_id}, seq {ch.seq}: rank {ch.ranks[q]} passed {n} bytes, this rank "
-                    f"(rank {ch.ranks[me]}) expected {d.nbytes} from it (every rank must pass the same sizes)"
+                    f"all_gather on group {p2p.group_id}, seq {p2p.seq}: rank {ranks[q]} passed {n} bytes, this rank "
+                    f"(rank {ranks[me]}) expected {d.nbytes} from it (every rank must pass the same sizes)"
                 )
             await _read(p2p, g, q, d, addr, pace)
     if not in_place:  # after the reads: 20-30% faster at 2 ranks here than before them
@@ -524,7 +527,7 @@ async def _all_gather_single_copy(p2p: P2P, g: GroupShm, dsts: list[np.ndarray],
     await _lane.phase(p2p, g, 1, total)  # every peer has read this rank's input
 
 
-async def broadcast_single_copy(p2p: P2P, g: GroupShm, flat: np.ndarray, root: int) -> None:
+async def broadcast_single_copy(p2p: OpLink, g: GroupShm, flat: np.ndarray, root: int) -> None:
     """``flat`` of ``root`` into ``flat`` of every rank, each reading the root's straight into
     its own (see the module docstring)."""
     me = p2p.rank
@@ -540,7 +543,7 @@ async def broadcast_single_copy(p2p: P2P, g: GroupShm, flat: np.ndarray, root: i
     await _lane.phase(p2p, g, 1, flat.nbytes)  # every rank has read the root's tensor
 
 
-async def _read(p2p: P2P, g: GroupShm, q: int, dst: np.ndarray, addr: int, pace: _Pacer, op: str = "all_gather") -> None:
+async def _read(p2p: OpLink, g: GroupShm, q: int, dst: np.ndarray, addr: int, pace: _Pacer, op: str = "all_gather") -> None:
     """Read ``dst.nbytes`` at ``addr`` of group rank ``q``'s process into ``dst``, a piece at a time."""
     pid = g.pids[q]
     for a in range(0, dst.nbytes, PIECE):
@@ -551,24 +554,24 @@ async def _read(p2p: P2P, g: GroupShm, q: int, dst: np.ndarray, addr: int, pace:
         await pace.tick()
 
 
-async def _read_failed(p2p: P2P, q: int, pid: int, exc: OSError, op: str) -> NoReturn:
+async def _read_failed(p2p: OpLink, q: int, pid: int, exc: OSError, op: str) -> NoReturn:
     """A single-copy read of group rank ``q`` failed: the transport's error where a peer died or
     left or the group was aborted, else one that names the op's group, seq, the rank and why.
     A peer whose process is gone (ESRCH) has most often left because the op failed elsewhere
     (another rank died, and that peer raised and exited): the transport hears of it within
     moments, so for up to ``_GONE_WAIT_S`` this waits for that error, which names the cause."""
-    ch = channel_of(p2p)
     deadline = time.monotonic() + (_GONE_WAIT_S if exc.errno == errno.ESRCH else 0.0)
     while True:
         for r in range(p2p.size):
             if r != p2p.rank:
-                check_peer(ch, r)
+                p2p.check_peer(r)
         if time.monotonic() >= deadline:
             break
         await asyncio.sleep(0.01)
+    ranks = p2p.ranks
     raise DistBackendError(
-        f"{op} on group {ch.group_id}, seq {ch.seq}: reading rank {ch.ranks[q]}'s {'tensor' if op == 'broadcast' else 'input'} "
-        f"(process {pid}) failed on rank {ch.ranks[p2p.rank]}: {os.strerror(exc.errno or 0)}"
+        f"{op} on group {p2p.group_id}, seq {p2p.seq}: reading rank {ranks[q]}'s {'tensor' if op == 'broadcast' else 'input'} "
+        f"(process {pid}) failed on rank {ranks[p2p.rank]}: {os.strerror(exc.errno or 0)}"
     ) from exc
 
 

@@ -29,7 +29,9 @@ Rules this module keeps:
   A ring nobody needed is a spurious wake-up: the waiter checks its flags and sleeps again.
 - A sleeping rank wakes at least every ``_RECHECK_S`` and asks the transport whether a peer it
   waits for died or left, or the group was aborted (a peer's desync, a failed op elsewhere):
-  then it raises that error. The op's timeout and ``break_group`` cancel it as any op.
+  then it raises that error. The op's timeout and ``break_group`` cancel it as any op. The
+  op's tracker counts the sleeping wait as a receive's, so a timeout names the peers waited on.
+  Both go through the op's ``OpLink`` (aiodist.shm._link), as does a desync's abort.
 - Every rank checks each peer's digest and size against its own (the always-on desync check of
   aiodist._digest, which no frame carries here) and reduces every slot in rank order: the
   same bits on every rank. A big op checks them at its first phase, from the check set of its
@@ -47,13 +49,13 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 
 from aiodist._message import byte_view
 from aiodist.errors import DistBackendError
-from aiodist.shm._manager import GroupShm, channel_of, check_peer
+from aiodist.shm._link import OpLink
+from aiodist.shm._manager import GroupShm
 
 __all__ = ["exchange", "phase", "announce", "all_reduce", "reduce", "broadcast", "all_gather", "fits"]
 
@@ -77,17 +79,17 @@ def fits(g: GroupShm, nbytes: int) -> bool:
     return g.fits_lane(nbytes)
 
 
-async def exchange(p2p: Any, g: GroupShm, mine: np.ndarray | Sequence[np.ndarray] | None, sizes: Sequence[int], op: str) -> list[np.ndarray]:
+async def exchange(p2p: OpLink, g: GroupShm, mine: np.ndarray | Sequence[np.ndarray] | None, sizes: Sequence[int], op: str) -> list[np.ndarray]:
     """One lane op: write ``mine`` (bytes, pieces of bytes written one after the other, or
     nothing), wait for every peer's, check each peer's
     digest and that it wrote ``sizes[peer]`` bytes (a negative size: any); every member's bytes
     (views of the slots, valid until this rank's next lane op of the group)."""
-    ch = channel_of(p2p)
     me, p = p2p.rank, p2p.size
-    target = ch.seq + 1
+    seq, digest = p2p.seq, p2p.digest
+    target = seq + 1
     s = g.lane_ops & 1
     g.lane_ops += 1
-    announce(ch, g, me)
+    announce(p2p, g, me)
     head = g.heads[me][s]
     n = 0
     if isinstance(mine, np.ndarray):
@@ -99,7 +101,7 @@ async def exchange(p2p: Any, g: GroupShm, mine: np.ndarray | Sequence[np.ndarray
         for piece in mine:
             np.copyto(body[n : n + piece.nbytes], piece)
             n += piece.nbytes
-    head[1] = ch.digest
+    head[1] = digest
     head[2] = n
     head[0] = target
     _fence()
@@ -110,22 +112,22 @@ async def exchange(p2p: Any, g: GroupShm, mine: np.ndarray | Sequence[np.ndarray
     heads = [h[s] for h in g.heads]
     missing = [q for q in range(p) if q != me and heads[q][0] < target]
     if missing:
-        await _wait(p2p, ch, g, heads, missing, target)
-    digest = ch.digest
+        await _wait(p2p, g, heads, missing, target)
     for q in range(p):
         if q != me:
             h = heads[q]
             if digest and h[1] and h[1] != digest:
-                _desync(ch, q, int(h[1]), int(h[2]))
+                _desync(p2p, q, int(h[1]), int(h[2]))
             if h[2] != sizes[q] and sizes[q] >= 0:
+                ranks = p2p.ranks
                 raise DistBackendError(
-                    f"{op} of group {ch.group_id}, seq {ch.seq}: rank {ch.ranks[q]} passed {int(h[2])} bytes, "
-                    f"rank {ch.ranks[me]} expected {sizes[q]} (every rank must pass the same shapes and dtype)"
+                    f"{op} of group {p2p.group_id}, seq {seq}: rank {ranks[q]} passed {int(h[2])} bytes, "
+                    f"rank {ranks[me]} expected {sizes[q]} (every rank must pass the same shapes and dtype)"
                 )
     return [g.bodies[q][s][: sizes[q] if sizes[q] >= 0 else int(heads[q][2])] for q in range(p)]
 
 
-async def all_reduce(p2p: Any, g: GroupShm, flat: np.ndarray, combine: Combine) -> None:
+async def all_reduce(p2p: OpLink, g: GroupShm, flat: np.ndarray, combine: Combine) -> None:
     """``flat`` reduced across the group in place, in rank order (the same bits everywhere)."""
     n = flat.nbytes
     mine = byte_view(flat)
@@ -136,7 +138,7 @@ async def all_reduce(p2p: Any, g: GroupShm, flat: np.ndarray, combine: Combine) 
         combine(flat, part.view(dt))
 
 
-async def reduce(p2p: Any, g: GroupShm, flat: np.ndarray, root: int, combine: Combine) -> None:
+async def reduce(p2p: OpLink, g: GroupShm, flat: np.ndarray, root: int, combine: Combine) -> None:
     """Every rank's ``flat`` reduced into the root's, in rank order (the lane all_reduce's
     bits); the other ranks' ``flat`` are only read."""
     parts = await exchange(p2p, g, byte_view(flat), [flat.nbytes] * p2p.size, "reduce")
@@ -147,7 +149,7 @@ async def reduce(p2p: Any, g: GroupShm, flat: np.ndarray, root: int, combine: Co
             combine(flat, part.view(dt))
 
 
-async def broadcast(p2p: Any, g: GroupShm, flat: np.ndarray, root: int) -> None:
+async def broadcast(p2p: OpLink, g: GroupShm, flat: np.ndarray, root: int) -> None:
     """``flat`` of ``root`` into ``flat`` of every rank (every rank still waits for every flag:
     the slots' reuse rule needs each lane op to be seen by all)."""
     n = flat.nbytes
@@ -158,7 +160,7 @@ async def broadcast(p2p: Any, g: GroupShm, flat: np.ndarray, root: int) -> None:
         np.copyto(byte_view(flat, writable=True), parts[root])
 
 
-async def all_gather(p2p: Any, g: GroupShm, outs: Sequence[np.ndarray], mine: np.ndarray) -> None:
+async def all_gather(p2p: OpLink, g: GroupShm, outs: Sequence[np.ndarray], mine: np.ndarray) -> None:
     """Every rank's ``mine`` into every rank's ``outs[that rank]`` (sizes may differ per rank)."""
     me = p2p.rank
     dsts = [byte_view(o, writable=True) for o in outs]
@@ -171,7 +173,7 @@ async def all_gather(p2p: Any, g: GroupShm, outs: Sequence[np.ndarray], mine: np
         np.copyto(dsts[me], parts[me])  # from the slot: the input may overlap the output
 
 
-async def _wait(p2p: Any, ch: Any, g: GroupShm, words: list[np.ndarray], missing: list[int], target: int) -> None:
+async def _wait(p2p: OpLink, g: GroupShm, words: list[np.ndarray], missing: list[int], target: int) -> None:
     """Until ``words[q][0] >= target`` for every peer q in ``missing`` (a lane slot's flag, a
     phase word: both only grow): spin, then sleep on the doorbell."""
     end = time.perf_counter() + g.spin_s
@@ -182,11 +184,8 @@ async def _wait(p2p: Any, ch: Any, g: GroupShm, words: list[np.ndarray], missing
         os.sched_yield()  # a peer that shares this core runs now, not at the end of a time slice
     if not missing:
         return
-    counter = getattr(p2p, "waiting_recv", None)  # the tracker: a timeout names whom it waited on
     counted = list(missing)
-    if counter is not None:
-        for q in counted:
-            counter[q] = counter.get(q, 0) + 1
+    p2p.wait_on(counted)  # the op's tracker: a timeout names whom it waited on
     own = g.sleeping[p2p.rank]
     g.lane_sleeps += 1
     rung = True
@@ -199,16 +198,10 @@ async def _wait(p2p: Any, ch: Any, g: GroupShm, words: list[np.ndarray], missing
                 g.lane_lost += 1
             break
         for q in missing:
-            check_peer(ch, q)  # a dead or departed peer, an aborted group: its error
-            _check_current(ch, g, q)  # a peer in another shared-memory op at this seq
+            p2p.check_peer(q)  # a dead or departed peer, an aborted group: its error
+            _check_current(p2p, g, q)  # a peer in another shared-memory op at this seq
         rung = await g.owner.doorbell(_RECHECK_S)
-    if counter is not None:
-        heard = getattr(p2p, "_heard", None)
-        now = time.time()
-        for q in counted:
-            counter[q] -= 1
-            if heard is not None:
-                heard[q] = now
+    p2p.waited_on(counted, heard=True)
 
 
 #: marks the digest that a rank announces when it takes the socket for an op (``announce``'s
@@ -218,53 +211,54 @@ async def _wait(p2p: Any, ch: Any, g: GroupShm, words: list[np.ndarray], missing
 SOCKET_MARK = 0x5A17_0000_0000_0001
 
 
-def announce(ch: Any, g: GroupShm, me: int, socket: bool = False) -> None:
+def announce(link: OpLink, g: GroupShm, me: int, socket: bool = False) -> None:
     """Say which op this rank is in, for a peer that waits on it: a seqlock (seq 0, the digest,
     then seq + 1), so a reader never takes one op's digest for another's. ``socket``: this
     rank takes the socket for it (the digest is marked: see ``SOCKET_MARK``)."""
+    digest = link.digest
     cur = g.current[me]
     cur[1] = 0
-    cur[0] = ch.digest ^ SOCKET_MARK if socket and ch.digest else ch.digest
-    cur[1] = ch.seq + 1
+    cur[0] = digest ^ SOCKET_MARK if socket and digest else digest
+    cur[1] = link.seq + 1
 
 
-def _check_current(ch: Any, g: GroupShm, q: int) -> None:
+def _check_current(link: OpLink, g: GroupShm, q: int) -> None:
     """A sleeping wait's look at peer ``q``'s current op: at this seq with another digest (say
     a big all_reduce against a lane op, which write different words), a desync."""
     cur = g.current[q]
     seq, digest, again = int(cur[1]), int(cur[0]), int(cur[1])  # x86-TSO: loads in this order
-    if seq == again == ch.seq + 1 and ch.digest and digest and digest != ch.digest:
-        if digest == ch.digest ^ SOCKET_MARK:  # the same call, on the other path: sizes across a threshold
-            t = ch.transport
-            mine = t._digests.get((ch.group_id, ch.seq))
-            what = "this op" if mine is None else mine[1]
+    mine = link.digest
+    if seq == again == link.seq + 1 and mine and digest and digest != mine:
+        if digest == mine ^ SOCKET_MARK:  # the same call, on the other path: sizes across a threshold
+            name = link.op_name
+            what = "this op" if name is None else name
+            ranks = link.ranks
             reason = (
-                f"desync detected: seq {ch.seq} on group {ch.group_id}: rank {ch.ranks[q]} took the socket for {what} "
-                f"while rank {ch.ranks[ch.rank]} is in shared memory, which the op's size decides: the ranks passed sizes "
+                f"desync detected: seq {link.seq} on group {link.group_id}: rank {ranks[q]} took the socket for {what} "
+                f"while rank {ranks[link.rank]} is in shared memory, which the op's size decides: the ranks passed sizes "
                 f"that differ across a threshold (every rank must pass the same sizes)"
             )
-            log.error("rank %d: %s", t.rank, reason)
-            t._abort_now(ch.group_id, reason)
-            raise t._abort_error((ch.group_id, ch.seq, 0))
-        _desync(ch, q, digest)
+            log.error("rank %d: %s", ranks[link.rank], reason)
+            raise link.abort_group(reason)
+        _desync(link, q, digest)
 
 
-async def phase(p2p: Any, g: GroupShm, step: int, nbytes: int = -1) -> None:
+async def phase(p2p: OpLink, g: GroupShm, step: int, nbytes: int = -1) -> None:
     """A big op's step ``step`` (0, 1, ... within the op): write this rank's phase word and wait
     until every peer's has reached it (the halves' doorbell, without a socket message). At step
     0 each peer's digest and size (``nbytes``) are checked against this rank's."""
-    ch = channel_of(p2p)
     me, p = p2p.rank, p2p.size
+    seq, digest = p2p.seq, p2p.digest
     if step == 0:
-        announce(ch, g, me)
+        announce(p2p, g, me)
         # digest and size of the group's k-th big op go in set k % 2: a peer writes that set
         # again only after this rank's step 0 of the next big op (as the lane's slots)
         k = g.big_ops & 1
         g.big_ops += 1
         mine = g.checks[me][k]
-        mine[0] = ch.digest
+        mine[0] = digest
         mine[1] = nbytes
-    target = ((ch.seq + 1) << 26) + 1 + step
+    target = ((seq + 1) << 26) + 1 + step
     g.phases[me][0] = target
     _fence()
     sleeping = g.sleeping
@@ -274,31 +268,30 @@ async def phase(p2p: Any, g: GroupShm, step: int, nbytes: int = -1) -> None:
     words = g.phases
     missing = [q for q in range(p) if q != me and words[q][0] < target]
     if missing:
-        await _wait(p2p, ch, g, words, missing, target)
+        await _wait(p2p, g, words, missing, target)
     if step == 0:
-        digest = ch.digest
         for q in range(p):
             if q != me:
                 theirs = g.checks[q][k]
                 if digest and theirs[0] and theirs[0] != digest:
-                    _desync(ch, q, int(theirs[0]), int(theirs[1]))
+                    _desync(p2p, q, int(theirs[0]), int(theirs[1]))
                 if theirs[1] != nbytes:
+                    ranks = p2p.ranks
                     raise DistBackendError(
-                        f"shared-memory op of group {ch.group_id}, seq {ch.seq}: rank {ch.ranks[q]} passed {int(theirs[1])} bytes, "
-                        f"rank {ch.ranks[me]} {nbytes} (every rank must pass the same shapes and dtype)"
+                        f"shared-memory op of group {p2p.group_id}, seq {seq}: rank {ranks[q]} passed {int(theirs[1])} bytes, "
+                        f"rank {ranks[me]} {nbytes} (every rank must pass the same shapes and dtype)"
                     )
 
 
-def _desync(ch: Any, q: int, theirs: int, nbytes: int = -1) -> None:
-    """A peer's digest differs: the transport's desync (it aborts the group on every rank, with
-    aiodist._digest's sentence, which reads the peer's arguments from ``nbytes``, the size it
-    wrote, where it can), then that abort's error here."""
-    t = ch.transport
-    mine = t._digests.get((ch.group_id, ch.seq))
-    if mine is not None:
-        t._desync(ch.group_id, ch.seq, mine, ch.ranks[q], theirs, nbytes)
-        raise t._abort_error((ch.group_id, ch.seq, 0))
+def _desync(link: OpLink, q: int, theirs: int, nbytes: int = -1) -> None:
+    """A peer's digest differs: the transport's desync (``OpLink.desync``: it aborts the group on
+    every rank, with aiodist._digest's sentence, which reads the peer's arguments from
+    ``nbytes``, the size it wrote, where it can), then that abort's error here."""
+    err = link.desync(q, theirs, nbytes)
+    if err is not None:
+        raise err
+    ranks = link.ranks
     raise DistBackendError(
-        f"shared-memory op of group {ch.group_id}, seq {ch.seq}: rank {ch.ranks[q]} called another op or other arguments "
-        f"(digest {theirs:#x}, rank {ch.ranks[ch.rank]}'s {ch.digest:#x})"
+        f"shared-memory op of group {link.group_id}, seq {link.seq}: rank {ranks[q]} called another op or other arguments "
+        f"(digest {theirs:#x}, rank {ranks[link.rank]}'s {link.digest:#x})"
     )

@@ -21,6 +21,9 @@ Rules this module keeps:
 - Each rank publishes ``aiodist/shm/<rank>`` in the store (its fd server's socket name and host
   id, or why it is off) before the transport's address exchange, so every record is there by
   the time any op runs.
+- A wait on a peer here (its record, its segment) is one on the op's ``OpLink``
+  (aiodist.shm._link): counted by the op's tracker and failed by the transport's error for
+  that peer, as a receive from it would be.
 """
 
 from __future__ import annotations
@@ -31,16 +34,17 @@ import logging
 import os
 import platform
 import re
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from aiodist.algorithms import collectives as alg
-from aiodist.algorithms.p2p import P2P, SubP2P
+from aiodist.algorithms.p2p import SubP2P
 from aiodist.algorithms.thresholds import Thresholds
 from aiodist.shm import _cma
+from aiodist.shm._link import OpLink
 from aiodist.shm._segment import FdServer, Segment, fetch
 from aiodist.store.base import Store
 
@@ -221,7 +225,7 @@ class Ticket:
         t = self._turns
         return t.serving == self._n and t.known and t.state is not None and t.state.fits_lane(nbytes)
 
-    async def acquire(self, p2p: P2P) -> GroupShm | None:
+    async def acquire(self, link: OpLink) -> GroupShm | None:
         """Wait for this op's turn; the group's shared memory, or None for the socket path (then
         the turn is already passed on)."""
         t = self._turns
@@ -232,7 +236,7 @@ class Ticket:
             finally:
                 t.waiters.pop(self._n, None)
         if not t.known:
-            t.state = await self._shm.agree(self._key, p2p)
+            t.state = await self._shm.agree(self._key, link)
             t.known = True
         if t.state is None:
             self.release()
@@ -393,12 +397,12 @@ class SharedMemory:
             rec = self._records[rank] = json.loads(await self.store.get(f"{_KEY}{rank}"))
         return rec
 
-    async def _map_all(self, group_id: int, ranks: tuple[int, ...], p2p: Any = None) -> GroupShm:
+    async def _map_all(self, group_id: int, ranks: tuple[int, ...], link: OpLink) -> GroupShm:
         """Every member's segment for the group, mapped here (this rank's own made if need be)."""
         peers = [r for r in ranks if r != self.rank]
         # each a wait on that rank (its record is there once it has started: a rank that never
         # did is named by the op's timeout, as for a receive)
-        recs = await asyncio.gather(*(_waited_on(p2p, ranks.index(r), self._record(r)) for r in peers))
+        recs = await asyncio.gather(*(_waited_on(link, ranks.index(r), self._record(r)) for r in peers))
         for r, rec in zip(peers, recs, strict=True):
             if "off" in rec:
                 raise ValueError(f"rank {r} has it off ({rec['off']})")
@@ -409,7 +413,7 @@ class SharedMemory:
         own = self._own_segment(group_id)
         fetched = await asyncio.gather(
             *(
-                _waited_on(p2p, ranks.index(r), fetch(bytes.fromhex(rec["name"]).decode(), self.token, group_id))
+                _waited_on(link, ranks.index(r), fetch(bytes.fromhex(rec["name"]).decode(), self.token, group_id))
                 for r, rec in zip(peers, recs, strict=True)
             ),
             return_exceptions=True,
@@ -433,7 +437,7 @@ class SharedMemory:
         cma = lane and self.cma is not None and all(_cma.readable(rec.get("pid"), rec.get("cma")) for rec in recs)
         return GroupShm(by_rank, half, lane=lane, bells=bells, spin_s=spin, owner=self, cma=cma, pids=pids if cma else [])
 
-    async def agree(self, key: tuple[int, tuple[int, ...]], p2p: P2P) -> GroupShm | None:
+    async def agree(self, key: tuple[int, tuple[int, ...]], link: OpLink) -> GroupShm | None:
         """Map the group's segments here and agree with its ranks whether all could; the group's
         shared memory, or None (the socket path, said once at INFO)."""
         group_id, ranks = key
@@ -442,7 +446,7 @@ class SharedMemory:
         if why is None:
             try:
                 async with asyncio.timeout(_SETUP_S):
-                    state = await self._map_all(group_id, ranks, p2p)
+                    state = await self._map_all(group_id, ranks, link)
             except Exception as exc:  # whatever went wrong, this rank votes (CancelledError goes through)
                 why = str(exc) if type(exc) is ValueError else f"{type(exc).__name__}: {exc}"
                 state = None
@@ -450,18 +454,17 @@ class SharedMemory:
         # The vote goes without the op's digest: a desync (which the op's next messages, or its
         # lane's and phases' checks, still find at once) is then seen on a message of the op
         # itself, whose size lets the sentence name the peer's shape (a vote's 2 bytes tell nothing).
-        ch = channel_of(p2p)
-        digest = ch.digest if ch is not None else 0
+        digest = link.digest
         if digest:
-            ch.digest = 0
+            link.digest = 0
         try:
-            await alg.all_reduce(SubP2P(p2p, _AGREE_SUB), vote, _min, thresholds=_LATENCY)
+            await alg.all_reduce(SubP2P(link, _AGREE_SUB), vote, _min, thresholds=_LATENCY)
         except BaseException:
             self._drop(group_id)
             raise
         finally:
             if digest:
-                ch.digest = digest
+                link.digest = digest
         if vote[0] == 1:
             assert state is not None
             state.cma = bool(vote[1])
@@ -530,30 +533,12 @@ def _cancel(t: _Turns) -> None:
 _WATCH_S = 0.01  # a wait on a peer outside the transport (a fetch) looks at the transport this often
 
 
-def channel_of(p2p: Any) -> Any:
-    """The op's transport Channel under the body's P2P wrappers (the tracker, a sub-op), or None."""
-    ch = p2p
-    while ch is not None and not hasattr(ch, "transport"):
-        ch = getattr(ch, "inner", None) or getattr(ch, "_p2p", None)
-    return ch
-
-
-def check_peer(ch: Any, peer: int) -> None:
-    """Raise the transport's error where group rank ``peer`` died or left, or the op's group
-    was aborted (a peer's ABORT, a desync): what a receive from that peer would raise."""
-    if ch is not None:
-        ch.transport._check_usable((ch.group_id, ch.seq, 0), ch.ranks[peer])
-
-
-async def _waited_on(p2p: Any, peer: int, aw: Any) -> Any:
+async def _waited_on(link: OpLink, peer: int, aw: Awaitable[Any]) -> Any:
     """Await ``aw``, a wait on group rank ``peer`` (a fetch its fd server answers once that rank
-    has the op in line), as a receive from it would: counted in the op's tracker where it has
-    one (a timeout names the rank that never came), and failed with the transport's error once
-    that peer dies or the group is aborted (checked every ``_WATCH_S``)."""
-    ch = channel_of(p2p)
-    counter = getattr(p2p, "waiting_recv", None)
-    if counter is not None:
-        counter[peer] = counter.get(peer, 0) + 1
+    has the op in line), as a receive from it would: counted in the op's tracker
+    (``OpLink.wait_on``: a timeout names the rank that never came), and failed with the
+    transport's error once that peer dies or the group is aborted (checked every ``_WATCH_S``)."""
+    link.wait_on((peer,))
     task = asyncio.ensure_future(aw)
     try:
         while True:
@@ -561,19 +546,17 @@ async def _waited_on(p2p: Any, peer: int, aw: Any) -> Any:
             if done:
                 got = task.result()
                 break
-            check_peer(ch, peer)
+            link.check_peer(peer)
     except (asyncio.CancelledError, TimeoutError):
         raise  # still counted: the timeout message reads what was pending when it fired
     except BaseException:
-        if counter is not None:
-            counter[peer] -= 1
+        link.waited_on((peer,), heard=False)
         raise
     finally:
         if not task.done():
             task.cancel()
             task.add_done_callback(retrieve)
-    if counter is not None:
-        counter[peer] -= 1
+    link.waited_on((peer,), heard=False)
     return got
 
 

@@ -1,9 +1,13 @@
-"""``Channel``: the ``P2P`` (aiodist.algorithms.p2p) of one op of one group over a ``Transport``."""
+"""``Channel``: the ``P2P`` (aiodist.algorithms.p2p) of one op of one group over a ``Transport``,
+and the ``OpLink`` (aiodist.shm._link) that shared memory asks of the op: its identity and
+digest, the transport's word on a peer, and the group's abort and desync, by public methods of
+the transport. A bare channel has no tracker: it counts no wait (the runner's ``TrackedP2P``,
+wrapped around it, does)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -64,6 +68,27 @@ class Channel:
 
     async def recv(self, peer: int, buf: np.ndarray, tag: int) -> None:
         await self.transport.recv(self._global(peer, tag), buf, group=self.group_id, seq=self.seq, tag=tag)
+
+    # -- the OpLink side (aiodist.shm._link) --------------------------------------------------
+
+    @property
+    def op_name(self) -> str | None:
+        return self.transport.op_name((self.group_id, self.seq, 0))
+
+    def check_peer(self, peer: int) -> None:
+        self.transport.check_op((self.group_id, self.seq, 0), self.ranks[peer])
+
+    def abort_group(self, reason: str) -> DistBackendError:
+        return self.transport.abort_op((self.group_id, self.seq, 0), reason)
+
+    def desync(self, peer: int, theirs: int, nbytes: int = -1) -> DistBackendError | None:
+        return self.transport.desync_op((self.group_id, self.seq, 0), self.ranks[peer], theirs, nbytes)
+
+    def wait_on(self, peers: Iterable[int]) -> None:
+        """No tracker, nothing counted (see the module docstring)."""
+
+    def waited_on(self, peers: Iterable[int], heard: bool) -> None:
+        """No tracker, nothing counted."""
 
     async def recv_any(self, buf: np.ndarray, tag: int) -> int:
         """Receive from any rank of the group; returns the sender's group rank."""

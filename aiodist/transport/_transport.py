@@ -418,6 +418,35 @@ class Transport:
             return None
         return mine[0]
 
+    # -- what an op's Channel asks for shared memory (its OpLink side, aiodist.shm._link) ----
+
+    def check_op(self, key: Key, peer: int) -> None:
+        """Raise what a message of op ``key`` from global rank ``peer`` would: the transport is
+        closed, the op's group was aborted, or ``peer`` died or left."""
+        self._check_usable(key, peer)
+
+    def abort_op(self, key: Key, reason: str) -> DistBackendError:
+        """Abort op ``key``'s group now, on every rank (``abort``'s work, which does not suspend),
+        and return the error its ops raise."""
+        self._abort_now(key[0], reason)
+        return self._abort_error(key)
+
+    def desync_op(self, key: Key, peer: int, theirs: int, nbytes: int = -1) -> DistBackendError | None:
+        """Global rank ``peer``'s digest for op ``key`` is ``theirs``: break the group on every
+        rank (``_desync``) and return the error its ops raise; None where this rank kept no
+        digest for the op (nothing is aborted)."""
+        mine = self._digests.get(key[:2])
+        if mine is None:
+            return None
+        self._desync(key[0], key[1], mine, peer, theirs, nbytes)
+        return self._abort_error(key)
+
+    def op_name(self, key: Key) -> str | None:
+        """The name of op ``key`` in this rank's digest record (``channel``'s ``call``), None
+        where it kept none."""
+        mine = self._digests.get(key[:2])
+        return None if mine is None else mine[1]
+
     def _desync(self, group: int, seq: int, mine: tuple[int, str, Any, str | None, int], peer: int, theirs: int, nbytes: int = -1) -> None:
         """Break ``group`` on every rank: ``peer``'s digest for op ``seq`` is ``theirs``, not this
         rank's; ``nbytes`` is the length of a message of the peer's in the op (-1: none seen)."""
