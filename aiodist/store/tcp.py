@@ -842,6 +842,12 @@ class TCPStore(Store):
 
     # -- connections ----------------------------------------------------------------------
 
+    def _connect_ms(self, deadline: float, start: float, starting: bool) -> int:
+        """The milliseconds torch's connect-timeout sentence names: the store's timeout for its
+        first connect (the deadline was set a moment before the first try: measured from that
+        try, a loaded machine printed 999ms for a 1 s timeout), else the time this try had."""
+        return round(self._timeout_s * 1000) if starting else round(max(0.0, deadline - start) * 1000)
+
     async def _open(self, deadline: float, starting: bool = False) -> _Connection:
         """A new validated connection, retrying with backoff until ``deadline``: a refused
         connect, and a connection the server drops during the handshake (a server that is
@@ -875,7 +881,7 @@ class TCPStore(Store):
                 now = time.monotonic()
                 if now >= deadline:
                     raise DistNetworkError(
-                        f"The client socket has timed out after {round(max(0.0, deadline - start) * 1000)}ms while trying to "
+                        f"The client socket has timed out after {self._connect_ms(deadline, start, starting)}ms while trying to "
                         f"connect to ({self._host}, {self._port}). Could not connect to the TCPStore server at "
                         f"{self._describe_addr()} within the connect timeout (tried for {now - start:.1f} s): {why}"
                     ) from None
