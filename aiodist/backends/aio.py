@@ -83,6 +83,7 @@ class AioBackend(CommBackend):
         await self.transport.abort(group_id, reason, ranks)
 
     async def release_group(self, group_id: int) -> None:
+        self.transport.release_group(group_id)
         if self.shm is not None:
             self.shm.release_group(group_id)
 

@@ -5,7 +5,9 @@ One fresh job of ``--ranks`` processes over the socket backend ("gloo"). Every r
 of mixed ops on the default group (all_reduce, broadcast, all_gather_into_tensor, barrier, with
 ``--floats`` float32 values); every ``--churn`` steps it also makes a group of every rank
 (``new_group``), runs an all_reduce and a broadcast on it and destroys it. After ``--warmup``
-group lifecycles (caches, the flight recorder's ring and the allocator's arenas fill up) it
+group lifecycles (default 1200: what a live group keeps up to a bound fills first: the flight
+recorder's ring of 2000 ops, the transport's last 4096 op digests of the default group, the
+allocator's arenas) it
 samples its RSS (``VmRSS``) and open file descriptors, runs until ``--groups`` more lifecycles
 are done, and samples again. The table shows each rank's growth over the measured part, and
 bytes per group lifecycle; ``--max-growth SIZE`` makes the run fail (exit 1) when a rank's RSS
@@ -47,7 +49,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m aiodist.bench soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=2, help="processes (default 2)")
     p.add_argument("--groups", type=int, default=5000, help="group lifecycles measured after the warm-up (default 5000)")
-    p.add_argument("--warmup", type=int, default=500, help="group lifecycles before the first sample (default 500)")
+    p.add_argument(
+        "--warmup", type=int, default=1200, help="group lifecycles before the first sample (default 1200: past the bounded caches)"
+    )
     p.add_argument("--churn", type=int, default=1, help="steps of mixed ops per group lifecycle (default 1)")
     p.add_argument("--floats", type=int, default=256, help="float32 values per op (default 256)")
     p.add_argument("--backend", default="gloo", help="backend (default gloo: the socket transport)")

@@ -29,6 +29,7 @@ Rules this module keeps:
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
@@ -59,6 +60,7 @@ _KEY = "aiodist/shm/"
 _SETUP_S = 10.0  # fetching the peers' segments; past it this rank votes for the socket path
 _AGREE_SUB = 30  # the agreement's sub-op index on the op's channel (SubP2P): the last one
 _ALIGN = 64
+_RELEASED_KEPT = 1024  # destroyed groups whose ids are still refused (release_group)
 _SIZE = re.compile(r"\s*(\d+)\s*([kmg]?)(?:i?b)?\s*", re.IGNORECASE)
 _UNIT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 _LATENCY = Thresholds.latency_bound()
@@ -258,6 +260,7 @@ class SharedMemory:
         # group id -> done once this rank has an op of it in line (a peer's fetch waits for it)
         self._arrived: dict[int, asyncio.Future[None]] = {}
         self._done_with: set[int] = set()  # groups destroyed or on the socket path: no segment for them
+        self._released: collections.deque[int] = collections.deque()  # the destroyed ones among them, oldest first
         self._turns: dict[tuple[int, tuple[int, ...]], _Turns] = {}
         self._records: dict[int, dict[str, Any]] = {}
         self._host_id = ""
@@ -493,6 +496,11 @@ class SharedMemory:
         for key in [k for k in self._turns if k[0] == group_id]:
             _cancel(self._turns.pop(key))
         self._drop(group_id)
+        # a destroyed group's id is refused for the next _RELEASED_KEPT destroys (a peer's late
+        # fetch for it finds it done with), then forgotten: group churn keeps no memory per group
+        self._released.append(group_id)
+        if len(self._released) > _RELEASED_KEPT:
+            self._done_with.discard(self._released.popleft())
 
     async def close(self) -> None:
         if self._closed:

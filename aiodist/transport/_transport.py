@@ -390,6 +390,14 @@ class Transport:
 
     # -- public API ------------------------------------------------------------------------
 
+    def release_group(self, group_id: int) -> None:
+        """Group ``group_id`` is destroyed on this rank: forget its ops' digests (a live group
+        keeps its last ``_DIGESTS_KEPT``, for late frames' desync checks). A frame of it that
+        arrives later is held as any early one is (bounded), and never matched."""
+        for table in (self._digests, self._early_digests):
+            for k in [k for k in table if k[0] == group_id]:
+                del table[k]
+
     def channel(self, group_id: int, seq: int, global_ranks: Sequence[int], digest: int = 0, call: Any = None) -> Channel:
         """The ``P2P`` of op ``seq`` of group ``group_id``, whose rank i is global rank
         ``global_ranks[i]``; this rank must be one of them. ``digest`` (not 0) is what every rank
