@@ -195,6 +195,16 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
     def __getitem__(self, i: Any) -> Any:
         return self._work("__getitem__")[i]
 
+    def not_awaited(self, where: str) -> TypeError:
+        """The error for this handle passed on as ``where`` (a group, a store, ...) without
+        being awaited: it names the call, its line, and what to write."""
+        file, line = self._site
+        hint = self._op if "." in self._op else f"dist.{self._op}"
+        return TypeError(
+            f"{where} is the result of {self._op}(...) called at {file}:{line}, which was not awaited: "
+            f"write `await {hint}(...)` and pass what it returns"
+        )
+
     # -- dropped without an await -------------------------------------------------------------------
 
     def __del__(self) -> None:

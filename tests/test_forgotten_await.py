@@ -163,3 +163,23 @@ def test_a_call_made_outside_a_loop_starts_when_run() -> None:
     store = dist.HashStore(timeout=5)
     asyncio.run(store.set("k", "v"))
     assert asyncio.run(store.get("k")) == b"v"
+
+
+async def test_a_group_that_was_not_awaited_is_named_with_its_line() -> None:
+    """``g = dist.new_group([0, 1])`` without its await, then an op on it: the error names the
+    call, its line and the fix (it said only "group must be a ProcessGroup or None, not Pending")."""
+    from aiodist.testing import run_world
+
+    async def fn(rank: int) -> str:
+        g = dist.new_group([0, 1])  # forgotten await
+        try:
+            with pytest.raises(TypeError) as e:
+                await dist.all_reduce(np.ones(2, np.float32), group=g)
+            return str(e.value)
+        finally:
+            await g  # the group is made on every rank, so nothing is left running
+
+    line = _line_of("g = dist.new_group([0, 1])  # forgotten await")
+    for msg in await run_world(2, fn):
+        assert msg.startswith(f"all_reduce: group is the result of new_group(...) called at {__file__}:{line}, which was not awaited"), msg
+        assert "write `await dist.new_group(...)`" in msg

@@ -100,6 +100,8 @@ def resolve_group(group: GroupArg, *, what: str = "this op") -> ProcessGroup:
     if isinstance(group, int) and not isinstance(group, bool) and group == NON_GROUP_MEMBER:
         raise ValueError(f"{what}: this rank (global rank {world.rank}) is not a member of the group (new_group returned NON_GROUP_MEMBER)")
     if not isinstance(group, ProcessGroup):
+        if isinstance(group, Pending):  # group = dist.new_group(...) without its await
+            raise group.not_awaited(f"{what}: group")
         raise TypeError(f"group must be a ProcessGroup or None, not {type(group).__name__}")
     if world.groups.get(group.group_id) is not group:
         raise ValueError(f"{what}: {group.describe()} is not a live group of this World (destroyed, or made by another World)")
@@ -218,6 +220,8 @@ async def init_process_group(
     world_size = _int(world_size, "world_size")
     if store is not None and init_method is not None:
         raise ValueError("Cannot specify both init_method and store.")
+    if isinstance(store, Pending):  # store = dist.TCPStore(...).get(...)-style calls without their await
+        raise store.not_awaited("init_process_group: store")
     td = default_pg_timeout if timeout is None else to_timedelta(timeout)
     name = Backend(backend if backend is not None else _default_backend(device_id))
     config = parse_backend_config(name)
