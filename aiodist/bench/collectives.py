@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from aiodist.bench import _mpi, format_table, machine_info
+from aiodist.bench._mpi_rank import _Buffers as _Layout
 from aiodist.bench.probes import LagProbe, PeakRss, percentile
 
 __all__ = ["main", "OPS", "sizes"]
@@ -148,21 +149,15 @@ def _random_input(rank: int, count: int) -> np.ndarray:
     return np.random.default_rng(1000 + rank).standard_normal(count, dtype=np.float32)
 
 
-class _Buffers:
-    """An op's buffers (numpy arrays; the torch side wraps them with torch.from_numpy). gather's
-    output and scatter's input (``parts``: their n views) are the root's (rank 0) alone."""
+class _Buffers(_Layout):
+    """An op's buffers (numpy arrays; the torch side wraps them with torch.from_numpy), laid out
+    as the MPI ranks' (``_mpi_rank._Buffers``, which must run without aiodist). gather's output
+    and scatter's input (``parts``: their n views) are the root's (rank 0) alone."""
 
     def __init__(self, op: str, count: int, n: int, rank: int = 0) -> None:
-        part = count // n if op in ("all_gather_into_tensor", "reduce_scatter_tensor", "gather", "scatter") else count
+        super().__init__(op, count, n, rank)
+        part = count // n
         self.parts: list[np.ndarray] | None = None
-        if op in ("all_gather_into_tensor", "gather"):
-            self.inp, self.out = np.zeros(part, np.float32), np.zeros(count if op != "gather" or rank == 0 else 0, np.float32)
-        elif op in ("reduce_scatter_tensor", "scatter"):
-            self.inp, self.out = np.zeros(count if op != "scatter" or rank == 0 else 0, np.float32), np.zeros(part, np.float32)
-        elif op == "all_to_all_single":
-            self.inp, self.out = np.zeros(count, np.float32), np.zeros(count, np.float32)
-        else:  # in place (barrier: an empty one, unused)
-            self.inp = self.out = np.zeros(count, np.float32)
         if op in ("gather", "scatter") and rank == 0:
             whole = self.out if op == "gather" else self.inp
             self.parts = [whole[i * part : (i + 1) * part] for i in range(n)]
