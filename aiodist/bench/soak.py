@@ -24,25 +24,25 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import subprocess
 import sys
 import time
 from typing import Any
 
+from aiodist.algorithms.thresholds import _parse
 from aiodist.bench._jobs import run_workers
 
 __all__ = ["main", "parse_size"]
 
 _JOB_TIMEOUT_S = 600.0
-_SIZE = re.compile(r"\s*(\d+)\s*([kmg]?)(?:i?b)?\s*", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int:
-    m = _SIZE.fullmatch(text)
-    if m is None:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a byte count such as 1048576 or 1M")
-    return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
+    """``--max-growth``: a byte count with an optional K/M/G suffix (the thresholds' parser)."""
+    try:
+        return _parse("--max-growth", text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
