@@ -99,6 +99,11 @@ class _NumpyOps(_Ops):
         return int(p.nbytes)
 
 
+#: up to this many gradients a bucket is filled by one mul_out each (24 MiB in 10 gradients: 1.1
+#: ms against 1.6 for a copy and a scale); more, by one foreach copy and one scale
+_FEW = 16
+
+
 class _TorchOps(_Ops):
     """The same on torch tensors, with torch's own kernels (so the bits are torch DDP's)."""
 
@@ -125,10 +130,16 @@ class _TorchOps(_Ops):
 
     @staticmethod
     def cat_scaled(flat: Any, views: list[Any], grads: list[Any], factor: float | None) -> None:
-        # one copy (a single foreach call: half of what torch.cat of reshaped gradients costs on
-        # hundreds of small ones) and one scale for the whole bucket; x * factor rounds once
-        # either way, so the bits are those of torch's per-gradient mul_out
-        sys.modules["torch"]._foreach_copy_(views, grads)
+        # a few (big) gradients: torch's own mul_out per gradient, one pass over the bytes;
+        # many (small) ones: one copy (a single foreach call: half of what torch.cat of reshaped
+        # gradients costs on hundreds of them) and one scale for the whole bucket, which spares
+        # a call per gradient. x * factor rounds once either way: the bits are torch DDP's.
+        torch = sys.modules["torch"]
+        if factor is not None and len(grads) <= _FEW:
+            for view, grad in zip(views, grads, strict=True):
+                torch.mul(grad, factor, out=view)
+            return
+        torch._foreach_copy_(views, grads)
         if factor is not None:
             flat.mul_(factor)
 
