@@ -242,7 +242,11 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
     if asy:
         return work
     if not work.done():  # ``await work``, without its generator (a cancelled wait leaves the op running)
-        await work._waiter()
+        try:
+            await work._waiter()
+        except asyncio.CancelledError:
+            work._given_up()
+            raise
     work.result()  # the op's error, if it failed
     return None
 

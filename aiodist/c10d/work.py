@@ -5,7 +5,16 @@ Cancellation: the op belongs to its group, not to whoever awaits it (docs/archit
 ``work.cancel()`` refuses (returns False). Awaiting a Work (``await work``, ``await
 work.wait()``) waits on a future of the awaiting task's own (a shield, without its cost), so
 cancelling the awaiting task cancels that task at once and leaves the op running to
-completion, or to its group's timeout.
+completion, or to its group's timeout. Such a wait given up while the op runs on (an asyncio
+timeout, a cancelled task) is logged once per op, as a WARNING of ``aiodist.c10d``: the op's
+outputs change when it completes, which must not come as a surprise.
+
+asyncio's helpers (``wait_for``, ``wait``, ``gather``, ``shield``, ``ensure_future``) take a
+Work for an awaitable, not for a future of their own to cancel (``asyncio.isfuture(work)`` is
+False): they wrap it in a task that awaits it, as they wrap a coroutine. That is what makes
+``asyncio.wait_for(work, t)`` raise ``TimeoutError`` at ``t`` on every Python: on 3.11 it
+cancels the future it was given and then waits for it to finish, and a Work does not finish on
+cancel. Its Future methods (``done``, ``result``, ``add_done_callback``, ...) are all there.
 """
 
 from __future__ import annotations
@@ -14,14 +23,24 @@ import asyncio
 from collections.abc import Generator
 from typing import Any
 
+import logging
+
 from aiodist._time import TimeoutLike, to_seconds
 from aiodist.errors import DistTimeoutError
 
 __all__ = ["Work"]
 
+log = logging.getLogger("aiodist.c10d")
+
 
 class Work(asyncio.Future[list[Any]]):
     """An issued op: ``await work`` (or ``await work.wait(timeout)``) for its outputs."""
+
+    #: not a future to asyncio's helpers (``asyncio.isfuture``), which then await the Work in a
+    #: task of their own instead of cancelling it (module docstring). A Work is never yielded
+    #: to a task (``__await__`` yields its waiter), so nothing reads the flag.
+    _asyncio_future_blocking = None
+    _left_running = False  # a wait on it was given up while it ran (logged once)
 
     def __init__(self, op: str, group_desc: str, seq: int, outputs: list[Any], *, source_rank: int | None = None) -> None:
         super().__init__()
@@ -65,10 +84,12 @@ class Work(asyncio.Future[list[Any]]):
             waiter = self._waiter()
             try:
                 yield from waiter
-            except BaseException:  # cancelled (or closed): this waiter is no longer wanted
+            except BaseException as exc:  # cancelled (or closed): this waiter is no longer wanted
                 ws = self._waiters
                 if ws is not None and waiter in ws:
                     ws.remove(waiter)
+                if isinstance(exc, asyncio.CancelledError):
+                    self._given_up()
                 raise
         return self.result()
 
@@ -84,6 +105,21 @@ class Work(asyncio.Future[list[Any]]):
         else:
             ws.append(waiter)
         return waiter
+
+    def _given_up(self) -> None:
+        """A wait on this Work was cancelled (an asyncio timeout, a cancelled task): where the op
+        still runs, say so once, since it goes on and writes its outputs when it completes."""
+        if self.done() or self._left_running:
+            return
+        self._left_running = True
+        log.warning(
+            "%s on %s (%s): a wait for it was cancelled (an asyncio timeout or a cancelled task) while the op "
+            "is still running; it goes on in its group and will write its outputs when it completes "
+            "(or fail at the group's timeout)",
+            self.op,
+            self.group_desc,
+            self.label,
+        )
 
     def _wake(self) -> None:
         ws = self._waiters
