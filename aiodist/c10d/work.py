@@ -20,10 +20,9 @@ cancel. Its Future methods (``done``, ``result``, ``add_done_callback``, ...) ar
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Generator
 from typing import Any
-
-import logging
 
 from aiodist._time import TimeoutLike, to_seconds
 from aiodist.errors import DistTimeoutError
@@ -39,7 +38,7 @@ class Work(asyncio.Future[list[Any]]):
     #: not a future to asyncio's helpers (``asyncio.isfuture``), which then await the Work in a
     #: task of their own instead of cancelling it (module docstring). A Work is never yielded
     #: to a task (``__await__`` yields its waiter), so nothing reads the flag.
-    _asyncio_future_blocking = None
+    _asyncio_future_blocking = None  # type: ignore[assignment]
     _left_running = False  # a wait on it was given up while it ran (logged once)
 
     def __init__(self, op: str, group_desc: str, seq: int, outputs: list[Any], *, source_rank: int | None = None) -> None:
