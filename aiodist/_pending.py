@@ -35,9 +35,11 @@ import inspect
 import logging
 import sys
 from collections.abc import Callable, Coroutine, Generator
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar
 
-__all__ = ["Pending", "communicating", "mark_coroutine_function"]
+from aiodist.errors import DistError
+
+__all__ = ["Home", "Pending", "communicating", "mark_coroutine_function"]
 
 log = logging.getLogger("aiodist.c10d")
 
@@ -46,6 +48,16 @@ _LAZY = object()  # a handle made outside a running loop: nothing started yet
 P = ParamSpec("P")
 T = TypeVar("T")
 C = TypeVar("C", bound=Callable[..., Any])
+
+
+class Home(Protocol):
+    """Where a call's op must run (``communicating``'s ``home``): c10d's is the World's loop."""
+
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop the op must run on; None: wherever it is called."""
+
+    def start_timeout(self) -> float:
+        """How long a call from another thread waits for that loop to start its op."""
 
 
 def _site(depth: int) -> tuple[str, int]:
@@ -58,12 +70,13 @@ def _site(depth: int) -> tuple[str, int]:
 class Pending(collections.abc.Coroutine[Any, Any, Any]):
     """A communicating call, started (see the module docstring)."""
 
-    __slots__ = ("_op", "_coro", "_yielded", "_value", "_used", "_site", "_it", "_ctx")
+    __slots__ = ("_op", "_coro", "_yielded", "_value", "_used", "_site", "_it", "_ctx", "_said")
 
     def __init__(self, op: str, coro: Coroutine[Any, Any, Any], site: tuple[str, int], *, own_context: bool = False) -> None:
         self._op = op
         self._site = site
         self._used = False
+        self._said = False
         self._it: Generator[Any, Any, Any] | None = None
         self._value: Any = _DONE
         self._coro: Coroutine[Any, Any, Any] | None = coro
@@ -117,7 +130,11 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
             except BaseException as exc:  # thrown in (cancellation): on into the call
                 value = yield from _steps(coro, exc, _plain)
             else:
-                value = yield from coro.__await__()  # resumes the call where it waits
+                try:
+                    value = yield from coro.__await__()  # resumes the call where it waits
+                except DistError as exc:  # the op's error: its sentence says it all
+                    _trim(exc)
+                    raise
             self._value = value
             return value
         value = yield from _steps(coro, None, self._ctx.run, self._yielded)
@@ -196,8 +213,11 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
         return self._work("__getitem__")[i]
 
     def not_awaited(self, where: str) -> TypeError:
-        """The error for this handle passed on as ``where`` (a group, a store, ...) without
-        being awaited: it names the call, its line, and what to write."""
+        """The error for this handle passed on as ``where`` (a group, a store, a number, ...)
+        without being awaited: it names the call, its line, and what to write. The
+        never-awaited ERROR is logged now, before the traceback this error prints, not after it
+        when the handle is freed."""
+        self._say_dropped()
         file, line = self._site
         hint = self._op if "." in self._op else f"dist.{self._op}"
         return TypeError(
@@ -205,24 +225,42 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
             f"write `await {hint}(...)` and pass what it returns"
         )
 
+    # a number expected (``src = dist.recv(t)`` then ``src + 1``, ``range(src)``): the call's name
+    def __index__(self) -> int:
+        raise self.not_awaited("a number")
+
+    def __int__(self) -> int:
+        raise self.not_awaited("a number")
+
+    def __float__(self) -> float:
+        raise self.not_awaited("a number")
+
     # -- dropped without an await -------------------------------------------------------------------
+
+    def _say_dropped(self) -> None:
+        """Log the never-awaited ERROR (once) if nothing has awaited or waited on the handle."""
+        if self._used or self._said:
+            return
+        self._said = True
+        running = self._coro is not None
+        file, line = self._site
+        if running and self._yielded is _LAZY:
+            state = "it was made outside a running event loop and never run: nothing was sent"
+        elif running:
+            state = "the op was started when called; the rest of the call now runs in a task, but nothing waits for it"
+        elif _is_work(self._value):
+            state = "its Work was dropped without wait(): nothing learns whether the op succeeded"
+        else:
+            state = "it ran, but nothing waited for it"
+        hint = self._op if "." in self._op else f"dist.{self._op}"  # "store.set" for a store's method
+        log.error("%s(...) called at %s:%d was never awaited: %s. Write `await %s(...)`.", self._op, file, line, state, hint)
 
     def __del__(self) -> None:
         if self._used:
             return
         try:
+            self._say_dropped()
             running = self._coro is not None
-            file, line = self._site
-            if running and self._yielded is _LAZY:
-                state = "it was made outside a running event loop and never run: nothing was sent"
-            elif running:
-                state = "the op was started when called; the rest of the call now runs in a task, but nothing waits for it"
-            elif _is_work(self._value):
-                state = "its Work was dropped without wait(): nothing learns whether the op succeeded"
-            else:
-                state = "it ran, but nothing waited for it"
-            hint = self._op if "." in self._op else f"dist.{self._op}"  # "store.set" for a store's method
-            log.error("%s(...) called at %s:%d was never awaited: %s. Write `await %s(...)`.", self._op, file, line, state, hint)
             if running:
                 self._it = None
                 try:
@@ -234,6 +272,14 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
                     self._coro.close()
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
+
+
+def _trim(exc: DistError) -> None:
+    """An op's error as the awaiting line gets it, re-raised by a bare ``raise`` after this:
+    without the frames inside aiodist that raised it (the runner's, the schedule's, the
+    transport's, and the re-raising one), so the user's traceback is their own lines and one
+    sentence. Those frames are in the DEBUG log (logger ``aiodist.c10d``)."""
+    exc.__traceback__ = None
 
 
 def _plain(fn: Callable[..., Any], *args: Any) -> Any:
@@ -281,19 +327,30 @@ _new = object.__new__
 _get_running_loop = asyncio._get_running_loop
 
 
-def communicating(fn: Callable[P, Coroutine[Any, Any, T]], op: str | None = None) -> Callable[P, Pending]:
+def communicating(fn: Callable[P, Coroutine[Any, Any, T]], op: str | None = None, home: Home | None = None) -> Callable[P, Pending]:
     """Make the coroutine function ``fn`` return a started ``Pending`` (module docstring), named
-    ``op`` in its messages (default: ``fn``'s name; a store's methods pass ``store.<name>``)."""
+    ``op`` in its messages (default: ``fn``'s name; a store's methods pass ``store.<name>``).
+
+    ``home``: where the call's op must run (c10d's calls: the World's event loop). A call made
+    on another thread runs there (``aiodist._threads.elsewhere``: its rules in order)."""
     name = op or fn.__name__
 
     @functools.wraps(fn)
     def call(*args: P.args, **kwargs: P.kwargs) -> Pending:
         # Pending(name, fn(...), _site(2)), written out (every op's call passes here)
         f = sys._getframe(1)
+        running = _get_running_loop()
+        if home is not None and (h := home.loop()) is not None and h is not running:
+            from aiodist._threads import elsewhere
+
+            done = elsewhere(name, fn, args, kwargs, home, h, running, (f.f_code.co_filename, f.f_lineno))
+            if done is not None:
+                return done
         coro = fn(*args, **kwargs)
         p: Pending = _new(Pending)
         p._op, p._site, p._used, p._it, p._value, p._coro, p._ctx = name, (f.f_code.co_filename, f.f_lineno), False, None, _DONE, coro, None
-        if _get_running_loop() is None:
+        p._said = False
+        if running is None:
             p._yielded = _LAZY
             return p
         try:

@@ -59,7 +59,7 @@ def test_before_side_runs_the_older_tree_with_ratio_columns(head_tree: pathlib.P
     for op in ("all_reduce", "barrier"):
         for cells in rows(r.stdout, op):
             assert len(cells) == 10, cells  # 7 of aiodist's (no lag column) + before's time, busbw, ratio
-            assert float(cells[7]) > 0 and float(cells[9]) > 0
+            assert float(cells[7]) > 0 and cells[9] == "n/a"  # too few iterations for a ratio
 
 
 def test_tree_commit_names_this_checkouts_head() -> None:

@@ -236,18 +236,28 @@ def test_best_mpi_is_the_least_time_of_the_row() -> None:
     assert _mpi.best({"openmpi": None, "mpich": 4e-6, "impi": 1e-6}) == ("impi", 1e-6)
     assert _mpi.best({"openmpi": 2e-6, "mpich": 2e-6}) == ("openmpi", 2e-6)  # a tie: the first
     assert _mpi.best({"openmpi": None}) is None and _mpi.best({}) is None
-    assert bc.mpi_cells(4e-6, {"openmpi": 8e-6, "mpich": 2e-6, "impi": None}) == ["8.0", "2.0", "-", "2.0", "mpich", "2.00"]
-    assert bc.mpi_cells(4e-6, {"openmpi": None}) == ["-", "-", "-", "-"]
+    ten = [1.0] * 10
+    mine = [4e-6 * x for x in ten]
+    assert bc.mpi_cells(mine, {"openmpi": [8e-6] * 10, "mpich": [2e-6] * 10, "impi": None}) == ["8.0", "2.0", "-", "2.0", "mpich", "2.00(2.00-2.00)"]
+    assert bc.mpi_cells(mine, {"openmpi": None}) == ["-", "-", "-", "-"]
+    assert bc.mpi_cells(mine[:3], {"openmpi": [8e-6] * 3}) == ["8.0", "8.0", "openmpi", "n/a"]  # too few iterations
+
+
+def test_a_ratio_carries_its_spread_or_is_not_printed() -> None:
+    a = [float(x) for x in range(10, 20)]  # median 14.5, quartiles 11.75 and 17.25
+    b = [float(x) for x in range(20, 40, 2)]  # median 29, quartiles 23.5 and 34.5
+    assert bc.ratio_cell(a, b) == "0.50(0.34-0.73)"  # 14.5/29, 11.75/34.5, 17.25/23.5
+    assert bc.ratio_cell(a[:9], b) == "n/a" and bc.ratio_cell(a, b[:9]) == "n/a"
 
 
 def test_report_has_a_column_per_library_then_the_best() -> None:
     def res(t: float) -> bc.Results:
-        return {"all_reduce": {1: bc.Row([t, t, t], None, 0)}}
+        return {"all_reduce": {1: bc.Row([t] * 10, None, 0)}}
 
     out = bc.report(["all_reduce"], 2, {"aiodist": res(6e-6), "torch": res(60e-6), "openmpi": res(4e-6), "mpich": res(3e-6), "impi": res(5e-6)})
     header, rows = tables(out)["all_reduce"]
     assert re.search(r"torch\(us\)\s+torch busbw\s+aiodist/torch\s+openmpi\(us\)\s+mpich\(us\)\s+impi\(us\)\s+best MPI\(us\)\s+best MPI\s+aiodist/best-MPI$", header[0])
-    assert rows == [["4", "1", "float32", "6.0", "0.001", "0.001", "0.0", "60.0", "0.000", "0.10", "4.0", "3.0", "5.0", "3.0", "mpich", "2.00"]]
+    assert rows == [["4", "1", "float32", "6.0", "0.001", "0.001", "0.0", "60.0", "0.000", "0.10(0.10-0.10)", "4.0", "3.0", "5.0", "3.0", "mpich", "2.00(2.00-2.00)"]]
 
 
 # ----------------------------------------------------------------------------- real runs
@@ -280,7 +290,7 @@ def test_a_tiny_run_against_each_library(name: str) -> None:
         assert f"{name}(us)" in header[0] and "aiodist/best-MPI" in header[0]
         for cells in rows:
             assert len(cells) == 11, cells
-            assert float(cells[7]) > 0 and cells[8] == cells[7] and cells[9] == name and float(cells[10]) > 0
+            assert float(cells[7]) > 0 and cells[8] == cells[7] and cells[9] == name and cells[10] == "n/a"  # 3 iterations
 
 
 @pytest.mark.subprocess
@@ -291,7 +301,7 @@ def test_a_tiny_run_against_every_library_found_with_a_plot(tmp_path: pathlib.Pa
         pytest.skip(f"fewer than two MPI libraries here: {[(n, _found(n)) for n in _mpi.LIBS if n not in found]}")
     svg = tmp_path / "times.svg"
     plot = ["--plot", str(svg)] if bc.importlib.util.find_spec("matplotlib") is not None else []
-    r = run_bench("--compare", "mpi", "--ops", "all_reduce", "--min-bytes", "4", "--max-bytes", "4K", "--step", "32", "--iters", "3", "--warmup", "1", *plot)
+    r = run_bench("--compare", "mpi", "--ops", "all_reduce", "--min-bytes", "4", "--max-bytes", "4K", "--step", "32", "--iters", "10", "--warmup", "1", *plot)
     assert r.returncode == 0, r.stdout + r.stderr
     header, rows = tables(r.stdout)["all_reduce"]
     assert header[0].split()[7 : 7 + len(found)] == [f"{n}(us)" for n in found]
@@ -299,7 +309,10 @@ def test_a_tiny_run_against_every_library_found_with_a_plot(tmp_path: pathlib.Pa
         times = dict(zip(found, map(float, cells[7 : 7 + len(found)])))
         best_t, best_name, ratio = cells[7 + len(found) :]
         assert float(best_t) == min(times.values()) and times[best_name] == float(best_t)
-        assert float(ratio) == pytest.approx(float(cells[3]) / float(best_t), rel=0.1, abs=0.01)  # from rounded cells
+        m = re.fullmatch(r"(\d+\.\d\d)\((\d+\.\d\d)-(\d+\.\d\d)\)", ratio)
+        assert m, ratio
+        assert float(m[1]) == pytest.approx(float(cells[3]) / float(best_t), rel=0.1, abs=0.01)  # from rounded cells
+        assert float(m[2]) <= float(m[1]) <= float(m[3])
     if plot:
         text = svg.read_text()
         assert "all_reduce, 2 ranks" in text and all(n in text for n in ["aiodist", *found])

@@ -58,7 +58,7 @@ async def test_page_in_chromium_names_the_stuck_rank() -> None:
     dom = await stuck_job(probe)
     text = text_of(dom)
     assert "aiodist debug: Ranks" in text
-    assert "OK: 2/2 ranks responded" in text
+    assert "STUCK: rank 1: never issued seq 1" in text and "2/2 ranks responded" in text
     assert "Stuck: rank 1" in text
     row1 = re.search(r"<tr class=\"stuck\" id=\"rank1\">(.*?)</tr>", dom, re.S)
     assert row1 is not None, dom[:2000]

@@ -18,6 +18,13 @@ by default). When the variable is set and nothing handles log records yet (no ha
 root logger or the ``aiodist`` logger), a stderr handler is added to ``aiodist`` so the chosen
 level is actually seen, as torch's C++ logs are.
 
+Where the application has configured no logging at all, Python would print aiodist's warnings
+and errors through its last-resort handler, as the bare message (it reads like a ``print``).
+``aiodist`` instead carries a fallback handler that, only while the root logger has no handler,
+prints WARNING and above in ``logging``'s default format, ``ERROR:aiodist.c10d:...``: the level
+and the logger's name, which is what to configure. Once the application configures logging
+(``logging.basicConfig(...)``), the fallback stays silent and the records go there.
+
 ``configure_logging()`` runs when ``aiodist`` is imported, and again whenever
 ``set_debug_level`` changes the debug level (the matrix depends on it).
 """
@@ -97,6 +104,36 @@ def configure_logging(log_level: str | None = None) -> int | None:
     return level
 
 
+class _Fallback(logging.StreamHandler):  # type: ignore[type-arg]
+    """WARNING and above of the ``aiodist`` tree, in ``logging``'s default format, while the
+    application has configured no logging (the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # the stream is read when a record is emitted (sys.stderr now)
+        self.setLevel(logging.WARNING)
+        self.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
+
+    @property  # type: ignore[override]
+    def stream(self) -> object:
+        return sys.stderr  # pytest's and the user's redirections of stderr included
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers or any(h.get_name() == _HANDLER_NAME for h in logging.getLogger("aiodist").handlers):
+            return  # the application's handlers (or AIODIST_LOG_LEVEL's) print it
+        super().emit(record)
+
+
+def install_fallback() -> None:
+    """Add the fallback handler to the ``aiodist`` logger (once)."""
+    logger = logging.getLogger("aiodist")
+    if not any(isinstance(h, _Fallback) for h in logger.handlers):
+        logger.addHandler(_Fallback())
+
+
 def _refresh() -> None:
     """The debug level changed: recompute the matrix for the log level last applied."""
     if _applied is not None:
@@ -106,6 +143,7 @@ def _refresh() -> None:
 def configure_logging_at_import() -> None:
     """``configure_logging()`` from the environment; a bad value warns instead of failing the
     import (``TORCH_CPP_LOG_LEVEL`` may be set for torch with values aiodist does not know)."""
+    install_fallback()
     try:
         configure_logging()
     except ValueError as exc:

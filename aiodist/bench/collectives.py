@@ -937,20 +937,40 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / (1 << 20):.1f}"
 
 
-def _median(results: dict[str, Results], impl: str, op: str, count: int) -> float | None:
+def _times(results: dict[str, Results], impl: str, op: str, count: int) -> list[float] | None:
     r = results[impl].get(op, {}).get(count)
-    return statistics.median(r.times) if r is not None and r.times else None
+    return r.times if r is not None and r.times else None
 
 
-def mpi_cells(t: float, times: dict[str, float | None]) -> list[str]:
-    """A row's MPI columns: each library's time (us), then the best of them (the least time),
-    which library that is, and aiodist's time ``t`` over it."""
-    cells = [_fmt_us(tm) for tm in times.values()]
-    top = _mpi.best(times)
+#: a ratio is printed only from this many timed iterations of each side (``--iters`` times
+#: ``--rounds``): from fewer, back-to-back runs of the same row gave ratios from 1.48 to 0.02
+MIN_RATIO_SAMPLES = 10
+
+
+def ratio_cell(mine: Sequence[float], theirs: Sequence[float]) -> str:
+    """aiodist's median time over the other side's, and its spread: ``0.85(0.70-1.10)`` where the
+    range is aiodist's first quartile over the other's third, to aiodist's third over the
+    other's first (a range that spans 1 is no difference). ``n/a`` from fewer than
+    ``MIN_RATIO_SAMPLES`` timed iterations on either side: too few to compare."""
+    if len(mine) < MIN_RATIO_SAMPLES or len(theirs) < MIN_RATIO_SAMPLES:
+        return "n/a"
+    t, tm = statistics.median(mine), statistics.median(theirs)
+    qa, qb = statistics.quantiles(mine, n=4), statistics.quantiles(theirs, n=4)
+    if tm <= 0 or qb[0] <= 0 or qb[2] <= 0:
+        return "-"
+    return f"{t / tm:.2f}({qa[0] / qb[2]:.2f}-{qa[2] / qb[0]:.2f})"
+
+
+def mpi_cells(mine: Sequence[float], times: dict[str, Sequence[float] | None]) -> list[str]:
+    """A row's MPI columns: each library's time (us, median), then the best of them (the least
+    median), which library that is, and the ratio of aiodist's times ``mine`` to it (``ratio_cell``)."""
+    medians = {name: statistics.median(ts) if ts else None for name, ts in times.items()}
+    cells = [_fmt_us(tm) for tm in medians.values()]
+    top = _mpi.best(medians)
     if top is None:
         return cells + ["-", "-", "-"]
     name, tm = top
-    return cells + [_fmt_us(tm), name, f"{t / tm:.2f}" if tm > 0 else "-"]
+    return cells + [_fmt_us(tm), name, ratio_cell(mine, times[name] or [])]
 
 
 def report(ops: Sequence[str], n: int, results: dict[str, Results]) -> str:
@@ -979,13 +999,14 @@ def report(ops: Sequence[str], n: int, results: dict[str, Results]) -> str:
             row += [_lag_cell(r.lags)] if lag else []
             row += [_mib(r.mem)]
             for i in others:
-                tm = _median(results, i, op, count)
-                if tm is not None:
-                    row += [_fmt_us(tm), f"{_busbw(op, n, nbytes, tm):.3f}", f"{t / tm:.2f}" if tm > 0 else "-"]
+                ts = _times(results, i, op, count)
+                if ts is not None:
+                    tm = statistics.median(ts)
+                    row += [_fmt_us(tm), f"{_busbw(op, n, nbytes, tm):.3f}", ratio_cell(r.times, ts)]
                 else:
                     row += ["-", "-", "-"]
             if mpis:
-                row += mpi_cells(t, {i: _median(results, i, op, count) for i in mpis})
+                row += mpi_cells(r.times, {i: _times(results, i, op, count) for i in mpis})
             rows.append(row)
         blocks.append(f"# {op}\n{format_table(headers, rows)}")
     return "\n\n".join(blocks)
@@ -1074,7 +1095,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--no-lag-probe", dest="lag_probe", action="store_false", help="do not run the loop-lag probe on aiodist's ranks")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any op, or the wait for the next size, may take (default 120)")
-    p.add_argument("--quick", action="store_true", help="for tests: 4 B to 64 KiB, step 16, 3 iterations, 1 warmup")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"for tests: 4 B to 64 KiB, step 16, 3 iterations, 1 warmup; too few iterations for ratios (they print n/a; a ratio needs {MIN_RATIO_SAMPLES})",
+    )
     p.add_argument("--verbose", action="store_true", help="print progress per size")
     args = p.parse_args(argv)
     wanted = [c.strip() for c in args.compare.split(",") if c.strip()]
@@ -1172,7 +1197,15 @@ def main(argv: list[str] | None = None) -> int:
             "(init_process_group, the collectives, barrier, destroy_process_group), same rows and checks (aiodist/bench/_before_rank.py)"
         )
     if args.impls:
-        notes.append("aiodist/X = time ratio (below 1: aiodist faster); every ratio is from this one run")
+        notes.append(
+            "aiodist/X = ratio of the median times (below 1: aiodist faster), in brackets its spread: aiodist's first quartile over "
+            "X's third to aiodist's third over X's first (a range that spans 1 is no difference); every ratio is from this one run"
+        )
+        if args.iters * args.rounds < MIN_RATIO_SAMPLES:
+            notes.append(
+                f"n/a: no ratio from {args.iters * args.rounds} timed iterations per row (--iters x --rounds; "
+                f"{'--quick runs 3: ' if args.quick else ''}at least {MIN_RATIO_SAMPLES} are needed for a ratio that means anything)"
+            )
     if args.plot and not args.plot_skipped:
         try:
             plot(args.plot, args.op_list, args.nproc, results)

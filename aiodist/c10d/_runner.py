@@ -673,7 +673,13 @@ def _failed(pg: ProcessGroup, op: str, label: str, what: str, work: Work, exc: E
     else:
         named = DistBackendError(f"{what} failed on rank {pg.backend.rank}: {type(exc).__name__}: {exc}")
     if named is not exc:
-        named.__cause__ = exc
+        if isinstance(exc, DistError):
+            # its sentence is in named's: the user reads it once, without the internal frames
+            # that raised it (they go to the DEBUG log and the flight recorder)
+            log.debug("rank %d: %s: the failure inside the op", pg.backend.rank, what, exc_info=exc)
+            named.__suppress_context__ = True
+        else:  # not one of ours: its traceback says where
+            named.__cause__ = exc
     break_group(pg, f"{op} {label} failed: {exc}", named)  # first: see _timed_out
     work._fail(named)
 
@@ -701,7 +707,7 @@ def break_group(
     for task, work in list(pg._pending.items()):
         if task is not current_task:
             err = DistBackendError(f"{work.op} on {pg.describe()}, {work.label} aborted: the group broke ({pg.broken})")
-            err.__cause__ = cause
+            err.__suppress_context__ = True  # the sentence says what broke it; the cause is the group's other error
             work._fail(err)
             # A consequence of the failure the user already sees: awaiting it still raises,
             # but asyncio must not log one "exception was never retrieved" per pending op.

@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from aiodist._pending import communicating
 from aiodist._time import TimeoutLike, to_seconds
 from aiodist.algorithms import collectives as alg
 from aiodist.algorithms.p2p import P2P, SubP2P, byte_view
@@ -31,7 +30,7 @@ from aiodist.c10d._device import device_backend, issue_on_device
 from aiodist.c10d.init import GroupArg, not_member, resolve_group
 from aiodist.c10d.process_group import describe_call
 from aiodist.c10d.work import Work
-from aiodist.c10d.world import _CURRENT, default_group
+from aiodist.c10d.world import _CURRENT, default_group, on_world_loop
 from aiodist.errors import DistTimeoutError
 from aiodist.shm import (
     Ticket,
@@ -163,7 +162,7 @@ def _chunks(flat: np.ndarray, n: int) -> list[np.ndarray]:
 # -- broadcast / all_reduce / reduce -----------------------------------------------------------
 
 
-@communicating
+@on_world_loop
 async def broadcast(
     tensor: Any, src: int | None = None, group: GroupArg = None, async_op: bool = False, group_src: int | None = None
 ) -> Work | None:
@@ -190,7 +189,7 @@ async def broadcast(
     return await _finish(_issue_with(pg, ticket, "broadcast", body, [tensor], meta=_meta(tensor=_t(b), root=pg.ranks[root])), asy)
 
 
-@communicating
+@on_world_loop
 async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` across the group, in place; the same bits on every rank."""
     if group is None:  # the default group (resolve_group's first case, read straight from the World)
@@ -251,7 +250,7 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
     return None
 
 
-@communicating
+@on_world_loop
 async def reduce(
     tensor: Any,
     dst: int | None = None,
@@ -290,7 +289,7 @@ async def reduce(
 # -- all_gather / gather / scatter -------------------------------------------------------------
 
 
-@communicating
+@on_world_loop
 async def all_gather(tensor_list: Sequence[Any], tensor: Any, group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Every rank's ``tensor`` into ``tensor_list[that rank]`` on every rank (sizes may differ per rank)."""
     if not_member(group, "all_gather"):
@@ -316,13 +315,13 @@ async def all_gather(tensor_list: Sequence[Any], tensor: Any, group: GroupArg = 
     )
 
 
-@communicating
+@on_world_loop
 async def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Every rank's ``input_tensor`` concatenated (or stacked) into ``output_tensor`` in rank order."""
     return await _all_gather_one("all_gather_into_tensor", output_tensor, input_tensor, group, async_op)
 
 
-@communicating
+@on_world_loop
 async def all_gather_single(output_tensor: Any, input_tensor: Any, group: GroupArg = None, async_op: bool = False) -> Work | None:
     """The newer name of ``all_gather_into_tensor`` (concatenation and stack forms)."""
     return await _all_gather_one("all_gather_single", output_tensor, input_tensor, group, async_op)
@@ -368,7 +367,7 @@ def _root_list(
     return [b.flat for b in items]
 
 
-@communicating
+@on_world_loop
 async def gather(
     tensor: Any,
     gather_list: Sequence[Any] | None = None,
@@ -399,7 +398,7 @@ async def gather(
     return await _finish(_issue_with(pg, ticket, "gather", body, list(gather_list or []), meta=meta, eager=_eager(pl, ticket)), asy)
 
 
-@communicating
+@on_world_loop
 async def scatter(
     tensor: Any,
     scatter_list: Sequence[Any] | None = None,
@@ -433,7 +432,7 @@ async def scatter(
 # -- reduce_scatter / all_to_all / barrier -----------------------------------------------------
 
 
-@communicating
+@on_world_loop
 async def reduce_scatter(
     output: Any, input_list: Sequence[Any], op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False
 ) -> Work | None:
@@ -452,7 +451,7 @@ async def reduce_scatter(
     return await _finish(_issue_reduce_scatter(pg, "reduce_scatter", out, [i.flat for i in ins], rop, combine, output), asy)
 
 
-@communicating
+@on_world_loop
 async def reduce_scatter_tensor(
     output: Any, input: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False
 ) -> Work | None:
@@ -460,7 +459,7 @@ async def reduce_scatter_tensor(
     return await _reduce_scatter_one("reduce_scatter_tensor", output, input, op, group, async_op)
 
 
-@communicating
+@on_world_loop
 async def reduce_scatter_single(
     output: Any, input: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False
 ) -> Work | None:
@@ -502,7 +501,7 @@ def _issue_reduce_scatter(pg: Any, name: str, out: Buffer, parts: list[np.ndarra
     return _issue_with(pg, ticket, name, body, [output], meta=_meta(output=_t(out), op=_opname(rop)), eager=_eager(pl, ticket))
 
 
-@communicating
+@on_world_loop
 async def all_to_all(
     output_tensor_list: Sequence[Any], input_tensor_list: Sequence[Any], group: GroupArg = None, async_op: bool = False
 ) -> Work | None:
@@ -535,7 +534,7 @@ def _split_bounds(b: Buffer, sizes: Sequence[int] | None, n: int, what: str) -> 
     return bounds, row
 
 
-@communicating
+@on_world_loop
 async def all_to_all_single(
     output: Any,
     input: Any,
@@ -581,7 +580,7 @@ def _issue_all_to_all(pg: Any, name: str, outs: list[np.ndarray], ins: list[np.n
     return _issue_with(pg, ticket, name, body, outputs, meta=_meta(dtype=str(ins[0].dtype) if ins else "?"), eager=_eager(pl, ticket))
 
 
-@communicating
+@on_world_loop
 async def barrier(group: GroupArg = None, async_op: bool = False, device_ids: Any = None) -> Work | None:
     """Return once every rank of the group has entered (``device_ids`` is ignored on CPU)."""
     if not_member(group, "barrier"):
@@ -611,7 +610,7 @@ def _list(objs: object, what: str) -> Sequence[Any]:
     return objs
 
 
-@communicating
+@on_world_loop
 async def all_reduce_coalesced(
     tensors: Sequence[Any] | Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False
 ) -> Work | None:
@@ -658,7 +657,7 @@ async def all_reduce_coalesced(
     return await _finish(pg.issue("all_reduce_coalesced", body, list(ts), meta=_meta(tensors=[_t(b) for b in bs], op=_opname(rop))), asy)
 
 
-@communicating
+@on_world_loop
 async def all_gather_coalesced(
     output_tensor_lists: Sequence[Sequence[Any]], input_tensor_list: Sequence[Any], group: GroupArg = None, async_op: bool = False
 ) -> Work | None:
@@ -732,7 +731,7 @@ def _late_verdict(late: Sequence[int], ranks: Sequence[int], seconds: float) -> 
     return f"[Rank 0]: {who} failed to pass monitoredBarrier in {round(seconds * 1000)} ms{extra}; monitored_barrier timeout {seconds:g} s"
 
 
-@communicating
+@on_world_loop
 async def monitored_barrier(group: GroupArg = None, timeout: TimeoutLike | None = None, wait_all_ranks: bool = False) -> None:
     """A barrier that names the ranks that did not arrive (torch's): every rank reports to group
     rank 0, which waits up to ``timeout`` (default: the group's) and then releases them all. If

@@ -32,7 +32,7 @@ from typing import Any
 from aiodist import _startup
 from aiodist._instrument.levels import DebugLevel, get_debug_level
 from aiodist._instrument.loop_watchdog import unwatch_loop, watch_loop  # issue 13: the loop watchdog
-from aiodist._pending import Pending, _site, communicating, mark_coroutine_function
+from aiodist._pending import Pending, _site, mark_coroutine_function
 from aiodist._time import TimeoutLike, to_seconds, to_timedelta
 from aiodist.algorithms.thresholds import rules_from
 from aiodist.backends.base import CommBackend
@@ -40,9 +40,9 @@ from aiodist.backends.device import DeviceBackend
 from aiodist.c10d._blocked import publisher
 from aiodist.c10d.backend_registry import Backend, create_backend, is_backend_available, is_nccl_available, parse_backend_config
 from aiodist.c10d.process_group import ProcessGroup
-from aiodist.c10d.world import NON_GROUP_MEMBER, current_world, default_group
+from aiodist.c10d.world import NON_GROUP_MEMBER, current_world, default_group, on_world_loop
 from aiodist.constants import default_pg_timeout
-from aiodist.errors import DistBackendError, DistTimeoutError
+from aiodist.errors import DistBackendError, DistError, DistTimeoutError
 from aiodist.rendezvous import rendezvous, warn_if_launcher_disagrees
 from aiodist.store.base import Store
 from aiodist.store.prefix import PrefixStore
@@ -214,6 +214,12 @@ async def init_process_group(
     """
     world = current_world()
     if world.default_pg is not None:
+        if world.loop is not None and world.loop.is_closed():
+            raise DistError(
+                "init_process_group: this process's default group was made on an event loop that is now closed (asyncio.run returned) "
+                "and cannot be destroyed or used from another: run init_process_group and every call inside one asyncio.run(main()), "
+                "and call destroy_process_group() before it returns"
+            )
         raise ValueError("trying to initialize the default process group twice!")
     rules = rules_from(pg_options)  # a bad rule is refused before anything is made
     rank = _int(rank, "rank")
@@ -270,6 +276,7 @@ async def init_process_group(
     pg = _make_group(world, 0, range(world_size), td.total_seconds(), name=group_name or "0", desc="default_pg", pg_options=rules)
     world.groups[0] = pg
     world.default_pg = pg
+    world.loop = asyncio.get_running_loop()  # every op of the World runs here (aiodist._threads)
     # issue 13: the loop watchdog (docs/debugging.md), which also tells the peers through the
     # store when this rank's loop is blocked (aiodist.c10d._blocked); stopped in destroy
     watch_loop(world, pg.recorder, f"rank {rank}", publisher(world.store, rank))
@@ -393,7 +400,7 @@ def is_initialized() -> bool:
     return current_world().default_pg is not None
 
 
-@communicating
+@on_world_loop
 async def destroy_process_group(group: GroupArg = None) -> None:
     """Destroy ``group`` (its pending ops fail, it refuses new ones); None or the default group
     destroys every group and deinitialises the World. ``NON_GROUP_MEMBER`` (new_group's answer on
@@ -441,7 +448,7 @@ def _local_group_id(ranks: tuple[int, ...], occurrence: int) -> int:
     return int.from_bytes(digest, "little") | (1 << 31)
 
 
-@communicating
+@on_world_loop
 async def new_group(
     ranks: Sequence[int] | None = None,
     timeout: TimeoutLike | None = None,
@@ -511,7 +518,7 @@ def _local_device_count() -> int:
     return int(count()) if count is not None else 0
 
 
-@communicating
+@on_world_loop
 async def new_subgroups(
     group_size: int | None = None,
     group: GroupArg = None,
@@ -545,7 +552,7 @@ async def new_subgroups(
     return await new_subgroups_by_enumeration(split, timeout=timeout, backend=backend, pg_options=pg_options, group_desc=group_desc)
 
 
-@communicating
+@on_world_loop
 async def new_subgroups_by_enumeration(
     ranks_per_subgroup_list: Sequence[Sequence[int]],
     timeout: TimeoutLike | None = None,
@@ -608,7 +615,7 @@ def _ranks_list(value: object, what: str) -> list[int]:
     return [_int(r, f"every rank in {what}") for r in value]
 
 
-@communicating
+@on_world_loop
 async def split_group(
     parent_pg: GroupArg = None,
     split_ranks: Sequence[Sequence[int]] | None = None,
@@ -664,7 +671,7 @@ SHRINK_DEFAULT = 0
 SHRINK_ABORT = 1
 
 
-@communicating
+@on_world_loop
 async def shrink_group(
     ranks_to_exclude: Sequence[int], group: GroupArg = None, shrink_flags: int = SHRINK_DEFAULT, pg_options: Any = None
 ) -> ProcessGroup:

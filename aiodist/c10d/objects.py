@@ -27,13 +27,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from aiodist._pending import communicating
 from aiodist.c10d._args import group_root
 from aiodist.c10d.collectives import all_gather, broadcast, gather, scatter
 from aiodist.c10d.init import GroupArg, not_member, resolve_group
 from aiodist.c10d.point_to_point import isend, recv
 from aiodist.c10d.process_group import ProcessGroup
 from aiodist.c10d.work import Work
+from aiodist.c10d.world import on_world_loop
 from aiodist.errors import DistError
 
 __all__ = [
@@ -157,7 +157,7 @@ def _bool(value: object, what: str) -> bool:
 # -- collectives --------------------------------------------------------------------------------
 
 
-@communicating
+@on_world_loop
 async def broadcast_object_list(
     object_list: list[Any], src: int | None = None, group: GroupArg = None, device: Any = None, group_src: int | None = None
 ) -> None:
@@ -192,7 +192,7 @@ async def broadcast_object_list(
     objs[:] = _unpack(payload, sizes)
 
 
-@communicating
+@on_world_loop
 async def all_gather_object(object_list: list[Any], obj: Any, group: GroupArg = None) -> None:
     """Every rank's picklable ``obj`` into ``object_list[that group rank]`` on every rank, in place
     (``object_list`` must have one entry per rank of the group). Each entry, this rank's own
@@ -211,7 +211,7 @@ async def all_gather_object(object_list: list[Any], obj: Any, group: GroupArg = 
     out[:] = [_loads(p) for p in parts]
 
 
-@communicating
+@on_world_loop
 async def gather_object(
     obj: Any, object_gather_list: list[Any] | None = None, dst: int | None = None, group: GroupArg = None, group_dst: int | None = None
 ) -> None:
@@ -246,7 +246,7 @@ async def gather_object(
     out[:] = [_loads(p) for p in parts]
 
 
-@communicating
+@on_world_loop
 async def scatter_object_list(
     scatter_object_output_list: list[Any],
     scatter_object_input_list: list[Any] | None = None,
@@ -292,7 +292,7 @@ async def scatter_object_list(
 # -- point-to-point -----------------------------------------------------------------------------
 
 
-@communicating
+@on_world_loop
 async def send_object_list(
     object_list: list[Any],
     dst: int | None = None,
@@ -323,7 +323,7 @@ async def send_object_list(
         await w
 
 
-@communicating
+@on_world_loop
 async def recv_object_list(
     object_list: list[Any],
     src: int | None = None,

@@ -20,13 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from aiodist._pending import communicating
 from aiodist.backends.base import CommBackend
 from aiodist.c10d._args import buf, group_root
 from aiodist.c10d._device import device_backend
 from aiodist.c10d.init import GroupArg, not_member, resolve_group
 from aiodist.c10d.process_group import ProcessGroup
 from aiodist.c10d.work import Work
+from aiodist.c10d.world import on_world_loop
 
 __all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv", "P2P_TAG_LIMIT", "PeerOps"]
 
@@ -172,7 +172,7 @@ def _check(
     return _Checked(op, pg, tensor, b.flat, peer, t, sending)
 
 
-@communicating
+@on_world_loop
 async def send(tensor: Any, dst: int | None = None, group: GroupArg = None, tag: int = 0, group_dst: int | None = None) -> None:
     """Send ``tensor`` to ``dst`` (global rank) or ``group_dst``; returns once the bytes are
     handed to the transport (the tensor may then change)."""
@@ -181,7 +181,7 @@ async def send(tensor: Any, dst: int | None = None, group: GroupArg = None, tag:
     await (await _check("send", tensor, dst, group, tag, group_dst, True, blocking=True).start())
 
 
-@communicating
+@on_world_loop
 async def recv(tensor: Any, src: int | None = None, group: GroupArg = None, tag: int = 0, group_src: int | None = None) -> int:
     """Receive into ``tensor`` from ``src`` (global rank), ``group_src``, or any rank of the group
     (both None); returns the sender's global rank (-1 on a rank outside ``group``, as torch)."""
@@ -192,7 +192,7 @@ async def recv(tensor: Any, src: int | None = None, group: GroupArg = None, tag:
     return work.source_rank()
 
 
-@communicating
+@on_world_loop
 async def isend(tensor: Any, dst: int | None = None, group: GroupArg = None, tag: int = 0, group_dst: int | None = None) -> Work | None:
     """Issue a send and return its Work (``tensor`` must not change until it completes); None on
     a rank outside ``group``, as torch."""
@@ -201,7 +201,7 @@ async def isend(tensor: Any, dst: int | None = None, group: GroupArg = None, tag
     return await _check("isend", tensor, dst, group, tag, group_dst, True, blocking=False).start()
 
 
-@communicating
+@on_world_loop
 async def irecv(tensor: Any, src: int | None = None, group: GroupArg = None, tag: int = 0, group_src: int | None = None) -> Work | None:
     """Issue a receive and return its Work; ``work.source_rank()`` is the sender once it completes.
     None on a rank outside ``group``, as torch."""
@@ -240,7 +240,7 @@ class P2POp:
         return f"P2POp({self.op.__name__}, {peer}, tag={self.tag})"
 
 
-@communicating
+@on_world_loop
 async def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
     """Issue every op of the list (all are checked first: a bad one issues none) and return their
     Works in list order. Order within the list does not matter: every op is in flight at once."""

@@ -25,7 +25,7 @@ from collections.abc import Generator
 from typing import Any
 
 from aiodist._time import TimeoutLike, to_seconds
-from aiodist.errors import DistTimeoutError
+from aiodist.errors import DistError, DistTimeoutError
 
 __all__ = ["Work"]
 
@@ -90,7 +90,11 @@ class Work(asyncio.Future[list[Any]]):
                 if isinstance(exc, asyncio.CancelledError):
                     self._given_up()
                 raise
-        return self.result()
+        try:
+            return self.result()
+        except DistError as exc:  # without the runner's frames: the sentence says it (_pending._trim)
+            exc.__traceback__ = None
+            raise
 
     __iter__ = __await__
 

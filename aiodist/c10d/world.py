@@ -9,18 +9,22 @@ group tables.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine, Iterator
+from typing import TYPE_CHECKING, Any, ParamSpec
 
+from aiodist._pending import Pending, communicating
 from aiodist.store.base import Store
 
 if TYPE_CHECKING:
     from aiodist.backends.base import CommBackend
     from aiodist.c10d.process_group import ProcessGroup
 
-__all__ = ["World", "current_world", "world_of", "use_world", "GroupMember", "group", "NON_GROUP_MEMBER", "default_group"]
+__all__ = ["World", "current_world", "world_of", "use_world", "GroupMember", "group", "NON_GROUP_MEMBER", "default_group", "on_world_loop"]
+
+P = ParamSpec("P")
 
 
 class World:
@@ -50,6 +54,9 @@ class World:
         #: where an init_process_group still running was called (file, line): the next call
         #: that needs the default group names it (a forgotten ``await``)
         self.init_site: tuple[str, int] | None = None
+        #: the event loop init_process_group ran on: every op of the World's groups runs there
+        #: (a call from another thread is handed to it: aiodist._threads)
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def __repr__(self) -> str:
         state = f"rank {self.rank}/{self.world_size}, backend {self.backend_name!r}" if self.default_pg else "not initialized"
@@ -68,6 +75,7 @@ class World:
         self.owned_store = None
         self.created.clear()
         self.next_group_id = 1
+        self.loop = None
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -93,6 +101,28 @@ def world_of(ctx: contextvars.Context) -> World:
     another thread has entered, or the running task's, cannot be entered again
     (``Context.run`` raises RuntimeError)."""
     return ctx.get(_CURRENT, _PROCESS_WORLD)
+
+
+class _WorldHome:
+    """``communicating``'s ``home`` for c10d's calls: the current World's loop."""
+
+    __slots__ = ()
+
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        return _CURRENT.get().loop
+
+    def start_timeout(self) -> float:
+        pg = _CURRENT.get().default_pg
+        return 1800.0 if pg is None else pg.timeout_s
+
+
+_HOME = _WorldHome()
+
+
+def on_world_loop(fn: Callable[P, Coroutine[Any, Any, Any]]) -> Callable[P, Pending]:
+    """``communicating`` for a c10d call: its op runs on the World's loop, whichever thread
+    calls it (``aiodist._threads``)."""
+    return communicating(fn, home=_HOME)
 
 
 @contextlib.contextmanager

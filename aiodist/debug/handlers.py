@@ -23,7 +23,17 @@ from aiodist._instrument.loop_watchdog import loop_state
 from aiodist.c10d.world import current_world, world_of
 from aiodist.debug.analyze import analyze, format_report
 
-__all__ = ["DebugHandler", "HealthHandler", "StacksHandler", "FlightRecorderHandler", "StoreHandler", "default_handlers", "task_stack"]
+__all__ = [
+    "DebugHandler",
+    "HealthHandler",
+    "StacksHandler",
+    "FlightRecorderHandler",
+    "StatusHandler",
+    "StoreHandler",
+    "default_handlers",
+    "task_stack",
+    "waiting_at",
+]
 
 #: a task stack walks at most this many awaits
 _MAX_DEPTH = 64
@@ -170,6 +180,57 @@ def _task_world(task: asyncio.Task[Any]) -> Any:
     return world_of(get_context())  # the World the task's own Context points at
 
 
+_AIODIST_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_ASYNCIO_DIR = os.path.dirname(os.path.abspath(asyncio.__file__)) + os.sep
+
+
+def _rank_tasks(w: Any, loop: asyncio.AbstractEventLoop, me: asyncio.Task[Any] | None) -> tuple[list[asyncio.Task[Any]], bool]:
+    """The live tasks of World ``w`` on ``loop`` but ``me``, and whether they could be told
+    apart from other Worlds' (Python 3.12+: a task's Context); from any thread."""
+    op_tasks = {t for g in list(w.groups.values()) for t in g.pending()}
+    filtered = hasattr(asyncio.Task, "get_context")
+    for _ in range(3):
+        try:
+            every = list(asyncio.all_tasks(loop))
+            break
+        except RuntimeError:  # the task set changed while it was copied
+            time.sleep(0.01)
+    else:
+        every = []
+    keep = [t for t in every if t is not me and not t.done() and not (filtered and t not in op_tasks and _task_world(t) is not w)]
+    return keep, filtered
+
+
+def waiting_at(w: Any, loop: asyncio.AbstractEventLoop, me: asyncio.Task[Any] | None) -> list[dict[str, Any]]:
+    """Where the rank's code waits on aiodist: for each task suspended in an aiodist call, the
+    innermost frame of its stack outside aiodist and asyncio (the user's line), and the call it
+    waits in. aiodist's own tasks (ops, servers) are left out: their outermost frame is aiodist's."""
+    out = []
+    tasks, _ = _rank_tasks(w, loop, me)
+    for t in tasks:
+        stack = task_stack(t)
+        if not stack or stack[0]["file"].startswith(_AIODIST_DIR):
+            continue
+        k = next(
+            (
+                i
+                for i, f in enumerate(stack)
+                if f["file"].startswith(_AIODIST_DIR) or (not f["file"] and f["code"].startswith(("awaiting <Pending", "awaiting <Work")))
+            ),
+            None,
+        )
+        if k is None:
+            continue
+        user = [f for f in stack[:k] if f["file"] and not f["file"].startswith(_ASYNCIO_DIR)]
+        if not user:
+            continue
+        f = user[-1]
+        inner = stack[k]
+        call = inner["code"].removeprefix("awaiting ") if not inner["file"] else f"{inner['function']} ({os.path.basename(inner['file'])})"
+        out.append({"task": t.get_name(), "file": f["file"], "line": f["line"], "function": f["function"], "code": f["code"], "in": call})
+    return out
+
+
 class StacksHandler(DebugHandler):
     """Every asyncio task's stack (the awaits it is suspended in) and every thread's stack."""
 
@@ -185,20 +246,8 @@ class StacksHandler(DebugHandler):
         calls it from its own when the loop is blocked: the loop is not changing its tasks then)."""
         op_tasks = {t: g.describe() for g in list(w.groups.values()) for t in g.pending()}
         tasks = []
-        filtered = hasattr(asyncio.Task, "get_context")
-        for _ in range(3):
-            try:
-                every = list(asyncio.all_tasks(loop))
-                break
-            except RuntimeError:  # the task set changed while it was copied
-                time.sleep(0.01)
-        else:
-            every = []
+        every, filtered = _rank_tasks(w, loop, me)
         for t in every:
-            if t is me or t.done():
-                continue
-            if filtered and t not in op_tasks and _task_world(t) is not w:
-                continue
             tasks.append({"name": t.get_name(), "op_of_group": op_tasks.get(t), "coro": repr(t.get_coro())[:200], "stack": task_stack(t)})
         tasks.sort(key=lambda x: (x["op_of_group"] is None, x["name"]))
         names = {th.ident: th.name for th in threading.enumerate()}
@@ -313,6 +362,18 @@ class FlightRecorderHandler(DebugHandler):
                     + "</table>"
                 )
         return "\n".join(out)
+
+
+class StatusHandler(FlightRecorderHandler):
+    """What the front page (``/``) reads from each rank: the flight recorders' tails, and where
+    the rank's code waits on aiodist (``waiting_at``)."""
+
+    name = "status"
+
+    async def dump(self) -> Any:
+        d = await super().dump()
+        d["waiting_at"] = waiting_at(current_world(), asyncio.get_running_loop(), asyncio.current_task())
+        return d
 
 
 class StoreHandler(DebugHandler):

@@ -49,7 +49,7 @@ from aiodist._instrument.loop_watchdog import blame, loop_stack, loop_state
 from aiodist._instrument.recorder import dump_groups
 from aiodist.c10d.world import World, current_world, use_world
 from aiodist.debug.analyze import analyze
-from aiodist.debug.handlers import DebugHandler, FlightRecorderHandler, HealthHandler, StacksHandler, default_handlers
+from aiodist.debug.handlers import DebugHandler, HealthHandler, StacksHandler, StatusHandler, default_handlers
 
 __all__ = [
     "start_debug_server",
@@ -87,6 +87,7 @@ tr.failed td{background:#ffd6d6}
 .banner{padding:8px 12px;border-radius:4px;font-weight:600;margin:.8em 0}
 .banner.ok{background:#d9f2d9}
 .banner.bad{background:#ffc9c9}
+.banner.warn{background:#fff0b3}
 pre{background:#f0f0f0;padding:8px;overflow-x:auto;font-size:13px}
 pre.bad{background:#ffe3e3}
 pre.ok{background:#e6f6e6}
@@ -130,7 +131,7 @@ class DebugServer:
         self.session: ClientSession | None = None
         self.dump_task: asyncio.Task[None] | None = None
         self.dumps_written = 0
-        self._status = FlightRecorderHandler(tail=64)
+        self._status = StatusHandler(tail=64)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loop_thread = 0
         self.httpd: ThreadingHTTPServer | None = None
@@ -315,7 +316,7 @@ class DebugServer:
             summary = f"OK: {n}/{n} ranks responded"
         if blocked:  # said first: it is why the page looks the way it does
             lines = "; ".join(f"rank {r}: {b['sentence']}" for r, b in sorted(blocked.items()) if r not in missing)
-            summary = f"BLOCKED: {lines}. {summary}" if lines else summary
+            summary = f"BLOCKED: {lines}. {summary.removeprefix('OK: ')}" if lines else summary
         return {"per_rank": per_rank, "missing": missing, "blocked": blocked, "partial": bool(missing), "summary": summary, "expected": n}
 
     async def _handler_page(self, name: str, request: web.Request) -> web.Response:
@@ -348,6 +349,7 @@ class DebugServer:
     async def _index(self, request: web.Request) -> web.Response:
         g = await self.gather("status")
         view = index_view(g["per_rank"], g["missing"], self.world_size, blocked=g["blocked"])
+        g = {**g, **worst_state(view, g["summary"])}
         view["summary"] = g["summary"]
         view["partial"] = g["partial"]
         if _wants_json(request):
@@ -362,7 +364,7 @@ class DebugServer:
 
     def _page(self, title: str, g: dict[str, Any], body: str, refresh: str | None = None) -> web.Response:
         nav = "".join(f"<a href='{_esc(p)}'>{_esc(p)}</a>" for p in ["/", *(r for h in self.handlers.values() for r in h.routes())])
-        cls = "bad" if g["partial"] or g.get("blocked") else "ok"
+        cls = g.get("banner") or ("bad" if g["partial"] or g.get("blocked") else "ok")
         meta = ""
         if refresh and refresh.isdigit() and int(refresh) > 0:
             meta = f"<meta http-equiv='refresh' content='{int(refresh)}'>"
@@ -567,7 +569,7 @@ def index_view(
     rows = []
     for r in range(world_size):
         if r in missing:
-            rows.append({"rank": r, "state": "no answer", "class": "stuck", "where": "", "age_s": None, "issued": [], "why": missing[r]})
+            rows.append({"rank": r, "state": "no answer", "class": "stuck", "where": "", "age_s": None, "issued": [], "why": missing[r], "at": []})
             continue
         pos = positions.get(r)
         where, age, state, cls = "", None, "idle", "ok"
@@ -593,9 +595,33 @@ def index_view(
             state, cls = "blocked", "stuck"
             why = [blocked[r]["sentence"], *why]
         seqs = [{"group": desc, "issued": n, "behind": n < newest[desc]} for desc, n in sorted(issued.get(r, {}).items())]
-        rows.append({"rank": r, "state": state, "class": cls, "where": where, "age_s": age, "issued": seqs, "why": "; ".join(why)})
+        at = [
+            f"{a['file']}:{a['line']} in {a['function']}: {a['code']}"
+            for a in (per_rank.get(r) or {}).get("waiting_at") or []
+        ]
+        rows.append(
+            {"rank": r, "state": state, "class": cls, "where": where, "age_s": age, "issued": seqs, "why": "; ".join(why), "at": at}
+        )
     stuck = [row["rank"] for row in rows if row["class"] == "stuck"]
     return {"rows": rows, "stuck_ranks": stuck, "blocked_ranks": sorted(blocked), "analysis": analysis}
+
+
+def worst_state(view: dict[str, Any], summary: str) -> dict[str, str]:
+    """The front page's banner says the worst state of any rank first (stuck or blocked, then
+    waiting), so that a green "OK" never sits above a stuck rank: its ``summary`` and colour."""
+    rows = view["rows"]
+    stuck = [r for r in rows if r["class"] == "stuck" and r["state"] != "no answer"]
+    waiting = [r for r in rows if r["class"] == "waiting"]
+    rest = summary.removeprefix("OK: ")
+    if summary.startswith(("BLOCKED", "PARTIAL")):
+        return {"summary": summary, "banner": "bad"}
+    if stuck:
+        who = "; ".join(f"rank {r['rank']}: {r['why'] or r['state']}" for r in stuck)
+        return {"summary": f"STUCK: {who}. {rest}", "banner": "bad"}
+    if waiting:
+        who = ", ".join(str(r["rank"]) for r in waiting)
+        return {"summary": f"WAITING: rank{'s' if len(waiting) > 1 else ''} {who} in an op for a while. {rest}", "banner": "warn"}
+    return {"summary": summary, "banner": "ok"}
 
 
 def _index_html(view: dict[str, Any]) -> str:
@@ -605,7 +631,8 @@ def _index_html(view: dict[str, Any]) -> str:
         seqs = "<br>".join(f"{_esc(s['group'])}: {s['issued']}" + (" <b>(behind)</b>" if s["behind"] else "") for s in row["issued"])
         rows.append(
             f"<tr class='{row['class']}' id='rank{row['rank']}'><td>{row['rank']}</td><td class='state'>{_esc(row['state'].upper())}</td>"
-            f"<td>{_esc(row['where'])}</td><td class='nw'>{age}</td><td class='nw'>{seqs}</td><td>{_esc(row['why'])}</td></tr>"
+            f"<td>{_esc(row['where'])}</td><td class='nw'>{age}</td><td class='nw'>{seqs}</td><td>{_esc(row['why'])}</td>"
+            f"<td class='small'>{'<br>'.join(_esc(a) for a in row['at'])}</td></tr>"
         )
     out = []
     if view["stuck_ranks"]:
@@ -615,9 +642,8 @@ def _index_html(view: dict[str, Any]) -> str:
     else:
         out.append("<div class='banner ok' id='stuck'>No stuck rank</div>")
     out.append(
-        "<table id='ranks'><tr><th>rank</th><th>state</th><th>op it is in / last finished</th><th>for</th><th>ops issued</th><th>why</th></tr>"
-        + "".join(rows)
-        + "</table>"
+        "<table id='ranks'><tr><th>rank</th><th>state</th><th>op it is in / last finished</th><th>for</th><th>ops issued</th><th>why</th>"
+        "<th>its code waits at</th></tr>" + "".join(rows) + "</table>"
     )
     a = view["analysis"]
     if a is not None:

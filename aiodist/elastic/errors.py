@@ -157,7 +157,9 @@ class ProcessFailure:
         if not self.timestamp_ns:
             self.timestamp_ns = self.observed_ns
         if not self.traceback:
-            if self.stderr_tail:
+            if self.message and self.stderr_tail:  # its traceback is in the rank's own output already
+                self.traceback = f"{self.message} (no error file: the traceback is in rank {self.rank}'s output above)"
+            elif self.stderr_tail:
                 self.traceback = f"(no error file; last lines of stderr)\n{self.stderr_tail}"
             elif self.exitcode < 0:
                 self.traceback = f"Signal {-self.exitcode} ({_signal_name(-self.exitcode)}) received by PID {self.pid}"

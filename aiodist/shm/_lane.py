@@ -238,7 +238,7 @@ def _check_current(link: OpLink, g: GroupShm, q: int) -> None:
                 f"while rank {ranks[link.rank]} is in shared memory, which the op's size decides: the ranks passed sizes "
                 f"that differ across a threshold (every rank must pass the same sizes)"
             )
-            log.error("rank %d: %s", ranks[link.rank], reason)
+            log.debug("rank %d: %s", ranks[link.rank], reason)  # the ops' errors carry it
             raise link.abort_group(reason)
         _desync(link, q, digest)
 

@@ -225,7 +225,7 @@ class Connection(asyncio.BufferedProtocol):
             elif exc is not None:
                 why = f"connection with {self._who()} lost: {exc}"
             else:
-                why = f"{self._who()} closed the connection without GOODBYE"
+                why = f"{self._who()} closed the connection without GOODBYE (its process ended or crashed)"
             self._error = DistNetworkError(f"rank {self.owner.rank}: {why}")
         err = self._error
         for _, fut in self._drain:

@@ -460,7 +460,7 @@ class Transport:
         rank's; ``nbytes`` is the length of a message of the peer's in the op (-1: none seen)."""
         name = f"group {group}" if mine[3] is None else f"group {group} ({mine[3]!r})"
         reason = describe_mismatch(name, seq, self.rank, mine[:3], peer, theirs, nbytes, mine[4])
-        log.error("rank %d: %s", self.rank, reason)
+        log.debug("rank %d: %s", self.rank, reason)  # the ops' errors carry it: said once, by them
         self._abort_now(group, reason)
 
     async def send(self, dst: int, buf: np.ndarray, *, group: int = 0, seq: int = 0, tag: int = 0, digest: int = 0) -> None:
@@ -641,7 +641,7 @@ class Transport:
         frame = abort_frame(self.rank, group_id, 0, reason)
         for conn in list(self._send_conn.values()):
             conn.write_control(frame)
-        self._abort_local(group_id, f"rank {self.rank} aborted group {group_id}: {reason}")
+        self._abort_local(group_id, f"rank {self.rank} broke group {group_id}: {reason}")
 
     async def close(self) -> None:
         """Say GOODBYE to every peer, close every connection and listener, fail what is pending.
@@ -742,10 +742,11 @@ class Transport:
         return peer in self._dead and not any(c.peer == peer for c in self._conns)
 
     def _abort_error(self, key: Key) -> DistBackendError:
-        return DistBackendError(f"{self._aborted[key[0]]} ({describe_key(key)})")
+        # the group's reason alone: the op that reads it names itself (c10d: op, group, seq)
+        return DistBackendError(self._aborted[key[0]])
 
     def _dead_error(self, peer: int, key: Key) -> DistNetworkError:
-        return DistNetworkError(f"{self._dead[peer]} ({describe_key(key)}, peer rank {peer})")
+        return DistNetworkError(str(self._dead[peer]))
 
     # -- connections -----------------------------------------------------------------------
 
@@ -963,7 +964,7 @@ class Transport:
             self._unheard(self._broken, conn, why)
 
     def on_abort(self, header: FrameHeader, reason: str) -> None:
-        self._abort_local(header.group, f"rank {header.source} aborted group {header.group}: {reason}")
+        self._abort_local(header.group, f"the failure started on rank {header.source}, which broke group {header.group}: {reason}")
 
     def _check_hello(self, hello: Hello, dialed: int | None) -> str | None:
         """Why a peer's HELLO is refused, or None."""
@@ -1043,10 +1044,13 @@ class Transport:
         if conn.lane and self._lane_conn.get((peer, conn.lane)) is conn:
             del self._lane_conn[(peer, conn.lane)]
         dead = err if isinstance(err, DistNetworkError) else DistNetworkError(str(err))
+        if peer not in self._dead:  # said once per peer, not once per connection to it
+            log.log(logging.INFO if conn.goodbye else logging.WARNING, "%s", dead)
         self._dead.setdefault(peer, dead)
-        log.log(logging.INFO if conn.goodbye else logging.WARNING, "%s", dead)
+        # the receives' errors are the peer's sentence: the op that reads one names itself
+        # (c10d: op, group, seq), so the message key and tag are not repeated
         if current is not None and not current.fut.done():
-            current.fut.set_exception(DistNetworkError(f"{dead} ({current.what()}, peer rank {peer})"))
+            current.fut.set_exception(DistNetworkError(str(dead)))
         if conn.goodbye:
             # A graceful leave: the peer says GOODBYE on each of its connections after all it
             # sent there, so its other connections still deliver what it sent before leaving;
@@ -1059,7 +1063,7 @@ class Transport:
                     other.fail(dead)
         for r in self._mailbox.remove_posted(lambda r: r.src == peer):
             if not r.fut.done():
-                r.fut.set_exception(DistNetworkError(f"{dead} ({r.what()}, peer rank {peer})"))
+                r.fut.set_exception(DistNetworkError(str(dead)))
 
     # -- receiving (called by connections) ---------------------------------------------------
 

@@ -1,0 +1,90 @@
+"""How much a failure prints, measured in real jobs under the launcher (tests/helpers/failing_job.py):
+a 2-rank and an 8-rank desync, a dead rank, a timeout. Each failing rank says its headline once, in
+the user's terms: its traceback is the user's own lines (no frame inside aiodist), the sentence
+names the op, group and sequence number and no message tag, a peer reads where the failure
+started, and the launcher's root cause is one line. The bounds are on lines printed."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(120)]
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = str(ROOT / "tests" / "helpers" / "failing_job.py")
+LINE = re.compile(r"^\[rank(\d+)\]: (.*)$")
+HEADLINE = re.compile(r"^aiodist\.errors\.(Dist\w+): (.*)$")
+
+
+def run(how: str, n: int) -> tuple[str, dict[int, list[str]]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "AIODIST_DEBUG", "TORCH_DISTRIBUTED_DEBUG"))}
+    p = subprocess.run(
+        [sys.executable, "-m", "aiodist.run", "--standalone", "--nproc-per-node", str(n), JOB, how],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert p.returncode == 1, p.stderr
+    ranks: dict[int, list[str]] = {}
+    for line in p.stderr.splitlines():
+        m = LINE.match(line)
+        if m:
+            ranks.setdefault(int(m.group(1)), []).append(m.group(2))
+    return p.stderr, ranks
+
+
+def headlines(lines: list[str]) -> list[str]:
+    return [m.group(2) for line in lines if (m := HEADLINE.match(line))]
+
+
+def check_common(err: str, ranks: dict[int, list[str]], failing: list[int], per_rank: int) -> None:
+    assert "aiodist/" not in "".join(line for line in err.splitlines() if line.lstrip().startswith("File ")), err
+    assert "The above exception was the direct cause" not in err and "Exception Group" not in err, err
+    for r in failing:
+        lines = ranks[r]
+        assert len(lines) <= per_rank, (r, lines)
+        heads = headlines(lines)
+        assert len(heads) == 1, (r, lines)  # one error, said once
+        assert not re.search(r"\btag \d", heads[0]), heads[0]
+        assert sum(heads[0][:60] in line for line in lines) == 1, lines  # no log line repeats it
+    root = err[err.index("Root Cause") :].splitlines()
+    i = next(k for k, line in enumerate(root) if line.strip() == "traceback :")
+    assert root[i + 2].startswith("====="), root  # one line under it
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_a_desync_is_one_sentence_per_rank(n: int) -> None:
+    err, ranks = run("desync", n)
+    check_common(err, ranks, sorted(ranks), per_rank=16)
+    for r, lines in ranks.items():
+        head = headlines(lines)[0]
+        assert "seq 0" in head and "default_pg" in head, head
+        if n == 2:  # found at once, from the ops' digests: both calls named
+            assert "desync detected" in head and "called broadcast" in head and "called all_reduce" in head, head
+        else:  # the timeout's explanation names the rank that issued another op
+            assert f"rank {n - 1} issued broadcast at seq 0, not all_reduce" in head or (r == n - 1 and "issued all_reduce" in head), head
+    assert len(err.splitlines()) <= 24 * n + 10  # the traceback (about 13 lines) and the launcher's entry (8) per rank
+
+
+def test_a_dead_rank_is_one_sentence_on_each_peer() -> None:
+    err, ranks = run("dead", 2)
+    check_common(err, ranks, [0], per_rank=16)
+    head = headlines(ranks[0])[0]
+    assert head.startswith("all_reduce on default_pg") and "seq 1" in head and "rank 1 closed the connection" in head, head
+    assert sum("rank 1 closed the connection" in line for line in ranks[0]) <= 2  # the warning (once) and the error
+    assert len(err.splitlines()) <= 45
+
+
+def test_a_timeout_is_one_sentence() -> None:
+    err, ranks = run("timeout", 2)
+    check_common(err, ranks, [0], per_rank=16)
+    head = headlines(ranks[0])[0]
+    assert "rank 1 never issued all_reduce seq 1" in head and "timed out after 2 s" in head, head
+    assert len(err.splitlines()) <= 45
