@@ -183,3 +183,52 @@ async def test_a_group_that_was_not_awaited_is_named_with_its_line() -> None:
     for msg in await run_world(2, fn):
         assert msg.startswith(f"all_reduce: group is the result of new_group(...) called at {__file__}:{line}, which was not awaited"), msg
         assert "write `await dist.new_group(...)`" in msg
+
+
+async def test_the_never_awaited_error_comes_before_the_error_it_causes(caplog: pytest.LogCaptureFixture) -> None:
+    """The handle passed on as a group is still alive when the TypeError it causes propagates (it
+    was only logged when freed, after the traceback): the ERROR is logged when it is refused."""
+
+    async def fn(rank: int) -> list[str]:
+        g = dist.new_group([0, 1])  # forgotten await, still referenced below
+        with pytest.raises(TypeError):
+            await dist.all_reduce(np.ones(2, np.float32), group=g)
+        said = [r.getMessage() for r in caplog.records if "was never awaited" in r.getMessage()]
+        await g
+        return said
+
+    with caplog.at_level(logging.ERROR, logger="aiodist.c10d"):
+        results = await run_world(2, fn)
+    line = _line_of("g = dist.new_group([0, 1])  # forgotten await, still referenced below")
+    for said in results:
+        assert any(m.startswith(f"new_group(...) called at {__file__}:{line} was never awaited") for m in said), said
+    assert sum("was never awaited" in r.getMessage() for r in caplog.records) == 2  # once per rank, not again when freed
+
+
+async def test_a_handle_used_as_a_number_names_the_call() -> None:
+    async def fn(rank: int) -> str:
+        h = dist.barrier()  # forgotten await
+        try:
+            with pytest.raises(TypeError) as e:
+                range(h)  # type: ignore[call-overload]
+            return str(e.value)
+        finally:
+            await h
+
+    for msg in await run_world(2, fn):
+        assert msg.startswith("a number is the result of barrier(...) called at") and "write `await dist.barrier(...)`" in msg, msg
+
+
+def test_aiodists_errors_carry_level_and_logger_where_logging_is_not_configured() -> None:
+    """Python's last-resort handler prints a bare message (it reads like a print): aiodist's
+    fallback prints logging's default format instead, and stays silent once the application
+    configures logging."""
+    import subprocess
+    import sys
+
+    code = "import logging, aiodist; logging.getLogger('aiodist.c10d').error('boom %d', 1); logging.getLogger('aiodist.x').info('quiet')"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stderr == "ERROR:aiodist.c10d:boom 1\n", r.stderr
+    configured = "import logging; logging.basicConfig(format='app %(message)s'); " + code
+    r = subprocess.run([sys.executable, "-c", configured], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stderr == "app boom 1\n", r.stderr

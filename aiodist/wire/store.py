@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import struct
+import sys
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
@@ -251,13 +252,16 @@ _U8S = struct.Struct("<B")
 
 
 class _Stream:
-    """A growing buffer and the read position of the message being decoded."""
+    """A growing buffer and the read position of the message being decoded. ``cap``: the most
+    bytes a message may have (a request's ``max_request_bytes``): a field that would end past it
+    is refused when the decoder reaches it, so the error is the same however the bytes arrive."""
 
-    __slots__ = ("buf", "pos")
+    __slots__ = ("buf", "pos", "cap")
 
-    def __init__(self) -> None:
+    def __init__(self, cap: int = sys.maxsize) -> None:
         self.buf = bytearray()
         self.pos = 0
+        self.cap = cap
 
     def consume(self) -> None:
         """Drop the bytes of the message just decoded (O(1): bytearray trims its front lazily)."""
@@ -265,7 +269,13 @@ class _Stream:
         self.pos = 0
 
 
+def _over(st: _Stream) -> ProtocolError:
+    return ProtocolError(f"request of over {st.cap} bytes")
+
+
 def _fixed(st: _Stream, fmt: struct.Struct) -> Generator[None, None, int]:
+    if st.pos + fmt.size > st.cap:
+        raise _over(st)
     while len(st.buf) - st.pos < fmt.size:
         yield
     (v,) = fmt.unpack_from(st.buf, st.pos)
@@ -277,6 +287,8 @@ def _string(st: _Stream, limit: int, what: str) -> Generator[None, None, bytes]:
     n = yield from _fixed(st, _U64)
     if n > limit:
         raise ProtocolError(f"{what} of {n} bytes is over the limit of {limit} bytes")
+    if st.pos + n > st.cap:
+        raise _over(st)
     while len(st.buf) - st.pos < n:
         yield
     v = bytes(st.buf[st.pos : st.pos + n])
@@ -383,7 +395,7 @@ class RequestParser:
 
     def __init__(self, limits: Limits | None = None) -> None:
         self.limits = limits or Limits()
-        self._st = _Stream()
+        self._st = _Stream(self.limits.max_request_bytes)
         self._gen: Generator[None, None, Request] | None = None
         self._validated = False
         self._dead: ProtocolError | None = None
