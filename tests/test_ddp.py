@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import subprocess
 import sys
@@ -681,3 +682,29 @@ async def test_the_unused_error_waits_for_a_forward_that_expects_a_backward() ->
         return "ok"
 
     assert await run_world(2, fn) == ["ok", "ok"]
+
+
+async def test_big_buckets_are_reduced_straight_into_the_gradients(backward_mode: str) -> None:
+    """The default (gradient_as_bucket_view=False): a bucket of few big gradients is reduced
+    straight into param.grad (aiodist.c10d.all_reduce_into), no copy back, and the gradients are
+    the averages, bit for bit: (g0 / 2) + (g1 / 2). A comm hook keeps the copy back."""
+
+    async def fn(rank: int) -> tuple[set[int], int, list[np.ndarray], list[np.ndarray]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(1100, 1100), torch.nn.Linear(1100, 1100))  # two buckets of over 4 MiB
+        ddp = await DistributedDataParallel(model)
+        x = torch.randn(4, 1100, generator=torch.Generator().manual_seed(rank))
+        loss = ddp(x).square().sum()
+        params = list(model.parameters())
+        grad = functools.partial(torch.autograd.grad, loss, params, retain_graph=True)
+        # the reference on the thread DDP's backward runs on (a worker thread may round otherwise)
+        local = [g.detach().clone() for g in (await asyncio.to_thread(grad) if backward_mode == "thread" else grad())]
+        await ddp.backward(loss)
+        halves = [(g * 0.5).numpy() for g in local]
+        return ddp.reducer.written, len(list(model.parameters())), halves, [p.grad.numpy().copy() for p in model.parameters()]
+
+    (w0, n, h0, g0), (w1, _, h1, g1) = await run_world(2, fn, backend="gloo", timeout=60)
+    assert w0 == w1 == set(range(n))
+    for a, b, x, y in zip(g0, g1, h0, h1, strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, x + y)

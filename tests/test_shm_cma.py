@@ -620,3 +620,55 @@ async def test_a_small_reduce_of_two_ranks_goes_through_the_lane(monkeypatch: py
         return int(g["lane_ops"])
 
     assert await run_world(2, fn, backend="gloo", timeout=60) == [10, 10]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("single", [True, False])
+async def test_all_reduce_into_writes_the_sum_into_the_outputs(monkeypatch: pytest.MonkeyPatch, n: int, single: bool) -> None:
+    """aiodist.c10d.all_reduce_into (DDP's buckets): the sum lands in the outputs (uneven parts,
+    one empty), with all_reduce's bits (the single-copy owner order) and without a copy of the
+    whole buffer where the single-copy path read the peers straight into them; on another path
+    (here the segment halves) the same bits by a copy."""
+    from aiodist.c10d import all_reduce_into
+    from aiodist.shm import Into
+
+    copies: list[int] = []
+    plain_copy = Into.copy_from
+
+    def counted(self: Into, flat: np.ndarray) -> None:
+        copies.append(flat.nbytes)
+        plain_copy(self, flat)
+
+    monkeypatch.setattr(Into, "copy_from", counted)
+    for k, v in ENV.items():
+        monkeypatch.setenv(k, v)
+    rules = {"allreduce_cma_min": "64K" if single else -1, "lane_max": 0}
+    m = 150_001
+    sizes = [40_000, 0, 60_000, m - 100_000]
+
+    async def fn(rank: int) -> tuple[int, int]:
+        rng = np.random.default_rng(rank)
+        x = rng.standard_normal(m).astype(np.float32)
+        xs = [np.random.default_rng(q).standard_normal(m).astype(np.float32) for q in range(n)]
+        outs = [np.full(s, np.nan, np.float32) for s in sizes]
+        work = await all_reduce_into(x.copy(), outs)
+        assert work is not None
+        await work
+        got = np.concatenate(outs)
+        want = _slice_owner_sum(xs) if single else None
+        if want is not None:
+            assert np.array_equal(got, want)  # the bits of the single-copy all_reduce
+        ref = x.copy()
+        await dist.all_reduce(ref)
+        assert np.array_equal(got, ref)  # and all_reduce's, whichever path
+        with pytest.raises(ValueError, match="outs hold 3 elements, tensor 4"):
+            await all_reduce_into(np.zeros(4, np.float32), [np.zeros(3, np.float32)])
+        with pytest.raises(ValueError, match=r"outs\[0\] is float64"):
+            await all_reduce_into(np.zeros(4, np.float32), [np.zeros(4, np.float64)])
+        shm = dist.group.WORLD.backend.stats()["shm"]
+        return int(shm["cma_ops"]), len(copies)
+
+    results = await run_world(n, fn, backend="gloo", timeout=60, pg_options=rules)
+    for cma_ops, _ in results:
+        assert (cma_ops > 0) == single
+    assert (copies == []) == single, copies  # single copy: read straight into the outputs

@@ -13,6 +13,7 @@ from aiodist.c10d.collectives import (
     all_gather_single,
     all_reduce,
     all_reduce_coalesced,
+    all_reduce_into,
     all_to_all,
     all_to_all_single,
     barrier,
@@ -94,6 +95,7 @@ __all__ = [
     "all_gather_into_tensor",
     "all_gather_single",
     "all_reduce",
+    "all_reduce_into",  # the training layer's (DDP buckets), not torch's: not exported by aiodist
     "all_to_all",
     "all_to_all_single",
     "barrier",

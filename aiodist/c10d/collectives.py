@@ -33,6 +33,7 @@ from aiodist.c10d.work import Work
 from aiodist.c10d.world import _CURRENT, default_group, on_world_loop
 from aiodist.errors import DistTimeoutError
 from aiodist.shm import (
+    Into,
     Ticket,
     run_all_gather,
     run_all_reduce,
@@ -49,6 +50,7 @@ from aiodist.types import Buffer, ReduceOp, ReduceOpLike, check_reduce, combiner
 __all__ = [
     "broadcast",
     "all_reduce",
+    "all_reduce_into",
     "reduce",
     "all_gather",
     "all_gather_into_tensor",
@@ -248,6 +250,43 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
             raise
     work.result()  # the op's error, if it failed
     return None
+
+
+@on_world_loop
+async def all_reduce_into(tensor: Any, outs: Sequence[Any], group: GroupArg = None) -> Work | None:
+    """The sum of ``tensor`` across the group, written into ``outs`` (arrays or CPU tensors whose
+    elements, one after the other, are ``tensor``'s; C-contiguous, of its dtype), with
+    ``async_op=True``'s Work. ``tensor`` is scratch afterwards. Not torch's: DDP's buckets, whose
+    results go to the gradients. Where the op's path reads the peers' results by single copy it
+    reads them straight into ``outs`` (aiodist.shm.Into); any other path reduces in place, and
+    ``outs`` are copied from ``tensor`` before the Work completes. The bits are all_reduce's."""
+    if not_member(group, "all_reduce_into"):
+        return None
+    pg = resolve_group(group, what="all_reduce_into")
+    b = buf(tensor, "all_reduce_into tensor", writable=True)
+    rop, combine = _reduction(ReduceOp.SUM, b.dtype_name, "all_reduce")
+    arrays = [buf(o, f"all_reduce_into outs[{k}]", writable=True) for k, o in enumerate(outs)]
+    for k, a in enumerate(arrays):
+        if a.flat.dtype != b.flat.dtype or not a.flat.flags.c_contiguous:
+            raise ValueError(
+                f"all_reduce_into: outs[{k}] is {a.dtype_name}, {'' if a.flat.flags.c_contiguous else 'not '}contiguous; want C-contiguous {b.dtype_name}"
+            )
+    if sum(a.flat.size for a in arrays) != b.flat.size:
+        raise ValueError(f"all_reduce_into: outs hold {sum(a.flat.size for a in arrays)} elements, tensor {b.flat.size}")
+    flat = b.flat
+    into = Into([a.flat for a in arrays])
+    pl = plan("all_reduce", flat.nbytes, len(pg.ranks), pg.thresholds)
+    th = pg.thresholds
+    ticket = _shm_ticket(pg, pl.shm)
+
+    async def body(p2p: P2P) -> None:
+        if ticket is None or not await run_all_reduce(ticket, p2p, flat, combine, pl.lane, pl.single_copy, into):
+            await alg.all_reduce(p2p, flat, combine, thresholds=th)
+        if not into.written:
+            into.copy_from(flat)
+
+    described = describe_call("all_reduce", _meta(tensor=_t(b), op=_opname(rop)))
+    return _issue_with(pg, ticket, "all_reduce", body, [tensor], described=described, eager=_eager(pl, ticket))
 
 
 @on_world_loop

@@ -16,10 +16,12 @@ import numpy as np
 
 from aiodist.algorithms.p2p import P2P
 from aiodist.shm import _algorithms, _lane
+from aiodist.shm._algorithms import Into
 from aiodist.shm._link import OpLink, op_link
 from aiodist.shm._manager import DEFAULT_BYTES, ENV_BYTES, GroupShm, SharedMemory, Ticket, segment_bytes
 
 __all__ = [
+    "Into",
     "SharedMemory",
     "OpLink",
     "Ticket",
@@ -40,12 +42,19 @@ __all__ = [
 
 
 async def run_all_reduce(
-    ticket: Ticket, p2p: P2P, flat: np.ndarray, combine: _algorithms.Combine, lane: bool = False, single_copy: bool = False
+    ticket: Ticket,
+    p2p: P2P,
+    flat: np.ndarray,
+    combine: _algorithms.Combine,
+    lane: bool = False,
+    single_copy: bool = False,
+    into: _algorithms.Into | None = None,
 ) -> bool:
     """all_reduce ``flat`` through shared memory in this op's turn; False (nothing done) where
     the group uses the socket path. ``lane``: a small op, for the latency lane (aiodist.shm._lane),
     or the socket path where the group has no lane. ``single_copy``: a big one, by single-copy
-    reads where the group can."""
+    reads where the group can; ``into``: the result's arrays, written by that path
+    (``into.written``)."""
     try:
         link = op_link(p2p)
         g = await ticket.acquire(link)
@@ -56,7 +65,7 @@ async def run_all_reduce(
                 return False
             await _lane.all_reduce(link, g, flat, combine)
         elif flat.size:
-            await _algorithms.all_reduce(link, g, flat, combine, single_copy)
+            await _algorithms.all_reduce(link, g, flat, combine, single_copy, into)
         return True
     finally:
         ticket.release()

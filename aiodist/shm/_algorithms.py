@@ -27,7 +27,10 @@ Rules these keep:
   publishes where its buffer is and rings "in"; rank r reads every peer's slice r, a piece at a
   time, into a piece-sized buffer and folds it into its own buffer's slice r, in rank order (the
   order above: the same bits); rings "reduced"; reads every peer's reduced slice straight into
-  its own buffer; and rings "out". A rank returns only after every peer's "out".
+  its own buffer; and rings "out". A rank returns only after every peer's "out". Given an
+  ``Into`` (the op's result goes to other arrays, DDP's gradients), the last reads go straight
+  into those arrays, and the own reduced slice is copied there: one pass fewer over the data
+  than reducing in place and copying the whole buffer out after.
 - reduce with single copy (from ``reduce_cma_min``): each rank publishes where its buffer is
   and where its slice of the result will be (the root's own buffer; another rank's a scratch
   slice, its buffer stays as it was) and rings "in"; rank r folds every peer's slice r into
@@ -81,7 +84,7 @@ from aiodist.shm import _cma, _lane
 from aiodist.shm._link import OpLink
 from aiodist.shm._manager import GroupShm, retrieve
 
-__all__ = ["all_reduce", "all_gather", "broadcast_single_copy", "reduce_single_copy", "reduce_scatter_single_copy", "all_to_all_single_copy", "gather_single_copy", "scatter_single_copy", "PIECE"]
+__all__ = ["Into", "all_reduce", "all_gather", "broadcast_single_copy", "reduce_single_copy", "reduce_scatter_single_copy", "all_to_all_single_copy", "gather_single_copy", "scatter_single_copy", "PIECE"]
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
 
@@ -95,6 +98,47 @@ _EMPTY = np.empty(0, np.uint8)
 #: an all_reduce's single-copy reads of the peers' slices go through a buffer of this many
 #: bytes: it and the own piece stay in cache (1 MiB pieces were 10-20 % slower here)
 _CMA_PIECE = 256 * 1024
+
+
+class Into:
+    """Where an all_reduce's result goes instead of back into its buffer: ``outs``, arrays whose
+    bytes, one after the other, are the buffer's (DDP's gradients for its bucket). ``written``
+    is set by a path that wrote them; any other path leaves the result in the buffer, and the
+    caller copies it (``copy_from``)."""
+
+    __slots__ = ("outs", "ends", "written")
+
+    def __init__(self, outs: Sequence[np.ndarray]) -> None:
+        self.outs = [byte_view(o, writable=True) for o in outs]
+        ends, end = [], 0
+        for o in self.outs:
+            end += o.nbytes
+            ends.append(end)
+        self.ends = ends
+        self.written = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+    def pieces(self, start: int, stop: int) -> Iterator[tuple[np.ndarray, int]]:
+        """The parts of ``outs`` that hold the buffer's bytes ``start`` to ``stop``: (a byte
+        view of that part, its offset in the buffer), in order."""
+        begin = 0
+        for o, end in zip(self.outs, self.ends):
+            if end > start and begin < stop:
+                a, z = max(start, begin), min(stop, end)
+                yield o[a - begin : z - begin], a
+            if end >= stop:
+                return
+            begin = end
+
+    def copy_from(self, flat: np.ndarray) -> None:
+        """The whole result, from the buffer (a path that reduced in place)."""
+        raw = byte_view(flat)
+        for dst, at in self.pieces(0, self.nbytes):
+            np.copyto(dst, raw[at : at + dst.nbytes])
+        self.written = True
 
 
 async def _doorbell(p2p: P2P, tag: int) -> None:
@@ -157,12 +201,15 @@ async def _sync(p2p: OpLink, g: GroupShm, step: int, tag: int, nbytes: int) -> N
         await _doorbell(p2p, tag)
 
 
-async def all_reduce(p2p: OpLink, g: GroupShm, flat: np.ndarray, combine: Combine, single_copy: bool = False) -> None:
+async def all_reduce(
+    p2p: OpLink, g: GroupShm, flat: np.ndarray, combine: Combine, single_copy: bool = False, into: Into | None = None
+) -> None:
     """``flat`` reduced across the group, in place (see the module docstring); by single-copy
-    reads where ``single_copy`` (the size is over ``allreduce_cma_min``) and the group can."""
+    reads where ``single_copy`` (the size is over ``allreduce_cma_min``) and the group can, and
+    then into ``into``'s arrays where given (``into.written``)."""
     p, me = p2p.size, p2p.rank
     if single_copy and g.cma and flat.flags.c_contiguous:
-        await _all_reduce_single_copy(p2p, g, flat, combine)
+        await _all_reduce_single_copy(p2p, g, flat, combine, into)
         return
     per = max(1, g.half // flat.itemsize)
     step = max(1, PIECE // flat.itemsize)
@@ -191,7 +238,7 @@ async def all_reduce(p2p: OpLink, g: GroupShm, flat: np.ndarray, combine: Combin
                 await _copy(chunk[b[q] : b[q + 1]], slots[q][b[q] : b[q + 1]], pace)
 
 
-async def _all_reduce_single_copy(p2p: OpLink, g: GroupShm, flat: np.ndarray, combine: Combine) -> None:
+async def _all_reduce_single_copy(p2p: OpLink, g: GroupShm, flat: np.ndarray, combine: Combine, into: Into | None = None) -> None:
     """all_reduce by single-copy reads (see the module docstring): each rank reduces its slice
     reading every peer's slice straight from that peer's buffer, a piece at a time through a
     piece-sized buffer (in cache), then reads every peer's reduced slice straight into its own
@@ -211,8 +258,17 @@ async def _all_reduce_single_copy(p2p: OpLink, g: GroupShm, flat: np.ndarray, co
     await _fold(p2p, g, flat[lo:hi], None, lo, addrs, combine, pace, "all_reduce")
     await _lane.phase(p2p, g, 1, flat.nbytes)  # every slice is reduced
     mine = byte_view(flat, writable=True)
-    for q in peers:
-        await _read(p2p, g, q, mine[b[q] * isz : b[q + 1] * isz], addrs[q] + b[q] * isz, pace, "all_reduce")
+    if into is not None and into.nbytes == flat.nbytes:
+        for q in range(p):
+            for dst, at in into.pieces(b[q] * isz, b[q + 1] * isz):
+                if q == me:
+                    np.copyto(dst, mine[at : at + dst.nbytes])
+                else:
+                    await _read(p2p, g, q, dst, addrs[q] + at, pace, "all_reduce")
+        into.written = True
+    else:
+        for q in peers:
+            await _read(p2p, g, q, mine[b[q] * isz : b[q + 1] * isz], addrs[q] + b[q] * isz, pace, "all_reduce")
     await _lane.phase(p2p, g, 2, flat.nbytes)  # every peer has read this rank's slice: the buffer is the caller's again
 
 

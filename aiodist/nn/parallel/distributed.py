@@ -234,6 +234,7 @@ class DistributedDataParallel(torch.nn.Module):
             names=self._param_names,
             find_unused_parameters=self.find_unused_parameters,
         )
+        self._reducer.direct = not self.gradient_as_bucket_view  # big buckets reduce straight into param.grad
         self.bucket_bytes_cap = self._reducer.limits[-1]
         local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
         self._on_thread = backward_on_thread(
@@ -508,18 +509,25 @@ class DistributedDataParallel(torch.nn.Module):
     def _write_back(self) -> None:
         reducer = self._reducer
         unused = reducer.globally_unused if self.find_unused_parameters else set()
+        written = reducer.written  # reduced straight into param.grad: nothing to copy
         if not unused and not self.gradient_as_bucket_view:
-            grads = [p.grad for p in self._params]
+            if written:
+                todo = [i for i in range(len(self._params)) if i not in written]
+                grads = [self._params[i].grad for i in todo]
+                views = [reducer.grad_view(i) for i in todo]
+            else:
+                grads, views = [p.grad for p in self._params], reducer.grad_views()
             if not any(g is None for g in grads):  # the common step: one foreach copy (`None in grads` would call Tensor.__eq__)
-                with torch.no_grad():
-                    torch._foreach_copy_(cast("list[torch.Tensor]", grads), reducer.grad_views())
+                if grads:
+                    with torch.no_grad():
+                        torch._foreach_copy_(cast("list[torch.Tensor]", grads), views)
                 return
         copy_to: list[torch.Tensor] = []
         copy_from: list[torch.Tensor] = []
         with torch.no_grad():
             for i, p in enumerate(self._params):
-                if i in unused:
-                    continue  # used by no rank: its grad stays as it was (torch)
+                if i in unused or i in written:
+                    continue  # used by no rank: its grad stays as it was (torch); written: it holds the average
                 view = reducer.grad_view(i)
                 grad = p.grad
                 if self.gradient_as_bucket_view:
