@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.timeout(120)]
+launched = pytest.mark.subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = str(ROOT / "tests" / "helpers" / "failing_job.py")
@@ -59,6 +60,7 @@ def check_common(err: str, ranks: dict[int, list[str]], failing: list[int], per_
     assert root[i + 2].startswith("====="), root  # one line under it
 
 
+@launched
 @pytest.mark.parametrize("n", [2, 8])
 def test_a_desync_is_one_sentence_per_rank(n: int) -> None:
     err, ranks = run("desync", n)
@@ -73,6 +75,7 @@ def test_a_desync_is_one_sentence_per_rank(n: int) -> None:
     assert len(err.splitlines()) <= 24 * n + 10  # the traceback (about 13 lines) and the launcher's entry (8) per rank
 
 
+@launched
 def test_a_dead_rank_is_one_sentence_on_each_peer() -> None:
     err, ranks = run("dead", 2)
     check_common(err, ranks, [0], per_rank=20)
@@ -82,9 +85,39 @@ def test_a_dead_rank_is_one_sentence_on_each_peer() -> None:
     assert len(err.splitlines()) <= 45
 
 
+@launched
 def test_a_timeout_is_one_sentence() -> None:
     err, ranks = run("timeout", 2)
     check_common(err, ranks, [0], per_rank=20)
     head = headlines(ranks[0])[0]
     assert "rank 1 never issued all_reduce seq 1" in head and "timed out after 2 s" in head, head
     assert len(err.splitlines()) <= 45
+
+
+async def test_an_ops_error_reaches_the_user_without_aiodists_frames() -> None:
+    """In one process (every Python's version tier): a desync's error, as the awaiting line
+    gets it, formats to the user's frames and one sentence: no frame inside aiodist, no chained
+    internal error; a peer's names the rank where the failure started."""
+    import traceback
+
+    import numpy as np
+
+    import aiodist as dist
+    from aiodist.testing import run_world
+
+    async def fn(rank: int) -> str:
+        x = np.ones(4, np.float32)
+        try:
+            if rank == 0:
+                await dist.all_reduce(x)
+            else:
+                await dist.broadcast(x, src=0)
+        except dist.DistError as exc:
+            return "".join(traceback.format_exception(exc))
+        return "no error"
+
+    for text in await run_world(2, fn, backend="gloo", pg_timeout=10, timeout=60):
+        frames = [line for line in text.splitlines() if line.lstrip().startswith("File ")]
+        assert frames and not any("/aiodist/" in f for f in frames), text
+        assert "The above exception" not in text and "During handling" not in text, text
+        assert text.count("desync detected") == 1 and "seq 0" in text and "tag " not in text, text
