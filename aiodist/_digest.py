@@ -160,6 +160,15 @@ def their_arguments(op: str, same: dict[str, Any] | None, theirs: int, nbytes: i
     return None
 
 
+def mismatch_culprit(seq: int, mine: tuple[int, str, dict[str, Any] | None], theirs: int) -> str:
+    """What the peer of a mismatch did, for an error's ``culprits``: ``"called broadcast at seq 3"``,
+    or ``"called all_reduce at seq 3 with other arguments"``."""
+    other = op_of(theirs)
+    if other != mine[1]:
+        return f"called {other} at seq {seq}"
+    return f"called {other} at seq {seq} with other arguments"
+
+
 def describe_mismatch(
     group: str,
     seq: int,

@@ -3,6 +3,13 @@
 Every error aiodist raises on purpose is a ``DistError`` (a ``RuntimeError``, as in torch),
 except argument errors, which are plain ``ValueError``/``TypeError`` raised before anything
 is sent.
+
+An op's error carries its facts as fields too, so code (and tests) need not parse the message:
+``op`` (``"all_reduce"``), ``group`` (the group's description, ``"default_pg"``), ``seq`` (the
+op's sequence number in it), ``rank`` (the global rank that raised it) and ``culprits`` (global
+rank -> what that rank did: ``"issued broadcast at seq 3"``, ``"never issued all_reduce seq 3"``,
+``"closed the connection without GOODBYE"``; empty where nobody is known). A field nobody knew
+is None (``culprits``: empty). They survive pickling (``BaseException`` keeps ``__dict__``).
 """
 
 from __future__ import annotations
@@ -21,7 +28,48 @@ __all__ = [
 
 
 class DistError(RuntimeError):
-    """Base of every distributed error aiodist raises."""
+    """Base of every distributed error aiodist raises (fields: the module docstring)."""
+
+    op: str | None = None
+    group: str | None = None
+    seq: int | None = None
+    rank: int | None = None
+
+    def __init__(
+        self,
+        *args: object,
+        op: str | None = None,
+        group: str | None = None,
+        seq: int | None = None,
+        rank: int | None = None,
+        culprits: dict[int, str] | None = None,
+    ) -> None:
+        super().__init__(*args)
+        if op is not None:
+            self.op = op
+        if group is not None:
+            self.group = group
+        if seq is not None:
+            self.seq = seq
+        if rank is not None:
+            self.rank = rank
+        if culprits:
+            self.culprits = dict(culprits)
+
+    @property
+    def culprits(self) -> dict[int, str]:
+        return self.__dict__.get("_culprits", {})
+
+    @culprits.setter
+    def culprits(self, value: dict[int, str]) -> None:
+        self.__dict__["_culprits"] = dict(value)
+
+    def with_facts(self, *, op: str, group: str, seq: int, rank: int, culprits: dict[int, str] | None = None) -> DistError:
+        """Set the op's fields (``culprits`` only where given); returns the error."""
+        self.op, self.group, self.seq, self.rank = op, group, seq, rank
+        if culprits:
+            self.culprits = culprits
+        return self
 
 
 class DistBackendError(DistError):
@@ -50,10 +98,10 @@ class DistTimeoutError(DistError, TimeoutError):
     (``[Tt]imeout``): a message without it is prefixed ``Timeout: ``. Sentences that copy torch's
     own ``Timed out ...`` words exactly are left as they are."""
 
-    def __init__(self, *args: object) -> None:
+    def __init__(self, *args: object, **facts: object) -> None:
         if args and isinstance(args[0], str) and not _TIMEOUT_WORD.search(args[0]):
             args = (f"Timeout: {args[0]}", *args[1:])
-        super().__init__(*args)
+        super().__init__(*args, **facts)  # type: ignore[arg-type]
 
 
 class StoreTimeoutError(DistStoreError, DistTimeoutError):

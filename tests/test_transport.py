@@ -427,8 +427,9 @@ async def test_peer_closing_mid_op_fails_the_pending_receive() -> None:
         pending = asyncio.create_task(ts[0].recv(1, np.zeros(8), group=1, seq=2, tag=3))
         await until(lambda: ts[0].stats()["pending_receives"] == 1, "the receive to be posted")
         await ts[1].close()
-        with pytest.raises(DistNetworkError, match=r"rank 1 closed its transport"):
+        with pytest.raises(DistNetworkError, match=r"rank 1 closed its transport") as info:
             await pending
+        assert list(info.value.culprits) == [1]  # the error's field names the peer (aiodist.errors)
         with pytest.raises(DistNetworkError, match="rank 1"):  # fail-stop: later ops fail at once
             await ts[0].send(1, np.zeros(1), tag=0)
 

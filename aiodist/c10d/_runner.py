@@ -419,6 +419,29 @@ def explain(
     return "; ".join(head), tail, hint
 
 
+def culprits_of(me: int, op: str, seq: int, found: Findings) -> dict[int, str]:
+    """The ranks ``explain`` blames, each with what it did (an error's ``culprits`` field):
+    another op at this seq, a blocked loop, never issued this op, in it but silent."""
+    walk = _walk(me, op, found.reports)
+    out: dict[int, str] = {}
+    for other, rs in walk.mismatched.items():
+        for r in rs:
+            out[r] = f"issued {other} at seq {seq}"
+    heard = {r for rep in found.reports.values() for r in rep.heard}
+    for r in walk.missing:
+        if r in found.blocked:
+            out[r] = "its event loop is blocked"
+        elif r in found.notes:
+            out[r] = f"never issued {op} seq {seq}: it is in {found.notes[r][-1].where()}"
+        elif r in heard:
+            out[r] = f"in {op} seq {seq} but sent nothing"
+        elif found.answered:
+            out[r] = f"never issued {op} seq {seq}"
+    for r in walk.idle:
+        out.setdefault(r, f"in {op} seq {seq} but sent nothing, waiting on nobody")
+    return out
+
+
 async def consult(store: Store, group_id: int, seq: int, me: int, mine: Report, note: Note, grace: float, *, since: float) -> Findings:
     """Write this rank's report and note, then read the reports of the ranks it waits on (and
     theirs) for most of ``grace`` seconds; a rank with no report here is looked for in the notes
@@ -580,7 +603,15 @@ async def run(
         if fired:  # it fired, and the body completed anyway
             cell[0].uncancel()
     except asyncio.CancelledError:
-        work._fail(DistBackendError(f"{op} on {pg.describe()}, {label} was aborted: {pg.broken or 'the group was torn down'}"))
+        work._fail(
+            DistBackendError(
+                f"{op} on {pg.describe()}, {label} was aborted: {pg.broken or 'the group was torn down'}",
+                op=op,
+                group=pg.group_desc,
+                seq=work.seq,
+                rank=pg.backend.rank,
+            )
+        )
         raise
     except Exception as exc:
         what = f"{op} on {pg.describe()}, {label}"
@@ -624,12 +655,14 @@ async def _timed_out(
     if waiting:
         msg += pg.backend.connection_report(tracker.peers())
     explained = False  # explain() leads with this rank's own stop, when it did not run
+    blamed = {r: f"not heard from in {op} seq {work.seq}" for r in tracker.silent()}
     if pg.store is not None and grace > 0:
         note = Note(pg.group_id, label, op, time.time(), work.seq if tracker.diagnose else None)
         if tracker.diagnose and len(pg.ranks) > 1:
             mine = Report(op, tuple(tracker.silent()), tracker.heard())
             found = await consult(pg.store, pg.group_id, work.seq, me, mine, note, grace, since=since)
             headline, tail, hint = explain(me, op, work.seq, pg.group_id, found, since=since, now=time.time(), grace=grace, late=late)
+            blamed = culprits_of(me, op, work.seq, found) or blamed
             explained = True
             if headline:
                 msg = f"{headline}; {msg}"
@@ -640,7 +673,7 @@ async def _timed_out(
             await _note_only(pg.store, me, note, grace)
     if late >= LATE_S and not explained:  # no store to consult, or point-to-point
         msg = f"{did_not_run(me, late)}; {msg}"
-    err = DistTimeoutError(msg)
+    err = DistTimeoutError(msg, op=op, group=pg.group_desc, seq=work.seq, rank=me, culprits=blamed)
     rest = end - asyncio.get_running_loop().time()
     if rest > 0:  # the consultation ended early: the op still fails at its timeout, not before
         try:
@@ -672,6 +705,7 @@ def _failed(pg: ProcessGroup, op: str, label: str, what: str, work: Work, exc: E
             named = exc
     else:
         named = DistBackendError(f"{what} failed on rank {pg.backend.rank}: {type(exc).__name__}: {exc}")
+    named.with_facts(op=op, group=pg.group_desc, seq=work.seq, rank=pg.backend.rank, culprits=getattr(exc, "culprits", None))
     if named is not exc:
         if isinstance(exc, DistError):
             # its sentence is in named's: the user reads it once, without the internal frames
@@ -706,7 +740,14 @@ def break_group(
     current_task = asyncio.current_task()
     for task, work in list(pg._pending.items()):
         if task is not current_task:
-            err = DistBackendError(f"{work.op} on {pg.describe()}, {work.label} aborted: the group broke ({pg.broken})")
+            err = DistBackendError(
+                f"{work.op} on {pg.describe()}, {work.label} aborted: the group broke ({pg.broken})",
+                op=work.op,
+                group=pg.group_desc,
+                seq=work.seq,
+                rank=pg.backend.rank,
+                culprits=getattr(cause, "culprits", None),
+            )
             err.__suppress_context__ = True  # the sentence says what broke it; the cause is the group's other error
             work._fail(err)
             # A consequence of the failure the user already sees: awaiting it still raises,

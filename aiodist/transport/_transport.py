@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 
 from aiodist import _startup
-from aiodist._digest import describe_mismatch
+from aiodist._digest import describe_mismatch, mismatch_culprit
 from aiodist._message import P2P_SEQ, byte_view
 from aiodist.errors import DistBackendError, DistError, DistNetworkError, DistTimeoutError
 from aiodist.store.base import Store
@@ -215,6 +215,7 @@ class Transport:
         self._early_digests: dict[tuple[int, int], tuple[int, int, int]] = {}
         self._dead: dict[int, DistNetworkError] = {}
         self._aborted: dict[int, str] = {}
+        self._blamed: dict[int, dict[int, str]] = {}  # group -> the ranks an abort's cause names (errors' culprits)
         self._self_staged = 0
         self._held: set[Connection] = set()  # connections holding a DATA header (reading paused)
         self._retry_soon = False
@@ -461,6 +462,7 @@ class Transport:
         name = f"group {group}" if mine[3] is None else f"group {group} ({mine[3]!r})"
         reason = describe_mismatch(name, seq, self.rank, mine[:3], peer, theirs, nbytes, mine[4])
         log.debug("rank %d: %s", self.rank, reason)  # the ops' errors carry it: said once, by them
+        self._blamed.setdefault(group, {peer: mismatch_culprit(seq, mine[:3], theirs)})
         self._abort_now(group, reason)
 
     async def send(self, dst: int, buf: np.ndarray, *, group: int = 0, seq: int = 0, tag: int = 0, digest: int = 0) -> None:
@@ -743,10 +745,10 @@ class Transport:
 
     def _abort_error(self, key: Key) -> DistBackendError:
         # the group's reason alone: the op that reads it names itself (c10d: op, group, seq)
-        return DistBackendError(self._aborted[key[0]])
+        return DistBackendError(self._aborted[key[0]], culprits=self._blamed.get(key[0]))
 
     def _dead_error(self, peer: int, key: Key) -> DistNetworkError:
-        return DistNetworkError(str(self._dead[peer]))
+        return DistNetworkError(str(self._dead[peer]), culprits=self._dead[peer].culprits)
 
     # -- connections -----------------------------------------------------------------------
 
@@ -1044,13 +1046,15 @@ class Transport:
         if conn.lane and self._lane_conn.get((peer, conn.lane)) is conn:
             del self._lane_conn[(peer, conn.lane)]
         dead = err if isinstance(err, DistNetworkError) else DistNetworkError(str(err))
+        if not dead.culprits:
+            dead.culprits = {peer: "lost its connection: " + ("it left" if conn.goodbye else "closed it without GOODBYE (its process ended or crashed)")}
         if peer not in self._dead:  # said once per peer, not once per connection to it
             log.log(logging.INFO if conn.goodbye else logging.WARNING, "%s", dead)
         self._dead.setdefault(peer, dead)
         # the receives' errors are the peer's sentence: the op that reads one names itself
         # (c10d: op, group, seq), so the message key and tag are not repeated
         if current is not None and not current.fut.done():
-            current.fut.set_exception(DistNetworkError(str(dead)))
+            current.fut.set_exception(DistNetworkError(str(dead), culprits=dead.culprits))
         if conn.goodbye:
             # A graceful leave: the peer says GOODBYE on each of its connections after all it
             # sent there, so its other connections still deliver what it sent before leaving;
@@ -1063,7 +1067,7 @@ class Transport:
                     other.fail(dead)
         for r in self._mailbox.remove_posted(lambda r: r.src == peer):
             if not r.fut.done():
-                r.fut.set_exception(DistNetworkError(str(dead)))
+                r.fut.set_exception(DistNetworkError(str(dead), culprits=dead.culprits))
 
     # -- receiving (called by connections) ---------------------------------------------------
 
