@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Any
+
+from aiodist.knobs import knob
 
 __all__ = [
     "INTERVAL_ENV",
@@ -88,15 +89,7 @@ def who(default: str) -> str:
 
 def warn_interval() -> float:
     """Seconds between progress warnings (``AIODIST_INIT_WARN_INTERVAL``, default 10); inf when 0."""
-    raw = os.environ.get(INTERVAL_ENV, "").strip()
-    if not raw:
-        return DEFAULT_INTERVAL_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if math.isnan(value) or value < 0:
-        raise ValueError(f"{INTERVAL_ENV} must be a number of seconds >= 0 (0 turns the warnings off), got {raw!r}")
+    value = float(knob(INTERVAL_ENV).get())  # type: ignore[arg-type]  # ValueError naming the variable
     return math.inf if value == 0 else value
 
 

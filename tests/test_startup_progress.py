@@ -165,7 +165,7 @@ def test_the_interval_and_the_wording_of_times(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv(_startup.INTERVAL_ENV, "0")
     assert _startup.warn_interval() == float("inf")  # 0 turns them off
     monkeypatch.setenv(_startup.INTERVAL_ENV, "soon")
-    with pytest.raises(ValueError, match="AIODIST_INIT_WARN_INTERVAL must be a number of seconds >= 0"):
+    with pytest.raises(ValueError, match="AIODIST_INIT_WARN_INTERVAL='soon': expected a number of seconds >= 0"):
         _startup.warn_interval()
     assert _startup.waited(20.2, 1800) == "20 s of 1800 s"
     assert _startup.waited(0.31, 1.2) == "0.3 s of 1.2 s"

@@ -32,6 +32,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from aiodist.knobs import knob
+
 __all__ = [
     "watch_loop",
     "unwatch_loop",
@@ -63,13 +65,10 @@ _STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
 def warn_after_s() -> float:
     """``AIODIST_LOOP_BLOCKED_WARN`` in seconds (default 2; 0 or less: no watchdog). A value that
     is not a number warns and reads as the default: init must not fail over a debugging knob."""
-    value = os.environ.get(WARN_ENV, "").strip()
-    if not value:
-        return _DEFAULT_WARN_S
     try:
-        return float(value)
-    except ValueError:
-        warnings.warn(f"{WARN_ENV}={value!r} is not a number of seconds; using {_DEFAULT_WARN_S:g}", RuntimeWarning, stacklevel=3)
+        return float(knob(WARN_ENV).get())  # type: ignore[arg-type]
+    except ValueError as exc:
+        warnings.warn(f"{exc}; using {_DEFAULT_WARN_S:g}", RuntimeWarning, stacklevel=3)
         return _DEFAULT_WARN_S
 
 

@@ -23,6 +23,8 @@ from collections.abc import Iterable, Iterator
 from types import FrameType
 from typing import Any, TypeAlias
 
+from aiodist.knobs import value
+
 __all__ = [
     "FlightRecorder",
     "Entry",
@@ -78,14 +80,7 @@ def _running_loop() -> bool:
 
 
 def buffer_size() -> int:
-    value = os.environ.get("AIODIST_FR_BUFFER_SIZE")
-    if value is None or value == "":
-        return _DEFAULT_SIZE
-    try:
-        n = int(value)
-    except ValueError:
-        raise ValueError(f"AIODIST_FR_BUFFER_SIZE={value!r} is not an int") from None
-    return max(n, 0)
+    return max(int(value("AIODIST_FR_BUFFER_SIZE")), 0)  # type: ignore[call-overload]
 
 
 @contextlib.contextmanager

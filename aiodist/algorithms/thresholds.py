@@ -24,10 +24,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
+
+from aiodist.knobs import parse_size
 
 __all__ = ["ENV_PREFIX", "ENV_RULES", "Thresholds", "current", "from_env", "rules_from"]
 
@@ -231,15 +232,11 @@ class Thresholds:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Thresholds))
-_SIZE = re.compile(r"\s*(-?\d+)\s*([kmg]?)(?:i?b)?\s*", re.IGNORECASE)
-_UNIT = {"": 1, "k": KiB, "m": MiB, "g": 1 << 30}
-
-
 def _parse(name: str, text: str) -> int:
-    m = _SIZE.fullmatch(text)
-    if m is None:
-        raise ValueError(f"{name}={text!r}: expected a byte count such as 65536, 64K or 4M")
-    return int(m.group(1)) * _UNIT[m.group(2).lower()]
+    try:
+        return parse_size(text, signed=True)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected a byte count such as 65536, 64K or 4M") from None
 
 
 _DEFAULT = Thresholds()

@@ -35,7 +35,6 @@ import importlib.util
 import multiprocessing
 import multiprocessing.connection
 import os
-import re
 import shutil
 import signal
 import socket
@@ -57,6 +56,7 @@ import numpy as np
 from aiodist.bench import _mpi, format_table, machine_info
 from aiodist.bench._mpi_rank import _Buffers as _Layout
 from aiodist.bench.probes import LagProbe, PeakRss, percentile
+from aiodist.knobs import parse_size
 
 __all__ = ["main", "OPS", "sizes"]
 
@@ -1051,10 +1051,10 @@ def plot(path: str, ops: Sequence[str], n: int, results: dict[str, Results]) -> 
 
 
 def _size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)(?:i?b)?\s*", text, re.IGNORECASE)
-    if m is None:
-        raise argparse.ArgumentTypeError(f"expected a byte count such as 4, 64K or 16M, got {text!r}")
-    return int(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2).lower()]
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 COMPARE = ("torch", *_mpi.LIBS, "before")  # the sides, in their order; "mpi" is every MPI library

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiodist.bench import format_table, machine_info
+from aiodist.knobs import parse_size
 
 __all__ = ["main", "parse_rate", "IFACE_SETS"]
 
@@ -118,10 +119,10 @@ def parse_rate(text: str) -> float | None:
 
 
 def _size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+)\s*([kmg]?)(?:i?b)?\s*", text, re.IGNORECASE)
-    if m is None:
-        raise argparse.ArgumentTypeError(f"expected a byte count such as 4K, 1M or 64M, got {text!r}")
-    n = int(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2).lower()]
+    try:
+        n = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     if n < ITEMSIZE:
         raise argparse.ArgumentTypeError(f"a size must be at least {ITEMSIZE} bytes (one float32), got {text!r}")
     return n

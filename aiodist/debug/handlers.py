@@ -22,6 +22,7 @@ from typing import Any
 from aiodist._instrument.loop_watchdog import loop_state
 from aiodist.c10d.world import current_world, world_of
 from aiodist.debug.analyze import analyze, format_report
+from aiodist.knobs import effective
 
 __all__ = [
     "DebugHandler",
@@ -118,6 +119,8 @@ class HealthHandler(DebugHandler):
             "pending_ops": sum(g["pending"] for g in groups),
             "broken_groups": [g["desc"] for g in groups if g["broken"]],
             "groups": groups,
+            # the AIODIST_* variables this rank has set, as it reads them (aiodist.knobs)
+            "knobs": [k for k in effective() if k["set"] is not None],
         }
 
     def html(self, per_rank: dict[int, Any], extra: dict[str, Any]) -> str:
@@ -132,11 +135,23 @@ class HealthHandler(DebugHandler):
                 f"<td>{d['pending_ops']}</td><td>{len(d['groups'])}</td><td>{_num(d['tasks'], '{}')}</td><td>{d['threads']}</td>"
                 f"<td>{turn}</td><td>{_num(loop.get('max_lag_ms'), '{:.1f}')}</td><td>{_num(d['uptime_s'], '{:.0f}')}</td><td>{_esc(broken)}</td></tr>"
             )
+        knobs = [
+            f"<tr><td>{r}</td><td>{_esc(k['name'])}</td><td>{_esc(k['set'])}</td><td>{_esc(k['value'])}</td><td>{_esc(k['default'])}</td></tr>"
+            for r in sorted(per_rank)
+            for k in per_rank[r].get("knobs") or []
+        ]
         return (
             "<table><tr><th>rank</th><th>host</th><th>pid</th><th>backend</th><th>pending ops</th><th>groups</th>"
             "<th>tasks</th><th>threads</th><th>loop turn (ms)</th><th>max loop lag (ms)</th><th>uptime (s)</th><th>broken groups</th></tr>"
             + "".join(rows)
-            + "</table>"
+            + "</table><h2>AIODIST_* variables set</h2>"
+            + (
+                "<table id='knobs'><tr><th>rank</th><th>variable</th><th>set to</th><th>read as</th><th>default</th></tr>"
+                + "".join(knobs)
+                + "</table>"
+                if knobs
+                else "<p class='small' id='knobs'>none: every rank runs on the defaults (docs/environment.md lists them)</p>"
+            )
         )
 
 

@@ -34,7 +34,6 @@ import json
 import logging
 import os
 import platform
-import re
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +43,7 @@ import numpy as np
 from aiodist.algorithms import collectives as alg
 from aiodist.algorithms.p2p import SubP2P
 from aiodist.algorithms.thresholds import Thresholds
+from aiodist.knobs import knob
 from aiodist.shm import _cma
 from aiodist.shm._link import OpLink
 from aiodist.shm._segment import FdServer, Segment, fetch
@@ -61,8 +61,6 @@ _SETUP_S = 10.0  # fetching the peers' segments; past it this rank votes for the
 _AGREE_SUB = 30  # the agreement's sub-op index on the op's channel (SubP2P): the last one
 _ALIGN = 64
 _RELEASED_KEPT = 1024  # destroyed groups whose ids are still refused (release_group)
-_SIZE = re.compile(r"\s*(\d+)\s*([kmg]?)(?:i?b)?\s*", re.IGNORECASE)
-_UNIT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 _LATENCY = Thresholds.latency_bound()
 ENV_SPIN = "AIODIST_SHM_SPIN_US"
 DEFAULT_SPIN_US = 500
@@ -77,28 +75,15 @@ def spin_seconds(env: dict[str, str] | None = None) -> float:
     small op costs between processes (the waker's eventfd write or socket send took 300-400 us
     on the 2-core VM this was measured on), so a short spin pays where the ranks arrive
     together; a peer later than that costs one spin and then a sleep."""
-    raw = (os.environ if env is None else env).get(ENV_SPIN, "").strip()
-    try:
-        us = float(raw) if raw else DEFAULT_SPIN_US
-    except ValueError:
-        raise ValueError(f"{ENV_SPIN}={raw!r}: expected microseconds, such as 500 (0: never spin)") from None
-    if not 0 <= us < float("inf"):
-        raise ValueError(f"{ENV_SPIN}={raw!r}: expected a finite number of microseconds >= 0")
-    return us * 1e-6
+    return float(knob(ENV_SPIN).get(env)) * 1e-6  # type: ignore[arg-type]
 
 
 def segment_bytes(env: dict[str, str] | None = None) -> int:
     """``AIODIST_SHM_BYTES`` (bytes, with an optional K/M/G suffix; 0 turns shared memory off),
     default 32 MiB. A malformed or too small value is a ValueError naming the variable."""
-    raw = (os.environ if env is None else env).get(ENV_BYTES, "").strip()
-    if not raw:
-        return DEFAULT_BYTES
-    m = _SIZE.fullmatch(raw)
-    if m is None:
-        raise ValueError(f"{ENV_BYTES}={raw!r}: expected a byte count such as 67108864, 64M or 0 (off)")
-    value = int(m.group(1)) * _UNIT[m.group(2).lower()]
+    value = int(knob(ENV_BYTES).get(env))  # type: ignore[call-overload]
     if 0 < value < _MIN_BYTES:
-        raise ValueError(f"{ENV_BYTES}={raw!r}: at least {_MIN_BYTES} bytes, or 0 to turn shared memory off")
+        raise ValueError(f"{ENV_BYTES}={value}: at least {_MIN_BYTES} bytes, or 0 to turn shared memory off")
     return value
 
 

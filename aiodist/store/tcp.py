@@ -43,6 +43,7 @@ from aiodist import _startup
 from aiodist._pending import communicating, mark_coroutine_function
 from aiodist._time import TimeoutLike, within
 from aiodist.errors import DistNetworkError, DistStoreError, QueueEmptyError, StoreTimeoutError
+from aiodist.knobs import knob
 from aiodist.store.base import (
     DEFAULT_STORE_TIMEOUT,
     VALUE_NOT_QUEUE,
@@ -96,15 +97,12 @@ log = logging.getLogger("aiodist.store")
 def _spin_seconds(raw: str | None) -> float:
     """``AIODIST_STORE_SPIN_US`` in seconds: microseconds, default 100, 0 never spins. A
     malformed value is named in a WARNING and the default used (this runs at import)."""
-    if raw is None or not raw.strip():
-        return 100e-6
+    k = knob("AIODIST_STORE_SPIN_US")
     try:
-        us = float(raw)
-    except ValueError:
-        us = -1.0
-    if not 0 <= us < float("inf"):
-        log.warning("AIODIST_STORE_SPIN_US=%r: expected microseconds >= 0, such as 100 (0: never spin); using 100", raw)
-        return 100e-6
+        us = float(k.get({} if raw is None else {k.name: raw}))  # type: ignore[arg-type]
+    except ValueError as exc:
+        log.warning("%s (0: never spin); using %g", exc, k.default)
+        us = float(k.default)  # type: ignore[arg-type]
     return us * 1e-6
 
 
