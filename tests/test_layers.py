@@ -173,3 +173,21 @@ def test_the_training_layer_sits_above_c10d() -> None:
     for f in below:
         bad = {n for n in imported_names(f) if n.startswith(("aiodist.nn", "aiodist.algorithms.ddp_comm_hooks"))}
         assert not bad, f"{f.relative_to(ROOT.parent)} imports the training layer: {sorted(bad)}"
+
+
+def test_c10d_chooses_no_path() -> None:
+    """The path an op takes (socket, lane, halves, single copy) is the backend's
+    (aiodist/backends/routes.py): c10d neither plans (aiodist.algorithms.plan) nor reaches the
+    shared-memory paths (aiodist.shm, but for its typed OpLink contract, which the runner's
+    tracker implements), nor reads a plan's path or a shared-memory ticket."""
+    for f in (ROOT / "c10d").glob("*.py"):
+        names = imported_names(f)
+        bad = {
+            n
+            for n in names
+            if n.startswith("aiodist.algorithms.plan") or (n.startswith("aiodist.shm") and not n.startswith("aiodist.shm._link"))
+        }
+        assert not bad, f"{f.relative_to(ROOT.parent)} imports {sorted(bad)}: path policy belongs to aiodist.backends.routes"
+        attrs = {n.attr for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.Attribute)}
+        chosen = attrs & {"single_copy", "lane", "ticket", "lane_now", "shm"}
+        assert not chosen, f"{f.relative_to(ROOT.parent)} reads {sorted(chosen)}: path policy belongs to aiodist.backends.routes"

@@ -14,7 +14,6 @@ AVG divides once at the end (``aiodist.types``).
 from __future__ import annotations
 
 import asyncio
-import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,7 +23,7 @@ import numpy as np
 from aiodist._time import TimeoutLike, to_seconds
 from aiodist.algorithms import collectives as alg
 from aiodist.algorithms.p2p import P2P, SubP2P, byte_view
-from aiodist.algorithms.plan import Plan, plan
+from aiodist.backends.routes import Into, route
 from aiodist.c10d._args import buf, bufs, check_async_op, group_root, same_dtype, split_sizes
 from aiodist.c10d._device import device_backend, issue_on_device
 from aiodist.c10d.init import GroupArg, not_member, resolve_group
@@ -32,19 +31,6 @@ from aiodist.c10d.process_group import describe_call
 from aiodist.c10d.work import Work
 from aiodist.c10d.world import _CURRENT, default_group, on_world_loop
 from aiodist.errors import DistTimeoutError
-from aiodist.shm import (
-    Into,
-    Ticket,
-    run_all_gather,
-    run_all_reduce,
-    run_all_to_all,
-    run_barrier,
-    run_broadcast,
-    run_gather,
-    run_reduce,
-    run_reduce_scatter,
-    run_scatter,
-)
 from aiodist.types import Buffer, ReduceOp, ReduceOpLike, check_reduce, combiner, finalize, is_torch_tensor, premultiply, to_reduce_op
 
 __all__ = [
@@ -129,33 +115,6 @@ def _keep(pg: Any, key: tuple[Any, ...], value: tuple[Any, ...]) -> None:
         pg.hot[key] = value
 
 
-def _shm_ticket(pg: Any, wanted: bool) -> Ticket | None:
-    """A place in the group's shared-memory line (aiodist.shm), taken in the issuing step, where
-    the size calls for it and the backend has shared memory; None for the socket path."""
-    shm = getattr(pg.backend, "shm", None) if wanted else None
-    return None if shm is None else shm.ticket(pg.group_id, pg.ranks)  # type: ignore[no-any-return]
-
-
-def _eager(pl: Plan, ticket: Ticket | None) -> bool:
-    """Whether the op may complete in the issuing call: its plan allows it and its turn in the
-    shared-memory line has come (``ProcessGroup.issue``'s eager)."""
-    return pl.eager is not None and ticket is not None and ticket.lane_now(pl.eager)
-
-
-def _issue_with(pg: Any, ticket: Ticket | None, *args: Any, **kwargs: Any) -> Work:
-    """``pg.issue`` for an op holding ``ticket``: its turn passes on when the Work completes,
-    even where the body never ran."""
-    try:
-        work: Work = pg.issue(*args, **kwargs)
-    except BaseException:
-        if ticket is not None:
-            ticket.release()
-        raise
-    if ticket is not None:
-        work.add_done_callback(ticket.release)
-    return work
-
-
 def _chunks(flat: np.ndarray, n: int) -> list[np.ndarray]:
     m = flat.size // n
     return [flat[i * m : (i + 1) * m] for i in range(n)]
@@ -177,18 +136,13 @@ async def broadcast(
     if (dev := device_backend(pg, tensor, "broadcast tensor")) is not None:
         return await issue_on_device(dev, pg, "broadcast", {"tensor": tensor, "root": root}, asy)
     b = buf(tensor, "broadcast tensor", writable=pg.rank() != root)
-    flat, th = b.flat, pg.thresholds
-    # the path is the plan's (aiodist.algorithms.plan); a place in line is taken wherever the
-    # backend has shared memory, not only where this rank can read its peers: a rank that
-    # cannot must still vote in the group's agreement
-    pl = plan("broadcast", flat.nbytes, len(pg.ranks), th)
-    ticket = _shm_ticket(pg, pl.shm)
+    flat = b.flat
+    r = route(pg, "broadcast", flat.nbytes)
 
     async def body(p2p: P2P) -> None:
-        if ticket is None or not await run_broadcast(ticket, p2p, flat, root, pl.single_copy, pl.lane):
-            await alg.broadcast(p2p, flat, root, thresholds=th)
+        await r.broadcast(p2p, flat, root)
 
-    return await _finish(_issue_with(pg, ticket, "broadcast", body, [tensor], meta=_meta(tensor=_t(b), root=pg.ranks[root])), asy)
+    return await _finish(r.issue(pg, "broadcast", body, [tensor], meta=_meta(tensor=_t(b), root=pg.ranks[root])), asy)
 
 
 @on_world_loop
@@ -220,26 +174,22 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
         rop, combine = _reduction(op, b.dtype_name, "all_reduce")
         flat, name = b.flat, b.dtype_name
         described = describe_call("all_reduce", _meta(tensor=_t(b), op=_opname(rop)))
-        pl = plan("all_reduce", flat.nbytes, len(pg.ranks), pg.thresholds)
+        pl = None
         plain = rop.op is not _PREMUL and rop.op is not _AVG  # nothing to do before or after the exchanges
-        if type(tensor) is np.ndarray and type(op) is _KIND:
-            _keep(pg, (_ALL_REDUCE, op, tensor.dtype, tensor.shape), (rop, combine, name, described, pl, plain))
-    th = pg.thresholds
-    ticket = _shm_ticket(pg, pl.shm)
-    if ticket is None and plain:
-        work = pg.issue(
-            "all_reduce", functools.partial(alg.all_reduce, buf=flat, combine=combine, thresholds=th), [tensor], described=described
-        )
+    r = route(pg, "all_reduce", flat.nbytes, planned=pl)
+    if hit is None and type(tensor) is np.ndarray and type(op) is _KIND:
+        _keep(pg, (_ALL_REDUCE, op, tensor.dtype, tensor.shape), (rop, combine, name, described, r.plan, plain))
+    if plain:
+        work = r.issue(pg, "all_reduce", r.all_reduce_body(flat, combine), [tensor], described=described, eager=r.eager)
     else:
         n = len(pg.ranks)
 
         async def body(p2p: P2P) -> None:
             _premultiply(flat, rop, dtype=name)
-            if ticket is None or not await run_all_reduce(ticket, p2p, flat, combine, pl.lane, pl.single_copy):
-                await alg.all_reduce(p2p, flat, combine, thresholds=th)
+            await r.all_reduce(p2p, flat, combine)
             _finalize(flat, rop, n, dtype=name)
 
-        work = _issue_with(pg, ticket, "all_reduce", body, [tensor], described=described, eager=_eager(pl, ticket))
+        work = r.issue(pg, "all_reduce", body, [tensor], described=described, eager=r.eager)
     if asy:
         return work
     if not work.done():  # ``await work``, without its generator (a cancelled wait leaves the op running)
@@ -275,18 +225,15 @@ async def all_reduce_into(tensor: Any, outs: Sequence[Any], group: GroupArg = No
         raise ValueError(f"all_reduce_into: outs hold {sum(a.flat.size for a in arrays)} elements, tensor {b.flat.size}")
     flat = b.flat
     into = Into([a.flat for a in arrays])
-    pl = plan("all_reduce", flat.nbytes, len(pg.ranks), pg.thresholds)
-    th = pg.thresholds
-    ticket = _shm_ticket(pg, pl.shm)
+    r = route(pg, "all_reduce", flat.nbytes)
 
     async def body(p2p: P2P) -> None:
-        if ticket is None or not await run_all_reduce(ticket, p2p, flat, combine, pl.lane, pl.single_copy, into):
-            await alg.all_reduce(p2p, flat, combine, thresholds=th)
+        await r.all_reduce(p2p, flat, combine, into)
         if not into.written:
             into.copy_from(flat)
 
     described = describe_call("all_reduce", _meta(tensor=_t(b), op=_opname(rop)))
-    return _issue_with(pg, ticket, "all_reduce", body, [tensor], described=described, eager=_eager(pl, ticket))
+    return r.issue(pg, "all_reduce", body, [tensor], described=described, eager=r.eager)
 
 
 @on_world_loop
@@ -309,20 +256,18 @@ async def reduce(
     is_root = pg.rank() == root
     b = buf(tensor, "reduce tensor", writable=is_root)
     rop, combine = _reduction(op, b.dtype_name, "reduce")
-    flat, name, n, th = b.flat, b.dtype_name, pg.size(), pg.thresholds
-    pl = plan("reduce", flat.nbytes, len(pg.ranks), th)
-    ticket = _shm_ticket(pg, pl.shm)
+    flat, name, n = b.flat, b.dtype_name, pg.size()
+    r = route(pg, "reduce", flat.nbytes)
 
     async def body(p2p: P2P) -> None:
         mine = flat if is_root or rop.op is not _PREMUL else flat.copy()
         _premultiply(mine, rop, dtype=name)
-        if ticket is None or not await run_reduce(ticket, p2p, mine, root, combine, pl.single_copy, pl.lane):
-            await alg.reduce(p2p, mine, root, combine, thresholds=th)
+        await r.reduce(p2p, mine, root, combine)
         if is_root:
             _finalize(mine, rop, n, dtype=name)
 
     meta = _meta(tensor=_t(b), op=_opname(rop), root=pg.ranks[root])
-    return await _finish(_issue_with(pg, ticket, "reduce", body, [tensor], meta=meta, eager=_eager(pl, ticket)), asy)
+    return await _finish(r.issue(pg, "reduce", body, [tensor], meta=meta, eager=r.eager), asy)
 
 
 # -- all_gather / gather / scatter -------------------------------------------------------------
@@ -341,16 +286,14 @@ async def all_gather(tensor_list: Sequence[Any], tensor: Any, group: GroupArg = 
     outs = bufs(tensor_list, "all_gather tensor_list", pg.size(), writable=True)
     same_dtype(outs, inp, "all_gather tensor_list")
     _same_size(outs[pg.rank()], inp.flat.size, f"all_gather tensor_list[{pg.rank()}] (this rank's own slot)")
-    flats, mine, th = [o.flat for o in outs], inp.flat, pg.thresholds
-    pl = plan("all_gather", sum(f.nbytes for f in flats), len(pg.ranks), th, part=max(f.nbytes for f in flats))
-    ticket = _shm_ticket(pg, pl.shm)
+    flats, mine = [o.flat for o in outs], inp.flat
+    r = route(pg, "all_gather", sum(f.nbytes for f in flats), part=max(f.nbytes for f in flats))
 
     async def body(p2p: P2P) -> None:
-        if ticket is None or not await run_all_gather(ticket, p2p, flats, mine, pl.lane):
-            await alg.all_gather(p2p, flats, mine, thresholds=th)
+        await r.all_gather(p2p, flats, mine)
 
     return await _finish(
-        _issue_with(pg, ticket, "all_gather", body, list(tensor_list), meta=_meta(dtype=inp.dtype_name, local={"input": _t(inp)})), asy
+        r.issue(pg, "all_gather", body, list(tensor_list), meta=_meta(dtype=inp.dtype_name, local={"input": _t(inp)})), asy
     )
 
 
@@ -378,15 +321,13 @@ async def _all_gather_one(op: str, output_tensor: Any, input_tensor: Any, group:
     same_dtype([out], inp, f"{op} output_tensor")
     n = pg.size()
     _same_size(out, n * inp.flat.size, f"{op} output_tensor (world size x input size)")
-    chunks, mine, th = _chunks(out.flat, n), inp.flat, pg.thresholds
-    pl = plan("all_gather", out.flat.nbytes, n, th, part=mine.nbytes)
-    ticket = _shm_ticket(pg, pl.shm)
+    chunks, mine = _chunks(out.flat, n), inp.flat
+    r = route(pg, "all_gather", out.flat.nbytes, part=mine.nbytes)
 
     async def body(p2p: P2P) -> None:
-        if ticket is None or not await run_all_gather(ticket, p2p, chunks, mine, pl.lane):
-            await alg.all_gather(p2p, chunks, mine, thresholds=th)
+        await r.all_gather(p2p, chunks, mine)
 
-    return await _finish(_issue_with(pg, ticket, op, body, [output_tensor], meta=_meta(output=_t(out), input=_t(inp))), asy)
+    return await _finish(r.issue(pg, op, body, [output_tensor], meta=_meta(output=_t(out), input=_t(inp))), asy)
 
 
 def _root_list(
@@ -426,15 +367,13 @@ async def gather(
     inp = buf(tensor, "gather tensor", writable=False)
     flats = _root_list(pg, root, gather_list, inp, "gather", "gather_list", "destination", writable=True)
     mine = inp.flat
-    pl = plan("gather", mine.nbytes, len(pg.ranks), pg.thresholds)
-    ticket = _shm_ticket(pg, pl.shm)
+    r = route(pg, "gather", mine.nbytes)
 
     async def body(p2p: P2P) -> None:
-        if ticket is None or not await run_gather(ticket, p2p, flats, mine, root, pl.single_copy):
-            await alg.gather(p2p, flats, mine, root)
+        await r.gather(p2p, flats, mine, root)
 
     meta = _meta(dtype=inp.dtype_name, root=pg.ranks[root], local={"input": _t(inp)})
-    return await _finish(_issue_with(pg, ticket, "gather", body, list(gather_list or []), meta=meta, eager=_eager(pl, ticket)), asy)
+    return await _finish(r.issue(pg, "gather", body, list(gather_list or []), meta=meta, eager=r.eager), asy)
 
 
 @on_world_loop
@@ -457,15 +396,13 @@ async def scatter(
     out = buf(tensor, "scatter tensor", writable=True)
     flats = _root_list(pg, root, scatter_list, out, "scatter", "scatter_list", "source", writable=False)
     mine = out.flat
-    pl = plan("scatter", mine.nbytes, len(pg.ranks), pg.thresholds)
-    ticket = _shm_ticket(pg, pl.shm)
+    r = route(pg, "scatter", mine.nbytes)
 
     async def body(p2p: P2P) -> None:
-        if ticket is None or not await run_scatter(ticket, p2p, mine, flats, root, pl.single_copy):
-            await alg.scatter(p2p, mine, flats, root)
+        await r.scatter(p2p, mine, flats, root)
 
     meta = _meta(dtype=out.dtype_name, root=pg.ranks[root], local={"output": _t(out)})
-    return await _finish(_issue_with(pg, ticket, "scatter", body, [tensor], meta=meta, eager=_eager(pl, ticket)), asy)
+    return await _finish(r.issue(pg, "scatter", body, [tensor], meta=meta, eager=r.eager), asy)
 
 
 # -- reduce_scatter / all_to_all / barrier -----------------------------------------------------
@@ -522,10 +459,8 @@ async def _reduce_scatter_one(name: str, output: Any, input: Any, op: ReduceOpLi
 
 
 def _issue_reduce_scatter(pg: Any, name: str, out: Buffer, parts: list[np.ndarray], rop: ReduceOp, combine: Any, output: Any) -> Work:
-    dtype, n, th = out.dtype_name, pg.size(), pg.thresholds
-    total = sum(x.nbytes for x in parts)  # the same on every rank
-    pl = plan("reduce_scatter", total, n, th)
-    ticket = _shm_ticket(pg, pl.shm)
+    dtype, n = out.dtype_name, pg.size()
+    r = route(pg, "reduce_scatter", sum(x.nbytes for x in parts))  # the total: the same on every rank
 
     async def body(p2p: P2P) -> None:
         mine = parts
@@ -533,11 +468,10 @@ def _issue_reduce_scatter(pg: Any, name: str, out: Buffer, parts: list[np.ndarra
             mine = [p.copy() for p in parts]
             for p in mine:
                 _premultiply(p, rop, dtype=dtype)
-        if ticket is None or not await run_reduce_scatter(ticket, p2p, out.flat, mine, combine, pl.single_copy):
-            await alg.reduce_scatter(p2p, out.flat, mine, combine, thresholds=th)
+        await r.reduce_scatter(p2p, out.flat, mine, combine)
         _finalize(out.flat, rop, n, dtype=dtype)
 
-    return _issue_with(pg, ticket, name, body, [output], meta=_meta(output=_t(out), op=_opname(rop)), eager=_eager(pl, ticket))
+    return r.issue(pg, name, body, [output], meta=_meta(output=_t(out), op=_opname(rop)), eager=r.eager)
 
 
 @on_world_loop
@@ -608,15 +542,12 @@ async def all_to_all_single(
 
 
 def _issue_all_to_all(pg: Any, name: str, outs: list[np.ndarray], ins: list[np.ndarray], outputs: list[Any]) -> Work:
-    th = pg.thresholds
-    pl = plan("all_to_all", sum(x.nbytes for x in ins), len(pg.ranks), th, part=len(ins))
-    ticket = _shm_ticket(pg, pl.shm)
+    r = route(pg, "all_to_all", sum(x.nbytes for x in ins), part=len(ins))
 
     async def body(p2p: P2P) -> None:
-        if ticket is None or not await run_all_to_all(ticket, p2p, outs, ins):
-            await alg.all_to_all(p2p, outs, ins, thresholds=th)
+        await r.all_to_all(p2p, outs, ins)
 
-    return _issue_with(pg, ticket, name, body, outputs, meta=_meta(dtype=str(ins[0].dtype) if ins else "?"), eager=_eager(pl, ticket))
+    return r.issue(pg, name, body, outputs, meta=_meta(dtype=str(ins[0].dtype) if ins else "?"), eager=r.eager)
 
 
 @on_world_loop
@@ -629,13 +560,12 @@ async def barrier(group: GroupArg = None, async_op: bool = False, device_ids: An
     if pg.host_refusal is not None and pg.devices:  # no CPU backend ("nccl" alone): a device barrier
         return await issue_on_device(next(iter(pg.devices.values())), pg, "barrier", {"device_ids": device_ids}, asy)
 
-    ticket = _shm_ticket(pg, plan("barrier", 0, len(pg.ranks), pg.thresholds).shm)
+    r = route(pg, "barrier", 0)
 
     async def body(p2p: P2P) -> None:
-        if ticket is None or not await run_barrier(ticket, p2p):
-            await alg.barrier(p2p)
+        await r.barrier(p2p)
 
-    return await _finish(_issue_with(pg, ticket, "barrier", body, [], meta=_NO_META), asy)
+    return await _finish(r.issue(pg, "barrier", body, [], meta=_NO_META), asy)
 
 
 # -- coalesced ops ----------------------------------------------------------------------------

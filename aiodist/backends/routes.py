@@ -1,0 +1,148 @@
+"""The seam between c10d and the paths: ``Route``, how the backend carries out one op.
+
+c10d checks an op's arguments, takes its sequence number and hands the op to the backend
+(as torch's c10d calls ``group.allreduce(...)``). It asks ``route(group, op, nbytes)`` for the
+op's route and runs the route's method for the op (``route.all_reduce(p2p, flat, combine)``,
+...) as its body; c10d itself holds no path policy (``tests/test_layers.py`` checks that
+``aiodist/c10d`` neither plans nor reaches the shared-memory paths).
+
+A route is made when the op is issued, in call order, and holds:
+
+- the path rules' ``Plan`` for the op (``aiodist.algorithms.plan``: a pure decision on what every
+  rank of the group shares, the op, its size and the group's thresholds), and
+- where the plan uses shared memory and the backend has it, the op's place in the group's
+  shared-memory line (``Ticket``), which passes on when the op's Work completes.
+
+Its methods try the planned shared-memory path (``aiodist.shm``: the lane, the segment halves,
+single copy), which answers False where the group has no shared memory or did not agree on it,
+and then the socket's schedules (``aiodist.algorithms.collectives``). ``eager`` says whether a
+small op may complete in the issuing call (its turn in line has come).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from aiodist.algorithms import collectives as alg
+from aiodist.algorithms.p2p import P2P
+from aiodist.algorithms.plan import Plan, plan
+from aiodist.shm import (
+    Into,
+    Ticket,
+    run_all_gather,
+    run_all_reduce,
+    run_all_to_all,
+    run_barrier,
+    run_broadcast,
+    run_gather,
+    run_reduce,
+    run_reduce_scatter,
+    run_scatter,
+)
+
+__all__ = ["Into", "Route", "route"]
+
+Combine = Callable[[np.ndarray, np.ndarray], None]
+
+
+def route(pg: Any, op: str, nbytes: int, *, part: int = 0, planned: Plan | None = None) -> Route:
+    """The route of ``op`` of ``nbytes`` (an all_gather's or reduce_scatter's total; ``part``
+    its largest part) in group ``pg``: its plan (``planned`` where the caller kept it from an
+    earlier call of the same shape) and, where that plan uses shared memory and the backend has
+    it, the op's place in the group's shared-memory line, taken now."""
+    th = pg.thresholds
+    pl = plan(op, nbytes, len(pg.ranks), th, part=part) if planned is None else planned
+    shm = getattr(pg.backend, "shm", None) if pl.shm else None
+    return Route(pl, th, None if shm is None else shm.ticket(pg.group_id, pg.ranks))
+
+
+class Route:
+    """One op's way through the backend (the module docstring)."""
+
+    __slots__ = ("plan", "th", "ticket")
+
+    def __init__(self, pl: Plan, th: Any, ticket: Ticket | None) -> None:
+        self.plan = pl
+        self.th = th
+        self.ticket = ticket
+
+    @property
+    def eager(self) -> bool:
+        """Whether the op may complete in the issuing call: its plan allows it and its turn in the
+        shared-memory line has come (``ProcessGroup.issue``'s eager)."""
+        pl, ticket = self.plan, self.ticket
+        return pl.eager is not None and ticket is not None and ticket.lane_now(pl.eager)
+
+    def issue(self, pg: Any, *args: Any, **kwargs: Any) -> Any:
+        """``pg.issue(...)`` for the op: its place in line passes on when the Work completes, even
+        where the body never ran."""
+        ticket = self.ticket
+        try:
+            work = pg.issue(*args, **kwargs)
+        except BaseException:
+            if ticket is not None:
+                ticket.release()
+            raise
+        if ticket is not None:
+            work.add_done_callback(ticket.release)
+        return work
+
+    # -- the ops -------------------------------------------------------------------------------
+
+    async def broadcast(self, p2p: P2P, flat: np.ndarray, root: int) -> None:
+        pl, ticket = self.plan, self.ticket
+        if ticket is None or not await run_broadcast(ticket, p2p, flat, root, pl.single_copy, pl.lane):
+            await alg.broadcast(p2p, flat, root, thresholds=self.th)
+
+    async def all_reduce(self, p2p: P2P, flat: np.ndarray, combine: Combine, into: Into | None = None) -> None:
+        """``flat`` reduced in place; with ``into``, the result is (also) in its arrays:
+        ``into.written`` where the path wrote them, else the caller copies (``Into.copy_from``)."""
+        pl, ticket = self.plan, self.ticket
+        if ticket is None or not await run_all_reduce(ticket, p2p, flat, combine, pl.lane, pl.single_copy, into):
+            await alg.all_reduce(p2p, flat, combine, thresholds=self.th)
+
+    def all_reduce_body(self, flat: np.ndarray, combine: Combine) -> Callable[[P2P], Any]:
+        """The op's body for an all_reduce with nothing to do before or after the exchanges: on
+        the socket path the schedule itself (one coroutine fewer per op)."""
+        if self.ticket is None:
+            return functools.partial(alg.all_reduce, buf=flat, combine=combine, thresholds=self.th)
+        return functools.partial(self.all_reduce, flat=flat, combine=combine)
+
+    async def reduce(self, p2p: P2P, mine: np.ndarray, root: int, combine: Combine) -> None:
+        pl, ticket = self.plan, self.ticket
+        if ticket is None or not await run_reduce(ticket, p2p, mine, root, combine, pl.single_copy, pl.lane):
+            await alg.reduce(p2p, mine, root, combine, thresholds=self.th)
+
+    async def all_gather(self, p2p: P2P, outs: Sequence[np.ndarray], mine: np.ndarray) -> None:
+        ticket = self.ticket
+        if ticket is None or not await run_all_gather(ticket, p2p, outs, mine, self.plan.lane):
+            await alg.all_gather(p2p, outs, mine, thresholds=self.th)
+
+    async def gather(self, p2p: P2P, outs: Sequence[np.ndarray] | None, mine: np.ndarray, root: int) -> None:
+        ticket = self.ticket
+        if ticket is None or not await run_gather(ticket, p2p, outs, mine, root, self.plan.single_copy):
+            await alg.gather(p2p, outs, mine, root)
+
+    async def scatter(self, p2p: P2P, mine: np.ndarray, ins: Sequence[np.ndarray] | None, root: int) -> None:
+        ticket = self.ticket
+        if ticket is None or not await run_scatter(ticket, p2p, mine, ins, root, self.plan.single_copy):
+            await alg.scatter(p2p, mine, ins, root)
+
+    async def reduce_scatter(self, p2p: P2P, out: np.ndarray, parts: Sequence[np.ndarray], combine: Combine) -> None:
+        ticket = self.ticket
+        if ticket is None or not await run_reduce_scatter(ticket, p2p, out, parts, combine, self.plan.single_copy):
+            await alg.reduce_scatter(p2p, out, parts, combine, thresholds=self.th)
+
+    async def all_to_all(self, p2p: P2P, outs: Sequence[np.ndarray], ins: Sequence[np.ndarray]) -> None:
+        ticket = self.ticket
+        if ticket is None or not await run_all_to_all(ticket, p2p, outs, ins):
+            await alg.all_to_all(p2p, outs, ins, thresholds=self.th)
+
+    async def barrier(self, p2p: P2P) -> None:
+        ticket = self.ticket
+        if ticket is None or not await run_barrier(ticket, p2p):
+            await alg.barrier(p2p)
