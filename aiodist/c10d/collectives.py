@@ -36,7 +36,6 @@ from aiodist.types import Buffer, ReduceOp, ReduceOpLike, check_reduce, combiner
 __all__ = [
     "broadcast",
     "all_reduce",
-    "all_reduce_into",
     "reduce",
     "all_gather",
     "all_gather_into_tensor",
@@ -203,7 +202,7 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
 
 
 @on_world_loop
-async def all_reduce_into(tensor: Any, outs: Sequence[Any], group: GroupArg = None) -> Work | None:
+async def all_reduce_into(tensor: Any, outs: Sequence[Any], group: GroupArg = None) -> Work | None:  # not in __all__: CPU only
     """The sum of ``tensor`` across the group, written into ``outs`` (arrays or CPU tensors whose
     elements, one after the other, are ``tensor``'s; C-contiguous, of its dtype), with
     ``async_op=True``'s Work. ``tensor`` is scratch afterwards. Not torch's: DDP's buckets, whose

@@ -164,7 +164,7 @@ class _TorchOps(_Ops):
 
     @staticmethod
     def contiguous(p: Any) -> bool:
-        return bool(p.is_contiguous())
+        return bool(p.is_contiguous()) and p.device.type == "cpu"  # all_reduce_into is for host memory
 
 
 class GradBucket:
