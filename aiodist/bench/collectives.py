@@ -900,6 +900,11 @@ def run(args: argparse.Namespace, sz: tuple[int, ...]) -> tuple[dict[str, Result
             print(f"before: every rank imported {info['file']} (aiodist {info['version'] or 'version unknown'})", flush=True)
         idle = sides["aiodist"].idle_lags(IDLE_PROBE_SECONDS) if args.lag_probe else None
         rows = [(op, count) for op in args.op_list for count in _rows(op, sz, args.nproc)]
+        # one untimed row of every side first: a side's first row paid for the others' start-up
+        # (the MPI libraries' ranks were still settling: aiodist's first row measured 168 us
+        # beside them against 28 us alone)
+        for i in impls:
+            sides[i].row(*rows[0], args.warmup, 1)
         for rnd in range(args.rounds):
             for j, (op, count) in enumerate(rows):
                 for i in side_order(impls, j, rnd):
