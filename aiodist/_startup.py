@@ -89,7 +89,7 @@ def who(default: str) -> str:
 
 def warn_interval() -> float:
     """Seconds between progress warnings (``AIODIST_INIT_WARN_INTERVAL``, default 10); inf when 0."""
-    value = float(knob(INTERVAL_ENV).get())  # type: ignore[arg-type]  # ValueError naming the variable
+    value = knob(INTERVAL_ENV).number()  # ValueError naming the variable
     return math.inf if value == 0 else value
 
 

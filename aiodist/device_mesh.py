@@ -63,7 +63,7 @@ def _to_array(mesh: object) -> np.ndarray:
     if device is not None and hasattr(mesh, "detach"):  # a torch tensor
         if getattr(device, "type", "cpu") != "cpu":
             raise ValueError(f"mesh must be a CPU tensor, got one on {device}")
-        mesh = mesh.detach().cpu().numpy()  # type: ignore[attr-defined]
+        mesh = mesh.detach().cpu().numpy()
     try:
         arr = np.array(mesh)
     except ValueError as e:  # ragged nested lists

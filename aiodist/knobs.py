@@ -97,6 +97,18 @@ class Knob:
         raw = (os.environ if env is None else env).get(self.name, "")
         return self.default if not raw.strip() else self.parse(raw)
 
+    def number(self, env: Mapping[str, str] | None = None) -> float:
+        """``get`` of a numeric knob (bytes, int, seconds, microseconds), as a float."""
+        v = self.get(env)
+        assert isinstance(v, (int, float)), f"{self.name} is not numeric"
+        return float(v)
+
+    def whole(self, env: Mapping[str, str] | None = None) -> int:
+        """``get`` of a bytes or int knob."""
+        v = self.get(env)
+        assert isinstance(v, int), f"{self.name} is not a whole number"
+        return v
+
 
 _K = Knob
 KNOBS: dict[str, Knob] = {

@@ -178,7 +178,7 @@ def _check_result(scheme: str, triple: Any) -> RendezvousResult:
         ok = isinstance(store, Store) and isinstance(r, int) and isinstance(n, int)
     if not ok:
         raise TypeError(f"rendezvous handler for {scheme}:// must produce (Store, rank: int, world_size: int), got {triple!r}")
-    return triple  # type: ignore[no-any-return]
+    return triple
 
 
 # ---------------------------------------------------------------- helpers

@@ -644,7 +644,7 @@ def _make_combiner(kind: ReduceOp.RedOpType, name: str) -> Callable[[np.ndarray[
         ufunc(dst, src, out=dst)
 
     if _ERRSTATE_DECORATES:
-        return np.errstate(all="ignore")(floating)  # type: ignore[no-any-return]
+        return np.errstate(all="ignore")(floating)
 
     def floating_quiet(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
         with np.errstate(all="ignore"):

@@ -104,7 +104,7 @@ def configure_logging(log_level: str | None = None) -> int | None:
     return level
 
 
-class _Fallback(logging.StreamHandler):  # type: ignore[type-arg]
+class _Fallback(logging.StreamHandler):
     """WARNING and above of the ``aiodist`` tree, in ``logging``'s default format, while the
     application has configured no logging (the module docstring)."""
 
@@ -113,7 +113,7 @@ class _Fallback(logging.StreamHandler):  # type: ignore[type-arg]
         self.setLevel(logging.WARNING)
         self.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> object:
         return sys.stderr  # pytest's and the user's redirections of stderr included
 

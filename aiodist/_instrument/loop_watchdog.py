@@ -66,7 +66,7 @@ def warn_after_s() -> float:
     """``AIODIST_LOOP_BLOCKED_WARN`` in seconds (default 2; 0 or less: no watchdog). A value that
     is not a number warns and reads as the default: init must not fail over a debugging knob."""
     try:
-        return float(knob(WARN_ENV).get())  # type: ignore[arg-type]
+        return knob(WARN_ENV).number()
     except ValueError as exc:
         warnings.warn(f"{exc}; using {_DEFAULT_WARN_S:g}", RuntimeWarning, stacklevel=3)
         return _DEFAULT_WARN_S

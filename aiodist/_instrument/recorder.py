@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from types import FrameType
 from typing import Any, TypeAlias
 
-from aiodist.knobs import value
+from aiodist.knobs import knob
 
 __all__ = [
     "FlightRecorder",
@@ -80,7 +80,7 @@ def _running_loop() -> bool:
 
 
 def buffer_size() -> int:
-    return max(int(value("AIODIST_FR_BUFFER_SIZE")), 0)  # type: ignore[call-overload]
+    return max(knob("AIODIST_FR_BUFFER_SIZE").whole(), 0)
 
 
 @contextlib.contextmanager
@@ -199,7 +199,7 @@ class FlightRecorder:
         more = min(_GROW, self.size - len(self._fixed))
         self._fixed += [(-1,)] * more  # id -1: no op holds the slot yet
         for lst in (self._meta, self._stack, self._state, self._t_started, self._t_done, self._error):
-            lst += [None] * more  # type: ignore[operator]
+            lst += [None] * more
 
     def note(
         self, op: str, kind: str, meta: dict[str, Any] | None, t_start: float, t_done: float, error: str | None = None

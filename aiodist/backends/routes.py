@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -47,6 +47,13 @@ from aiodist.shm import (
 __all__ = ["Into", "Route", "route"]
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
+W = TypeVar("W", covariant=True)
+
+
+class Issuer(Protocol[W]):
+    """What a route issues its op on: c10d's ProcessGroup, whose ``issue`` gives the op's Work."""
+
+    def issue(self, *args: Any, **kwargs: Any) -> W: ...
 
 
 def route(pg: Any, op: str, nbytes: int, *, part: int = 0, planned: Plan | None = None) -> Route:
@@ -77,7 +84,7 @@ class Route:
         pl, ticket = self.plan, self.ticket
         return pl.eager is not None and ticket is not None and ticket.lane_now(pl.eager)
 
-    def issue(self, pg: Any, *args: Any, **kwargs: Any) -> Any:
+    def issue(self, pg: Issuer[W], *args: Any, **kwargs: Any) -> W:
         """``pg.issue(...)`` for the op: its place in line passes on when the Work completes, even
         where the body never ran."""
         ticket = self.ticket
@@ -88,7 +95,7 @@ class Route:
                 ticket.release()
             raise
         if ticket is not None:
-            work.add_done_callback(ticket.release)
+            work.add_done_callback(ticket.release)  # type: ignore[attr-defined]  # (a Work: an asyncio.Future)
         return work
 
     # -- the ops -------------------------------------------------------------------------------

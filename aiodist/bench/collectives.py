@@ -856,7 +856,7 @@ class BeforeSide(Side):
                 except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL of our own child
                     pass
         for proc in self.procs:
-            proc.close()  # type: ignore[attr-defined]
+            proc.close()
         self.procs = []
         if self._listener is not None:
             self._listener.close()

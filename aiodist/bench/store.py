@@ -427,7 +427,7 @@ class Workers:
             if time.monotonic() >= deadline:
                 raise BenchError(f"client {i}: no answer within the timeout during {what}")
         try:
-            return conn.recv()  # type: ignore[no-any-return]
+            return conn.recv()
         except EOFError:
             raise BenchError(f"client {i} closed its pipe during {what}") from None
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from aiodist.backends.device import DeviceBackend, device_type, first_array, stager_for
 from aiodist.c10d.backend_registry import load_plugin
+from aiodist.c10d.work import Work
 from aiodist.c10d.world import current_world
 
 __all__ = ["device_backend", "issue_on_device"]
@@ -46,9 +47,9 @@ def _stager(pg: Any, kind: str, what: str) -> DeviceBackend:
     )
 
 
-async def issue_on_device(dev: DeviceBackend, pg: Any, op: str, args: dict[str, Any], async_op: bool) -> Any:
+async def issue_on_device(dev: DeviceBackend, pg: Any, op: str, args: dict[str, Any], async_op: bool) -> Work | None:
     """Issue ``op`` through ``dev`` and finish it as the public call does (Work or None)."""
-    work = await dev.issue(pg, op, args)
+    work: Work = await dev.issue(pg, op, args)
     if async_op:
         return work
     await work

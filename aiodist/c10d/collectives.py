@@ -27,7 +27,7 @@ from aiodist.backends.routes import Into, route
 from aiodist.c10d._args import buf, bufs, check_async_op, group_root, same_dtype, split_sizes
 from aiodist.c10d._device import device_backend, issue_on_device
 from aiodist.c10d.init import GroupArg, not_member, resolve_group
-from aiodist.c10d.process_group import describe_call
+from aiodist.c10d.process_group import ProcessGroup, describe_call
 from aiodist.c10d.work import Work
 from aiodist.c10d.world import _CURRENT, default_group, on_world_loop
 from aiodist.errors import DistTimeoutError
@@ -457,7 +457,7 @@ async def _reduce_scatter_one(name: str, output: Any, input: Any, op: ReduceOpLi
     return await _finish(_issue_reduce_scatter(pg, name, out, _chunks(inp.flat, pg.size()), rop, combine, output), asy)
 
 
-def _issue_reduce_scatter(pg: Any, name: str, out: Buffer, parts: list[np.ndarray], rop: ReduceOp, combine: Any, output: Any) -> Work:
+def _issue_reduce_scatter(pg: ProcessGroup, name: str, out: Buffer, parts: list[np.ndarray], rop: ReduceOp, combine: Any, output: Any) -> Work:
     dtype, n = out.dtype_name, pg.size()
     r = route(pg, "reduce_scatter", sum(x.nbytes for x in parts))  # the total: the same on every rank
 
@@ -540,7 +540,7 @@ async def all_to_all_single(
     return await _finish(_issue_all_to_all(pg, "all_to_all_single", outs, ins, [output]), asy)
 
 
-def _issue_all_to_all(pg: Any, name: str, outs: list[np.ndarray], ins: list[np.ndarray], outputs: list[Any]) -> Work:
+def _issue_all_to_all(pg: ProcessGroup, name: str, outs: list[np.ndarray], ins: list[np.ndarray], outputs: list[Any]) -> Work:
     r = route(pg, "all_to_all", sum(x.nbytes for x in ins), part=len(ins))
 
     async def body(p2p: P2P) -> None:

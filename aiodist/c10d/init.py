@@ -549,7 +549,10 @@ async def new_subgroups(
         raise ValueError(f"The world size ({world_size}) must be divisible by 'group_size={group_size}'")
     ranks = get_process_group_ranks(group)
     split = [ranks[i : i + group_size] for i in range(0, len(ranks), group_size)]
-    return await new_subgroups_by_enumeration(split, timeout=timeout, backend=backend, pg_options=pg_options, group_desc=group_desc)
+    made: tuple[ProcessGroup | int | None, list[ProcessGroup | int]] = await new_subgroups_by_enumeration(
+        split, timeout=timeout, backend=backend, pg_options=pg_options, group_desc=group_desc
+    )
+    return made
 
 
 @on_world_loop

@@ -357,4 +357,4 @@ async def recv_object_list(
     if payload.size:
         await recv(payload, src=sender, group=pg)
     objs[:] = _unpack(payload, sizes)
-    return sender
+    return int(sender)

@@ -76,7 +76,7 @@ class _Rest(Coroutine[Any, Any, None]):
         self._coro.close()
 
     def __await__(self) -> Generator[Any, None, None]:
-        return self  # type: ignore[return-value]
+        return self
 
     def __iter__(self) -> _Rest:
         return self
@@ -310,7 +310,7 @@ class ProcessGroup:
         task = loop.create_task(coro, name=f"aiodist {op} {self.group_desc} {label}")
         cell.append(task)
         self._pending[task] = work
-        task.add_done_callback(self._pending.pop)  # type: ignore[arg-type]
+        task.add_done_callback(self._pending.pop)
         return work
 
     def issue_device(
@@ -390,7 +390,7 @@ class ProcessGroup:
         cell.append(task)
         self._pending[task] = work
         if self._op_stats is None:  # (the flight recorder's entry is closed by the runner itself)
-            task.add_done_callback(self._pending.pop)  # type: ignore[arg-type]
+            task.add_done_callback(self._pending.pop)
         else:  # INFO: one callback also counts the op (each callback is a loop callback per op)
             task.add_done_callback(functools.partial(self._task_done, op, work, time.perf_counter()))
         return work

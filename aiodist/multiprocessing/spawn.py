@@ -190,7 +190,7 @@ class ProcessContext:
         ready = multiprocessing.connection.wait(list(self.sentinels), timeout=timeout)
         error_index: int | None = None
         for sentinel in ready:
-            index = self.sentinels.pop(sentinel)  # type: ignore[call-overload]
+            index = self.sentinels.pop(sentinel)
             process = self.processes[index]
             process.join()
             if process.exitcode != 0:

@@ -75,13 +75,13 @@ def spin_seconds(env: dict[str, str] | None = None) -> float:
     small op costs between processes (the waker's eventfd write or socket send took 300-400 us
     on the 2-core VM this was measured on), so a short spin pays where the ranks arrive
     together; a peer later than that costs one spin and then a sleep."""
-    return float(knob(ENV_SPIN).get(env)) * 1e-6  # type: ignore[arg-type]
+    return knob(ENV_SPIN).number(env) * 1e-6
 
 
 def segment_bytes(env: dict[str, str] | None = None) -> int:
     """``AIODIST_SHM_BYTES`` (bytes, with an optional K/M/G suffix; 0 turns shared memory off),
     default 32 MiB. A malformed or too small value is a ValueError naming the variable."""
-    value = int(knob(ENV_BYTES).get(env))  # type: ignore[call-overload]
+    value = knob(ENV_BYTES).whole(env)
     if 0 < value < _MIN_BYTES:
         raise ValueError(f"{ENV_BYTES}={value}: at least {_MIN_BYTES} bytes, or 0 to turn shared memory off")
     return value
@@ -410,7 +410,7 @@ class SharedMemory:
         self._mapped.setdefault(group_id, []).extend(segs)
         errors = [e for e in fetched if not isinstance(e, Segment)]
         if errors:
-            raise errors[0]  # type: ignore[misc]
+            raise errors[0]
         it = iter(segs)
         by_rank = [own if r == self.rank else next(it) for r in ranks]
         smallest = min(s.size for s in by_rank)

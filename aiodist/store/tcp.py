@@ -394,7 +394,7 @@ _future_add_done_callback = asyncio.Future.add_done_callback
 _future_del = asyncio.Future.__del__
 
 
-class _Call(asyncio.Future, Coroutine):  # type: ignore[type-arg]
+class _Call(asyncio.Future, Coroutine):
     """What ``get`` and ``add`` return while the main connection is up: the request is already
     sent, and this future is the call itself. The connection resolves it as any request's
     future, with the group's replies (``set_result``) or why it broke (``set_exception``), and
@@ -1124,7 +1124,7 @@ class TCPStore(Store):
             check_key(key)
         loop, conn = _get_running_loop(), self._main
         if loop is None or conn is None or conn.error is not None or conn.loop is not loop or conn.paused:
-            return self._get(key)  # type: ignore[no-any-return]
+            return self._get(key)
         payload = encode_check_get(b"/" + key.encode())
         call = _GetCall(loop=loop)
         f = sys._getframe(1)
@@ -1144,7 +1144,7 @@ class TCPStore(Store):
             amount = to_amount(amount)
         loop, conn = _get_running_loop(), self._main
         if loop is None or conn is None or conn.error is not None or conn.loop is not loop or conn.paused:
-            return self._add(key, amount)  # type: ignore[no-any-return]
+            return self._add(key, amount)
         call = _AddCall(loop=loop)
         f = sys._getframe(1)
         arg = (key, amount)
@@ -1162,12 +1162,12 @@ class TCPStore(Store):
         if retry:
             ready, value = await self._request(payload, _CHECK_GET, "get", key, retry_by=deadline)
             if ready == CHECK_READY:
-                return value  # type: ignore[no-any-return]
+                return value
         while True:
             await self._wait_keys([k], deadline, f"get({key!r})", self._timeout_s)
             ready, value = await self._request(payload, _CHECK_GET, "get", key)
             if ready == CHECK_READY:
-                return value  # type: ignore[no-any-return]
+                return value
 
     async def _get_slow(self, key: str) -> bytes:
         k = _wire_key(key)
@@ -1175,12 +1175,12 @@ class TCPStore(Store):
         deadline = time.monotonic() + self._timeout_s
         ready, value = await self._request(payload, _CHECK_GET, "get", key)
         if ready == CHECK_READY:
-            return value  # type: ignore[no-any-return]
+            return value
         return await self._get_rest(key, payload, deadline, False)
 
     async def _add_slow(self, key: str, amount: int) -> int:
         (v,) = await self._request(encode_add(_wire_key(key), amount), _I64, "add", (key, amount), repeatable=False)
-        return v  # type: ignore[no-any-return]
+        return v
 
     _get = communicating(_get_slow, "store.get")
     _add = communicating(_add_slow, "store.add")
@@ -1192,7 +1192,7 @@ class TCPStore(Store):
         k = _wire_key(key)
         e, d = to_value(expected_value, "expected_value"), to_value(desired_value, "desired_value")
         (v,) = await self._request(encode(Op.COMPARE_SET, (k,), (e, d)), _BYTES, "compare_set", key, repeatable=False)
-        return v  # type: ignore[no-any-return]
+        return v
 
     async def wait(self, keys: Sequence[str], timeout: TimeoutLike | None = None) -> None:
         ks = check_keys(keys)
@@ -1206,7 +1206,7 @@ class TCPStore(Store):
     async def check(self, keys: Sequence[str]) -> bool:
         ks = check_keys(keys)
         (ready,) = await self._request(encode(Op.CHECK, [b"/" + k.encode() for k in ks]), _U8, "check", ks)
-        return ready == CHECK_READY  # type: ignore[no-any-return]
+        return ready == CHECK_READY
 
     async def delete_key(self, key: str) -> bool:
         k = _wire_key(key)
@@ -1215,7 +1215,7 @@ class TCPStore(Store):
 
     async def num_keys(self) -> int:
         (n,) = await self._request(encode(Op.GETNUMKEYS), _I64, "num_keys")
-        return n  # type: ignore[no-any-return]
+        return n
 
     async def list_keys(self) -> list[str]:
         (keys,) = await self._request(encode(Op.LIST), ((Reply.COUNTED_LIST, 0),), "list_keys")
@@ -1236,7 +1236,7 @@ class TCPStore(Store):
         while True:
             ready, values = await self._request(payload, shapes, "multi_get", ks)
             if ready == CHECK_READY:
-                return values  # type: ignore[no-any-return]
+                return values
             await self._wait_keys(bkeys, deadline, f"multi_get({ks!r})", self._timeout_s)
 
     async def multi_set(self, keys: Sequence[str], values: Sequence[ValueLike]) -> None:
@@ -1255,7 +1255,7 @@ class TCPStore(Store):
         while True:
             ((n, value),) = await self._request(payload, ((Reply.QUEUE_POP, 0),), "queue_pop", key, repeatable=False)
             if n > 0:
-                return value  # type: ignore[no-any-return]
+                return value
             if not block:
                 raise QueueEmptyError(f"{self._describe()}: queue_pop({key!r}, block=False): queue is empty")
             # WAIT cannot tell a queue from a value: on a key that holds a value it returns at
@@ -1270,7 +1270,7 @@ class TCPStore(Store):
     async def queue_len(self, key: str) -> int:
         k = _wire_key(key)
         (n,) = await self._request(encode(Op.QUEUE_LEN, (k,)), _I64, "queue_len", key)
-        return n  # type: ignore[no-any-return]
+        return n
 
     async def ping(self) -> float:
         """One round trip to the server; its time in seconds."""

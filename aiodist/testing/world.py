@@ -91,7 +91,7 @@ async def run_world(
         exc.add_note(f"(raised on rank {failed[0]} of run_world({n}); ranks that failed first: {failed})")
         raise exc
     if pending:
-        stuck = sorted(tasks.index(t) for t in pending)  # type: ignore[arg-type]
+        stuck = sorted(tasks.index(t) for t in pending)
         print(f"run_world({n}): ranks {stuck} still running after {seconds:g} s; their stacks:", file=sys.stderr)
         for r in stuck:
             print_async_stack(tasks[r])

@@ -59,7 +59,7 @@ from aiodist import _startup
 from aiodist._digest import describe_mismatch, mismatch_culprit
 from aiodist._message import P2P_SEQ, byte_view
 from aiodist.errors import DistBackendError, DistError, DistNetworkError, DistTimeoutError
-from aiodist.knobs import knob, value
+from aiodist.knobs import knob
 from aiodist.store.base import Store
 from aiodist.transport._address import PeerAddress, address_key, host_id, listen_tcp, unix_name
 from aiodist.transport._channel import Channel
@@ -83,10 +83,10 @@ _DIAGNOSE_S = 5.0  # how long a failed exchange() may spend finding the ranks it
 _WARN_AFTER_S = 1.0  # a peer that cannot be connected to for this long gets a warning ...
 _WARN_EVERY_S: float | None = None  # ... and another this often while it lasts (None: AIODIST_INIT_WARN_INTERVAL, default 10 s)
 LISTEN_BACKLOG = 1024  # each listener's accept queue (the kernel caps it at net.core.somaxconn)
-HANDSHAKE_TIMEOUT_S = float(knob("AIODIST_HANDSHAKE_TIMEOUT").default)  # type: ignore[arg-type]  # an accepted connection must complete its HELLO this soon
+HANDSHAKE_TIMEOUT_S = knob("AIODIST_HANDSHAKE_TIMEOUT").number({})  # an accepted connection must complete its HELLO this soon
 _HANDSHAKE_WARN_EVERY_S = 10.0  # at most one warning this often about connections closed for want of a HELLO ...
 _HANDSHAKE_COALESCE_S = 0.5  # ... each summing up those closed within this long of the first
-STRIPE_MIN_BYTES = int(knob("AIODIST_STRIPE_MIN_BYTES").default)  # type: ignore[call-overload]  # collective messages this big are split across the lanes
+STRIPE_MIN_BYTES = knob("AIODIST_STRIPE_MIN_BYTES").whole({})  # collective messages this big are split across the lanes
 _STRIPE_TAG = 1 << _PART_SHIFT  # part j of a striped message travels under tag + (j + 1) * _STRIPE_TAG (tags stay below 2**31)
 _STRIPE_ALIGN = 64
 
@@ -100,12 +100,12 @@ def stripe_parts(nbytes: int, lanes: int) -> list[tuple[int, int]]:
 
 
 def _stripe_min_bytes() -> int:
-    return int(value("AIODIST_STRIPE_MIN_BYTES"))  # type: ignore[call-overload]
+    return knob("AIODIST_STRIPE_MIN_BYTES").whole()
 
 
 def _handshake_timeout(given: float | None) -> float:
     if given is None:
-        given = float(value("AIODIST_HANDSHAKE_TIMEOUT"))  # type: ignore[arg-type]
+        given = knob("AIODIST_HANDSHAKE_TIMEOUT").number()
     if not 0 < given < float("inf"):
         raise ValueError(f"the handshake timeout (AIODIST_HANDSHAKE_TIMEOUT) must be a finite number of seconds > 0, got {given!r}")
     return float(given)

@@ -280,7 +280,7 @@ def _fixed(st: _Stream, fmt: struct.Struct) -> Generator[None, None, int]:
         yield
     (v,) = fmt.unpack_from(st.buf, st.pos)
     st.pos += fmt.size
-    return v  # type: ignore[no-any-return]
+    return v
 
 
 def _string(st: _Stream, limit: int, what: str) -> Generator[None, None, bytes]:
@@ -446,7 +446,7 @@ class RequestParser:
                 raise self._die(ProtocolError(f"request of over {self.limits.max_request_bytes} bytes")) from None
             self._gen = None
             self._st.consume()
-            return done.value  # type: ignore[no-any-return]
+            return done.value
         except ProtocolError as exc:
             raise self._die(exc)  # noqa: B904 - the parser's own error, raised as is
         # Incomplete: every buffered byte belongs to this request.
@@ -566,7 +566,7 @@ _WHOLE: dict[Reply, Callable[[bytearray, int, int], tuple[object, int] | None]] 
 
 
 def _quick_i64(data: bytes) -> tuple[int] | None:
-    return _I64.unpack(data) if len(data) == 8 else None  # type: ignore[return-value]
+    return _I64.unpack(data) if len(data) == 8 else None
 
 
 def _quick_u8_bytes(data: bytes) -> tuple[int, bytes] | None:
@@ -676,7 +676,7 @@ class ReplyParser:
             if got is not None:
                 for _ in range(n):
                     expected.popleft()
-                return got  # type: ignore[no-any-return]
+                return got
         limit, pos = self._max_value, 0
         values: list[object] = []
         try:
