@@ -51,13 +51,23 @@ C = TypeVar("C", bound=Callable[..., Any])
 
 
 class Home(Protocol):
-    """Where a call's op must run (``communicating``'s ``home``): c10d's is the World's loop."""
+    """Where a call's op must run (``communicating``'s ``home``): c10d's is the World's loop
+    (``aiodist._threads.LoopHome`` implements ``forward``)."""
 
     def loop(self) -> asyncio.AbstractEventLoop | None:
         """The loop the op must run on; None: wherever it is called."""
 
-    def start_timeout(self) -> float:
-        """How long a call from another thread waits for that loop to start its op."""
+    def forward(
+        self,
+        name: str,
+        fn: Callable[..., Coroutine[Any, Any, Any]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        loop: asyncio.AbstractEventLoop,
+        running: asyncio.AbstractEventLoop | None,
+        site: tuple[str, int],
+    ) -> Pending | None:
+        """The handle of a call made where ``running`` runs (not ``loop``); None: the usual one."""
 
 
 def _site(depth: int) -> tuple[str, int]:
@@ -341,9 +351,7 @@ def communicating(fn: Callable[P, Coroutine[Any, Any, T]], op: str | None = None
         f = sys._getframe(1)
         running = _get_running_loop()
         if home is not None and (h := home.loop()) is not None and h is not running:
-            from aiodist._threads import elsewhere
-
-            done = elsewhere(name, fn, args, kwargs, home, h, running, (f.f_code.co_filename, f.f_lineno))
+            done = home.forward(name, fn, args, kwargs, h, running, (f.f_code.co_filename, f.f_lineno))
             if done is not None:
                 return done
         coro = fn(*args, **kwargs)

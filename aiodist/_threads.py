@@ -43,16 +43,37 @@ import asyncio
 import concurrent.futures
 import threading
 from collections.abc import Callable, Coroutine, Generator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from aiodist._pending import Pending
 from aiodist.errors import DistError, DistTimeoutError
 
-if TYPE_CHECKING:
-    from aiodist._pending import Home, Pending
-
-__all__ = ["ForeignWork", "elsewhere"]
+__all__ = ["ForeignWork", "LoopHome", "elsewhere"]
 
 _RULE = "a job's groups live on the event loop init_process_group ran on"
+
+
+class LoopHome:
+    """A ``communicating`` home (``aiodist._pending.Home``) whose calls made elsewhere follow
+    this module's rules: give ``loop()`` and ``start_timeout()``."""
+
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        raise NotImplementedError
+
+    def start_timeout(self) -> float:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        name: str,
+        fn: Callable[..., Coroutine[Any, Any, Any]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        loop: asyncio.AbstractEventLoop,
+        running: asyncio.AbstractEventLoop | None,
+        site: tuple[str, int],
+    ) -> Pending | None:
+        return elsewhere(name, fn, args, kwargs, self, loop, running, site)
 
 
 def elsewhere(
@@ -60,15 +81,13 @@ def elsewhere(
     fn: Callable[..., Coroutine[Any, Any, Any]],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    home: Home,
+    home: LoopHome,
     loop: asyncio.AbstractEventLoop,
     running: asyncio.AbstractEventLoop | None,
     site: tuple[str, int],
 ) -> Pending | None:
     """The handle for a call of ``fn`` made where ``running`` (None: no loop) runs, whose op must
     run on ``loop`` (the module docstring's rules, in order); None: make the usual handle."""
-    from aiodist._pending import Pending
-
     where = f"{name}(...) called at {site[0]}:{site[1]} on thread {threading.current_thread().name!r}"
     if loop.is_closed():  # rule 1
         raise DistError(
@@ -128,8 +147,6 @@ class _Handoff:
 
 def _finished(name: str, value: Any, site: tuple[str, int]) -> Pending:
     """A handle of a call that has ended here: awaiting it gives ``value`` at once."""
-    from aiodist._pending import Pending
-
     p: Pending = object.__new__(Pending)
     p._op, p._site, p._it, p._ctx = name, site, None, None
     p._coro, p._yielded, p._value, p._used, p._said = None, None, value, True, True  # nothing is left to await

@@ -9,6 +9,7 @@ import ast
 import pathlib
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import aiodist
 import aiodist_cuda
@@ -191,3 +192,80 @@ def test_c10d_chooses_no_path() -> None:
         attrs = {n.attr for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.Attribute)}
         chosen = attrs & {"single_copy", "lane", "ticket", "lane_now", "shm"}
         assert not chosen, f"{f.relative_to(ROOT.parent)} reads {sorted(chosen)}: path policy belongs to aiodist.backends.routes"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Each aiodist module -> the aiodist modules it imports anywhere in it (function bodies
+    too; ``if TYPE_CHECKING:`` blocks aside, as they never run)."""
+    mods: dict[str, pathlib.Path] = {}
+    for path in ROOT.rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT.parent).with_suffix("").parts)
+        mods[name.removesuffix(".__init__")] = path
+
+    def nodes(node: ast.AST) -> Iterator[ast.AST]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            yield child
+            yield from nodes(child)
+
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        found: set[str] = set()
+        for node in nodes(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in mods]
+                found.update(subs or [base])
+        edges = set()
+        for m in found:
+            while m and m not in mods:
+                m = m.rpartition(".")[0]
+            if m and m != name:
+                edges.add(m)
+        graph[name] = edges
+    return graph
+
+
+def test_no_import_cycles_anywhere_lazy_imports_included() -> None:
+    """The whole graph, not pairs: no aiodist module reaches itself through imports, function-level
+    imports included (a lazy import only hides a cycle). Strongly connected components, Tarjan's."""
+    graph = _module_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert len(graph) > 100
+    assert not cycles, f"import cycles: {cycles}"

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 
 from aiodist._pending import Pending, communicating
-from aiodist._threads import ForeignWork
+from aiodist._threads import ForeignWork, LoopHome
 from aiodist.c10d.work import Work
 from aiodist.errors import DistError, DistTimeoutError
 
 
-class FakeHome:
+class FakeHome(LoopHome):
     def __init__(self, loop: asyncio.AbstractEventLoop | None, patience: float = 5.0) -> None:
         self._loop = loop
         self.patience = patience

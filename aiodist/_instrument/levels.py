@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import enum
 import os
+from collections.abc import Callable
 
-__all__ = ["DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env"]
+__all__ = ["DebugLevel", "get_debug_level", "on_level_change", "set_debug_level", "set_debug_level_from_env"]
 
 
 class DebugLevel(enum.IntEnum):
@@ -20,6 +21,14 @@ class DebugLevel(enum.IntEnum):
 
 
 _level = DebugLevel.OFF
+#: called after every change of the level (aiodist._instrument.logs: the log level follows it,
+#: torch's matrix); registered by the modules above, so this one imports none of them
+_LISTENERS: list[Callable[[], None]] = []
+
+
+def on_level_change(fn: Callable[[], None]) -> None:
+    """Call ``fn`` after every ``set_debug_level`` from now on."""
+    _LISTENERS.append(fn)
 
 
 def _parse(value: str, var: str) -> DebugLevel:
@@ -45,9 +54,8 @@ def set_debug_level(level: DebugLevel | str | int) -> None:
             _level = DebugLevel(level)
         except ValueError:
             raise ValueError(f"debug level {level!r}: expected OFF, INFO or DETAIL (0, 1, 2)") from None
-    from aiodist._instrument import logs  # the log level depends on the debug level (torch's matrix)
-
-    logs._refresh()
+    for fn in _LISTENERS:
+        fn()
 
 
 def set_debug_level_from_env() -> None:
@@ -61,12 +69,3 @@ def set_debug_level_from_env() -> None:
 
 
 set_debug_level_from_env()
-
-
-def _configure_logging() -> None:
-    from aiodist._instrument.logs import configure_logging_at_import
-
-    configure_logging_at_import()
-
-
-_configure_logging()  # AIODIST_LOG_LEVEL / TORCH_CPP_LOG_LEVEL, with the level just read

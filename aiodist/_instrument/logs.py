@@ -36,7 +36,7 @@ import os
 import sys
 import warnings
 
-from aiodist._instrument.levels import DebugLevel, get_debug_level
+from aiodist._instrument.levels import DebugLevel, get_debug_level, on_level_change
 
 __all__ = ["TRACE", "configure_logging", "effective_log_level", "LOG_LEVEL_VARS"]
 
@@ -148,3 +148,7 @@ def configure_logging_at_import() -> None:
         configure_logging()
     except ValueError as exc:
         warnings.warn(f"aiodist: {exc}; the aiodist loggers keep their level", RuntimeWarning, stacklevel=2)
+
+
+on_level_change(_refresh)  # the matrix depends on the debug level
+configure_logging_at_import()  # AIODIST_LOG_LEVEL / TORCH_CPP_LOG_LEVEL, with the debug level read

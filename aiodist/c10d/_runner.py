@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,6 +40,7 @@ from aiodist.shm._link import OpLink, op_link
 from aiodist.store.base import Store
 
 if TYPE_CHECKING:
+    from aiodist.backends.base import CommBackend
     from aiodist.c10d.process_group import ProcessGroup
     from aiodist.c10d.work import Work
 
@@ -761,3 +763,61 @@ async def _tell_peers(pg: ProcessGroup, reason: str) -> None:
         await pg.backend.abort_group(pg.group_id, f"{pg.describe()} broke on rank {pg.backend.rank}: {reason}", pg.ranks)
     except Exception as exc:  # best effort: the peers still have their own timeouts
         log.warning("rank %d: could not tell peers that %s broke: %s", pg.backend.rank, pg.describe(), exc)
+
+
+class PeerOps:
+    """What a point-to-point op's body uses: the backend's p2p calls on global ranks, counting
+    what is pending so a timeout can name the ranks not heard from (a ``Tracker``,
+    aiodist.c10d._runner)."""
+
+    diagnose = False  # p2p numbering is each rank's own: there is no seq to compare through the store
+
+    def __init__(self, backend: CommBackend, group_id: int, ranks: Sequence[int]) -> None:
+        self.backend = backend
+        self.group_id = group_id
+        self.ranks = tuple(ranks)
+        self.waiting_recv: Counter[int | None] = Counter()
+        self.waiting_send: Counter[int] = Counter()
+
+    async def send(self, dst: int, b: np.ndarray, tag: int) -> None:
+        self.waiting_send[dst] += 1
+        await self.backend.p2p_send(self.group_id, dst, b, tag)
+        self.waiting_send[dst] -= 1
+
+    async def recv(self, src: int | None, b: np.ndarray, tag: int) -> int:
+        self.waiting_recv[src] += 1
+        got = await self.backend.p2p_recv(self.group_id, src, b, tag)
+        self.waiting_recv[src] -= 1
+        if src is None and got not in self.ranks:
+            raise ValueError(f"an any-source receive got a message from rank {got}, which is not in the group {list(self.ranks)}")
+        return got
+
+    def silent(self) -> list[int]:
+        """The global ranks a receive of this op waits on (any source: every other rank)."""
+        out = {r for r, n in self.waiting_recv.items() if n > 0 and r is not None}
+        if self.waiting_recv.get(None):
+            out |= {r for r in self.ranks if r != self.backend.rank}
+        return sorted(out)
+
+    def heard(self) -> dict[int, float]:
+        return {}  # not asked for: a p2p op's timeout does not follow waits through the store
+
+    def peers(self) -> list[int]:
+        """The global ranks this op still waits on (any source: every other rank)."""
+        out = {r for r, n in self.waiting_recv.items() if n > 0 and r is not None} | {r for r, n in self.waiting_send.items() if n > 0}
+        if self.waiting_recv.get(None):
+            out |= set(self.ranks)
+        return sorted(out)
+
+    def describe_waiting(self) -> str:
+        """The timeout message's tail: whom this op was still waiting on."""
+        out = ""
+        silent = sorted(r for r, n in self.waiting_recv.items() if n > 0 and r is not None)
+        if self.waiting_recv.get(None):
+            out += f"; ranks not heard from: any of {[r for r in self.ranks if r != self.backend.rank] or list(self.ranks)} (a receive from any source)"
+        elif silent:
+            out += f"; ranks not heard from: {silent}"
+        unsent = sorted(r for r, n in self.waiting_send.items() if n > 0)
+        if unsent:
+            out += f"; ranks not taking delivery: {unsent}"
+        return out

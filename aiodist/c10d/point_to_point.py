@@ -14,15 +14,12 @@ A rank may send to itself with ``isend`` and receive it with ``irecv`` (or ``rec
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
-from aiodist.backends.base import CommBackend
 from aiodist.c10d._args import buf, group_root
 from aiodist.c10d._device import device_backend
+from aiodist.c10d._runner import PeerOps
 from aiodist.c10d.init import GroupArg, not_member, resolve_group
 from aiodist.c10d.process_group import ProcessGroup
 from aiodist.c10d.work import Work
@@ -31,64 +28,6 @@ from aiodist.c10d.world import on_world_loop
 __all__ = ["send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv", "P2P_TAG_LIMIT", "PeerOps"]
 
 P2P_TAG_LIMIT = 1 << 31
-
-
-class PeerOps:
-    """What a point-to-point op's body uses: the backend's p2p calls on global ranks, counting
-    what is pending so a timeout can name the ranks not heard from (a ``Tracker``,
-    aiodist.c10d._runner)."""
-
-    diagnose = False  # p2p numbering is each rank's own: there is no seq to compare through the store
-
-    def __init__(self, backend: CommBackend, group_id: int, ranks: Sequence[int]) -> None:
-        self.backend = backend
-        self.group_id = group_id
-        self.ranks = tuple(ranks)
-        self.waiting_recv: Counter[int | None] = Counter()
-        self.waiting_send: Counter[int] = Counter()
-
-    async def send(self, dst: int, b: np.ndarray, tag: int) -> None:
-        self.waiting_send[dst] += 1
-        await self.backend.p2p_send(self.group_id, dst, b, tag)
-        self.waiting_send[dst] -= 1
-
-    async def recv(self, src: int | None, b: np.ndarray, tag: int) -> int:
-        self.waiting_recv[src] += 1
-        got = await self.backend.p2p_recv(self.group_id, src, b, tag)
-        self.waiting_recv[src] -= 1
-        if src is None and got not in self.ranks:
-            raise ValueError(f"an any-source receive got a message from rank {got}, which is not in the group {list(self.ranks)}")
-        return got
-
-    def silent(self) -> list[int]:
-        """The global ranks a receive of this op waits on (any source: every other rank)."""
-        out = {r for r, n in self.waiting_recv.items() if n > 0 and r is not None}
-        if self.waiting_recv.get(None):
-            out |= {r for r in self.ranks if r != self.backend.rank}
-        return sorted(out)
-
-    def heard(self) -> dict[int, float]:
-        return {}  # not asked for: a p2p op's timeout does not follow waits through the store
-
-    def peers(self) -> list[int]:
-        """The global ranks this op still waits on (any source: every other rank)."""
-        out = {r for r, n in self.waiting_recv.items() if n > 0 and r is not None} | {r for r, n in self.waiting_send.items() if n > 0}
-        if self.waiting_recv.get(None):
-            out |= set(self.ranks)
-        return sorted(out)
-
-    def describe_waiting(self) -> str:
-        """The timeout message's tail: whom this op was still waiting on."""
-        out = ""
-        silent = sorted(r for r, n in self.waiting_recv.items() if n > 0 and r is not None)
-        if self.waiting_recv.get(None):
-            out += f"; ranks not heard from: any of {[r for r in self.ranks if r != self.backend.rank] or list(self.ranks)} (a receive from any source)"
-        elif silent:
-            out += f"; ranks not heard from: {silent}"
-        unsent = sorted(r for r, n in self.waiting_send.items() if n > 0)
-        if unsent:
-            out += f"; ranks not taking delivery: {unsent}"
-        return out
 
 
 def _tag(tag: object, op: str) -> int:

@@ -33,7 +33,7 @@ from aiodist._instrument.recorder import Entry, FlightRecorder, _freeze
 from aiodist.algorithms.p2p import P2P
 from aiodist.algorithms.thresholds import Thresholds, current
 from aiodist.backends.base import CommBackend
-from aiodist.c10d._runner import DeviceTracker, Tracker, break_group, run
+from aiodist.c10d._runner import DeviceTracker, PeerOps, Tracker, break_group, run
 from aiodist.c10d._runner import TrackedP2P as _Tracked
 from aiodist.c10d.work import Work
 from aiodist.errors import DistBackendError
@@ -354,8 +354,6 @@ class ProcessGroup:
     ) -> Work:
         """Start a point-to-point op (see aiodist.c10d.point_to_point); it gets the next number of
         the group's separate p2p counter, which names it in errors ("p2p seq")."""
-        from aiodist.c10d.point_to_point import PeerOps  # the body's view of the backend
-
         self.check_usable()
         if self.host_refusal is not None:
             self._check_host(op)

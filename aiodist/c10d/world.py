@@ -16,6 +16,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any, ParamSpec
 
 from aiodist._pending import Pending, communicating
+from aiodist._threads import LoopHome
 from aiodist.store.base import Store
 
 if TYPE_CHECKING:
@@ -103,8 +104,9 @@ def world_of(ctx: contextvars.Context) -> World:
     return ctx.get(_CURRENT, _PROCESS_WORLD)
 
 
-class _WorldHome:
-    """``communicating``'s ``home`` for c10d's calls: the current World's loop."""
+class _WorldHome(LoopHome):
+    """``communicating``'s ``home`` for c10d's calls: the current World's loop (a call from
+    another thread: ``aiodist._threads``)."""
 
     __slots__ = ()
 
