@@ -1,4 +1,4 @@
-"""Always-on desync detection (issue 13): the digest of what every rank must agree on for one
+"""Always-on desync detection: the digest of what every rank must agree on for one
 collective, carried by every frame of the op (bytes 28-31 of the frame header).
 
 ``op_digest(op, same)``: 32 bits, never 0 (0 means "no digest": p2p, DETAIL, old frames). The top

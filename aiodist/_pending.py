@@ -1,7 +1,7 @@
 """``Pending``: what every communicating call of aiodist's torch API returns, and
 ``communicating``, the decorator that makes a coroutine function return one.
 
-Why (issue 13): a forgotten ``await`` used to leave an op unissued, so the ranks went out of
+Why: a forgotten ``await`` used to leave an op unissued, so the ranks went out of
 step in silence, and torch's non-blocking forms (``req = dist.isend(...); req.wait()``) did not
 port by adding ``await``. Now a call *starts* its op when it is made, and returns a handle:
 

@@ -34,7 +34,7 @@ empty, so every scheduling hiccup of a loaded machine is idle link time (tbf's 2
 only ~2 ms at 1 Gbit/s), and two lanes suffer it more than one; a loss-based algorithm (reno,
 cubic) keeps a standing queue in tbf that covers such hiccups (see docs/benchmarks.md).
 
-Targets (issue 11), checked on aiodist and stated for torch alongside: one interface busbw >= 90 %
+Targets, checked on aiodist and stated for torch alongside: one interface busbw >= 90 %
 of the link rate; striped >= 1.8x one interface. They are reported, never enforced: the exit code
 says whether the benchmark ran (0, also when namespaces cannot be made here: it prints why and
 skips; 1 when a rank fails, a result is wrong or ``--cc`` cannot be set; 2 for bad arguments).
@@ -449,7 +449,7 @@ def report(rows: Sequence[dict[str, Any]], tgts: Sequence[dict[str, Any]], links
         )
     lines = [format_table(headers, table)]
     if tgts:
-        lines += ["", "targets (issue 11; aiodist's, torch's stated alongside):"]
+        lines += ["", "targets (aiodist's, torch's stated alongside):"]
         for t in tgts:
             val = f"{t['value']:.1f} %" if "link rate" in t["what"] else f"{t['value']:.2f}x"
             lines.append(f"  {'PASS' if t['pass'] else 'MISS'}  {t['impl']:<7}  {_human(t['size']):>4}  {t['what']:<45}  {val}")

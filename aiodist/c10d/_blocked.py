@@ -1,4 +1,4 @@
-"""A blocked event loop, told to the peers (issue 13): the loop watchdog's thread writes
+"""A blocked event loop, told to the peers: the loop watchdog's thread writes
 ``aiodist/loop_blocked/<rank>`` in the World's TCPStore while the loop is blocked ("<since>
 <at>": epoch seconds and file:line in function: source), and "" once it runs again. It cannot use
 the store client (that lives on the blocked loop), so it speaks the TCPStore protocol over a

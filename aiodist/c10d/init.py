@@ -31,7 +31,7 @@ from typing import Any
 
 from aiodist import _startup
 from aiodist._instrument.levels import DebugLevel, get_debug_level
-from aiodist._instrument.loop_watchdog import unwatch_loop, watch_loop  # issue 13: the loop watchdog
+from aiodist._instrument.loop_watchdog import unwatch_loop, watch_loop  # the loop watchdog
 from aiodist._pending import Pending, _site, mark_coroutine_function
 from aiodist._time import TimeoutLike, to_seconds, to_timedelta
 from aiodist.algorithms.thresholds import rules_from
@@ -277,7 +277,7 @@ async def init_process_group(
     world.groups[0] = pg
     world.default_pg = pg
     world.loop = asyncio.get_running_loop()  # every op of the World runs here (aiodist._threads)
-    # issue 13: the loop watchdog (docs/debugging.md), which also tells the peers through the
+    # the loop watchdog (docs/debugging.md), which also tells the peers through the
     # store when this rank's loop is blocked (aiodist.c10d._blocked); stopped in destroy
     watch_loop(world, pg.recorder, f"rank {rank}", publisher(world.store, rank))
     if device_id is not None:  # eager device communicators too (torch's device_id contract)
@@ -410,7 +410,7 @@ async def destroy_process_group(group: GroupArg = None) -> None:
         return
     pg = resolve_group(group, what="destroy_process_group")
     if pg is world.default_pg:
-        unwatch_loop(world)  # issue 13: the loop watchdog stops with the World's default group
+        unwatch_loop(world)  # the loop watchdog stops with the World's default group
         for g in list(world.groups.values()):
             await g.shutdown("the group was destroyed")
         backend, owned, devices = world.backend, world.owned_store, list(dict.fromkeys(world.devices.values()))

@@ -274,7 +274,7 @@ class _Connection(asyncio.Protocol):
         """Read the reply to ``fut``'s request (just sent, the only one in flight) straight
         from the socket if it comes within ``SPIN_S``, so the call is done before it is
         awaited: a round trip to a same-host server then costs no pass of the event loop, nor
-        a wake-up from idle of this CPU (tens of microseconds in a VM; issue 15). Between
+        a wake-up from idle of this CPU (tens of microseconds in a VM). Between
         polls the thread yields its CPU, to the server when it shares it. Otherwise the
         transport reads the reply as always.
 
@@ -401,7 +401,7 @@ class _Call(asyncio.Future, Coroutine):
     the subclass turns those into the call's value or error, or hands what is left (a missing
     key's WAIT, a read's retry on a new connection) to a task that resolves it later. So
     ``await store.add(k, 1)`` resumes no Python frame when the reply comes: the cost of one op
-    at a time is one loop pass (issue 15). Everywhere else it is a ``Pending``, as the other
+    at a time is one loop pass. Everywhere else it is a ``Pending``, as the other
     calls' handles (``aiodist._pending``): a Coroutine (``create_task``, ``gather``,
     ``wait_for`` take it), ``wait()`` and ``is_completed()``, and an ERROR that names the
     line of a call dropped without an ``await`` (the request is sent anyway)."""
