@@ -56,7 +56,6 @@ from typing import Any
 import numpy as np
 
 from aiodist import _startup
-from aiodist._digest import describe_mismatch, mismatch_culprit
 from aiodist._message import P2P_SEQ, byte_view
 from aiodist.errors import DistBackendError, DistError, DistNetworkError, DistTimeoutError
 from aiodist.knobs import knob
@@ -64,6 +63,7 @@ from aiodist.store.base import Store
 from aiodist.transport._address import PeerAddress, address_key, host_id, listen_tcp, unix_name
 from aiodist.transport._channel import Channel
 from aiodist.transport._connection import Connection
+from aiodist.transport._digests import DigestBook
 from aiodist.transport._ifaces import Advertised, choose
 from aiodist.transport._landing import DESYNC, GRACE, HOLD, LAND, MISMATCH, STAGE, Landing, decide
 from aiodist.transport._mailbox import _PART_SHIFT, Key, Mailbox, PostedRecv, StagedMessage, describe_key, size_error
@@ -196,8 +196,7 @@ class Transport:
         # always-on desync detection (aiodist._digest): (group, seq) -> (digest, op, args, the
         # group's name, its size) of this rank's own collectives, and (digest, source, length)
         # of a message that came before its op
-        self._digests: dict[tuple[int, int], tuple[int, str, Any, str | None, int]] = {}
-        self._early_digests: dict[tuple[int, int], tuple[int, int, int]] = {}
+        self._book = DigestBook(_DIGESTS_KEPT)  # the collective ops' digests (sans-I/O: _digests.py)
         self._dead: dict[int, DistNetworkError] = {}
         self._aborted: dict[int, str] = {}
         self._blamed: dict[int, dict[int, str]] = {}  # group -> the ranks an abort's cause names (errors' culprits)
@@ -380,9 +379,7 @@ class Transport:
         """Group ``group_id`` is destroyed on this rank: forget its ops' digests (a live group
         keeps its last ``_DIGESTS_KEPT``, for late frames' desync checks). A frame of it that
         arrives later is held as any early one is (bounded), and never matched."""
-        for table in (self._digests, self._early_digests):
-            for k in [k for k in table if k[0] == group_id]:
-                del table[k]
+        self._book.release(group_id)
 
     def channel(self, group_id: int, seq: int, global_ranks: Sequence[int], digest: int = 0, call: Any = None) -> Channel:
         """The ``P2P`` of op ``seq`` of group ``group_id``, whose rank i is global rank
@@ -391,26 +388,16 @@ class Transport:
         sentence when a peer's digest differs (aiodist._digest)."""
         ch = Channel(self, group_id, seq, global_ranks, digest)
         if digest:
-            k = (group_id, seq)
-            mine = (digest, *(call or ("an op", None, None)), len(global_ranks))
-            self._digests[k] = mine
-            self._digests.pop((group_id, seq - _DIGESTS_KEPT), None)  # ops that old are over
-            early = self._early_digests.pop(k, None)
-            if early is not None and early[0] != digest:
-                self._desync(group_id, seq, mine, early[1], early[0], early[2])
+            early = self._book.record(group_id, seq, digest, call, len(global_ranks))
+            if early is not None:  # a peer's frame came first, with another digest
+                self._desync(group_id, seq, early.source, early.digest, early.nbytes)
         return ch
 
     def _own_digest(self, header: FrameHeader) -> int | None:
         """This rank's digest for the op of collective frame ``header``, for ``decide`` to compare
         (a mismatch breaks the group, on every rank); None before this rank issued that op: the
         frame's digest is then kept for the op to check when it is issued."""
-        k = (header.group, header.seq)
-        mine = self._digests.get(k)
-        if mine is None:
-            if len(self._early_digests) < _DIGESTS_KEPT:
-                self._early_digests.setdefault(k, (header.digest, header.source, header.length))
-            return None
-        return mine[0]
+        return self._book.own(header.group, header.seq, header.digest, header.source, header.length)
 
     # -- what an op's Channel asks for shared memory (its OpLink side, aiodist.shm._link) ----
 
@@ -429,25 +416,25 @@ class Transport:
         """Global rank ``peer``'s digest for op ``key`` is ``theirs``: break the group on every
         rank (``_desync``) and return the error its ops raise; None where this rank kept no
         digest for the op (nothing is aborted)."""
-        mine = self._digests.get(key[:2])
-        if mine is None:
+        if self._book.mine(key[0], key[1]) is None:
             return None
-        self._desync(key[0], key[1], mine, peer, theirs, nbytes)
+        self._desync(key[0], key[1], peer, theirs, nbytes)
         return self._abort_error(key)
 
     def op_name(self, key: Key) -> str | None:
         """The name of op ``key`` in this rank's digest record (``channel``'s ``call``), None
         where it kept none."""
-        mine = self._digests.get(key[:2])
-        return None if mine is None else mine[1]
+        return self._book.op_name(key[0], key[1])
 
-    def _desync(self, group: int, seq: int, mine: tuple[int, str, Any, str | None, int], peer: int, theirs: int, nbytes: int = -1) -> None:
+    def _desync(self, group: int, seq: int, peer: int, theirs: int, nbytes: int = -1) -> None:
         """Break ``group`` on every rank: ``peer``'s digest for op ``seq`` is ``theirs``, not this
         rank's; ``nbytes`` is the length of a message of the peer's in the op (-1: none seen)."""
-        name = f"group {group}" if mine[3] is None else f"group {group} ({mine[3]!r})"
-        reason = describe_mismatch(name, seq, self.rank, mine[:3], peer, theirs, nbytes, mine[4])
+        found = self._book.mismatch(self.rank, group, seq, peer, theirs, nbytes)
+        if found is None:
+            return
+        reason, culprits = found
         log.debug("rank %d: %s", self.rank, reason)  # the ops' errors carry it: said once, by them
-        self._blamed.setdefault(group, {peer: mismatch_culprit(seq, mine[:3], theirs)})
+        self._blamed.setdefault(group, culprits)
         self._abort_now(group, reason)
 
     async def send(self, dst: int, buf: np.ndarray, *, group: int = 0, seq: int = 0, tag: int = 0, digest: int = 0) -> None:
@@ -1105,7 +1092,7 @@ class Transport:
             if not recv.fut.done():
                 recv.fut.set_exception(size_error(self.rank, header.source, recv.key, header.length, recv.dst.nbytes))
         elif fate is DESYNC:
-            self._desync(header.group, header.seq, self._digests[(header.group, header.seq)], header.source, header.digest, header.length)
+            self._desync(header.group, header.seq, header.source, header.digest, header.length)
 
     def _room_freed(self) -> None:
         """A receive was posted or a group aborted: soon, let every connection holding a payload
