@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from aiodist.elastic.utils import get_free_port
+from aiodist.testing.ports import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,7 +43,7 @@ asyncio.run(main())
 def test_a_peers_timeout_names_the_blocked_loop_and_where(tmp_path) -> None:  # type: ignore[no-untyped-def]
     script = tmp_path / "job.py"
     script.write_text(_SCRIPT)
-    port = get_free_port()
+    port = free_port()
     procs = []
     for rank in (0, 1):
         env = dict(

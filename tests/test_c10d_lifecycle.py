@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import aiodist as dist
-from aiodist.elastic.utils import get_free_port
+from aiodist.testing.ports import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -20,7 +20,7 @@ def _server_threads() -> list[str]:
 
 
 async def test_destroy_releases_the_rendezvous_store_and_reinit_works() -> None:
-    port = get_free_port()
+    port = free_port()
     before = _server_threads()
 
     # As torch's docs say for reinitialisation, ranks must synchronise by other means between

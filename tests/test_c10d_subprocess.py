@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from helpers.rank_procs import run_ranks
 
-from aiodist.elastic.utils import get_free_port
+from aiodist.testing.ports import free_port
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(90)]
 
@@ -28,7 +28,7 @@ SLACK_S = 5.0  # a loaded 2-core box
 
 def run_job(mode: str, how: str) -> list[dict[str, Any]]:
     """Start N workers, wait for all of them (bounded), return their JSON results in rank order."""
-    port = get_free_port()
+    port = free_port()
     argvs, envs = [], []
     for rank in range(N):
         env = dict(os.environ)

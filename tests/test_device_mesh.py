@@ -14,8 +14,8 @@ import pytest
 
 import aiodist as dist
 from aiodist.device_mesh import DeviceMesh, init_device_mesh
-from aiodist.elastic.utils import get_free_port
 from aiodist.testing import run_world
+from aiodist.testing.ports import free_port
 
 pytestmark = pytest.mark.any_loop  # asyncio in debug mode, and uvloop
 
@@ -165,7 +165,7 @@ async def test_cuda_without_nccl_is_refused_before_initialising() -> None:
 
 
 async def test_init_device_mesh_initialises_the_default_group_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(get_free_port()), "RANK": "0", "WORLD_SIZE": "1"}.items():
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(k, v)
     with dist.use_world(dist.World()):
         mesh = await init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from aiodist.elastic.errors import ChildFailedError, ProcessFailure, read_error_file, record
-from aiodist.elastic.utils import get_free_port
 from aiodist.launcher.agent import Std
 from aiodist.run import config_from_args, parse_args, parse_min_max_nnodes
+from aiodist.testing.ports import free_port
 
 pytestmark = [pytest.mark.subprocess]
 
@@ -209,7 +209,7 @@ def test_module_and_no_python(tmp_path: Path) -> None:
 
 
 def test_two_nodes_on_localhost() -> None:
-    port = get_free_port()
+    port = free_port()
     common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
     p1 = _start([*common, "--node-rank", "1", WORKER, "ok"])
     p0 = _start([*common, "--node-rank", "0", WORKER, "ok"])
@@ -227,7 +227,7 @@ def test_two_nodes_on_localhost() -> None:
 
 
 def test_missing_node_fails_rendezvous_naming_arrivals() -> None:
-    port = get_free_port()
+    port = free_port()
     start = time.monotonic()
     rc, out, err = launch(
         ["--nnodes", "2", "--node-rank", "0", "--master-port", str(port), "--rdzv-conf", "join_timeout=1", WORKER, "ok"], timeout=20
@@ -239,7 +239,7 @@ def test_missing_node_fails_rendezvous_naming_arrivals() -> None:
 
 
 def test_c10d_min_max_proceeds_with_min_nodes() -> None:
-    port = get_free_port()
+    port = free_port()
     args = ["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "j1"]
     rc, out, err = launch([*args, "--rdzv-conf", "last_call_timeout=0.3", "--nproc-per-node", "2", WORKER, "ok"])
     assert rc == 0, err
@@ -356,7 +356,7 @@ def test_sigkilled_launcher_leaves_no_workers() -> None:
 
 
 def test_failure_on_one_node_stops_both() -> None:
-    port = get_free_port()
+    port = free_port()
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-port", str(port)]
     p1 = _start([*common, "--node-rank", "1", WORKER, "raise1"])
     p0 = _start([*common, "--node-rank", "0", WORKER, "raise1"])
@@ -371,7 +371,7 @@ def test_failure_on_one_node_stops_both() -> None:
 def test_c10d_two_agents_and_a_restart_across_nodes() -> None:
     """Two agents on one host meet through c10d (the first to bind the endpoint hosts it);
     the first attempt fails on both nodes and both restart into round 1 together."""
-    port = get_free_port()
+    port = free_port()
     args = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "j2", "--max-restarts", "1"]
     pa = _start([*args, "--nproc-per-node", "1", WORKER, "flaky"])
     pb = _start([*args, "--nproc-per-node", "2", WORKER, "flaky"])
@@ -415,7 +415,7 @@ def test_sigint_is_forwarded_and_exit_status_is_130() -> None:
 
 
 def test_dead_rendezvous_host_ends_the_other_node() -> None:
-    port = get_free_port()
+    port = free_port()
     common = ["--nnodes", "2", "--master-port", str(port), "--rdzv-conf", "heartbeat_timeout=1.5"]
     p1 = _start([*common, "--node-rank", "1", WORKER, "sleep"])
     p0 = _start([*common, "--node-rank", "0", WORKER, "sleep"])

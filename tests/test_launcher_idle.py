@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from aiodist.elastic.errors import ProcessFailure
-from aiodist.elastic.utils import get_free_port
 from aiodist.launcher._watch import RoundWatch
 from aiodist.launcher.agent import LocalAgent
 from aiodist.launcher.api import LaunchConfig, _rendezvous, _worker_spec
 from aiodist.launcher.rendezvous import AgentRendezvous
 from aiodist.store import HashStore
+from aiodist.testing.ports import free_port
 
 WORKER = "import os, sys, time\nend = time.monotonic() + 60\nwhile not os.path.exists(sys.argv[1]) and time.monotonic() < end:\n    time.sleep(0.05)\n"
 MEASURE_S = 3.0
@@ -40,7 +40,7 @@ async def _until(cond: object, timeout: float) -> None:
 @pytest.mark.subprocess
 @pytest.mark.timeout(90)
 async def test_idle_two_node_job_does_not_poll_the_store(tmp_path: Path) -> None:
-    port, go = get_free_port(), tmp_path / "go"
+    port, go = free_port(), tmp_path / "go"
     agents = []
     for node in (0, 1):
         config = LaunchConfig(

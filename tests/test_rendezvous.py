@@ -12,6 +12,7 @@ import pytest
 import aiodist
 from aiodist.elastic.utils import get_env_variable_or_raise, get_free_port, get_log_level, get_logger
 from aiodist.rendezvous import RendezvousRegistry, registry
+from aiodist.testing.ports import free_port
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -36,7 +37,7 @@ async def _close(*stores: aiodist.Store) -> None:
 
 
 async def test_tcp_two_ranks_share_one_store() -> None:
-    port = get_free_port()
+    port = free_port()
     url = f"tcp://127.0.0.1:{port}"
     (s0, r0, n0), (s1, r1, n1) = await asyncio.gather(
         aiodist.rendezvous(url, rank=0, world_size=2, timeout=10),
@@ -98,7 +99,7 @@ async def test_env_non_integer(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 async def test_env_rank0_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
-    port = get_free_port()
+    port = free_port()
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -18,7 +18,7 @@ from helpers.rank_procs import run_ranks
 
 import aiodist
 from aiodist._schedulers import SCHEDULERS, detect_scheduler, expand_hostlist, node_local_rank, resolve_env, slurm_master_port
-from aiodist.elastic.utils import get_free_port
+from aiodist.testing.ports import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -166,7 +166,7 @@ def test_errors_name_the_missing_variables(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 async def test_rendezvous_env_under_slurm_sets_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    setenv(monkeypatch, SLURM_PROCID=0, SLURM_NTASKS=1, SLURM_LOCALID=0, SLURM_JOB_NODELIST="127.0.0.1", MASTER_PORT=get_free_port())
+    setenv(monkeypatch, SLURM_PROCID=0, SLURM_NTASKS=1, SLURM_LOCALID=0, SLURM_JOB_NODELIST="127.0.0.1", MASTER_PORT=free_port())
     store, rank, world_size = await aiodist.rendezvous("env://", timeout=10)
     try:
         assert (rank, world_size) == (0, 1)
@@ -207,7 +207,7 @@ def _free_port_in_slurm_range() -> int:
 @pytest.mark.subprocess
 @pytest.mark.parametrize("kind", ["slurm", "slurm-derived-port", "ompi"])
 def test_two_ranks_with_only_scheduler_variables(kind: str) -> None:
-    port = _free_port_in_slurm_range() if kind == "slurm-derived-port" else get_free_port()
+    port = _free_port_in_slurm_range() if kind == "slurm-derived-port" else free_port()
     results = run_ranks([[sys.executable, str(WORKER)]] * 2, [_scheduler_env(kind, rank, port) for rank in range(2)], 40)
     for rank, res in enumerate(results):
         assert res == {"rank": rank, "world_size": 2, "local_rank": rank, "all_reduce": [0.0, 3.0, 6.0, 9.0], "agent_store": False}

@@ -33,7 +33,6 @@ from helpers.rank_procs import run_ranks
 
 import aiodist as dist
 from aiodist.c10d import process_group
-from aiodist.elastic.utils import get_free_port
 from aiodist.errors import DistStoreError
 from aiodist.shm import SharedMemory, _cma
 from aiodist.shm import _manager as shm_manager
@@ -41,6 +40,7 @@ from aiodist.shm._manager import _Turns
 from aiodist.shm._segment import fetch
 from aiodist.store import HashStore
 from aiodist.testing import run_world
+from aiodist.testing.ports import free_port
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -176,7 +176,7 @@ WORKER_RULES = {"allreduce_shm_min": 0, "allgather_shm_min": 0, "reduce_cma_min"
 def _world(tmp_path: Path, n: int, extra: dict[int, dict[str, str]] | None = None) -> list[dict[str, Any]]:
     script = tmp_path / "rank.py"
     script.write_text(WORKER.format(root=str(ROOT)))
-    port = str(get_free_port())
+    port = str(free_port())
     envs = []
     for r in range(n):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), WORLD_SIZE=str(n), AIODIST_SHM_BYTES="1M")

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 from helpers.rank_procs import run_ranks
 
-from aiodist.elastic.utils import get_free_port
 from aiodist.shm import _manager as shm_manager
+from aiodist.testing.ports import free_port
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.subprocess]
 
@@ -126,7 +126,7 @@ asyncio.run(main())
 
 
 def _envs(n: int, extra: dict[str, str] | None = None) -> list[dict[str, str]]:
-    port = str(get_free_port())
+    port = str(free_port())
     return [
         dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), WORLD_SIZE=str(n), AIODIST_SHM_BYTES="2M", **(extra or {}))
         for r in range(n)

@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 
 import aiodist as dist
-from aiodist.elastic.utils import get_free_port
 from aiodist.multiprocessing import (
     ProcessContext,
     ProcessException,
@@ -29,6 +28,7 @@ from aiodist.multiprocessing import (
     spawn,
     start_processes,
 )
+from aiodist.testing.ports import free_port
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(90)]
 
@@ -123,7 +123,7 @@ def _read_results(out_dir: Path) -> list[dict[str, object]]:
 
 
 def test_spawn_async_function_all_reduce_over_tcp(tmp_path: Path) -> None:
-    assert spawn(async_all_reduce, args=(get_free_port(), str(tmp_path)), nprocs=WORLD) is None
+    assert spawn(async_all_reduce, args=(free_port(), str(tmp_path)), nprocs=WORLD) is None
     results = _read_results(tmp_path)
     want = (np.arange(4) * sum(r + 1 for r in range(WORLD))).tolist()
     for rank, res in enumerate(results):
@@ -137,7 +137,7 @@ def test_spawn_async_function_all_reduce_over_tcp(tmp_path: Path) -> None:
 
 
 def test_spawn_plain_function_all_reduce_over_env(tmp_path: Path) -> None:
-    spawn(sync_all_reduce, args=(get_free_port(), str(tmp_path)), nprocs=WORLD)
+    spawn(sync_all_reduce, args=(free_port(), str(tmp_path)), nprocs=WORLD)
     want = (np.arange(4) * 3).tolist()
     assert [r["all_reduce"] for r in _read_results(tmp_path)] == [want, want]
 

@@ -17,9 +17,9 @@ import pytest
 
 import aiodist as dist
 from aiodist import _startup
-from aiodist.elastic.utils import get_free_port
 from aiodist.errors import DistError, DistNetworkError
 from aiodist.store.hash import HashStore
+from aiodist.testing.ports import free_port
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -41,7 +41,7 @@ def _warnings(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRe
 async def test_a_master_addr_that_does_not_resolve_is_warned_about_at_once(
     env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    host, port = "no-such-host.invalid", get_free_port()
+    host, port = "no-such-host.invalid", free_port()
     try:
         await asyncio.to_thread(socket.getaddrinfo, host, port)
         pytest.skip(f"{host} resolves here")
@@ -70,7 +70,7 @@ async def test_a_master_addr_that_does_not_resolve_is_warned_about_at_once(
 
 
 async def test_a_rank_that_never_starts_is_named_with_the_count_joined(env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    port = get_free_port()
+    port = free_port()
     caplog.set_level(logging.WARNING, logger="aiodist")
     with dist.use_world(dist.World("alone")), pytest.raises(TimeoutError, match="1/2 clients joined"):
         await dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2, timeout=1.2)
@@ -87,7 +87,7 @@ async def test_a_rank_that_never_starts_is_named_with_the_count_joined(env: pyte
 async def test_with_three_ranks_the_missing_one_is_named_by_the_master_and_by_the_others(
     env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    port = get_free_port()
+    port = free_port()
     caplog.set_level(logging.WARNING, logger="aiodist")
 
     async def rank_fn(rank: int) -> None:
@@ -118,7 +118,7 @@ async def test_rank_or_world_size_in_code_that_differ_from_the_launchers_are_war
     env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, launcher: dict[str, str], given: dict[str, int], expected: str
 ) -> None:
     env.setenv("MASTER_ADDR", "127.0.0.1")
-    env.setenv("MASTER_PORT", str(get_free_port()))
+    env.setenv("MASTER_PORT", str(free_port()))
     for k, v in launcher.items():
         env.setenv(k, v)
     caplog.set_level(logging.WARNING, logger="aiodist")
@@ -144,7 +144,7 @@ async def test_world_size_with_a_store_that_differs_from_the_launchers_is_warned
 async def test_a_normal_quick_init_says_nothing(env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     env.delenv(_startup.INTERVAL_ENV)  # the default, 10 s
     env.setenv("WORLD_SIZE", "2")  # as a launcher sets it, agreeing with the code
-    port = get_free_port()
+    port = free_port()
     caplog.set_level(logging.WARNING, logger="aiodist")
 
     async def rank_fn(rank: int) -> None:

@@ -22,11 +22,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from aiodist.elastic.utils import get_free_port
 from aiodist.errors import DistError, DistNetworkError, DistStoreError, StoreTimeoutError
 from aiodist.store.base import Store
 from aiodist.store.tcp import TCPStore
 from aiodist.testing import until
+from aiodist.testing.ports import free_port
 
 HOST = "127.0.0.1"
 SLACK_S = 1.5  # how late (beyond its timeout) a call may report on a busy 2-core box
@@ -173,7 +173,7 @@ async def test_world_size_master_and_clients_gathered_on_a_fixed_port() -> None:
         return [t.result() for t in tasks]
 
     for _ in range(5):  # a free port is not reserved: retry if another process took it
-        got = await team(get_free_port())
+        got = await team(free_port())
         if got is not None:
             stores = got
             break
@@ -494,7 +494,7 @@ async def test_client_survives_a_server_restart_on_the_same_port() -> None:
 
 async def test_multi_tenant_masters_share_one_server() -> None:
     for _ in range(5):  # a free port is not reserved: retry if another process took it
-        port = get_free_port()
+        port = free_port()
         try:
             m1 = await TCPStore(HOST, port, is_master=True, timeout=5, multi_tenant=True)
             break
@@ -521,7 +521,7 @@ async def test_multi_tenant_masters_share_one_server() -> None:
 
 
 async def test_multi_tenant_shares_by_port_whatever_the_host_string() -> None:
-    port = get_free_port()
+    port = free_port()
     m1 = await TCPStore("127.0.0.1", port, is_master=True, timeout=5, multi_tenant=True)
     try:
         m2 = await TCPStore("localhost", port, is_master=True, timeout=5, multi_tenant=True)

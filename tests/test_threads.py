@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from helpers.rank_procs import run_ranks
 
-from aiodist.elastic.utils import get_free_port
+from aiodist.testing.ports import free_port
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(120)]
 
@@ -23,7 +23,7 @@ JOB = Path(__file__).resolve().parent / "helpers" / "threads_job.py"
 
 
 def job(mode: str) -> list[dict[str, Any]]:
-    port = get_free_port()
+    port = free_port()
     envs = [dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) for r in range(2)]
     return run_ranks([[sys.executable, str(JOB), mode]] * 2, envs, 90)
 

@@ -22,8 +22,8 @@ import pytest
 import aiodist as dist
 from aiodist._time import Deadline
 from aiodist.c10d._runner import DETAIL_HINT, Findings, Note, Report, explain
-from aiodist.elastic.utils import get_free_port
 from aiodist.testing import run_world
+from aiodist.testing.ports import free_port
 
 LIMIT_S = 1.0
 
@@ -194,7 +194,7 @@ _WORKER = textwrap.dedent(
 def test_a_stopped_store_host_is_said_and_no_live_rank_is_blamed(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
-    port = get_free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("AIODIST_DEBUG", None)
     procs = [

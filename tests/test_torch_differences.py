@@ -31,10 +31,10 @@ from helpers.rank_procs import run_ranks
 import aiodist as dist
 from aiodist import FileStore, HashStore, TCPStore
 from aiodist._digest import op_digest, their_arguments
-from aiodist.elastic.utils import get_free_port
 from aiodist.errors import DistTimeoutError
 from aiodist.store import PrefixStore
 from aiodist.testing import run_world
+from aiodist.testing.ports import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -256,7 +256,7 @@ def test_a_desync_between_processes_names_both_shapes(tmp_path: Path, warm: bool
     shape), then small all_reduces go through the latency lane, whose slot heads carry the size."""
     script = tmp_path / "rank.py"
     script.write_text(LANE_DESYNC.format(root=str(ROOT), warm=warm))
-    port = str(get_free_port())
+    port = str(free_port())
     envs = [dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), WORLD_SIZE="2") for r in range(2)]
     for out in run_ranks([[sys.executable, str(script)]] * 2, envs, 60.0):
         msg = out["msg"]

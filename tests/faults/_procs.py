@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from aiodist.elastic.utils import get_free_port
+from aiodist.testing.ports import free_port
 
 __all__ = ["start_ranks", "read_lines_until", "kill_all"]
 
@@ -26,7 +26,7 @@ def start_ranks(
     """``python script`` once per rank of an env:// world of ``n`` on a free loopback port,
     stdout a line-buffered text pipe (stderr merged into it unless ``stderr(rank)`` says where),
     with ``env(rank)`` added to the environment (None: removed from it). On any failure the ones started are killed."""
-    port = str(get_free_port())
+    port = str(free_port())
     procs: Procs = {}
     try:
         for rank in range(n):

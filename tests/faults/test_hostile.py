@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 
 from aiodist import TCPStore
-from aiodist.elastic.utils import get_free_port
 from aiodist.store.server import local_socket_name
+from aiodist.testing.ports import free_port
 from aiodist.transport._address import PeerAddress
 from aiodist.wire.frame import FrameKind, Hello, encode_header, hello_frame
 from aiodist.wire.store import MAGIC, Op, encode, encode_bytes
@@ -302,7 +302,7 @@ def check_stderr(rank: int, lines: list[str]) -> int:
 
 
 async def test_hostile_bytes_against_a_running_job(tmp_path: Path) -> None:
-    port = get_free_port()
+    port = free_port()
     ranks: list[Rank] = []
     store: TCPStore | None = None
     rnd = random.Random(14)

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from aiodist import TCPStore
-from aiodist.elastic.utils import get_free_port
+from aiodist.testing.ports import free_port
 from aiodist.transport._address import PeerAddress
 from aiodist.wire.store import MAGIC, Op, encode
 
@@ -241,7 +241,7 @@ def fd_room() -> None:
 
 
 def test_idle_connections_are_closed_by_ranks_and_kept_by_the_store(tmp_path: Path, fd_room: None) -> None:
-    port = get_free_port()
+    port = free_port()
     procs: list[subprocess.Popen[str]] = []
     errs = [tmp_path / f"rank{r}.err" for r in range(N)]
     socks: list[socket.socket] = []
