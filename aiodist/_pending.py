@@ -57,17 +57,10 @@ class Home(Protocol):
     def loop(self) -> asyncio.AbstractEventLoop | None:
         """The loop the op must run on; None: wherever it is called."""
 
-    def forward(
-        self,
-        name: str,
-        fn: Callable[..., Coroutine[Any, Any, Any]],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        loop: asyncio.AbstractEventLoop,
-        running: asyncio.AbstractEventLoop | None,
-        site: tuple[str, int],
-    ) -> Pending | None:
-        """The handle of a call made where ``running`` runs (not ``loop``); None: the usual one."""
+    @property
+    def forward(self) -> Callable[..., Pending | None]:
+        """``forward(name, fn, args, kwargs, loop, running, site)``: the handle of a call made where
+        ``running`` runs (not ``loop``); None: the usual one."""
 
 
 def _site(depth: int) -> tuple[str, int]:
