@@ -67,6 +67,7 @@ from aiodist.transport._digests import DigestBook
 from aiodist.transport._ifaces import Advertised, choose
 from aiodist.transport._landing import DESYNC, GRACE, HOLD, LAND, MISMATCH, STAGE, Landing, decide
 from aiodist.transport._mailbox import _PART_SHIFT, Key, Mailbox, PostedRecv, StagedMessage, describe_key, size_error
+from aiodist.transport._standing import Standing
 from aiodist.wire.frame import FrameHeader, FrameKind, FrameLimits, Hello, abort_frame
 
 __all__ = ["Transport"]
@@ -197,9 +198,7 @@ class Transport:
         # group's name, its size) of this rank's own collectives, and (digest, source, length)
         # of a message that came before its op
         self._book = DigestBook(_DIGESTS_KEPT)  # the collective ops' digests (sans-I/O: _digests.py)
-        self._dead: dict[int, DistNetworkError] = {}
-        self._aborted: dict[int, str] = {}
-        self._blamed: dict[int, dict[int, str]] = {}  # group -> the ranks an abort's cause names (errors' culprits)
+        self._standing = Standing()  # lost peers, broken groups and their errors (sans-I/O: _standing.py)
         self._self_staged = 0
         self._held: set[Connection] = set()  # connections holding a DATA header (reading paused)
         self._retry_soon = False
@@ -434,7 +433,7 @@ class Transport:
             return
         reason, culprits = found
         log.debug("rank %d: %s", self.rank, reason)  # the ops' errors carry it: said once, by them
-        self._blamed.setdefault(group, culprits)
+        self._standing.blame(group, culprits)
         self._abort_now(group, reason)
 
     async def send(self, dst: int, buf: np.ndarray, *, group: int = 0, seq: int = 0, tag: int = 0, digest: int = 0) -> None:
@@ -491,7 +490,7 @@ class Transport:
             ) from None
         except DistNetworkError as exc:
             raise DistNetworkError(f"{exc} (during a send to rank {dst}, {describe_key(key)}{on})") from exc
-        if group in self._aborted:
+        if group in self._standing.aborted:
             raise self._abort_error(key)
 
     def _write(self, conn: Connection, header: FrameHeader, view: np.ndarray, key: Key, dst: int) -> asyncio.Future[None] | None:
@@ -499,7 +498,7 @@ class Transport:
             drained = conn.write_frame(header, view, key[0])
         except DistNetworkError as exc:
             raise DistNetworkError(f"{exc} (during a send to rank {dst}, {describe_key(key)})") from exc
-        if drained is None and key[0] in self._aborted:
+        if drained is None and key[0] in self._standing.aborted:
             raise self._abort_error(key)
         return drained
 
@@ -553,7 +552,7 @@ class Transport:
             return m.consume(dst, key, self.rank)
         if src is not None:
             if self._gone(src):
-                raise self._dead_error(src, key)
+                raise self._standing.dead_error(src)
             if src != self.rank:
                 self._want_connection(src)
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -595,9 +594,9 @@ class Transport:
         group, each of ``ranks`` (the group's) it has no connection to is dialed and told too,
         within ``_ABORT_DIAL_S`` (a group torn down first cancels that): ranks whose ops met
         only through shared memory never needed a socket (aiodist.shm's lane)."""
-        first = group_id not in self._aborted  # a peer's ABORT came first: that peer told everyone
+        first = group_id not in self._standing.aborted  # a peer's ABORT came first: that peer told everyone
         self._abort_now(group_id, reason)
-        todo = [r for r in ranks if first and r != self.rank and r not in self._send_conn and r not in self._dead]
+        todo = [r for r in ranks if first and r != self.rank and r not in self._send_conn and r not in self._standing.dead]
         if todo and not self._closed:
             frame = abort_frame(self.rank, group_id, 0, reason)
 
@@ -692,8 +691,8 @@ class Transport:
             "handshake_timeouts": self.handshake_timeouts,
             "handshake_refusals": self.handshake_refusals,
             "pending_receives": self._mailbox.pending,
-            "dead_peers": sorted(self._dead),
-            "aborted_groups": sorted(self._aborted),
+            "dead_peers": sorted(self._standing.dead),
+            "aborted_groups": sorted(self._standing.aborted),
             "closed": self._closed,
         }
 
@@ -706,21 +705,14 @@ class Transport:
     def _check_usable(self, key: Key, peer: int | None) -> None:
         if self._closed:
             raise DistBackendError(f"rank {self.rank}: the transport is closed ({describe_key(key)})")
-        if key[0] in self._aborted:
-            raise self._abort_error(key)
-        if peer is not None and peer in self._dead:
-            raise self._dead_error(peer, key)
+        self._standing.check(key[0], peer)
 
     def _gone(self, peer: int) -> bool:
         """Nothing more can come from ``peer``: it died or left, and its last connection closed."""
-        return peer in self._dead and not any(c.peer == peer for c in self._conns)
+        return peer in self._standing.dead and not any(c.peer == peer for c in self._conns)
 
     def _abort_error(self, key: Key) -> DistBackendError:
-        # the group's reason alone: the op that reads it names itself (c10d: op, group, seq)
-        return DistBackendError(self._aborted[key[0]], culprits=self._blamed.get(key[0]))
-
-    def _dead_error(self, peer: int, key: Key) -> DistNetworkError:
-        return DistNetworkError(str(self._dead[peer]), culprits=self._dead[peer].culprits)
+        return self._standing.abort_error(key[0])
 
     # -- connections -----------------------------------------------------------------------
 
@@ -752,8 +744,8 @@ class Transport:
         conn = conns.get(k)
         if conn is not None:
             return conn
-        if peer in self._dead:
-            raise self._dead[peer]
+        if peer in self._standing.dead:
+            raise self._standing.dead[peer]
         if self._closed:
             raise DistBackendError(f"rank {self.rank}: the transport is closed")
         task = dialing.get(k)
@@ -778,7 +770,7 @@ class Transport:
             task.result()  # the dial's error
         if conn is None:  # the dial's connection died at once
             on = f" (lane {lane})" if lane else ""
-            raise self._dead.get(peer) or DistNetworkError(
+            raise self._standing.dead.get(peer) or DistNetworkError(
                 f"rank {self.rank}: connection to rank {peer}{on} closed right after the handshake"
             )
         return conn
@@ -787,14 +779,14 @@ class Transport:
         """A receive from ``peer`` waits: make sure a connection exists soon, so that the peer's
         death fails the receive. After a short grace, since the peer's send usually dials first
         (one connection instead of two)."""
-        if peer in self._send_conn or peer in self._dialing or peer in self._dead or self._closed or peer in self._watching:
+        if peer in self._send_conn or peer in self._dialing or peer in self._standing.dead or self._closed or peer in self._watching:
             return
         task = self._watching[peer] = asyncio.get_running_loop().create_task(self._watch(peer))
         task.add_done_callback(functools.partial(self._watch_done, peer))
 
     async def _watch(self, peer: int) -> None:
         await asyncio.sleep(_DIAL_GRACE)
-        if peer in self._send_conn or peer in self._dead or self._closed:
+        if peer in self._send_conn or peer in self._standing.dead or self._closed:
             return
         try:
             async with asyncio.timeout(self.timeout):
@@ -993,7 +985,7 @@ class Transport:
         k: Any = peer if lane == 0 else (peer, lane)
         self._connected.add(k)
         self._connect_errors.pop(k, None)
-        if peer in self._dead:
+        if peer in self._standing.dead:
             return
         if lane:
             self._lane_conn.setdefault((peer, lane), conn)
@@ -1020,9 +1012,8 @@ class Transport:
         dead = err if isinstance(err, DistNetworkError) else DistNetworkError(str(err))
         if not dead.culprits:
             dead.culprits = {peer: "lost its connection: " + ("it left" if conn.goodbye else "closed it without GOODBYE (its process ended or crashed)")}
-        if peer not in self._dead:  # said once per peer, not once per connection to it
+        if self._standing.lose(peer, dead):  # said once per peer, not once per connection to it
             log.log(logging.INFO if conn.goodbye else logging.WARNING, "%s", dead)
-        self._dead.setdefault(peer, dead)
         # the receives' errors are the peer's sentence: the op that reads one names itself
         # (c10d: op, group, seq), so the message key and tag are not repeated
         if current is not None and not current.fut.done():
@@ -1044,7 +1035,7 @@ class Transport:
     # -- receiving (called by connections) ---------------------------------------------------
 
     def on_header(self, conn: Connection, header: FrameHeader, staged_bytes: int, grace_over: bool) -> Landing:
-        aborted = self._aborted
+        aborted = self._standing.aborted
         digest = self._own_digest(header) if header.digest and header.group not in aborted else None
         d = decide(header, self._mailbox, self.limits, staged_bytes, False, grace_over, aborted, digest)  # by position: see decide
         fate, recv = d
@@ -1063,7 +1054,7 @@ class Transport:
     def on_payload(self, conn: Connection, header: FrameHeader, data: memoryview) -> None:
         """A whole payload that no receive claimed when its header came (or a zero-length one,
         which comes without a header event): a receive may have been posted meanwhile."""
-        aborted = self._aborted
+        aborted = self._standing.aborted
         check = header.digest and not data.nbytes and header.group not in aborted  # a longer one was checked at its header
         digest = self._own_digest(header) if check else None
         fate, recv = decide(header, self._mailbox, self.limits, 0, True, False, aborted, digest)  # in memory, by position
@@ -1126,7 +1117,7 @@ class Transport:
         self._self_staged -= n
 
     def _abort_local(self, group: int, why: str) -> None:
-        self._aborted.setdefault(group, why)
+        self._standing.break_group(group, why)
         err_for = self._abort_error
         for r in self._mailbox.remove_posted(lambda r: r.key[0] == group):
             if not r.fut.done():
