@@ -1,4 +1,4 @@
-"""TCPStore ``get``/``add`` handles (``aiodist.store.tcp._Call``, issue 15's one-op-at-a-time path).
+"""TCPStore ``get``/``add`` handles (``aiodist.store._connection._Call``, issue 15's one-op-at-a-time path).
 
 While the main connection is up, ``get`` and ``add`` send their request when called and return
 a future that the connection resolves itself, instead of a coroutine wrapped in a ``Pending``.
@@ -25,7 +25,8 @@ import pytest
 
 from aiodist._pending import Pending
 from aiodist.errors import DistStoreError, StoreTimeoutError
-from aiodist.store.tcp import TCPStore, _Call
+from aiodist.store._connection import _Call
+from aiodist.store.tcp import TCPStore
 from aiodist.testing import until
 
 pytestmark = pytest.mark.any_loop

@@ -25,8 +25,9 @@ from hypothesis import strategies as st
 
 import aiodist.store
 import aiodist.wire
+from aiodist.store._connection import _CHECK_GET, _Connection
 from aiodist.store.server import TCPStoreServer, _Conn
-from aiodist.store.tcp import _CHECK_GET, TCPStore, _Connection
+from aiodist.store.tcp import TCPStore
 from aiodist.wire.store import (
     MAGIC,
     QUICK,

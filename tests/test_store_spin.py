@@ -1,4 +1,4 @@
-"""TCPStore calls that read their reply by spinning (``aiodist.store.tcp._Connection.spin``, issue 15).
+"""TCPStore calls that read their reply by spinning (``aiodist.store._connection._Connection.spin``, issue 15).
 
 A call made one at a time on a connection to a same-host server polls the socket for up to
 ``SPIN_S`` before it is awaited, so the reply is read without a pass of the event loop. Checked
@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from aiodist.errors import DistStoreError
-from aiodist.store import tcp
+from aiodist.store import _connection as tcp  # the connection reads SPIN_S
 from aiodist.store.tcp import TCPStore
 from aiodist.wire.store import encode_add
 
