@@ -80,7 +80,9 @@ def test_a_dead_rank_is_one_sentence_on_each_peer() -> None:
     err, ranks = run("dead", 2)
     check_common(err, ranks, [0], per_rank=20)
     head = headlines(ranks[0])[0]
-    assert head.startswith("all_reduce on default_pg") and "seq 1" in head and "rank 1 closed the connection" in head, head
+    # a peer that exits reads as a close without GOODBYE, or as a reset where it had unread bytes
+    assert head.startswith("all_reduce on default_pg") and "seq 1" in head, head
+    assert "rank 1 closed the connection" in head or "connection with rank 1 lost" in head, head
     assert sum("rank 1 closed the connection" in line for line in ranks[0]) <= 2  # the warning (once) and the error
     assert len(err.splitlines()) <= 45
 
