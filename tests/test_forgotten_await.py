@@ -232,3 +232,13 @@ def test_aiodists_errors_carry_level_and_logger_where_logging_is_not_configured(
     configured = "import logging; logging.basicConfig(format='app %(message)s'); " + code
     r = subprocess.run([sys.executable, "-c", configured], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stderr == "app boom 1\n", r.stderr
+
+
+async def test_a_store_that_was_not_awaited_is_named_where_a_store_is_expected() -> None:
+    store = dist.HashStore()
+    handle = store.get("k")  # a Pending (never awaited: its wait is cancelled below)
+    try:
+        with pytest.raises(TypeError, match=r"PrefixStore: store is the result of store\.get\(\.\.\.\) called at .*test_forgotten_await\.py:\d+, which was not awaited"):
+            dist.PrefixStore("p", handle)  # type: ignore[arg-type]
+    finally:
+        handle.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from aiodist._pending import Pending
 from aiodist._time import TimeoutLike
 from aiodist.store.base import Store, ValueLike, check_key, check_keys
 
@@ -19,6 +20,8 @@ class PrefixStore(Store):
         if store is None:
             raise ValueError("store argument cannot be None")  # torch's type and words
         if not isinstance(store, Store):
+            if isinstance(store, Pending):  # store = dist.rendezvous(...)-style calls without their await
+                raise store.not_awaited("PrefixStore: store")
             raise TypeError(f"PrefixStore needs an aiodist Store, not {type(store).__name__}")
         self._prefix = prefix
         self._store = store
