@@ -67,7 +67,9 @@ ROWS = [
     Row("single copy off: socket, out of line", "reduce", M, 2, Plan("socket", False), NO_CMA),
     # all_gather (nbytes: the total; part: the largest part)
     Row("small parts: the lane", "all_gather", 8, 2, Plan("lane", True), part=4),
-    Row("256 KiB in all: the halves", "all_gather", 256 * K, 4, Plan("halves", True), part=64 * K),
+    Row("256 KiB in all, 4 ranks: the halves", "all_gather", 256 * K, 4, Plan("halves", True), part=64 * K),
+    Row("256 KiB in all, 2 ranks: single copy", "all_gather", 256 * K, 2, Plan("single_copy", True), part=128 * K),
+    Row("4 MiB in all, 4 ranks (from cma_wide_min): single copy", "all_gather", 4 * M, 4, Plan("single_copy", True), part=M),
     Row("lane off, small: the socket", "all_gather", 8, 2, Plan("socket", False), NO_LANE, part=4),
     # gather / scatter
     Row("gather, 2 ranks: single copy, eager", "gather", 64, 2, Plan("single_copy", True, 0)),

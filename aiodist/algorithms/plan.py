@@ -47,7 +47,9 @@ reduce
   3. past the broadcast lane's sizes (lane on) with single copy allowed: ``socket`` in line.
   4. otherwise ``socket``.
 all_gather, all_gather_into_tensor (``nbytes``: the output's total; ``part``: the largest part)
-  1. ``th.all_gather_shm(nbytes)``: ``halves``.
+  1. ``th.all_gather_shm(nbytes)``: ``single_copy`` in a group of 2, or from ``th.cma_wide_min``
+     in a wider one (below it the reads of several peers cost more than the copies they save);
+     else ``halves``. Where the group cannot read its peers, single copy is the halves.
   2. ``th.lane(part)``: ``lane``.
   3. otherwise ``socket``.
 gather, scatter (``nbytes``: a rank's own part, the same on every rank as torch requires)
@@ -145,7 +147,7 @@ def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0) -> 
         return _SOCKET_IN_LINE if _past_lane(th, nbytes, th.reduce_cma_min) else _SOCKET
     if op == "all_gather":
         if th.all_gather_shm(nbytes):
-            return Plan("halves", True)
+            return Plan("single_copy" if ranks <= 2 or th.cma_wide_min <= nbytes else "halves", True)
         if th.lane(part):
             return Plan("lane", True)
         return _SOCKET

@@ -126,7 +126,8 @@ class Route:
 
     async def all_gather(self, p2p: P2P, outs: Sequence[np.ndarray], mine: np.ndarray) -> None:
         ticket = self.ticket
-        if ticket is None or not await run_all_gather(ticket, p2p, outs, mine, self.plan.lane):
+        pl = self.plan
+        if ticket is None or not await run_all_gather(ticket, p2p, outs, mine, pl.lane, pl.single_copy):
             await alg.all_gather(p2p, outs, mine, thresholds=self.th)
 
     async def gather(self, p2p: P2P, outs: Sequence[np.ndarray] | None, mine: np.ndarray, root: int) -> None:

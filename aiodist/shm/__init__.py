@@ -138,9 +138,7 @@ async def run_reduce(
         ticket.release()
 
 
-async def _single_copy(
-    ticket: Ticket, p2p: P2P, big: bool, run: Callable[[OpLink, GroupShm], Awaitable[None]], table: int = 0
-) -> bool:
+async def _single_copy(ticket: Ticket, p2p: P2P, big: bool, run: Callable[[OpLink, GroupShm], Awaitable[None]], table: int = 0) -> bool:
     """A ``big`` op by single-copy reads (``run``) in this op's turn, where the group can read
     its peers (and, for an op that sends a table of ``table`` bytes through the lane, that
     fits it); False (nothing done) otherwise, after ``_to_socket``."""
@@ -181,10 +179,13 @@ async def run_scatter(ticket: Ticket, p2p: P2P, out: np.ndarray, ins: Sequence[n
     return await _single_copy(ticket, p2p, big, lambda link, g: _algorithms.scatter_single_copy(link, g, out, ins, root), 16 * p2p.size)
 
 
-async def run_all_gather(ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray], mine: np.ndarray, lane: bool = False) -> bool:
+async def run_all_gather(
+    ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray], mine: np.ndarray, lane: bool = False, single_copy: bool = False
+) -> bool:
     """all_gather through shared memory in this op's turn; False (nothing done) where the group
     uses the socket path. ``lane``: small parts, for the latency lane, or the socket path where
-    the group has no lane (or the largest part does not fit it)."""
+    the group has no lane (or the largest part does not fit it). ``single_copy``: by single-copy
+    reads where the group can, else the segment halves."""
     try:
         link = op_link(p2p)
         g = await ticket.acquire(link)
@@ -195,7 +196,7 @@ async def run_all_gather(ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray], m
                 return False
             await _lane.all_gather(link, g, outs, mine)
         else:
-            await _algorithms.all_gather(link, g, outs, mine)
+            await _algorithms.all_gather(link, g, outs, mine, single_copy)
         return True
     finally:
         ticket.release()

@@ -18,7 +18,7 @@ Rules these keep:
   pass (the piece is in cache for the second copy), into its own output slice; rings "in"; and
   copies every peer's part out. A rank whose input is its own output slice (in place) copies it
   into its slot only; an input overlapping the output otherwise is read from a copy of it.
-- all_gather with single copy (``GroupShm.cma``, aiodist.shm._cma; groups of 2): each rank publishes where its
+- all_gather with single copy (``GroupShm.cma``, aiodist.shm._cma; where the plan says so): each rank publishes where its
   input is (address, size) and rings "in"; reads every peer's part straight from that peer's
   input into its output (``process_vm_readv``, a piece at a time); copies its own part into its
   output slice; and rings "out". A rank returns (and its caller may
@@ -84,7 +84,18 @@ from aiodist.shm import _cma, _lane
 from aiodist.shm._link import OpLink
 from aiodist.shm._manager import GroupShm, retrieve
 
-__all__ = ["Into", "all_reduce", "all_gather", "broadcast_single_copy", "reduce_single_copy", "reduce_scatter_single_copy", "all_to_all_single_copy", "gather_single_copy", "scatter_single_copy", "PIECE"]
+__all__ = [
+    "Into",
+    "all_reduce",
+    "all_gather",
+    "broadcast_single_copy",
+    "reduce_single_copy",
+    "reduce_scatter_single_copy",
+    "all_to_all_single_copy",
+    "gather_single_copy",
+    "scatter_single_copy",
+    "PIECE",
+]
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
 
@@ -519,9 +530,10 @@ async def scatter_single_copy(p2p: OpLink, g: GroupShm, out: np.ndarray, ins: Se
         await _copy(dst, srcs[me], _Pacer())
 
 
-async def all_gather(p2p: OpLink, g: GroupShm, outs: Sequence[np.ndarray], mine: np.ndarray) -> None:
+async def all_gather(p2p: OpLink, g: GroupShm, outs: Sequence[np.ndarray], mine: np.ndarray, single_copy: bool = False) -> None:
     """Every rank's ``mine`` into every rank's ``outs[that rank]`` (sizes may differ per rank;
-    every rank passes the same sizes)."""
+    every rank passes the same sizes); by single-copy reads where ``single_copy`` (the plan's)
+    and the group can."""
     p, me = p2p.size, p2p.rank
     src = byte_view(mine)
     dsts = [byte_view(o, writable=True) for o in outs]
@@ -529,7 +541,7 @@ async def all_gather(p2p: OpLink, g: GroupShm, outs: Sequence[np.ndarray], mine:
     in_place = _same_bytes(own, src)
     if not in_place and any(np.may_share_memory(src, d) for d in dsts):
         src = src.copy()  # a later round's output would overwrite input it has yet to send
-    if g.cma and p == 2:  # (with more ranks the reads, slower than memcpy here, cost more than the copy saved)
+    if g.cma and single_copy:
         await _all_gather_single_copy(p2p, g, dsts, src, in_place)
         return
     longest = max(d.nbytes for d in dsts)
