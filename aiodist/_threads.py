@@ -26,10 +26,11 @@ this order (the first rule that applies wins):
    it waits for the op there.
 
 In rules 4 and 5 the op has not started until the World's loop runs it: if that loop has not
-started it within the group's timeout (``Home.start_timeout``), the caller gets
+started it within the group's timeout (``LoopHome.start_timeout``), the caller gets
 ``DistTimeoutError`` saying that the loop is blocked (typically by a coroutine on it waiting for
-this very thread: ``thread.join()``, ``future.result()``), and the op is cancelled there. Once
-started, the op's own deadline applies. A ``Work`` (``async_op=True``) comes back as a
+this very thread: ``thread.join()``, ``future.result()``), and the op never starts there (no
+sequence number is taken, so the group stays in step). Once started, the op's own deadline
+applies. A ``Work`` (``async_op=True``) comes back as a
 ``ForeignWork``: the same methods, awaitable on any loop.
 
 The default group is never touched by a refusal, and an op always runs on the World's loop, so
@@ -45,10 +46,10 @@ import threading
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any
 
-from aiodist._pending import Pending
+from aiodist._pending import Pending, _is_work
 from aiodist.errors import DistError, DistTimeoutError
 
-__all__ = ["ForeignWork", "LoopHome", "elsewhere"]
+__all__ = ["ForeignWork", "LoopHome", "closed_loop_error", "elsewhere"]
 
 _RULE = "a job's groups live on the event loop init_process_group ran on"
 
@@ -90,10 +91,7 @@ def elsewhere(
     run on ``loop`` (the module docstring's rules, in order); None: make the usual handle."""
     where = f"{name}(...) called at {site[0]}:{site[1]} on thread {threading.current_thread().name!r}"
     if loop.is_closed():  # rule 1
-        raise DistError(
-            f"{where}: {_RULE}, and that loop is closed (asyncio.run returned), so this process's groups are gone with it: "
-            "run init_process_group and every call inside one asyncio.run(main()) (destroy_process_group() before it returns)"
-        )
+        raise closed_loop_error(where)
     if not loop.is_running():
         if running is None:  # rule 2
             return None
@@ -105,6 +103,14 @@ def elsewhere(
             raise hand.blocked(where)
         return _finished(name, _here(cf.result(), loop), site)  # the op's own deadline bounds it
     return Pending(name, _there(cf, hand, where, loop), site)  # rule 5
+
+
+def closed_loop_error(where: str) -> DistError:
+    """Rule 1's refusal for a call described by ``where``."""
+    return DistError(
+        f"{where}: {_RULE}, and that loop is closed (asyncio.run returned), so this process's groups are gone with it: "
+        "run init_process_group and every call inside one asyncio.run(main()) (destroy_process_group() before it returns)"
+    )
 
 
 class _Handoff:
@@ -162,15 +168,12 @@ async def _there(cf: concurrent.futures.Future[Any], hand: _Handoff, where: str,
     return _here(await fut, loop)
 
 
-def _is_work(v: object) -> bool:
-    return isinstance(v, asyncio.Future) and hasattr(v, "seq") and hasattr(v, "is_completed")
-
-
 def _here(value: Any, loop: asyncio.AbstractEventLoop) -> Any:
-    """What an op of ``loop`` returned, for a caller on another thread: Works wrapped."""
-    if _is_work(value):
+    """What an op of ``loop`` returned, for a caller on another thread: Works (futures of that
+    loop) wrapped."""
+    if isinstance(value, asyncio.Future) and _is_work(value):
         return ForeignWork(value, loop)
-    if isinstance(value, list) and value and all(_is_work(v) for v in value):  # batch_isend_irecv
+    if isinstance(value, list) and value and all(isinstance(v, asyncio.Future) and _is_work(v) for v in value):  # batch_isend_irecv
         return [ForeignWork(v, loop) for v in value]
     return value
 

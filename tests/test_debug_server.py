@@ -474,3 +474,20 @@ async def test_the_front_page_names_the_line_a_waiting_rank_waits_at() -> None:
     assert not out["index"]["summary"].startswith("OK"), out["index"]["summary"]
     if sys.version_info >= (3, 12):  # tasks told apart by World: rank 1 waits on an Event, not in aiodist
         assert row1["at"] == [], row1
+
+
+async def test_health_shows_the_aiodist_variables_each_rank_has_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/health lists, per rank, the AIODIST_* variables set and how the rank read them
+    (aiodist.knobs), a bad value as what is wrong with it."""
+    monkeypatch.setenv("AIODIST_STORE_SPIN_US", "250")
+    monkeypatch.setenv("AIODIST_DDP_BACKWARD", "gpu")  # read by DDP only: shown as it would be read
+
+    async def probe(url: str, s: ClientSession) -> Any:
+        return await get_json(s, url + "/health"), (await get(s, url + "/health"))[1]
+
+    health, html = await stuck_job(probe)
+    for r in ("0", "1"):
+        knobs = {k["name"]: k for k in health["ranks"][r]["knobs"]}
+        assert knobs["AIODIST_STORE_SPIN_US"]["set"] == "250" and knobs["AIODIST_STORE_SPIN_US"]["value"] == 250.0
+        assert str(knobs["AIODIST_DDP_BACKWARD"]["value"]).startswith("invalid: AIODIST_DDP_BACKWARD='gpu'")
+    assert "<table id='knobs'>" in html and "AIODIST_STORE_SPIN_US" in html

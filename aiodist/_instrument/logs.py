@@ -104,27 +104,21 @@ def configure_logging(log_level: str | None = None) -> int | None:
     return level
 
 
-class _Fallback(logging.StreamHandler):
-    """WARNING and above of the ``aiodist`` tree, in ``logging``'s default format, while the
-    application has configured no logging (the module docstring)."""
+class _Fallback(logging.Handler):
+    """WARNING and above of the ``aiodist`` tree, in ``logging``'s default format, to the current
+    ``sys.stderr``, while the application has configured no logging (the module docstring)."""
 
     def __init__(self) -> None:
-        super().__init__()  # the stream is read when a record is emitted (sys.stderr now)
-        self.setLevel(logging.WARNING)
+        super().__init__(logging.WARNING)
         self.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
-
-    @property
-    def stream(self) -> object:
-        return sys.stderr  # pytest's and the user's redirections of stderr included
-
-    @stream.setter
-    def stream(self, value: object) -> None:
-        pass
 
     def emit(self, record: logging.LogRecord) -> None:
         if logging.getLogger().handlers or any(h.get_name() == _HANDLER_NAME for h in logging.getLogger("aiodist").handlers):
             return  # the application's handlers (or AIODIST_LOG_LEVEL's) print it
-        super().emit(record)
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+        except Exception:  # a closed stderr at shutdown: logging's own rule
+            self.handleError(record)
 
 
 def install_fallback() -> None:

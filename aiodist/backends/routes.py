@@ -11,7 +11,9 @@ A route is made when the op is issued, in call order, and holds:
 - the path rules' ``Plan`` for the op (``aiodist.algorithms.plan``: a pure decision on what every
   rank of the group shares, the op, its size and the group's thresholds), and
 - where the plan uses shared memory and the backend has it, the op's place in the group's
-  shared-memory line (``Ticket``), which passes on when the op's Work completes.
+  shared-memory line (``Ticket``), which passes on when the op's Work completes. It is taken
+  wherever the backend has shared memory, not only where this rank can read its peers: a rank
+  that cannot must still vote in the group's agreement.
 
 Its methods try the planned shared-memory path (``aiodist.shm``: the lane, the segment halves,
 single copy), which answers False where the group has no shared memory or did not agree on it,

@@ -33,6 +33,7 @@ from aiodist import _startup
 from aiodist._instrument.levels import DebugLevel, get_debug_level
 from aiodist._instrument.loop_watchdog import unwatch_loop, watch_loop  # the loop watchdog
 from aiodist._pending import Pending, _site, mark_coroutine_function
+from aiodist._threads import closed_loop_error
 from aiodist._time import TimeoutLike, to_seconds, to_timedelta
 from aiodist.algorithms.thresholds import rules_from
 from aiodist.backends.base import CommBackend
@@ -42,7 +43,7 @@ from aiodist.c10d.backend_registry import Backend, create_backend, is_backend_av
 from aiodist.c10d.process_group import ProcessGroup
 from aiodist.c10d.world import NON_GROUP_MEMBER, current_world, default_group, on_world_loop
 from aiodist.constants import default_pg_timeout
-from aiodist.errors import DistBackendError, DistError, DistTimeoutError
+from aiodist.errors import DistBackendError, DistTimeoutError
 from aiodist.rendezvous import rendezvous, warn_if_launcher_disagrees
 from aiodist.store.base import Store
 from aiodist.store.prefix import PrefixStore
@@ -215,11 +216,7 @@ async def init_process_group(
     world = current_world()
     if world.default_pg is not None:
         if world.loop is not None and world.loop.is_closed():
-            raise DistError(
-                "init_process_group: this process's default group was made on an event loop that is now closed (asyncio.run returned) "
-                "and cannot be destroyed or used from another: run init_process_group and every call inside one asyncio.run(main()), "
-                "and call destroy_process_group() before it returns"
-            )
+            raise closed_loop_error("init_process_group(...): the default group exists")
         raise ValueError("trying to initialize the default process group twice!")
     rules = rules_from(pg_options)  # a bad rule is refused before anything is made
     rank = _int(rank, "rank")

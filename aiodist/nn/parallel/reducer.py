@@ -106,7 +106,7 @@ class _NumpyOps(_Ops):
         return int(p.nbytes)
 
     @staticmethod
-    def contiguous(p: Any) -> bool:
+    def host_contiguous(p: Any) -> bool:
         return bool(p.flags.c_contiguous)
 
 
@@ -163,8 +163,8 @@ class _TorchOps(_Ops):
         return int(p.numel() * p.element_size())
 
     @staticmethod
-    def contiguous(p: Any) -> bool:
-        return bool(p.is_contiguous()) and p.device.type == "cpu"  # all_reduce_into is for host memory
+    def host_contiguous(p: Any) -> bool:
+        return bool(p.is_contiguous()) and p.device.type == "cpu"  # all_reduce_into reads and writes host memory
 
 
 class GradBucket:
@@ -398,7 +398,7 @@ class Reducer:
         ops = self._ops
         kind = ops.dtype(flat)
         for grad, view in zip(grads, views):
-            if grad is None or not ops.contiguous(grad) or ops.dtype(grad) != kind or ops.same(grad, view):
+            if grad is None or not ops.host_contiguous(grad) or ops.dtype(grad) != kind or ops.same(grad, view):
                 return False
         return True
 
