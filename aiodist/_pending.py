@@ -10,10 +10,22 @@ port by adding ``await``. Now a call *starts* its op when it is made, and return
   taken and the op is started. So ops issue in *call* order, as torch's do, whoever awaits what.
 - ``await handle`` finishes the call and gives what the coroutine returns (``None`` for a
   blocking op, the ``Work`` for ``async_op=True``, the sender for ``recv``, ...).
-- Without a first ``await``, the handle answers torch's Work methods (``wait()``,
-  ``is_completed()``, ``is_success()``, ``source_rank()``, ...) when the call has produced its
-  Work, and iterates like the list ``batch_isend_irecv`` returns; ``await handle.wait()`` always
-  works.
+- Without a first ``await``, the handle answers torch's Work methods, and only those: ``wait()``
+  (``await handle.wait()`` always works), ``is_completed()``, ``is_success()``, ``result()``,
+  ``exception()``, ``source_rank()``, ``get_future()``, ``synchronize()``,
+  ``block_current_stream()``: from the call's Work once it has produced one, else from what the
+  call returned (``recv``'s sender is its ``source_rank()``). Asked before the call has produced
+  it, a result-reading method says so (``not_produced``). The handle iterates like the list
+  ``batch_isend_irecv`` returns. Nothing else is forwarded: any other attribute names the call
+  and says where its Work is.
+- There is one handle contract and two kinds: ``Pending`` here, and the TCPStore's ``_Call``
+  (``aiodist.store._connection``), a future the store's connection resolves, which is that
+  layer's one fast path; ``tests/test_handles.py`` runs the same checks over both and checks the
+  fast path against the general one. Both log a dropped call in one wording
+  (``say_never_awaited``).
+- ``Pending(op, coro, site, started=fut)`` is also the rest of a call whose first step already
+  ran and waits on ``fut``, for a task to run (the op runner's eager start on Python 3.11; from
+  3.12 that is an eager ``asyncio.Task``).
 - A handle dropped without being awaited or waited on logs an ERROR naming the call and the
   file:line it was made at, at once (CPython frees it when the statement ends), and hands what
   is left of the call to a task, so the op still runs to its end and the ranks stay in step.
@@ -39,12 +51,13 @@ from typing import Any, ParamSpec, Protocol, TypeVar
 
 from aiodist.errors import DistError
 
-__all__ = ["Home", "Pending", "communicating", "mark_coroutine_function"]
+__all__ = ["Home", "Pending", "communicating", "mark_coroutine_function", "not_produced", "say_never_awaited"]
 
 log = logging.getLogger("aiodist.c10d")
 
 _DONE = object()
 _LAZY = object()  # a handle made outside a running loop: nothing started yet
+_NOT_STARTED = object()  # Pending(started=...) not given: the call is new
 P = ParamSpec("P")
 T = TypeVar("T")
 C = TypeVar("C", bound=Callable[..., Any])
@@ -75,21 +88,30 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
 
     __slots__ = ("_op", "_coro", "_yielded", "_value", "_used", "_site", "_it", "_ctx", "_said")
 
-    def __init__(self, op: str, coro: Coroutine[Any, Any, Any], site: tuple[str, int], *, own_context: bool = False) -> None:
+    def __init__(
+        self, op: str, coro: Coroutine[Any, Any, Any], site: tuple[str, int], *, own_context: bool = False, started: Any = _NOT_STARTED
+    ) -> None:
         self._op = op
         self._site = site
-        self._used = False
         self._said = False
         self._it: Generator[Any, Any, Any] | None = None
         self._value: Any = _DONE
         self._coro: Coroutine[Any, Any, Any] | None = coro
+        if started is not _NOT_STARTED:
+            # the rest of a call whose first step ran already (it yielded ``started``, the future it
+            # waits on), for a task to run: the task owns it, so it is never reported as dropped
+            self._used = True
+            self._ctx = None
+            self._yielded: Any = started
+            return
+        self._used = False
         # own_context: every step runs in one Context, a copy of the caller's, so that a ContextVar
         # set in the first step and reset in a later one stays valid whichever task awaits the
         # handle (init_process_group's). The ops set none across a suspension: their first step
         # runs in the caller's Context and the rest in the awaiting task's (C speed).
         self._ctx = contextvars.copy_context() if own_context else None
         if asyncio._get_running_loop() is None:  # outside a loop (asyncio.run(store.get(k))): it starts when run
-            self._yielded: Any = _LAZY
+            self._yielded = _LAZY
             return
         try:
             self._yielded = coro.send(None) if self._ctx is None else self._ctx.run(coro.send, None)  # the first step, now
@@ -151,11 +173,23 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
         return self._it.send(value)
 
     def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
-        if self._it is None:
-            self._it = self.__await__()
-        if val is None:
-            return self._it.throw(typ)
-        return self._it.throw(val)
+        exc = val if val is not None else (typ() if isinstance(typ, type) else typ)
+        if self._it is None:  # thrown before its first send (a task cancelled before it ran)
+            self._it = self._thrown(exc)
+            return self._it.send(None)
+        return self._it.throw(exc)
+
+    def _thrown(self, exc: BaseException) -> Generator[Any, Any, Any]:
+        """The call, resumed by throwing ``exc`` in where it waits (not at a generator's start,
+        where the call would never see it)."""
+        self._used = True
+        coro = self._coro
+        if coro is None:
+            raise exc
+        self._coro = None
+        value = yield from _steps(coro, exc, _plain if self._ctx is None else self._ctx.run)
+        self._value = value
+        return value
 
     def close(self) -> None:
         self._used = True
@@ -170,10 +204,7 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
     def _work(self, what: str) -> Any:
         self._used = True
         if self._value is _DONE:
-            raise RuntimeError(
-                f"{self._op}(...).{what}(): the call has not produced its Work yet (it is still being issued); "
-                f"use `await {self._op}(...)` or `await handle.wait()`"
-            )
+            raise not_produced(self._op, what)
         return self._value
 
     async def wait(self, timeout: Any = None) -> bool:
@@ -194,10 +225,62 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
         v = self._value
         return bool(v.is_completed()) if hasattr(v, "is_completed") else self._coro is None
 
+    def is_success(self) -> bool:
+        """The Work's ``is_success()``; a call without a Work: whether it has finished (its
+        error, if any, is raised where it is awaited)."""
+        self._used = True
+        v = self._value
+        if v is _DONE:
+            return False
+        return bool(v.is_success()) if _is_work(v) else self._coro is None
+
+    def result(self) -> Any:
+        """The Work's ``result()`` (its outputs); a call without a Work: what it returned."""
+        v = self._work("result")
+        return v.result() if _is_work(v) else v
+
+    def exception(self) -> BaseException | None:
+        """The Work's ``exception()``; a call without a Work that has finished: None (an error
+        of the call itself is raised by the call or where it is awaited)."""
+        v = self._work("exception")
+        return v.exception() if _is_work(v) else None
+
+    def source_rank(self) -> int:
+        """The Work's ``source_rank()``: the global rank a receive got its message from
+        (``recv``, which returns the sender, gives that)."""
+        v = self._work("source_rank")
+        if _is_work(v):
+            return int(v.source_rank())
+        if type(v) is not int:
+            raise RuntimeError(f"source_rank() is only defined for receives, not for {self._op}")
+        return v
+
+    def get_future(self) -> Any:
+        """The Work's ``get_future()``: the future of the op's outputs."""
+        return self._work("get_future").get_future()
+
+    def synchronize(self) -> None:
+        """Stream semantics: the Work's ``synchronize()`` (a no-op for CPU ops)."""
+        v = self._work("synchronize")
+        if _is_work(v):
+            v.synchronize()
+
+    def block_current_stream(self) -> None:
+        """Stream semantics: the Work's ``block_current_stream()`` (a no-op for CPU ops)."""
+        v = self._work("block_current_stream")
+        if _is_work(v):
+            v.block_current_stream()
+
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
+        # nothing is forwarded: a handle has torch's Work methods above and nothing else; a
+        # Work's attribute read off the handle says where the Work is
+        if name.startswith("_"):
             raise AttributeError(name)
-        return getattr(self._work(name), name)
+        raise AttributeError(
+            f"{self._op}(...) returned a handle, which has torch's Work methods (wait, is_completed, is_success, "
+            f"result, exception, source_rank, get_future) but no {name!r}: `work = await {self._op}(..., async_op=True)` "
+            f"gives the Work itself"
+        )
 
     # batch_isend_irecv returns a list: iterate it as torch code does
     def __iter__(self) -> Any:
@@ -255,8 +338,7 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
             state = "its Work was dropped without wait(): nothing learns whether the op succeeded"
         else:
             state = "it ran, but nothing waited for it"
-        hint = self._op if "." in self._op else f"dist.{self._op}"  # "store.set" for a store's method
-        log.error("%s(...) called at %s:%d was never awaited: %s. Write `await %s(...)`.", self._op, file, line, state, hint)
+        say_never_awaited(self._op, file, line, state)
 
     def __del__(self) -> None:
         if self._used:
@@ -275,6 +357,21 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
                     self._coro.close()
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
+
+
+def say_never_awaited(op: str, file: str, line: int, state: str) -> None:
+    """The never-awaited ERROR, the one wording every handle logs (``Pending``'s and the store's
+    ``_Call``): the call, where it was made, ``state`` (what became of it), what to write."""
+    hint = op if "." in op else f"dist.{op}"  # "store.set" for a store's method
+    log.error("%s(...) called at %s:%d was never awaited: %s. Write `await %s(...)`.", op, file, line, state, hint)
+
+
+def not_produced(op: str, what: str) -> RuntimeError:
+    """The error of a Work method asked of a handle whose call has not produced its result yet."""
+    return RuntimeError(
+        f"{op}(...).{what}(): the call has not produced its Work yet (it is still being issued); "
+        f"use `await {op}(...)` or `await handle.wait()`"
+    )
 
 
 def _trim(exc: DistError) -> None:
@@ -326,7 +423,6 @@ def _is_work(v: object) -> bool:
     return hasattr(v, "is_completed") and hasattr(v, "seq")
 
 
-_new = object.__new__
 _get_running_loop = asyncio._get_running_loop
 
 
@@ -340,29 +436,12 @@ def communicating(fn: Callable[P, Coroutine[Any, Any, T]], op: str | None = None
 
     @functools.wraps(fn)
     def call(*args: P.args, **kwargs: P.kwargs) -> Pending:
-        # Pending(name, fn(...), _site(2)), written out (every op's call passes here)
         f = sys._getframe(1)
-        running = _get_running_loop()
-        if home is not None and (h := home.loop()) is not None and h is not running:
-            done = home.forward(name, fn, args, kwargs, h, running, (f.f_code.co_filename, f.f_lineno))
+        if home is not None and (h := home.loop()) is not None and h is not _get_running_loop():
+            done = home.forward(name, fn, args, kwargs, h, _get_running_loop(), (f.f_code.co_filename, f.f_lineno))
             if done is not None:
                 return done
-        coro = fn(*args, **kwargs)
-        p: Pending = _new(Pending)
-        p._op, p._site, p._used, p._it, p._value, p._coro, p._ctx = name, (f.f_code.co_filename, f.f_lineno), False, None, _DONE, coro, None
-        p._said = False
-        if running is None:
-            p._yielded = _LAZY
-            return p
-        try:
-            p._yielded = coro.send(None)  # the first step, now
-        except StopIteration as stop:
-            p._coro, p._yielded, p._value = None, None, stop.value
-        except BaseException:
-            p._coro = None
-            p._used = True
-            raise
-        return p
+        return Pending(name, fn(*args, **kwargs), (f.f_code.co_filename, f.f_lineno))
 
     return mark_coroutine_function(call, fn)
 

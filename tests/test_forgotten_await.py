@@ -242,3 +242,56 @@ async def test_a_store_that_was_not_awaited_is_named_where_a_store_is_expected()
             dist.PrefixStore("p", handle)  # type: ignore[arg-type]
     finally:
         handle.close()
+
+
+async def test_a_handle_has_torchs_work_methods_and_forwards_nothing_else() -> None:
+    """The handle's surface is explicit: torch's Work methods answer from the call's Work (or,
+    for a call that returns no Work, from what it returned); anything else names the call."""
+
+    async def fn(rank: int) -> None:
+        x = np.ones(2)
+        h = dist.all_reduce(x, async_op=True)
+        await h.wait()
+        assert h.is_success() and h.exception() is None and h.result()[0] is x
+        assert h.get_future() is await h
+        h.synchronize()
+        h.block_current_stream()
+        with pytest.raises(AttributeError, match=r"all_reduce\(\.\.\.\) returned a handle.*no 'seq'"):
+            _ = h.seq
+        peer = 1 - rank
+        t = np.zeros(1)
+        if rank:
+            r = dist.recv(t, src=peer)
+            await r
+            assert r.source_rank() == peer and r.result() == peer and r.is_success()
+        else:
+            await dist.send(np.ones(1), dst=peer)
+        p = dist.barrier()
+        with pytest.raises(RuntimeError, match=r"barrier\(\.\.\.\)\.result\(\): the call has not produced its Work yet"):
+            p.result()
+        await p
+
+    await run_world(2, fn, timeout=20)
+
+
+async def test_a_task_made_from_a_handle_and_cancelled_before_it_ran_throws_into_the_call() -> None:
+    """``create_task(handle)`` cancelled before its first step: the cancellation reaches the call
+    where it waits (not the start of a fresh generator, which the call would never see)."""
+    from aiodist._pending import communicating
+
+    seen: list[str] = []
+    gate = asyncio.get_running_loop().create_future()
+
+    @communicating
+    async def call() -> None:
+        try:
+            await gate
+        except asyncio.CancelledError:
+            seen.append("cancelled in the call")
+            raise
+
+    task = asyncio.create_task(call())
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert seen == ["cancelled in the call"]

@@ -1,4 +1,4 @@
-"""TCPStore ``get``/``add`` handles (``aiodist.store._connection._Call``, issue 15's one-op-at-a-time path).
+"""TCPStore ``get``/``add`` handles (``aiodist.store._connection._Call``, the one-op-at-a-time path).
 
 While the main connection is up, ``get`` and ``add`` send their request when called and return
 a future that the connection resolves itself, instead of a coroutine wrapped in a ``Pending``.

@@ -133,7 +133,9 @@ class Thresholds:
         if self.pipeline_piece < 1:
             raise ValueError(f"pipeline_piece must be at least 1 byte, got {self.pipeline_piece}")
         if self.alltoall_cma > 0:
-            raise ValueError(f"alltoall_cma ({ENV_PREFIX}ALLTOALL_CMA) must be 0 (every all_to_all by single copy) or negative (never), got {self.alltoall_cma}")
+            raise ValueError(
+                f"alltoall_cma ({ENV_PREFIX}ALLTOALL_CMA) must be 0 (every all_to_all by single copy) or negative (never), got {self.alltoall_cma}"
+            )
 
     @classmethod
     def latency_bound(cls, pipeline_piece: int = 1 * MiB) -> Thresholds:
@@ -232,6 +234,8 @@ class Thresholds:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Thresholds))
+
+
 def _parse(name: str, text: str) -> int:
     try:
         return parse_size(text, signed=True)
@@ -245,7 +249,7 @@ _KNOWN = {ENV_PREFIX + f.upper(): f for f in _FIELDS}
 
 def _value(where: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError(f"{where}={value!r}: expected a byte count such as 65536, \"64K\" or \"4M\"")
+        raise ValueError(f'{where}={value!r}: expected a byte count such as 65536, "64K" or "4M"')
     return value if isinstance(value, int) else _parse(where, value)
 
 

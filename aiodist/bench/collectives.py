@@ -61,7 +61,17 @@ from aiodist.knobs import parse_size
 __all__ = ["main", "OPS", "sizes"]
 
 HOST = "127.0.0.1"
-OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "gather", "scatter", "barrier")
+OPS = (
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "barrier",
+)
 #: ops whose size is that of n parts (nccl-tests' rounding: a multiple of n elements)
 _PARTED = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "gather", "scatter")
 ITEMSIZE = 4  # float32

@@ -86,9 +86,7 @@ def where_backward_runs(rank_counts: list[int]) -> str:
 
     choice = os.environ.get(ENV_BACKWARD, "")
     cores = _usable_cores()
-    where = ", ".join(
-        f"{n} ranks: {'a worker thread' if backward_on_thread(choice, cores, n) else 'the loop thread'}" for n in rank_counts
-    )
+    where = ", ".join(f"{n} ranks: {'a worker thread' if backward_on_thread(choice, cores, n) else 'the loop thread'}" for n in rank_counts)
     return (
         f"aiodist runs loss.backward() where {ENV_BACKWARD}={choice or 'auto'} puts it on {cores} cores ({where}); "
         "each bucket's all-reduce is issued the moment the bucket is filled"

@@ -46,7 +46,9 @@ def parse_size(text: str) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m aiodist.bench soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m aiodist.bench soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--ranks", type=int, default=2, help="processes (default 2)")
     p.add_argument("--groups", type=int, default=5000, help="group lifecycles measured after the warm-up (default 5000)")
     p.add_argument(
@@ -153,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"args": {k: v for k, v in vars(args).items() if k != "worker"}, "ranks": results}, f, indent=2)
         print(f"results written to {args.json}")
     if args.max_growth is not None and worst > args.max_growth:
-        print(f"\nSOAK FAILED: a rank's RSS grew by {worst >> 10} KiB over {args.groups} group lifecycles (limit {args.max_growth >> 10} KiB)", file=sys.stderr)
+        print(
+            f"\nSOAK FAILED: a rank's RSS grew by {worst >> 10} KiB over {args.groups} group lifecycles (limit {args.max_growth >> 10} KiB)",
+            file=sys.stderr,
+        )
         return 1
     if any(r["fds1"] > r["fds0"] for r in results):
         print("\nSOAK FAILED: file descriptors grew", file=sys.stderr)

@@ -731,7 +731,15 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                     for c in counts:
                         for tasks in [1] if impl == "torch" else [1, args.tasks]:
                             job = Job(
-                                impl, tasks, server.port, c, args.ops, f"bench/{impl}/t{tasks}/c{c}", args.timeout, args.kinds, _placed(args.placement, c)[1]
+                                impl,
+                                tasks,
+                                server.port,
+                                c,
+                                args.ops,
+                                f"bench/{impl}/t{tasks}/c{c}",
+                                args.timeout,
+                                args.kinds,
+                                _placed(args.placement, c)[1],
                             )
                             t = time.monotonic()
                             samples += collect(job, rnd, workers.run(job))

@@ -457,7 +457,9 @@ async def _reduce_scatter_one(name: str, output: Any, input: Any, op: ReduceOpLi
     return await _finish(_issue_reduce_scatter(pg, name, out, _chunks(inp.flat, pg.size()), rop, combine, output), asy)
 
 
-def _issue_reduce_scatter(pg: ProcessGroup, name: str, out: Buffer, parts: list[np.ndarray], rop: ReduceOp, combine: Any, output: Any) -> Work:
+def _issue_reduce_scatter(
+    pg: ProcessGroup, name: str, out: Buffer, parts: list[np.ndarray], rop: ReduceOp, combine: Any, output: Any
+) -> Work:
     dtype, n = out.dtype_name, pg.size()
     r = route(pg, "reduce_scatter", sum(x.nbytes for x in parts))  # the total: the same on every rank
 

@@ -706,7 +706,9 @@ async def shrink_group(
     pg.shrinks += 1
     members = [g for i, g in enumerate(pg.ranks) if i not in set(excl)]
     gid = _derived_id(world, "shrink", pg.group_id, count, tuple(members))
-    new = _make_group(world, gid, members, pg.timeout_s, name=str(gid), desc=f"{pg.group_desc} shrunk", pg_options=pg_options or pg.thresholds)
+    new = _make_group(
+        world, gid, members, pg.timeout_s, name=str(gid), desc=f"{pg.group_desc} shrunk", pg_options=pg_options or pg.thresholds
+    )
     world.groups[gid] = new
     return new
 

@@ -23,13 +23,15 @@ import contextvars
 import functools
 import logging
 import os
+import sys
 import time
-from collections.abc import Callable, Coroutine, Generator, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from aiodist._digest import op_digest
 from aiodist._instrument.levels import DebugLevel, get_debug_level
 from aiodist._instrument.recorder import Entry, FlightRecorder, _freeze
+from aiodist._pending import Pending
 from aiodist.algorithms.p2p import P2P
 from aiodist.algorithms.thresholds import Thresholds, current
 from aiodist.backends.base import CommBackend
@@ -44,45 +46,9 @@ from aiodist.store.base import Store
 EAGER_S = 0.001
 
 
-class _Rest(Coroutine[Any, Any, None]):
-    """The rest of an op whose first step ran in its issuing call, as a task's coroutine:
-    ``waits_on`` is what that step yielded (the future it waits for). The task's first send
-    gets it back; after that what the task sends or throws in goes on to ``coro``, as
-    ``yield from`` would. A class, not a generator: asyncio takes no generator as a task's
-    coroutine from Python 3.12, and a throw into an unstarted generator would never reach
-    ``coro`` (a task cancelled before its first step)."""
-
-    __slots__ = ("_coro", "_first")
-
-    _NONE: Any = object()
-
-    def __init__(self, coro: Coroutine[Any, Any, None], waits_on: Any) -> None:
-        self._coro = coro
-        self._first = waits_on
-
-    def send(self, value: Any) -> Any:
-        first = self._first
-        if first is not _Rest._NONE:
-            self._first = _Rest._NONE
-            return first
-        return self._coro.send(value)
-
-    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
-        self._first = _Rest._NONE
-        return self._coro.throw(typ if val is None else val)
-
-    def close(self) -> None:
-        self._first = _Rest._NONE
-        self._coro.close()
-
-    def __await__(self) -> Generator[Any, None, None]:
-        return self
-
-    def __iter__(self) -> _Rest:
-        return self
-
-    def __next__(self) -> Any:
-        return self.send(None)
+#: Python 3.12+: an eager op starts as an eager task (its first step runs in the Task's
+#: constructor); 3.11 drives the first step by hand and hands the rest to a task as a Pending
+_EAGER_TASKS = sys.version_info >= (3, 12)
 
 
 __all__ = ["ProcessGroup"]
@@ -298,7 +264,15 @@ class ProcessGroup:
         coro: Coroutine[Any, Any, None] = run(
             self, op, label, _Tracked(channel, ranks, self._rank), body, work, limit, entry, loop=loop, cell=cell, eager=eager
         )
-        if eager:
+        name = f"aiodist {op} {self.group_desc} {label}"
+        if not eager:
+            task = loop.create_task(coro, name=name)
+        elif _EAGER_TASKS:  # the first step runs here, in the Task's constructor
+            task = asyncio.Task(coro, loop=loop, name=name, eager_start=True)  # type: ignore[call-arg]
+            if task.done():
+                self.eager += 1
+                return work  # done (completed or failed, as run leaves it): nothing to track
+        else:
             try:
                 waits_on = coro.send(None)  # the first step, here: no other task can run meanwhile
             except StopIteration:
@@ -306,8 +280,7 @@ class ProcessGroup:
                 return work  # done (completed or failed, as run leaves it), with no task
             # (a BaseException run lets through, KeyboardInterrupt say, leaves the Work pending,
             # as it would in a task)
-            coro = _Rest(coro, waits_on)
-        task = loop.create_task(coro, name=f"aiodist {op} {self.group_desc} {label}")
+            task = loop.create_task(Pending(op, coro, ("", 0), started=waits_on), name=name)
         cell.append(task)
         self._pending[task] = work
         task.add_done_callback(self._pending.pop)

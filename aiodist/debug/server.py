@@ -569,7 +569,9 @@ def index_view(
     rows = []
     for r in range(world_size):
         if r in missing:
-            rows.append({"rank": r, "state": "no answer", "class": "stuck", "where": "", "age_s": None, "issued": [], "why": missing[r], "at": []})
+            rows.append(
+                {"rank": r, "state": "no answer", "class": "stuck", "where": "", "age_s": None, "issued": [], "why": missing[r], "at": []}
+            )
             continue
         pos = positions.get(r)
         where, age, state, cls = "", None, "idle", "ok"
@@ -595,10 +597,7 @@ def index_view(
             state, cls = "blocked", "stuck"
             why = [blocked[r]["sentence"], *why]
         seqs = [{"group": desc, "issued": n, "behind": n < newest[desc]} for desc, n in sorted(issued.get(r, {}).items())]
-        at = [
-            f"{a['file']}:{a['line']} in {a['function']}: {a['code']}"
-            for a in (per_rank.get(r) or {}).get("waiting_at") or []
-        ]
+        at = [f"{a['file']}:{a['line']} in {a['function']}: {a['code']}" for a in (per_rank.get(r) or {}).get("waiting_at") or []]
         rows.append(
             {"rank": r, "state": state, "class": cls, "where": where, "age_s": age, "issued": seqs, "why": "; ".join(why), "at": at}
         )

@@ -79,7 +79,9 @@ def fits(g: GroupShm, nbytes: int) -> bool:
     return g.fits_lane(nbytes)
 
 
-async def exchange(p2p: OpLink, g: GroupShm, mine: np.ndarray | Sequence[np.ndarray] | None, sizes: Sequence[int], op: str) -> list[np.ndarray]:
+async def exchange(
+    p2p: OpLink, g: GroupShm, mine: np.ndarray | Sequence[np.ndarray] | None, sizes: Sequence[int], op: str
+) -> list[np.ndarray]:
     """One lane op: write ``mine`` (bytes, pieces of bytes written one after the other, or
     nothing), wait for every peer's, check each peer's
     digest and that it wrote ``sizes[peer]`` bytes (a negative size: any); every member's bytes

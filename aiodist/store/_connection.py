@@ -21,6 +21,7 @@ from collections.abc import Coroutine, Generator
 from types import CodeType
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
+from aiodist._pending import not_produced, say_never_awaited
 from aiodist.knobs import knob
 from aiodist.store.base import (
     check_key,
@@ -53,8 +54,6 @@ SPIN_LOOP_S = 0.001
 SPIN_BACKOFF_MAX = 8  # after k spins in a row that saw no reply, 2**k - 1 requests do not spin (k <= 8)
 _CONNECT_ATTEMPT_S = 5.0  # one connect attempt's deadline
 _DIAGNOSIS_S = 0.1  # how long a timed-out wait may take to learn which keys are missing
-
-log = logging.getLogger("aiodist.store")
 
 
 def _spin_seconds(raw: str | None) -> float:
@@ -355,6 +354,8 @@ _future_result = asyncio.Future.set_result
 _future_exception = asyncio.Future.set_exception
 _future_add_done_callback = asyncio.Future.add_done_callback
 _future_del = asyncio.Future.__del__
+_future_get_result = asyncio.Future.result
+_future_get_exception = asyncio.Future.exception
 
 
 class _Call(asyncio.Future, Coroutine):
@@ -429,7 +430,7 @@ class _Call(asyncio.Future, Coroutine):
         if self._it is not None:
             self._it.close()
 
-    # torch's Work methods, as Pending's
+    # torch's Work methods, as Pending's (for a call that returns no Work)
     async def wait(self, timeout: Any = None) -> bool:
         await self
         return True
@@ -438,13 +439,31 @@ class _Call(asyncio.Future, Coroutine):
         self._used = True
         return self.done()
 
+    def is_success(self) -> bool:
+        self._used = True
+        return self.done() and not self.cancelled() and _future_get_exception(self) is None
+
+    def result(self) -> Any:
+        self._used = True
+        if not self.done():
+            raise not_produced(f"store.{self._op}", "result")
+        return _future_get_result(self)
+
+    def exception(self) -> BaseException | None:
+        self._used = True
+        if not self.done():
+            raise not_produced(f"store.{self._op}", "exception")
+        return _future_get_exception(self)
+
+    def source_rank(self) -> int:
+        raise RuntimeError(f"source_rank() is only defined for receives, not for store.{self._op}")
+
     def __del__(self) -> None:  # (a Python call per op: kept to what the check needs)
         if not self._used:
             try:
                 code, lasti = self._site
                 file, line = code.co_filename, next((n for a, b, n in code.co_lines() if a <= lasti < b), None) or 0
-                op, state = f"store.{self._op}", "the op was started when called; nothing waits for it"
-                log.error("%s(...) called at %s:%d was never awaited: %s. Write `await %s(...)`.", op, file, line, state, op)
+                say_never_awaited(f"store.{self._op}", file, line, "the op was started when called; nothing waits for it")
             except Exception:  # pragma: no cover - interpreter shutdown
                 pass
         _future_del(self)  # the Future's own: an error nobody retrieved is logged

@@ -100,7 +100,9 @@ async def matched_by_peer_and_tag(op: Op, timeout: float) -> None:
     if len(op.ends) > 2:  # the same tag from two peers is two messages
         c = op.ends[2]
         x, y = np.zeros(2, np.int64), np.zeros(2, np.int64)
-        await _within(timeout, a.send(2, np.full(2, 100, np.int64), 20), b.send(2, np.full(2, 200, np.int64), 20), c.recv(1, y, 20), c.recv(0, x, 20))
+        await _within(
+            timeout, a.send(2, np.full(2, 100, np.int64), 20), b.send(2, np.full(2, 200, np.int64), 20), c.recv(1, y, 20), c.recv(0, x, 20)
+        )
         assert (x == 100).all() and (y == 200).all(), (x, y)
 
 
