@@ -50,13 +50,16 @@ class Deadline:
     blocked, or this process was not scheduled): measured when it fires, so the time the
     cancelled code then takes to unwind is not counted. Like ``asyncio.timeout`` it cancels the
     task that entered it, so it must not be entered in a communicating call's first step
-    (see ``within``)."""
+    (see ``within``).
 
-    __slots__ = ("seconds", "_task", "_handle", "_due", "_fired_at", "_cancelling")
+    The op runner uses the same deadline without a block: ``start`` and ``end``, for an op
+    whose first step runs before the task that runs the rest exists."""
+
+    __slots__ = ("seconds", "_cell", "_handle", "_due", "_fired_at", "_cancelling")
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
-        self._task: asyncio.Task[Any] | None = None
+        self._cell: list[asyncio.Task[Any]] = []
         self._handle: asyncio.TimerHandle | None = None
         self._due = 0.0
         self._fired_at: float | None = None
@@ -66,31 +69,47 @@ class Deadline:
         task = asyncio.current_task()
         if task is None:
             raise RuntimeError("Deadline must be used inside a task")
-        loop = asyncio.get_running_loop()
-        self._task = task
-        self._cancelling = task.cancelling()
+        return self.start(asyncio.get_running_loop(), [task], task.cancelling())
+
+    def start(self, loop: asyncio.AbstractEventLoop, cell: list[asyncio.Task[Any]], cancelling: int) -> Deadline:
+        """Arm the deadline: when it passes, ``cell[0]`` is cancelled (``cell`` may be filled
+        after this, before the loop next runs: the timer only fires from the loop).
+        ``cancelling``: that task's ``cancelling()`` now (0 for a task not made yet)."""
+        self._cell = cell
+        self._cancelling = cancelling
         self._due = loop.time() + self.seconds
         self._handle = loop.call_at(self._due, self._fire, loop)
         return self
 
     def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
         self._fired_at = loop.time()
-        assert self._task is not None
-        self._task.cancel()
+        self._cell[0].cancel()
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def end(self, exc: BaseException | None) -> bool:
+        """Disarm it, the block (or op) having ended with ``exc`` (None: completed). True when
+        ``exc`` is this deadline's own cancellation: the caller raises ``TimeoutError`` from it.
+        The cancellation is its own when it fired and no other came after ``start``
+        (asyncio.timeout's uncancel rule)."""
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
-        if self._fired_at is not None and self._task is not None:
-            # the cancellation was ours when no other one came after entry (asyncio.timeout's rule)
-            if self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
-                raise TimeoutError from exc
+        if self._fired_at is not None:
+            return self._cell[0].uncancel() <= self._cancelling and isinstance(exc, asyncio.CancelledError)
+        return False
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self.end(exc):
+            raise TimeoutError from exc
 
     @property
     def fired(self) -> bool:
         """Whether this deadline passed and cancelled the block."""
         return self._fired_at is not None
+
+    @property
+    def due(self) -> float:
+        """The loop time at which it passes (once started)."""
+        return self._due
 
     @property
     def late(self) -> float:

@@ -238,7 +238,10 @@ async def test_a_store_that_was_not_awaited_is_named_where_a_store_is_expected()
     store = dist.HashStore()
     handle = store.get("k")  # a Pending (never awaited: its wait is cancelled below)
     try:
-        with pytest.raises(TypeError, match=r"PrefixStore: store is the result of store\.get\(\.\.\.\) called at .*test_forgotten_await\.py:\d+, which was not awaited"):
+        with pytest.raises(
+            TypeError,
+            match=r"PrefixStore: store is the result of store\.get\(\.\.\.\) called at .*test_forgotten_await\.py:\d+, which was not awaited",
+        ):
             dist.PrefixStore("p", handle)  # type: ignore[arg-type]
     finally:
         handle.close()

@@ -481,31 +481,15 @@ async def all_reduce(p2p: P2P, buf: np.ndarray, combine: Combine, *, thresholds:
     if p == 1 or buf.size == 0:
         return
     th = thresholds or current()
-    if buf.nbytes <= th.allreduce_rd_max:  # th.all_reduce(nbytes) == "recursive_doubling", without the call
+    algo = th.all_reduce(buf.nbytes)
+    if algo == "recursive_doubling":
         plan = _RD_PLANS.get((p2p.rank, p))
         if plan is None:
             plan = _rd_plan(p2p.rank, p)
-        if plan is not _FOLDED:  # no rank of this size folds: the exchanges alone, written out here
-            # (the latency-bound path: one coroutine for the whole op, no task, no per-op schedule math)
-            cur, other = buf, np.empty(buf.size, buf.dtype)
-            for peer, tag, lower in plan:
-                sent = p2p.send_nowait(peer, cur, tag)
-                if sent is False:
-                    await _all(p2p.send(peer, cur, tag), p2p.recv(peer, other, tag))
-                else:
-                    await p2p.recv(peer, other, tag)
-                    if sent is not True:
-                        await sent  # written, still draining: ``cur`` may change only after this
-                if lower:
-                    combine(cur, other)
-                else:  # the partner's value goes first: combine into the received copy and keep that
-                    combine(other, cur)
-                    cur, other = other, cur
-            if cur is not buf:
-                np.copyto(buf, cur)
+        if plan is not _FOLDED:  # no rank of this size folds: the exchanges alone (the latency-bound path)
+            await _recursive_doubling(p2p, buf, combine, plan)
             return
     piece = th.piece_elems(buf.itemsize)
-    algo = th.all_reduce(buf.nbytes)
     if algo == "ring":
         n = buf.size
         b = sch.chunk_bounds(n, p)
@@ -524,7 +508,7 @@ async def all_reduce(p2p: P2P, buf: np.ndarray, combine: Combine, *, thresholds:
         with _scratch(buf.dtype, max(b - a for a, b in ps), buf.size) as scratch:
             await _flow(p2p, [], [_Recv(f.partner, buf[a:b], _tag(_PH_FOLD, j), True) for j, (a, b) in enumerate(ps)], combine, scratch)
     if algo == "recursive_doubling":
-        await _recursive_doubling(p2p, buf, combine, f)
+        await _recursive_doubling(p2p, buf, combine, _rd_steps(f, p))
     else:
         await _halving_doubling(p2p, buf, combine, f, piece)
     if f.partner is not None:
@@ -540,27 +524,28 @@ _FOLDED = object()
 
 def _rd_plan(rank: int, size: int) -> Any:
     f = sch.fold(rank, size)
-    if f.pof2 != size:
-        plan: Any = _FOLDED
-    else:
-        assert f.vrank is not None
-        plan = tuple(
-            (sch.real_rank(vpeer, size), _tag(_PH_STEPS + k, 0), f.vrank < vpeer)
-            for k, vpeer in enumerate(sch.rd_partners(f.vrank, f.pof2))
-        )
+    plan: Any = _FOLDED if f.pof2 != size else _rd_steps(f, size)
     if len(_RD_PLANS) < 4096:
         _RD_PLANS[(rank, size)] = plan
     return plan
 
 
-async def _recursive_doubling(p2p: P2P, buf: np.ndarray, combine: Combine, f: sch.Fold) -> None:
+def _rd_steps(f: sch.Fold, size: int) -> tuple[tuple[int, int, bool], ...]:
+    """The recursive-doubling exchanges of a rank that takes part (``f.vrank`` set), as
+    ``(peer, tag, lower)``: ``lower``, this rank's value goes first."""
     assert f.vrank is not None
-    cur, other = buf, np.empty_like(buf)
-    for k, vpeer in enumerate(sch.rd_partners(f.vrank, f.pof2)):
-        peer = sch.real_rank(vpeer, p2p.size)
-        tag = _tag(_PH_STEPS + k, 0)
+    return tuple(
+        (sch.real_rank(vpeer, size), _tag(_PH_STEPS + k, 0), f.vrank < vpeer) for k, vpeer in enumerate(sch.rd_partners(f.vrank, f.pof2))
+    )
+
+
+async def _recursive_doubling(p2p: P2P, buf: np.ndarray, combine: Combine, steps: tuple[tuple[int, int, bool], ...]) -> None:
+    """``log2 p`` full exchanges, in ``steps`` (``_rd_steps``); each pair combines the lower
+    rank's value first, so every rank computes the same bits."""
+    cur, other = buf, np.empty(buf.size, buf.dtype)
+    for peer, tag, lower in steps:
         await _exchange(p2p, peer, cur, other, tag)
-        if f.vrank < vpeer:
+        if lower:
             combine(cur, other)
         else:  # the partner's value goes first: combine into the received copy and keep that
             combine(other, cur)

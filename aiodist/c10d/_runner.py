@@ -544,12 +544,6 @@ def grace_for(limit: float) -> float:
 _GRACE: dict[float, float] = {}  # limit -> grace_for(limit): a group's ops share one limit
 
 
-def _fire(cell: list[Any], fired: list[float], loop: asyncio.AbstractEventLoop) -> None:
-    """The op's deadline passed: note when the timer actually ran, cancel the op's task."""
-    fired.append(loop.time())
-    cell[0].cancel()
-
-
 async def run(
     pg: ProcessGroup,
     op: str,
@@ -570,10 +564,9 @@ async def run(
     task that runs the rest, if any, before the loop runs again: the deadline's timer only
     fires from the loop).
 
-    The op's deadline is ``aiodist._time.Deadline``'s, written out here (one timer handle and
-    no context manager per op, this being every op's path): a ``call_at`` that cancels the task
-    and records when it ran; the cancellation is the deadline's own only when no other came
-    after the op started (asyncio.timeout's uncancel rule), and only then is it a timeout."""
+    The op's deadline is an ``aiodist._time.Deadline``, started without a block (``start`` /
+    ``end``: the task to cancel may be made after the first step): its cancellation is a
+    timeout only when no other came after the op started (asyncio.timeout's uncancel rule)."""
     since = pg.recorder.started(entry) if entry is not None else time.time()
     if loop is None:
         loop = asyncio.get_running_loop()
@@ -590,20 +583,15 @@ async def run(
             grace = grace_for(limit)
             if len(_GRACE) < 64:
                 _GRACE[limit] = grace
-    due = loop.time() + (limit - grace)
-    fired: list[float] = []  # when the deadline's timer ran, once it has
-    handle = loop.call_at(due, _fire, cell, fired, loop)
+    deadline = Deadline(limit - grace).start(loop, cell, cancelling)
     try:
         try:
             await body(tracker)
         except BaseException as exc:
-            handle.cancel()
-            if fired and cell[0].uncancel() <= cancelling and isinstance(exc, asyncio.CancelledError):
+            if deadline.end(exc):
                 raise TimeoutError from exc
             raise
-        handle.cancel()
-        if fired:  # it fired, and the body completed anyway
-            cell[0].uncancel()
+        deadline.end(None)  # (it may have fired, and the body completed anyway)
     except asyncio.CancelledError:
         work._fail(
             DistBackendError(
@@ -617,9 +605,9 @@ async def run(
         raise
     except Exception as exc:
         what = f"{op} on {pg.describe()}, {label}"
-        if fired:
+        if deadline.fired:
             # how late the timer ran, not how long the cancelled body then took to unwind
-            await _timed_out(pg, op, label, what, tracker, work, limit, grace, entry, since, max(0.0, fired[0] - due), end=due + grace)
+            await _timed_out(pg, op, label, what, tracker, work, limit, grace, entry, since, deadline.late, end=deadline.due + grace)
         else:  # the body's own failure, a TimeoutError of its own included
             _failed(pg, op, label, what, work, exc)
         return

@@ -242,7 +242,7 @@ class ProcessGroup:
         staging = _STAGING.get()
         if staging is not None:  # host copies of device arrays: copy in before, copy back after
             body = _staged_body(staging, body)
-        # the channel, the tracker and the Work (written out here: every op passes this way)
+        # the channel and the Work
         ranks = self.ranks
         if self._digests and meta is not None:  # what every rank must agree on, sent with the op's frames
             channel = self.backend.channel(self.group_id, seq, ranks, described[3], (op, described[1], self.group_desc))
@@ -253,38 +253,8 @@ class ProcessGroup:
         work = Work(op, desc, seq, outputs)
         if self.detail:  # compare the call across ranks before running it (aiodist.debug.desync)
             body = _checked_body(self, op, seq, meta, body)
-        if self._op_stats is not None:  # INFO: the op is counted (_launch's other branch)
-            return self._launch(op, f"seq {seq}", seq, _Tracked(channel, ranks, self._rank), body, work, timeout_s, entry)
-        # _launch, written out (its OFF/WARN branch)
-        limit = self.timeout_s if timeout_s is None else timeout_s
-        loop = asyncio.get_running_loop()
-        cell: list[asyncio.Task[None]] = []
-        label = f"seq {seq}"
         eager = eager and staging is None and not self.detail and time.perf_counter() - self.ran < EAGER_S
-        coro: Coroutine[Any, Any, None] = run(
-            self, op, label, _Tracked(channel, ranks, self._rank), body, work, limit, entry, loop=loop, cell=cell, eager=eager
-        )
-        name = f"aiodist {op} {self.group_desc} {label}"
-        if not eager:
-            task = loop.create_task(coro, name=name)
-        elif _EAGER_TASKS:  # the first step runs here, in the Task's constructor
-            task = asyncio.Task(coro, loop=loop, name=name, eager_start=True)  # type: ignore[call-arg]
-            if task.done():
-                self.eager += 1
-                return work  # done (completed or failed, as run leaves it): nothing to track
-        else:
-            try:
-                waits_on = coro.send(None)  # the first step, here: no other task can run meanwhile
-            except StopIteration:
-                self.eager += 1
-                return work  # done (completed or failed, as run leaves it), with no task
-            # (a BaseException run lets through, KeyboardInterrupt say, leaves the Work pending,
-            # as it would in a task)
-            task = loop.create_task(Pending(op, coro, ("", 0), started=waits_on), name=name)
-        cell.append(task)
-        self._pending[task] = work
-        task.add_done_callback(self._pending.pop)
-        return work
+        return self._launch(op, f"seq {seq}", seq, _Tracked(channel, ranks, self._rank), body, work, timeout_s, entry, eager)
 
     def issue_device(
         self,
@@ -351,20 +321,47 @@ class ProcessGroup:
         work: Work,
         timeout_s: float | None = None,
         entry: Entry | None = None,
+        eager: bool = False,
     ) -> Work:
+        """Run the op under the runner, in a task the group owns (``pending``); ``eager``: its
+        first step runs here (module docstring of ``aiodist.c10d._runner``, ``EAGER_S``), and an
+        op that ends in it leaves no task."""
         limit = self.timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
         cell: list[asyncio.Task[None]] = []  # the task, for the runner (its deadline cancels it)
-        task = loop.create_task(
-            run(self, op, label, tracker, body, work, limit, entry, loop=loop, cell=cell), name=f"aiodist {op} {self.group_desc} {label}"
-        )
+        coro = run(self, op, label, tracker, body, work, limit, entry, loop=loop, cell=cell, eager=eager)
+        name = f"aiodist {op} {self.group_desc} {label}"
+        t0 = time.perf_counter() if self._op_stats is not None else 0.0
+        if not eager:
+            task = loop.create_task(coro, name=name)
+        elif _EAGER_TASKS:  # the first step runs here, in the Task's constructor
+            task = asyncio.Task(coro, loop=loop, name=name, eager_start=True)  # type: ignore[call-arg]
+            if task.done():
+                self._ended_in_call(op, t0, work)
+                return work
+        else:
+            try:
+                waits_on = coro.send(None)  # the first step, here: no other task can run meanwhile
+            except StopIteration:
+                self._ended_in_call(op, t0, work)
+                return work
+            # (a BaseException run lets through, KeyboardInterrupt say, leaves the Work pending,
+            # as it would in a task)
+            task = loop.create_task(Pending(op, coro, ("", 0), started=waits_on), name=name)
         cell.append(task)
         self._pending[task] = work
         if self._op_stats is None:  # (the flight recorder's entry is closed by the runner itself)
             task.add_done_callback(self._pending.pop)
         else:  # INFO: one callback also counts the op (each callback is a loop callback per op)
-            task.add_done_callback(functools.partial(self._task_done, op, work, time.perf_counter()))
+            task.add_done_callback(functools.partial(self._task_done, op, work, t0))
         return work
+
+    def _ended_in_call(self, op: str, t0: float, work: Work) -> None:
+        """An eager op ended in its first step (completed or failed, as the runner leaves it):
+        no task to track; INFO counts it."""
+        self.eager += 1
+        if self._op_stats is not None:
+            self._tally(op, t0, work)
 
     def _task_done(self, op: str, work: Work, t0: float, task: asyncio.Task[None]) -> None:
         """INFO: an op's task ended (its Work is resolved by then, whichever way it ended):

@@ -191,12 +191,7 @@ class Work(asyncio.Future[list[Any]]):
     def _complete(self) -> None:
         if not self.done():
             super().set_result(self._outputs)
-            ws = self._waiters  # _wake, written out (every op's completion)
-            if ws is not None:
-                self._waiters = None
-                for w in ws:
-                    if not w.done():
-                        w.set_result(None)
+            self._wake()
 
     def _fail(self, exc: BaseException) -> None:
         if not self.done():

@@ -296,10 +296,8 @@ class _Conn(asyncio.Protocol):
             return b""
         finally:
             self.server.stats_counter["requests"] += n
-        if out:  # self._write(out), written out
-            t = self.transport
-            if t is not None and not t.is_closing():
-                t.write(out[0] if len(out) == 1 else b"".join(out))
+        if out:
+            self._write(out)
         return data[pos:] if pos else data
 
     def _process(self) -> None:

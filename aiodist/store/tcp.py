@@ -656,8 +656,9 @@ class TCPStore(Store):
         await self._request(encode_set_ping(k, to_value(value)), _U32, "set", key, repeatable=False)
 
     # get and add: a ``_Call`` sent on the main connection when it is up on the running loop
-    # (the hot path, written out: every op at a time passes here), else the call as a
-    # coroutine (it reconnects, or runs when a loop runs it) made a ``Pending``, as any other.
+    # (the store layer's one fast path: tests/test_handles.py checks it against the general
+    # path), else the call as a coroutine (it reconnects, or runs when a loop runs it) made a
+    # ``Pending``, as any other.
 
     def get(self, key: str) -> Awaitable[bytes]:  # type: ignore[override]
         if type(key) is not str:
