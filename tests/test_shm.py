@@ -32,6 +32,7 @@ import pytest
 from helpers.rank_procs import run_ranks
 
 import aiodist as dist
+from aiodist._pending import Pending
 from aiodist.c10d import process_group
 from aiodist.errors import DistStoreError
 from aiodist.shm import SharedMemory, _cma
@@ -570,8 +571,9 @@ async def test_a_small_reduce_of_two_ranks_starts_eagerly_too(monkeypatch: pytes
 
 
 async def test_the_rest_of_an_eager_op_gets_what_its_task_sends_and_throws() -> None:
-    """The task that runs an eager op's rest hands the op's coroutine its first wait, then what
-    the task sends or throws in: a cancellation before the task's first step included."""
+    """The task that runs an eager op's rest on Python 3.11 (a ``Pending`` made with
+    ``started=``) hands the op's coroutine its first wait, then what the task sends or throws
+    in: a cancellation before the task's first step included."""
     loop = asyncio.get_running_loop()
     seen: list[str] = []
 
@@ -585,7 +587,7 @@ async def test_the_rest_of_an_eager_op_gets_what_its_task_sends_and_throws() -> 
 
     f, g = loop.create_future(), loop.create_future()
     coro = op(f, g)
-    task = loop.create_task(process_group._Rest(coro, coro.send(None)))
+    task = loop.create_task(Pending("op", coro, ("", 0), started=coro.send(None)))
     f.set_result(1)
     await asyncio.sleep(0)
     g.set_result(2)
@@ -593,8 +595,40 @@ async def test_the_rest_of_an_eager_op_gets_what_its_task_sends_and_throws() -> 
     assert seen == ["f=1", "g=2"]
     seen.clear()
     coro = op(loop.create_future(), g)
-    task = loop.create_task(process_group._Rest(coro, coro.send(None)))
+    task = loop.create_task(Pending("op", coro, ("", 0), started=coro.send(None)))
     task.cancel()  # before its first step (a group broken in the same stretch)
     with pytest.raises(asyncio.CancelledError):
         await task
     assert seen == ["CancelledError"]
+
+
+async def test_an_eager_start_changes_nothing_but_where_the_first_step_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The eager start is c10d's one fast path: the same program of small ops gives the same
+    outputs, Work states and flight-recorder entries with it (EAGER_S 0.5 s) as without it (a
+    negative budget: every op starts in a task); the ``eager`` count differs, and only it."""
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+
+    async def fn(rank: int) -> tuple[list[Any], list[Any], int]:
+        pg = dist.group.WORLD
+        outs: list[Any] = []
+        for i in range(12):
+            if rank == 1 and i % 3 == 0:
+                await asyncio.sleep(0.005)  # the peer waits first: an eager op can complete in its call
+                pg.ran = time.perf_counter()
+            x = np.full(2, float(rank + i), np.float32)
+            w = await dist.all_reduce(x, async_op=True)
+            await w
+            y = np.arange(2, dtype=np.float32) + rank
+            await dist.reduce(y, dst=0)
+            outs.append((x.tolist(), y.tolist(), w.is_completed(), w.is_success()))
+        entries = [(e["op"], e["seq"], e["kind"], e["state"], e["error"]) for e in pg.recorder.to_json()]
+        return outs, entries, int(pg.stats()["eager"])
+
+    seen = {}
+    for name, budget in (("eager", 0.5), ("never-eager", -1.0)):
+        monkeypatch.setattr(process_group, "EAGER_S", budget)
+        res = await run_world(2, fn, "gloo", timeout=30)
+        seen[name] = [(outs, entries) for outs, entries, _ in res]
+        eager_ops = [n for _, _, n in res]
+        assert (sum(eager_ops) > 0) if name == "eager" else eager_ops == [0, 0], (name, eager_ops)
+    assert seen["eager"] == seen["never-eager"]
