@@ -26,6 +26,7 @@ import numpy as np
 
 from aiodist.c10d.collectives import all_reduce
 from aiodist.c10d.init import GroupArg, resolve_group
+from aiodist.c10d.process_group import ProcessGroup
 from aiodist.c10d.world import NON_GROUP_MEMBER
 from aiodist.types import is_torch_tensor
 
@@ -88,7 +89,7 @@ async def average_parameters(params: Iterable[Any], process_group: GroupArg) -> 
         raise TypeError(f"average_parameters: params must be all numpy arrays or all torch tensors, got {kinds}")
 
 
-async def _average_numpy(plist: list[np.ndarray], pg: Any, n: int) -> None:
+async def _average_numpy(plist: list[np.ndarray], pg: ProcessGroup, n: int) -> None:
     for i, p in enumerate(plist):
         if p.dtype.kind not in "fc":
             raise TypeError(f"average_parameters: params[{i}] is {p.dtype}; only floating and complex parameters can be averaged")
@@ -105,7 +106,7 @@ async def _average_numpy(plist: list[np.ndarray], pg: Any, n: int) -> None:
         np.copyto(p, part.real if p.dtype.kind != "c" and part.dtype.kind == "c" else part, casting="unsafe")
 
 
-async def _average_torch(plist: list[Any], pg: Any, n: int) -> None:
+async def _average_torch(plist: list[Any], pg: ProcessGroup, n: int) -> None:
     for i, p in enumerate(plist):
         if not (p.is_floating_point() or p.is_complex()):
             raise TypeError(f"average_parameters: params[{i}] is {p.dtype}; only floating and complex parameters can be averaged")

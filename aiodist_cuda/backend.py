@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aiodist.backends.base import BackendOptions
+from aiodist.backends.base import BackendOptions, ProcessGroupLike
 from aiodist.backends.device import DeviceBackend
 from aiodist.errors import DistBackendError
 from aiodist_cuda import _cupy
@@ -108,7 +108,7 @@ class _SplitJob:
 class _Comm:
     """A group's NCCL communicator, stream, launcher thread and completion thread."""
 
-    def __init__(self, backend: NcclBackend, pg: Any, device: int, *, split: bool = False) -> None:
+    def __init__(self, backend: NcclBackend, pg: ProcessGroupLike, device: int, *, split: bool = False) -> None:
         self.backend = backend
         self.cupy, self.nccl = backend.cupy, backend.nccl
         self.group_id = pg.group_id
@@ -147,7 +147,7 @@ class _Comm:
 
     # -- making the communicator ------------------------------------------------------------------
 
-    async def _exchange(self, pg: Any) -> None:
+    async def _exchange(self, pg: ProcessGroupLike) -> None:
         """Publish this rank's device, share the unique id (group rank 0 makes it), hand it to
         the launcher thread (which makes the communicator)."""
         store = pg.store
@@ -177,7 +177,7 @@ class _Comm:
             if not isinstance(exc, Exception):
                 raise
 
-    def _check_devices(self, places: list[str], pg: Any) -> None:
+    def _check_devices(self, places: list[str], pg: ProcessGroupLike) -> None:
         if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1":
             return  # NCCL >= 2.30 lets ranks share a GPU when asked to (experimental)
         seen: dict[str, int] = {}
@@ -459,7 +459,7 @@ class NcclBackend(DeviceBackend):
 
     # -- communicators ------------------------------------------------------------------------------
 
-    def _comm(self, pg: Any, device: int) -> _Comm:
+    def _comm(self, pg: ProcessGroupLike, device: int) -> _Comm:
         c = self.comms.get(pg.group_id)
         if c is None:
             c = self.comms[pg.group_id] = _Comm(self, pg, device)
@@ -474,7 +474,7 @@ class NcclBackend(DeviceBackend):
             return self.device_id
         return int(self.cupy.cuda.runtime.getDevice())
 
-    async def connect(self, pg: Any, device_id: Any = None) -> None:
+    async def connect(self, pg: ProcessGroupLike, device_id: Any = None) -> None:
         if device_id is not None:
             self.device_id = parse_device(device_id)
         c = self._comm(pg, self._current_device())
@@ -519,7 +519,7 @@ class NcclBackend(DeviceBackend):
 
     # -- issuing ------------------------------------------------------------------------------------
 
-    async def issue(self, pg: Any, op: str, args: dict[str, Any]) -> Any:
+    async def issue(self, pg: ProcessGroupLike, op: str, args: dict[str, Any]) -> Any:
         build = BUILDERS.get(op)
         if build is None:
             raise DistBackendError(f"{op} is not supported by the NCCL backend")
@@ -529,7 +529,7 @@ class NcclBackend(DeviceBackend):
             return self._issue_p2p(pg, plan)
         return self._issue(pg, op, plan)
 
-    def _record(self, pg: Any, what: str, plan: Plan) -> tuple[_Comm, OpRecord]:
+    def _record(self, pg: ProcessGroupLike, what: str, plan: Plan) -> tuple[_Comm, OpRecord]:
         c = self._comm(pg, plan.device if plan.device is not None else self._current_device())
         cupy = self.cupy
         with cupy.cuda.Device(c.device):
@@ -537,7 +537,7 @@ class NcclBackend(DeviceBackend):
             ready.record(cupy.cuda.get_current_stream())  # the op follows the caller's stream
         return c, OpRecord(plan.launch, ready, plan.keep, what, c.device, pg.timeout_s)
 
-    def _issue(self, pg: Any, op: str, plan: Plan) -> Any:
+    def _issue(self, pg: ProcessGroupLike, op: str, plan: Plan) -> Any:
         c, rec = self._record(pg, f"{op} on {pg.describe()}", plan)
         cupy = self.cupy
         self.ops += 1
@@ -551,7 +551,7 @@ class NcclBackend(DeviceBackend):
 
         return pg.issue_device(op, body, make_work, meta=plan.meta, waiting=lambda: _waiting(c, rec))
 
-    def _issue_p2p(self, pg: Any, plan: Plan) -> list[Any]:
+    def _issue_p2p(self, pg: ProcessGroupLike, plan: Plan) -> list[Any]:
         """A batch of sends and receives: one grouped NCCL call; one Work per op of the batch,
         each resolved when the whole group call is done (NCCL completes them together)."""
         c, rec = self._record(pg, f"p2p on {pg.describe()}", plan)

@@ -16,9 +16,10 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from aiodist.backends.base import ProcessGroupLike
 from aiodist.backends.device import DeviceBackend
 from aiodist.c10d import collectives, point_to_point
-from aiodist.c10d.process_group import _STAGING
+from aiodist.c10d.process_group import _STAGING, ProcessGroup
 from aiodist.errors import DistBackendError
 from aiodist_cuda import _cupy
 
@@ -132,13 +133,14 @@ class CudaStager(DeviceBackend):
             return int(self.cupy.asarray(value).device.id)
         return None
 
-    async def issue(self, pg: Any, op: str, args: dict[str, Any]) -> Any:
+    async def issue(self, pg: ProcessGroupLike, op: str, args: dict[str, Any]) -> Any:
         if op == "barrier":
             raise DistBackendError("barrier takes no arrays; it is never staged")
         values: Sequence[Any] = [o["tensor"] for o in args["ops"]] if op == "p2p" else list(args.values())
         device = self._device(list(values))
         if device is None:
             raise DistBackendError(f"{op}: nothing to stage")
+        assert isinstance(pg, ProcessGroup)  # a stager issues the op again on c10d's own group
         if op == "p2p":
             return await self._issue_p2p(pg, args["ops"], device)
         st = self._staging(device)
@@ -158,7 +160,7 @@ class CudaStager(DeviceBackend):
         work._outputs = [args[k] for k in outputs]
         return work
 
-    async def _issue_p2p(self, pg: Any, ops: list[dict[str, Any]], device: int) -> list[Any]:
+    async def _issue_p2p(self, pg: ProcessGroup, ops: list[dict[str, Any]], device: int) -> list[Any]:
         """Each op of the batch on its own host twin, issued one after another in this step (on
         the CPU backend every op of a batch is in flight at once either way)."""
         works = []

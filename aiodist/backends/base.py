@@ -27,7 +27,7 @@ import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -36,7 +36,54 @@ from aiodist.algorithms.p2p import P2P
 from aiodist.errors import DistBackendError
 from aiodist.store.base import Store
 
-__all__ = ["CommBackend", "BackendOptions", "P2P_SEQ"]
+if TYPE_CHECKING:
+    from aiodist.algorithms.thresholds import Thresholds
+
+__all__ = ["CommBackend", "BackendOptions", "P2P_SEQ", "ProcessGroupLike"]
+
+
+class ProcessGroupLike(Protocol):
+    """What a backend may use of a group it serves: the seam from the backends (the routes, the
+    device backends, ``aiodist_cuda``) up to c10d's ``ProcessGroup``, which implements it (mypy
+    checks that, in ``aiodist.c10d.process_group``). A backend that needs more of the group adds
+    it here, so the contract stays written down."""
+
+    @property
+    def group_id(self) -> int: ...
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The group's global ranks, in group-rank order."""
+
+    @property
+    def timeout_s(self) -> float: ...
+    @property
+    def thresholds(self) -> Thresholds:
+        """The group's size rules (the same on every rank)."""
+
+    @property
+    def host_refusal(self) -> str | None:
+        """Why CPU arrays are refused (a World with no CPU backend), else None."""
+
+    @property
+    def store(self) -> Store | None: ...
+    @property
+    def backend(self) -> CommBackend: ...
+    @property
+    def devices(self) -> dict[str, Any]:
+        """Device type -> the World's device backend for it (shared by every group)."""
+
+    def rank(self) -> int: ...
+    def size(self) -> int: ...
+    def describe(self) -> str:
+        """How errors name the group: ``"group 3 (id 3, ranks [0, 1])"``."""
+
+    def check_usable(self) -> None:
+        """Raise the group's error if it is broken or destroyed."""
+
+    def issue_device(
+        self, op: str, body: Any, make_work: Any, *, meta: dict[str, Any] | None = None, waiting: Any = None, p2p: bool = False
+    ) -> Any:
+        """Start a device backend's op under the group's numbering, timeout and failure rules."""
 
 
 class CommBackend(abc.ABC):

@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from aiodist.backends.base import ProcessGroupLike
+
 __all__ = ["DeviceBackend", "device_type", "register_stager", "stager_for", "STAGERS"]
 
 
@@ -44,11 +46,11 @@ class DeviceBackend(abc.ABC):
         self.world_size = world_size
 
     @abc.abstractmethod
-    async def issue(self, pg: Any, op: str, args: dict[str, Any]) -> Any:
+    async def issue(self, pg: ProcessGroupLike, op: str, args: dict[str, Any]) -> Any:
         """Check ``args``, issue ``op`` on group ``pg`` (sequence number taken before the first
         suspension) and return its ``Work``. Unknown ops: ``DistBackendError`` naming the op."""
 
-    async def connect(self, pg: Any, device_id: Any = None) -> None:  # noqa: B027 - optional
+    async def connect(self, pg: ProcessGroupLike, device_id: Any = None) -> None:  # noqa: B027 - optional
         """Make ``pg``'s communicator now, on ``device_id`` where given
         (``init_process_group(device_id=...)``'s eager mode)."""
 

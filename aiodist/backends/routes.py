@@ -32,6 +32,7 @@ import numpy as np
 from aiodist.algorithms import collectives as alg
 from aiodist.algorithms.p2p import P2P
 from aiodist.algorithms.plan import Plan, plan
+from aiodist.backends.base import ProcessGroupLike
 from aiodist.shm import (
     Into,
     Ticket,
@@ -58,7 +59,7 @@ class Issuer(Protocol[W]):
     def issue(self, *args: Any, **kwargs: Any) -> W: ...
 
 
-def route(pg: Any, op: str, nbytes: int, *, part: int = 0, planned: Plan | None = None) -> Route:
+def route(pg: ProcessGroupLike, op: str, nbytes: int, *, part: int = 0, planned: Plan | None = None) -> Route:
     """The route of ``op`` of ``nbytes`` (an all_gather's or reduce_scatter's total; ``part``
     its largest part) in group ``pg``: its plan (``planned`` where the caller kept it from an
     earlier call of the same shape) and, where that plan uses shared memory and the backend has

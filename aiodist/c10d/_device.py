@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from aiodist.backends.base import ProcessGroupLike
 from aiodist.backends.device import DeviceBackend, device_type, first_array, stager_for
 from aiodist.c10d.backend_registry import load_plugin
 from aiodist.c10d.work import Work
@@ -16,7 +17,7 @@ from aiodist.c10d.world import current_world
 __all__ = ["device_backend", "issue_on_device"]
 
 
-def device_backend(pg: Any, value: object, what: str) -> DeviceBackend | None:
+def device_backend(pg: ProcessGroupLike, value: object, what: str) -> DeviceBackend | None:
     """None for host arrays (the CPU path); else the backend that takes ``value``'s device."""
     x = first_array(value)
     if type(x) is np.ndarray:  # the hot path: one type check
@@ -30,7 +31,7 @@ def device_backend(pg: Any, value: object, what: str) -> DeviceBackend | None:
     return _stager(pg, kind, what)
 
 
-def _stager(pg: Any, kind: str, what: str) -> DeviceBackend:
+def _stager(pg: ProcessGroupLike, kind: str, what: str) -> DeviceBackend:
     if pg.host_refusal is None:
         factory = stager_for(kind)
         if factory is None and load_plugin("aiodist.devices", kind):
@@ -47,7 +48,7 @@ def _stager(pg: Any, kind: str, what: str) -> DeviceBackend:
     )
 
 
-async def issue_on_device(dev: DeviceBackend, pg: Any, op: str, args: dict[str, Any], async_op: bool) -> Work | None:
+async def issue_on_device(dev: DeviceBackend, pg: ProcessGroupLike, op: str, args: dict[str, Any], async_op: bool) -> Work | None:
     """Issue ``op`` through ``dev`` and finish it as the public call does (Work or None)."""
     work: Work = await dev.issue(pg, op, args)
     if async_op:

@@ -108,7 +108,7 @@ _ALL_REDUCE = "all_reduce"
 _HOT_MAX = 256
 
 
-def _keep(pg: Any, key: tuple[Any, ...], value: tuple[Any, ...]) -> None:
+def _keep(pg: ProcessGroup, key: tuple[Any, ...], value: tuple[Any, ...]) -> None:
     """Keep what a call's checks found for the next call like it (``pg.hot``, bounded)."""
     if len(pg.hot) < _HOT_MAX:
         pg.hot[key] = value
@@ -330,7 +330,7 @@ async def _all_gather_one(op: str, output_tensor: Any, input_tensor: Any, group:
 
 
 def _root_list(
-    pg: Any, root: int, tensors: Sequence[Any] | None, own: Buffer, op: str, name: str, role: str, *, writable: bool
+    pg: ProcessGroup, root: int, tensors: Sequence[Any] | None, own: Buffer, op: str, name: str, role: str, *, writable: bool
 ) -> list[np.ndarray] | None:
     """gather's ``gather_list`` / scatter's ``scatter_list``: on the root, one tensor per rank of
     ``own``'s dtype, the root's own the size of ``own``; elsewhere absent (None or empty), as in torch."""

@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiodist._digest import op_digest
 from aiodist._instrument.levels import DebugLevel, get_debug_level
@@ -34,7 +34,7 @@ from aiodist._instrument.recorder import Entry, FlightRecorder, _freeze
 from aiodist._pending import Pending
 from aiodist.algorithms.p2p import P2P
 from aiodist.algorithms.thresholds import Thresholds, current
-from aiodist.backends.base import CommBackend
+from aiodist.backends.base import CommBackend, ProcessGroupLike
 from aiodist.c10d._runner import DeviceTracker, PeerOps, Tracker, break_group, run
 from aiodist.c10d._runner import TrackedP2P as _Tracked
 from aiodist.c10d.work import Work
@@ -441,3 +441,9 @@ class ProcessGroup:
                 log.warning("rank %d: releasing %s on %s: %s", self.backend.rank, self.describe(), getattr(dev, "name", dev), exc)
         await self.backend.release_group(self.group_id)  # e.g. the socket backend's shared segments
         self._log_summary()
+
+
+if TYPE_CHECKING:
+
+    def _implements(pg: ProcessGroup) -> ProcessGroupLike:
+        return pg  # mypy checks ProcessGroup against the backends' contract (aiodist.backends.base)

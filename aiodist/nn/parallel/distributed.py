@@ -53,7 +53,7 @@ from typing import Any, cast
 import torch
 import torch._dynamo  # noqa: F401  # torch's optimizers import it on first use (1-2 s): here, before the event loop runs, not as a blocked loop
 
-from aiodist.c10d import all_gather_object, broadcast, get_backend, get_rank, get_world_size
+from aiodist.c10d import ProcessGroup, all_gather_object, broadcast, get_backend, get_rank, get_world_size
 from aiodist.debug import DebugLevel, get_debug_level, record_comm
 from aiodist.nn.parallel.reducer import Reducer
 
@@ -124,7 +124,7 @@ def _broadcast_groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(by_dtype.values())
 
 
-async def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: Any) -> None:
+async def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: ProcessGroup | int | None) -> None:
     """Broadcast ``tensors`` from group rank ``src`` in place: one flat broadcast per dtype,
     issued together, then copied back (torch's ``_broadcast_coalesced``)."""
     pending = []
@@ -188,7 +188,7 @@ class DistributedDataParallel(torch.nn.Module):
         dim: int = 0,
         broadcast_buffers: bool = True,
         init_sync: bool = True,
-        process_group: Any = None,
+        process_group: ProcessGroup | int | None = None,
         bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
         check_reduction: bool = False,

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from aiodist._pending import Pending
-from aiodist.c10d import all_reduce, all_reduce_into, get_world_size
+from aiodist.c10d import ProcessGroup, all_reduce, all_reduce_into, get_world_size
 from aiodist.debug import record_comm
 from aiodist.nn.parallel._buckets import assign_buckets, bucket_limits, reverse_order
 from aiodist.types import ReduceOp, is_torch_tensor
@@ -236,7 +236,7 @@ class Reducer:
         self,
         params: Sequence[Any],
         *,
-        process_group: Any = None,
+        process_group: ProcessGroup | int | None = None,
         bucket_cap_mb: float | None = None,
         names: Sequence[str] | None = None,
         find_unused_parameters: bool = False,
