@@ -76,7 +76,7 @@ class Channel:
         return self.transport.op_name((self.group_id, self.seq, 0))
 
     def check_peer(self, peer: int) -> None:
-        self.transport.check_op((self.group_id, self.seq, 0), self.ranks[peer])
+        self.transport.check_peer(self.ranks[peer], self.group_id, self.seq)
 
     def abort_group(self, reason: str) -> DistBackendError:
         return self.transport.abort_op((self.group_id, self.seq, 0), reason)

@@ -198,11 +198,10 @@ class Transport:
         # group's name, its size) of this rank's own collectives, and (digest, source, length)
         # of a message that came before its op
         self._book = DigestBook(_DIGESTS_KEPT)  # the collective ops' digests (sans-I/O: _digests.py)
-        self._standing = Standing()  # lost peers, broken groups and their errors (sans-I/O: _standing.py)
+        self._standing = Standing(rank)  # lost peers, broken groups and their errors (sans-I/O: _standing.py)
         self._self_staged = 0
         self._held: set[Connection] = set()  # connections holding a DATA header (reading paused)
         self._retry_soon = False
-        self._closed = False
         self._bytes_lost = [0, 0]  # bytes in/out of connections already gone
         self.handshake_timeouts = 0  # accepted connections closed for sending no HELLO in time
         self.handshake_refusals = 0  # ... closed for breaking the protocol before a HELLO
@@ -400,10 +399,15 @@ class Transport:
 
     # -- what an op's Channel asks for shared memory (its OpLink side, aiodist.shm._link) ----
 
-    def check_op(self, key: Key, peer: int) -> None:
-        """Raise what a message of op ``key`` from global rank ``peer`` would: the transport is
-        closed, the op's group was aborted, or ``peer`` died or left."""
-        self._check_usable(key, peer)
+    def check_peer(self, peer: int | None, group: int, seq: int = 0) -> None:
+        """Whether op ``seq`` of group ``group`` can still go on with global rank ``peer`` (None:
+        the group alone): returns where it can, else raises what a message of that op from
+        ``peer`` would meet, in this order: the transport is closed (``DistBackendError``), the
+        group was aborted (``DistBackendError`` with its reason: an ``abort``, a peer's ABORT,
+        a desync), ``peer`` died or left (``DistNetworkError`` with its sentence). It does not
+        suspend; shared memory and the runner ask it (through ``Channel.check_peer``) while they
+        wait on a peer outside the sockets."""
+        self._standing.usable((group, seq, 0), peer)
 
     def abort_op(self, key: Key, reason: str) -> DistBackendError:
         """Abort op ``key``'s group now, on every rank (``abort``'s work, which does not suspend),
@@ -443,7 +447,7 @@ class Transport:
         view = byte_view(buf)
         self._check_peer(dst)
         key = (group, seq, tag)
-        self._check_usable(key, dst)
+        self._standing.usable(key, dst)
         if view.nbytes > self.limits.max_payload_bytes:
             raise ValueError(
                 f"rank {self.rank}: a {view.nbytes}-byte message ({describe_key(key)}) is over the limit of "
@@ -512,7 +516,7 @@ class Transport:
         view = byte_view(buf)
         self._check_peer(dst)
         key = (group, seq, tag)
-        self._check_usable(key, dst)
+        self._standing.usable(key, dst)
         if dst == self.rank or view.nbytes > min(self.limits.max_payload_bytes, _NOWAIT_MAX_BYTES):
             return False
         if self._splits(dst, view.nbytes, seq):
@@ -534,7 +538,7 @@ class Transport:
         key = (group, seq, tag)
         if src is not None:
             self._check_peer(src)
-        self._check_usable(key, None)
+        self._standing.usable(key, None)
         if src is None and self._striping and dst.nbytes >= self.stripe_min_bytes and seq != P2P_SEQ:
             raise ValueError(
                 f"rank {self.rank}: an any-source receive of a {dst.nbytes}-byte collective message ({describe_key(key)}) cannot be "
@@ -597,7 +601,7 @@ class Transport:
         first = group_id not in self._standing.aborted  # a peer's ABORT came first: that peer told everyone
         self._abort_now(group_id, reason)
         todo = [r for r in ranks if first and r != self.rank and r not in self._send_conn and r not in self._standing.dead]
-        if todo and not self._closed:
+        if todo and not self._standing.closed:
             frame = abort_frame(self.rank, group_id, 0, reason)
 
             async def tell(peer: int) -> None:
@@ -619,9 +623,9 @@ class Transport:
     async def close(self) -> None:
         """Say GOODBYE to every peer, close every connection and listener, fail what is pending.
         Idempotent; waits at most a couple of seconds for sockets to finish closing."""
-        if self._closed:
+        if self._standing.closed:
             return
-        self._closed = True
+        self._standing.closed = True
         for closes in (self._late, self._broken):
             if closes.report is not None:  # closes not reported yet: said now, below WARNING (one per period)
                 closes.report.cancel()
@@ -658,7 +662,7 @@ class Transport:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._standing.closed
 
     def stats(self) -> dict[str, Any]:
         conns: list[dict[str, Any]] = [
@@ -693,7 +697,7 @@ class Transport:
             "pending_receives": self._mailbox.pending,
             "dead_peers": sorted(self._standing.dead),
             "aborted_groups": sorted(self._standing.aborted),
-            "closed": self._closed,
+            "closed": self._standing.closed,
         }
 
     # -- checks ----------------------------------------------------------------------------
@@ -701,11 +705,6 @@ class Transport:
     def _check_peer(self, peer: int) -> None:
         if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < self.world_size:
             raise ValueError(f"rank {self.rank}: peer {peer!r} is not a rank of a world of {self.world_size}")
-
-    def _check_usable(self, key: Key, peer: int | None) -> None:
-        if self._closed:
-            raise DistBackendError(f"rank {self.rank}: the transport is closed ({describe_key(key)})")
-        self._standing.check(key[0], peer)
 
     def _gone(self, peer: int) -> bool:
         """Nothing more can come from ``peer``: it died or left, and its last connection closed."""
@@ -746,7 +745,7 @@ class Transport:
             return conn
         if peer in self._standing.dead:
             raise self._standing.dead[peer]
-        if self._closed:
+        if self._standing.closed:
             raise DistBackendError(f"rank {self.rank}: the transport is closed")
         task = dialing.get(k)
         if task is None:
@@ -779,14 +778,20 @@ class Transport:
         """A receive from ``peer`` waits: make sure a connection exists soon, so that the peer's
         death fails the receive. After a short grace, since the peer's send usually dials first
         (one connection instead of two)."""
-        if peer in self._send_conn or peer in self._dialing or peer in self._standing.dead or self._closed or peer in self._watching:
+        if (
+            peer in self._send_conn
+            or peer in self._dialing
+            or peer in self._standing.dead
+            or self._standing.closed
+            or peer in self._watching
+        ):
             return
         task = self._watching[peer] = asyncio.get_running_loop().create_task(self._watch(peer))
         task.add_done_callback(functools.partial(self._watch_done, peer))
 
     async def _watch(self, peer: int) -> None:
         await asyncio.sleep(_DIAL_GRACE)
-        if peer in self._send_conn or peer in self._standing.dead or self._closed:
+        if peer in self._send_conn or peer in self._standing.dead or self._standing.closed:
             return
         try:
             async with asyncio.timeout(self.timeout):
@@ -942,7 +947,7 @@ class Transport:
             return f"dialed rank {dialed}, but rank {hello.rank} answered (stale address in the store?)"
         if hello.rank == self.rank:
             return f"a connection from this rank ({hello.rank}) itself"
-        if self._closed:
+        if self._standing.closed:
             return "this transport is closed"
         return None
 
@@ -951,7 +956,7 @@ class Transport:
         closes.why = closes.why or why
         if len(closes.peers) < 3:
             closes.peers.append(f"{conn.kind} {conn.peername!r}" if conn.peername else conn.kind)
-        if closes.report is None and not self._closed:
+        if closes.report is None and not self._standing.closed:
             loop = asyncio.get_running_loop()
             delay = max(_HANDSHAKE_COALESCE_S, closes.said + _HANDSHAKE_WARN_EVERY_S - loop.time())
             closes.report = loop.call_later(delay, self._report_unheard, closes, logging.WARNING)
@@ -1001,7 +1006,7 @@ class Transport:
         self._bytes_lost[0] += conn.bytes_in
         self._bytes_lost[1] += conn.bytes_out
         peer = conn.peer
-        if peer is None or self._closed:
+        if peer is None or self._standing.closed:
             if current is not None and not current.fut.done():
                 current.fut.set_exception(err)
             return
@@ -1011,7 +1016,9 @@ class Transport:
             del self._lane_conn[(peer, conn.lane)]
         dead = err if isinstance(err, DistNetworkError) else DistNetworkError(str(err))
         if not dead.culprits:
-            dead.culprits = {peer: "lost its connection: " + ("it left" if conn.goodbye else "closed it without GOODBYE (its process ended or crashed)")}
+            dead.culprits = {
+                peer: "lost its connection: " + ("it left" if conn.goodbye else "closed it without GOODBYE (its process ended or crashed)")
+            }
         if self._standing.lose(peer, dead):  # said once per peer, not once per connection to it
             log.log(logging.INFO if conn.goodbye else logging.WARNING, "%s", dead)
         # the receives' errors are the peer's sentence: the op that reads one names itself
