@@ -8,14 +8,19 @@ The parts, each with its own rules in its module docstring:
 - ``Inbox`` (``_inbox.py``): receiving, matching, staging, sends to self (no socket);
 - ``Standing`` (``_standing.py``): closed or not, lost peers, broken groups and their errors;
 - ``DigestBook`` (``_digests.py``): the collective ops' digests and the desync sentence;
+- ``exchange`` (``_exchange.py``): the start-up address exchange and the lanes' agreement;
+- ``refusal`` and ``Tallies`` (``_handshake.py``): a HELLO's verdict, and the accepted
+  connections closed before their HELLO, counted and summed up in warnings;
 - ``Connection`` (``_connection.py``): one socket, reporting to this façade as its
   ``ConnectionOwner``.
 
 Seams: ``lines`` and ``inbox`` are public attributes, and the per-message callers (``Channel``,
 the socket backend's p2p) call them directly: this façade's ``send``/``recv`` are for the
 others, and a connection's two per-frame calls (``on_header``/``on_payload``) are the inbox's
-own bound methods. The parts share the ``Standing`` and reach one another through the few
-calls named in their constructors; none reaches into this façade.
+own bound methods. The parts share the ``Standing`` and reach one another through what their
+constructors are given (the inbox sees the dialer only as its ``Route`` protocol); none reaches
+into this façade but through ``ConnectionOwner`` (which the dialer hands the connections it
+opens) and the desync call the inbox is given.
 
 Rules this module keeps:
 - Addresses: each rank listens on TCP port 0 on every interface and, on Linux, on an abstract
@@ -57,8 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from aiodist import _startup
-from aiodist.errors import DistBackendError, DistError, DistNetworkError, DistTimeoutError
+from aiodist.errors import DistBackendError, DistNetworkError, DistTimeoutError
 from aiodist.knobs import knob
 from aiodist.store.base import Store
 from aiodist.transport._address import PeerAddress, address_key, host_id, listen_tcp, unix_name
@@ -66,6 +70,8 @@ from aiodist.transport._channel import Channel
 from aiodist.transport._connection import Connection
 from aiodist.transport._dialer import Dialer
 from aiodist.transport._digests import DigestBook
+from aiodist.transport._exchange import exchange
+from aiodist.transport._handshake import Tallies, refusal
 from aiodist.transport._ifaces import Advertised, choose
 from aiodist.transport._inbox import Inbox
 from aiodist.transport._landing import Landing
@@ -81,11 +87,8 @@ log = logging.getLogger("aiodist.transport")
 _CLOSE_WAIT = 2.0  # seconds close() waits for connections to finish closing
 _ABORT_DIAL_S = 2.0  # abort: how long a dial to a peer not yet connected may take
 _DIGESTS_KEPT = 4096  # per group: a collective digest is kept until its op is this many seqs old
-_DIAGNOSE_S = 5.0  # how long a failed exchange() may spend finding the ranks it waited for
 LISTEN_BACKLOG = 1024  # each listener's accept queue (the kernel caps it at net.core.somaxconn)
 HANDSHAKE_TIMEOUT_S = knob("AIODIST_HANDSHAKE_TIMEOUT").number({})  # an accepted connection must complete its HELLO this soon
-_HANDSHAKE_WARN_EVERY_S = 10.0  # at most one warning this often about connections closed for want of a HELLO ...
-_HANDSHAKE_COALESCE_S = 0.5  # ... each summing up those closed within this long of the first
 STRIPE_MIN_BYTES = knob("AIODIST_STRIPE_MIN_BYTES").whole({})  # collective messages this big are split across the lanes
 
 
@@ -99,19 +102,6 @@ def _handshake_timeout(given: float | None) -> float:
     if not 0 < given < float("inf"):
         raise ValueError(f"the handshake timeout (AIODIST_HANDSHAKE_TIMEOUT) must be a finite number of seconds > 0, got {given!r}")
     return float(given)
-
-
-class _Unheard:
-    """Accepted connections closed before their HELLO for one reason, not reported yet."""
-
-    __slots__ = ("count", "peers", "why", "report", "said")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.peers: list[str] = []  # a few of their peers' addresses, for the report
-        self.why = ""  # the first reason since the last report
-        self.report: asyncio.TimerHandle | None = None
-        self.said = -float("inf")  # when the last report was logged (loop time)
 
 
 class Transport:
@@ -162,10 +152,7 @@ class Transport:
         self.on_header = self.inbox.on_header  # the connections' two per-frame calls, bound to the inbox itself
         self.on_payload = self.inbox.on_payload
         self._bytes_lost = [0, 0]  # bytes in/out of connections already gone
-        self.handshake_timeouts = 0  # accepted connections closed for sending no HELLO in time
-        self.handshake_refusals = 0  # ... closed for breaking the protocol before a HELLO
-        self._late = _Unheard()  # the former, not reported yet
-        self._broken = _Unheard()  # the latter
+        self.handshakes = Tallies(rank, self.handshake_timeout, self._standing)  # connections closed before their HELLO
 
     @classmethod
     async def start(
@@ -237,83 +224,12 @@ class Transport:
 
     async def exchange(self, timeout: float) -> None:
         """Wait (up to ``timeout`` s) until every rank has published its address, and agree on
-        the lanes: striping needs both ends of a pair to split a message alike, so every rank
-        must have as many lanes (and, with several, the same split size) as every other. A
-        mismatch fails on every rank, naming the ranks and their interface lists.
-
-        Every rank counts itself in under its own lane configuration, in a round of its own
-        (a store reused by a later init counts afresh). Where all ranks have one lane, that is
-        all: a few store calls per rank. Otherwise (or on a mismatch, to name the ranks) every
-        rank reads every rank's address: striping needs each peer's host id."""
-        store, world = self.store, self.world_size
-        mine = f"{self.lanes}" if self.lanes == 1 else f"{self.lanes}x{self.stripe_min_bytes}"
-        base = "aiodist/transport/config/"
-        joined = await store.add(base + "joined", 1)
-        rnd = (joined - 1) // world
-        await store.add(f"{base}{rnd}/lanes/{mine}", 1)
-        if (await store.add(f"{base}{rnd}/counted", 1)) == world:
-            await store.set(f"{base}{rnd}/all", "1")
-        keys = [address_key(r) for r in range(world)]
-        who, there = _startup.who(f"rank {self.rank}"), _startup.where(store)
-
-        async def progress(elapsed: float) -> str:
-            if world > 4096:  # too many to ask one by one every few seconds: count them
-                n = await store.add(f"{base}{rnd}/counted", 0)
-                return f"{who} waiting for {world - n} ranks to publish their transport addresses in {there} ({n}/{world} counted in, {_startup.waited(elapsed, timeout)})"
-            have = await asyncio.gather(*(store.check([k]) for k in keys))
-            missing = [r for r, ok in enumerate(have) if not ok]
-            return (
-                f"{who} waiting for ranks {_startup.ranks(missing)} to publish their transport addresses in {there} "
-                f"({world - len(missing)}/{world} published, {_startup.waited(elapsed, timeout)})"
-            )
-
-        def unknown(elapsed: float, exc: BaseException) -> str:
-            return (
-                f"{who} waiting for every rank's transport address in {there} ({_startup.waited(elapsed, timeout)}; "
-                f"the store did not say which ranks are missing: {exc!r})"
-            )
-
-        try:
-            async with _startup.warn_while(progress, unknown, log):
-                await store.wait([f"{base}{rnd}/all"], timeout)
-        except TimeoutError:
-            try:
-                async with asyncio.timeout(_DIAGNOSE_S):  # naming the absent ranks is best effort
-                    missing = [r for r in range(world) if not await store.check([keys[r]])]
-                    counted = await store.add(f"{base}{rnd}/counted", 0)
-                who = f"ranks {missing}" if missing else f"{world - counted} of {world} ranks"
-            except (TimeoutError, DistError):
-                who = "some ranks (the store did not say which)"
-            raise DistTimeoutError(
-                f"rank {self.rank}: timeout after {timeout:g} s waiting for the transport addresses of {who} "
-                f"(have they started? is world_size={world} right?)"
-            ) from None
-        if self.lanes == 1 and await store.add(f"{base}{rnd}/lanes/{mine}", 0) == world:
-            return  # one lane everywhere: nothing to split, addresses are read when dialing
-        addrs = [PeerAddress.decode(raw) for raw in await store.multi_get(keys)]
-        by_count: dict[int, list[int]] = {}
-        for a in addrs:
-            by_count.setdefault(len(a.lanes), []).append(a.rank)
-        if len(by_count) > 1:
-            parts = []
-            for count, ranks in sorted(by_count.items()):
-                named = sorted({addrs[r].ifnames for r in ranks})
-                lists = " or ".join(str(list(n)) if n else "(none named)" for n in named)
-                parts.append(f"{count} ({lists}): ranks {ranks}")
-            raise DistNetworkError(
-                f"rank {self.rank}: ranks name different numbers of network interfaces (AIODIST_SOCKET_IFNAME / GLOO_SOCKET_IFNAME): "
-                f"{'; '.join(parts)}. Every rank must name the same number of interfaces"
-            )
-        by_min: dict[int, list[int]] = {}
-        for a in addrs:
-            by_min.setdefault(a.stripe_min, []).append(a.rank)
-        if len(by_min) > 1:
-            sizes = "; ".join(f"{m} bytes: ranks {ranks}" for m, ranks in sorted(by_min.items()))
-            raise DistNetworkError(
-                f"rank {self.rank}: ranks split messages across interfaces from different sizes (AIODIST_STRIPE_MIN_BYTES): {sizes}. "
-                "Every rank must use the same value"
-            )
-        self.dialer.set_peers(addrs)
+        the lanes: every rank must have as many lanes (and, with several, the same split size)
+        as every other, else every rank fails naming the ranks and their interface lists
+        (``aiodist.transport._exchange``)."""
+        addrs = await exchange(self.store, self.rank, self.world_size, self.lanes, self.stripe_min_bytes, timeout)
+        if addrs is not None:
+            self.dialer.set_peers(addrs)
 
     def striped(self, peer: int) -> bool:
         """Messages to and from ``peer`` are split across the lanes: several interfaces are named,
@@ -451,10 +367,7 @@ class Transport:
         if self._standing.closed:
             return
         self._standing.closed = True
-        for closes in (self._late, self._broken):
-            if closes.report is not None:  # closes not reported yet: said now, below WARNING (one per period)
-                closes.report.cancel()
-                self._report_unheard(closes, logging.INFO)
+        self.handshakes.flush()  # closes not reported yet: said now, below WARNING (one per period)
         tasks = self.dialer.stop()
         err = DistBackendError(f"rank {self.rank}: the transport was closed")
         self.inbox.fail(lambda r: True, lambda r: err)
@@ -511,8 +424,8 @@ class Transport:
             "staged_messages": self.inbox.mailbox.staged_messages,
             "staged_total": self.inbox.staged_total,
             "held_connections": len(self.inbox.held),
-            "handshake_timeouts": self.handshake_timeouts,
-            "handshake_refusals": self.handshake_refusals,
+            "handshake_timeouts": self.handshakes.timeouts,
+            "handshake_refusals": self.handshakes.refusals,
             "pending_receives": self.inbox.mailbox.pending,
             "dead_peers": sorted(self._standing.dead),
             "aborted_groups": sorted(self._standing.aborted),
@@ -535,7 +448,7 @@ class Transport:
         self._conns.add(conn)
 
     def on_hello(self, conn: Connection, hello: Hello, lane: int) -> str | None:
-        why = self._check_hello(hello, conn.dialed_peer)
+        why = refusal(self.hello, hello, conn.dialed_peer, self._standing.closed)
         if why is None and conn.dialed_peer is None and not 0 <= lane < self.lanes:
             why = f"rank {hello.rank} dialed lane {lane}, but this rank has {self.lanes} (one per interface named)"
         if why is None:
@@ -543,68 +456,12 @@ class Transport:
         return why
 
     def on_unheard(self, conn: Connection, why: str | None) -> None:
-        """Accepted ``conn`` was closed before its HELLO: for sending none in time (``why`` None)
-        or for breaking the protocol (garbage, another protocol, a bad header, half a frame then
-        EOF). Counted, and such closes summed up in one warning at most every
-        ``_HANDSHAKE_WARN_EVERY_S`` (a flood of idle connections must not flood the log)."""
-        if why is None:
-            self.handshake_timeouts += 1
-            self._unheard(self._late, conn, "")
-        else:
-            self.handshake_refusals += 1
-            self._unheard(self._broken, conn, why)
+        """Accepted ``conn`` was closed before its HELLO (``why``: the protocol broken; None: no
+        HELLO in time): counted and summed up (``aiodist.transport._handshake``)."""
+        self.handshakes.unheard(conn, why)
 
     def on_abort(self, header: FrameHeader, reason: str) -> None:
         self._abort_local(header.group, f"the failure started on rank {header.source}, which broke group {header.group}: {reason}")
-
-    def _check_hello(self, hello: Hello, dialed: int | None) -> str | None:
-        """Why a peer's HELLO is refused, or None."""
-        if hello.token != self.hello.token:
-            return f"rank {hello.rank} of another job (job token mismatch): two jobs on one host must not cross"
-        if hello.world_size != self.world_size:
-            return f"rank {hello.rank} says the world size is {hello.world_size}, here it is {self.world_size}"
-        if dialed is not None and hello.rank != dialed:
-            return f"dialed rank {dialed}, but rank {hello.rank} answered (stale address in the store?)"
-        if hello.rank == self.rank:
-            return f"a connection from this rank ({hello.rank}) itself"
-        if self._standing.closed:
-            return "this transport is closed"
-        return None
-
-    def _unheard(self, closes: _Unheard, conn: Connection, why: str) -> None:
-        closes.count += 1
-        closes.why = closes.why or why
-        if len(closes.peers) < 3:
-            closes.peers.append(f"{conn.kind} {conn.peername!r}" if conn.peername else conn.kind)
-        if closes.report is None and not self._standing.closed:
-            loop = asyncio.get_running_loop()
-            delay = max(_HANDSHAKE_COALESCE_S, closes.said + _HANDSHAKE_WARN_EVERY_S - loop.time())
-            closes.report = loop.call_later(delay, self._report_unheard, closes, logging.WARNING)
-
-    def _report_unheard(self, closes: _Unheard, level: int) -> None:
-        n, peers, why = closes.count, closes.peers, closes.why
-        closes.count, closes.peers, closes.why, closes.report = 0, [], "", None
-        closes.said = asyncio.get_running_loop().time()
-        if not n:
-            return
-        if closes is self._late:
-            what = f"sent no HELLO within {self.handshake_timeout:g} s (AIODIST_HANDSHAKE_TIMEOUT; not an aiodist rank of this job, or one that stalled while connecting)"
-            total = self.handshake_timeouts
-        else:
-            what = f"broke the protocol before their HELLO (not an aiodist rank; the first: {why})"
-            total = self.handshake_refusals
-        log.log(
-            level,
-            "rank %d: closed %d connection%s to its transport listeners that %s; from %s%s; %d so far, at most one such warning every %g s",
-            self.rank,
-            n,
-            "" if n == 1 else "s",
-            what,
-            ", ".join(peers),
-            ", ..." if n > len(peers) else "",
-            total,
-            _HANDSHAKE_WARN_EVERY_S,
-        )
 
     def on_lost(self, conn: Connection, err: BaseException, current: PostedRecv | None) -> None:
         self._conns.discard(conn)
