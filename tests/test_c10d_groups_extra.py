@@ -225,7 +225,7 @@ async def test_device_id_connects_eagerly() -> None:
                 pg = dist.group.WORLD
                 assert pg is not None
                 transport = pg.backend.transport  # type: ignore[attr-defined]
-                connected = len(transport._send_conn)
+                connected = len(transport.dialer.send_conn)
                 x = np.ones(1)
                 await dist.all_reduce(x)
                 assert x[0] == 3

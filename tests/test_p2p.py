@@ -205,7 +205,7 @@ async def test_sends_issued_as_the_connection_comes_up_do_not_overtake() -> None
             assert pg is not None
             transport = pg.backend.transport  # type: ignore[attr-defined]
             works = [await dist.isend(np.array([float(i)]), dst=1) for i in range(k)]
-            await until(lambda: 1 in transport._send_conn, "the connection to rank 1", interval_s=0)
+            await until(lambda: 1 in transport.dialer.send_conn, "the connection to rank 1", interval_s=0)
             works += [await dist.isend(np.array([float(i)]), dst=1) for i in range(k, 2 * k)]
             await asyncio.gather(*works)
         else:

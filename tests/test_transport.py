@@ -470,6 +470,30 @@ async def test_abort_propagates_to_peers() -> None:
         assert (out == 1).all()
 
 
+async def test_check_peer_says_alive_aborted_lost_closed() -> None:
+    """``Transport.check_peer``, the public liveness check (what ``Channel.check_peer`` answers
+    shared memory and the runner): nothing for a live peer in a live group; the group's abort;
+    the peer's loss once it left; the closed transport first of all."""
+    async with world(3) as ts:
+        await ts[0].connect()
+        ts[0].check_peer(1, 8, 3)
+        ts[0].check_peer(None, 8)
+        await ts[0].abort(7, "boom")
+        with pytest.raises(DistBackendError, match="rank 0 broke group 7: boom"):
+            ts[0].check_peer(1, 7)
+        await until(lambda: 7 in ts[1].stats()["aborted_groups"], "the ABORT to reach rank 1")
+        with pytest.raises(DistBackendError, match="the failure started on rank 0"):
+            ts[1].check_peer(None, 7)
+        await ts[2].close()
+        await until(lambda: 2 in ts[0].stats()["dead_peers"], "rank 0 to see rank 2 leave")
+        with pytest.raises(DistNetworkError, match="rank 2"):
+            ts[0].check_peer(2, 8)
+        ts[0].check_peer(1, 8)  # the others are untouched
+        await ts[1].close()
+        with pytest.raises(DistBackendError, match=r"rank 1: the transport is closed \(group 8, seq 3, tag 0\)"):
+            ts[1].check_peer(0, 8, 3)
+
+
 def _healthy(ts: list[Transport]) -> None:
     for t in ts:
         st = t.stats()

@@ -30,9 +30,10 @@ from aiodist.backends.aio import rendezvous_host
 from aiodist.backends.base import P2P_SEQ
 from aiodist.store import PrefixStore
 from aiodist.transport import PeerAddress, Transport, address_key
+from aiodist.transport import _dialer as dialer_mod
 from aiodist.transport import _transport as transport_mod
 from aiodist.transport._ifaces import Advertised, choose, interfaces, parse_ifnames, route_source
-from aiodist.transport._transport import stripe_parts
+from aiodist.transport._lines import stripe_parts
 from aiodist.wire.frame import FrameDecoder, FrameLimits, Hello, HelloReceived, hello_frame
 
 pytestmark = pytest.mark.timeout(60)
@@ -291,8 +292,8 @@ def closed_port() -> int:
 async def test_a_peer_that_cannot_be_reached_is_warned_about_and_named(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(transport_mod, "_WARN_AFTER_S", 0.3)
-    monkeypatch.setattr(transport_mod, "_WARN_EVERY_S", 0.4)
+    monkeypatch.setattr(dialer_mod, "_WARN_AFTER_S", 0.3)
+    monkeypatch.setattr(dialer_mod, "_WARN_EVERY_S", 0.4)
     store = HashStore()
     port = closed_port()
     await store.set(address_key(1), PeerAddress(1, "127.0.0.1", port, None, "another-host").encode())

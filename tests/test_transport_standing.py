@@ -43,3 +43,29 @@ def test_check_as_a_table(group: int, peer: int | None, raises: type[Exception] 
     else:
         with pytest.raises(raises):
             s.check(group, peer)
+
+
+@pytest.mark.parametrize(
+    ("closed", "group", "peer", "says"),
+    [
+        (False, 0, 5, None),  # alive: nothing
+        (True, 0, 5, "rank 0: the transport is closed (group 0, seq 7, tag 0)"),  # closed comes first
+        (True, 3, 1, "rank 0: the transport is closed (group 3, seq 7, tag 0)"),
+        (False, 3, 1, "group 3 broke"),  # then a broken group
+        (False, 0, 1, "rank 1 is gone"),  # then a lost peer
+        (False, 0, None, None),
+    ],
+)
+def test_usable_as_a_table(closed: bool, group: int, peer: int | None, says: str | None) -> None:
+    """What ``Transport.check_peer`` answers the runner and shared memory: a closed transport,
+    then a broken group, then a lost peer."""
+    s = Standing(0)
+    s.lose(1, DistNetworkError("rank 1 is gone"))
+    s.break_group(3, "group 3 broke")
+    s.closed = closed
+    if says is None:
+        s.usable((group, 7, 0), peer)
+    else:
+        with pytest.raises((DistBackendError, DistNetworkError)) as info:
+            s.usable((group, 7, 0), peer)
+        assert str(info.value) == says

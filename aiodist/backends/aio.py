@@ -70,10 +70,10 @@ class AioBackend(CommBackend):
     carries_digests = True  # the transport checks each collective frame's digest (aiodist._digest)
 
     async def p2p_send(self, group_id: int, dst: int, buf: np.ndarray, tag: int) -> None:
-        await self.transport.send(dst, buf, group=group_id, seq=P2P_SEQ, tag=tag)
+        await self.transport.lines.send(dst, buf, group=group_id, seq=P2P_SEQ, tag=tag)  # the per-message path: no hop through the façade
 
     async def p2p_recv(self, group_id: int, src: int | None, buf: np.ndarray, tag: int) -> int:
-        src_rank: int = await self.transport.recv(src, buf, group=group_id, seq=P2P_SEQ, tag=tag)
+        src_rank: int = await self.transport.inbox.recv(src, buf, group=group_id, seq=P2P_SEQ, tag=tag)
         return src_rank
 
     async def connect(self) -> None:

@@ -3,7 +3,9 @@
 ``Transport.start(store, rank, world_size, token=..., timeout=...)`` listens (TCP port 0 and, on
 Linux, an abstract Unix socket for same-host peers), publishes its address in the store, and
 connects to peers on first use. ``transport.channel(group_id, seq, global_ranks)`` is the
-``P2P`` the collective algorithms run over. Rules: ``aiodist/transport/_transport.py``.
+``P2P`` the collective algorithms run over. ``Transport`` is a façade over its parts (dialer,
+send lines, inbox, standing; ``aiodist/transport/_transport.py`` lists them and their seams),
+each with its rules in its module docstring.
 ``Mailbox`` (with ``PostedRecv`` and ``StagedMessage``) is its matching table of posted
 receives and early messages, public so that another backend can match alike (the in-memory
 one does). The transport imports nothing from ``aiodist.algorithms`` (tests/test_layers.py).

@@ -1,7 +1,8 @@
 """``Channel``: the ``P2P`` (aiodist.algorithms.p2p) of one op of one group over a ``Transport``,
 and the ``OpLink`` (aiodist.shm._link) that shared memory asks of the op: its identity and
-digest, the transport's word on a peer, and the group's abort and desync, by public methods of
-the transport. A bare channel has no tracker: it counts no wait (the runner's ``TrackedP2P``,
+digest, the transport's word on a peer (``check_peer``), and the group's abort and desync, by
+public methods of the transport. Its sends and receives go straight to the transport's
+``lines`` and ``inbox`` (one call per message, none through the façade). A bare channel has no tracker: it counts no wait (the runner's ``TrackedP2P``,
 wrapped around it, does)."""
 
 from __future__ import annotations
@@ -59,15 +60,17 @@ class Channel:
         return self.ranks[peer]
 
     async def send(self, peer: int, buf: np.ndarray, tag: int) -> None:
-        await self.transport.send(self._global(peer, tag), buf, group=self.group_id, seq=self.seq, tag=tag, digest=self.digest)
+        await self.transport.lines.send(self._global(peer, tag), buf, group=self.group_id, seq=self.seq, tag=tag, digest=self.digest)
 
     def send_nowait(self, peer: int, buf: np.ndarray, tag: int) -> bool | asyncio.Future[None]:
         """Send now where it can be done without waiting (see ``Transport.send_nowait``): False
         (nothing sent), True (sent), or a future to await before changing ``buf``."""
-        return self.transport.send_nowait(self._global(peer, tag), buf, group=self.group_id, seq=self.seq, tag=tag, digest=self.digest)
+        return self.transport.lines.send_nowait(
+            self._global(peer, tag), buf, group=self.group_id, seq=self.seq, tag=tag, digest=self.digest
+        )
 
     async def recv(self, peer: int, buf: np.ndarray, tag: int) -> None:
-        await self.transport.recv(self._global(peer, tag), buf, group=self.group_id, seq=self.seq, tag=tag)
+        await self.transport.inbox.recv(self._global(peer, tag), buf, group=self.group_id, seq=self.seq, tag=tag)
 
     # -- the OpLink side (aiodist.shm._link) --------------------------------------------------
 
@@ -76,7 +79,7 @@ class Channel:
         return self.transport.op_name((self.group_id, self.seq, 0))
 
     def check_peer(self, peer: int) -> None:
-        self.transport.check_op((self.group_id, self.seq, 0), self.ranks[peer])
+        self.transport.check_peer(self.ranks[peer], self.group_id, self.seq)
 
     def abort_group(self, reason: str) -> DistBackendError:
         return self.transport.abort_op((self.group_id, self.seq, 0), reason)
@@ -94,7 +97,7 @@ class Channel:
         """Receive from any rank of the group; returns the sender's group rank."""
         if not isinstance(tag, int) or not 0 <= tag < TAG_LIMIT:
             raise ValueError(f"tag {tag!r} is outside [0, 2**31)")
-        src = await self.transport.recv(None, buf, group=self.group_id, seq=self.seq, tag=tag)
+        src = await self.transport.inbox.recv(None, buf, group=self.group_id, seq=self.seq, tag=tag)
         try:
             return self.ranks.index(src)
         except ValueError:

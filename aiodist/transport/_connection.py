@@ -24,8 +24,9 @@ Rules this module keeps:
 - Handshake deadline: an accepted connection that has not completed its HELLO within the
   transport's ``handshake_timeout`` is closed (and reported to the transport, which counts and
   summarises them). Until then its decoder's read-ahead is small (``FIRST_READ_AHEAD``).
-- The owner (``ConnectionOwner``, the ``Transport``) owns matching and failure; this class only
-  reports to it, through the seven methods of that protocol, and reads four of its attributes.
+- The owner (``ConnectionOwner``: the ``Transport``, whose inbox takes the two per-frame calls)
+  owns matching and failure; this class only reports to it, through the seven methods of that
+  protocol, and reads four of its attributes.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where an arriving DATA payload goes: ``decide`` is a pure function of its header, the
 mailbox, the staging limits and a few facts about its group; the connection and the transport
-carry the answer out (``Connection._target_for``, ``Transport.on_header``/``on_payload``).
+carry the answer out (``Connection._target_for``, ``Inbox.on_header``/``on_payload``).
 
 Rules this module keeps (checked in this order):
 - A message of an aborted or closed group is DROPPED: read into scratch memory, discarded.
