@@ -26,6 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
+# before aiodist's import: with AIODIST_LOG_LEVEL set it adds a handler of its own where the root logger has none
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="LOG %(levelname)s %(name)s: %(message)s")
 
 import numpy as np  # noqa: E402

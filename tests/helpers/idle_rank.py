@@ -25,9 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
-soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-if soft != resource.RLIM_INFINITY and soft < 4096:
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY and hard < 4096 else 4096, hard))
+# before aiodist's import: with AIODIST_LOG_LEVEL set it adds a handler of its own where the root logger has none
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="LOG %(levelname)s %(name)s: %(message)s")
 
 import numpy as np  # noqa: E402
@@ -35,6 +33,12 @@ import numpy as np  # noqa: E402
 import aiodist as dist  # noqa: E402
 
 stop = threading.Event()
+
+
+def raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < 4096:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY and hard < 4096 else 4096, hard))
 
 
 def read_stdin() -> None:
@@ -67,6 +71,7 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    raise_fd_limit()
     if sys.argv[1] == "uvloop":
         import uvloop
 
