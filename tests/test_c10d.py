@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -634,22 +635,7 @@ async def test_torch_cpu_tensors_in_place() -> None:
     await run_world(3, fn)
 
 
-_TWO_PROCESSES = """
-import asyncio, sys, numpy as np, aiodist as dist
-async def main(rank, path):
-    await dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2, timeout=20)
-    x = np.arange(5, dtype=np.float64) + rank
-    await dist.all_reduce(x)
-    if rank == 0:
-        await dist.send(np.array([42]), dst=1, tag=3)
-    else:
-        y = np.empty(1, dtype=np.int64)
-        assert await dist.recv(y, src=0, tag=3) == 0 and y[0] == 42
-    await dist.barrier()
-    await dist.destroy_process_group()
-    print("rank", rank, x.tolist())
-asyncio.run(main(int(sys.argv[1]), sys.argv[2]))
-"""
+_TWO_PROCESSES = Path(__file__).resolve().parent / "helpers" / "file_init_job.py"  # RANK PATH: gloo over file:// rendezvous
 
 
 @pytest.mark.subprocess
@@ -659,7 +645,7 @@ async def test_gloo_two_processes(tmp_path: Any) -> None:
     path = tmp_path / "rdzv"
     procs = [
         await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _TWO_PROCESSES, str(r), str(path), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+            sys.executable, str(_TWO_PROCESSES), str(r), str(path), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
         )
         for r in range(2)
     ]

@@ -7,10 +7,8 @@ import asyncio
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -21,51 +19,12 @@ import pytest
 
 import aiodist as dist
 from aiodist.debug.breakpoint import STDIN_ENV, breakpoint
+from aiodist.testing.ports import free_port
 from aiodist.testing.world import run_world
 
 REPO = Path(__file__).resolve().parents[1]
 
-JOB = textwrap.dedent(
-    """
-    import asyncio, json, time
-    import numpy as np
-    import aiodist as dist
-    from aiodist.debug.breakpoint import breakpoint
-
-    async def main():
-        await dist.init_process_group("gloo", timeout=30)
-        rank = dist.get_rank()
-        ticks = 0
-
-        async def ticker():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-
-        task = asyncio.create_task(ticker())
-        await asyncio.sleep(0.05)
-        secret = 41 + rank
-        waits = []
-        for i in range(2):  # skip=1: the first call returns at once on every rank
-            t0, k0 = time.monotonic(), ticks
-            await breakpoint(rank=0, skip=1, timeout_s=20)
-            waits.append({"i": i, "s": time.monotonic() - t0, "ticks": ticks - k0})
-        t = np.full(1, rank + 1.0, np.float32)
-        await dist.all_reduce(t)  # the group is still usable
-        task.cancel()
-        print("RESULT " + json.dumps({"rank": rank, "waits": waits, "sum": float(t[0]), "secret": secret}), flush=True)
-        await dist.destroy_process_group()
-
-    asyncio.run(main())
-    """
-)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+JOB = REPO / "tests" / "helpers" / "breakpoint_job.py"
 
 
 class _Reader(threading.Thread):
@@ -87,10 +46,8 @@ class _Reader(threading.Thread):
             return self.cond.wait_for(lambda: needle in self.text, timeout)
 
 
-def test_two_process_job_other_rank_keeps_running(tmp_path: Path) -> None:
-    script = tmp_path / "job.py"
-    script.write_text(JOB)
-    port = _free_port()
+def test_two_process_job_other_rank_keeps_running() -> None:
+    port = free_port()
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -99,7 +56,7 @@ def test_two_process_job_other_rank_keeps_running(tmp_path: Path) -> None:
             env[STDIN_ENV] = "/dev/stdin"  # pdb reads the pipe below instead of a terminal
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(script)],
+                [sys.executable, str(JOB)],
                 cwd=REPO,
                 env=env,
                 text=True,

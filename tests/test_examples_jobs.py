@@ -243,8 +243,8 @@ def test_train_torch_ddp_fp16_comm_hook_with_several_buckets() -> None:
 
 @pytest.mark.subprocess
 def test_train_torch_ddp_without_torch_exits_2_with_a_message() -> None:
-    code = f"import runpy, sys; sys.modules['torch'] = None; sys.argv = [{TORCH_DDP!r}]; runpy.run_path({TORCH_DDP!r}, run_name='__main__')"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    without_torch = ROOT / "tests" / "helpers" / "without_torch.py"  # SCRIPT [ARGS...]: runs SCRIPT with torch unimportable
+    r = subprocess.run([sys.executable, str(without_torch), TORCH_DDP], capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "needs torch" in r.stderr and "pip install torch" in r.stderr, r.stderr
 

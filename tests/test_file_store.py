@@ -535,25 +535,7 @@ async def test_two_poppers_one_push_each(tmp_path: Path) -> None:
 
 # -- processes ---------------------------------------------------------------------------------
 
-CHILD = r"""
-import asyncio, json, sys
-from aiodist import FileStore
-
-async def main(path, rank, n_add, n_items, world):
-    adds, popped = [], []
-    async with FileStore(path, world, timeout=30) as store:
-        await store.barrier("start", world)
-        for i in range(n_add):
-            adds.append(await store.add("counter", 1))
-            if i < n_items:
-                await store.queue_push("q", f"{rank}-{i}")
-                popped.append((await store.queue_pop("q")).decode())
-        await store.barrier("end", world)
-        final = int(await store.get("counter"))
-    print(json.dumps({"adds": adds, "popped": popped, "final": final}))
-
-asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])))
-"""
+CHILD = Path(__file__).resolve().parent / "helpers" / "file_store_child.py"  # PATH RANK N_ADD N_ITEMS WORLD
 
 
 @pytest.mark.subprocess
@@ -563,8 +545,7 @@ async def test_three_processes(tmp_path: Path) -> None:
     procs = [
         await asyncio.create_subprocess_exec(
             sys.executable,
-            "-c",
-            CHILD,
+            str(CHILD),
             p,
             str(rank),
             str(n_add),

@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.subprocess]
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(ROOT / "tests" / "helpers" / "launched_worker.py")
+AGENT_JOB = ROOT / "tests" / "helpers" / "launch_agent_job.py"  # launch_agent with launched_worker's callables
 LINE = re.compile(r"^\[rank(\d+)\]: (.*)$")
 
 
@@ -249,25 +250,9 @@ def test_c10d_min_max_proceeds_with_min_nodes() -> None:
 
 # ---------------------------------------------------------------- launch_agent and legacy launch
 
-_AGENT_SCRIPT = """
-import json, sys
-sys.path.insert(0, {helpers!r})
-import launched_worker as w
-from aiodist.launcher import LaunchConfig, launch_agent, ChildFailedError
-cfg = lambda: LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=3, max_restarts=0)
-out = {{"sync": launch_agent(cfg(), w.rank_times, [10]), "async": launch_agent(cfg(), w.async_all_reduce, [0.5])}}
-try:
-    launch_agent(cfg(), w.fail_on_rank1, [])
-except ChildFailedError as e:
-    rank, f = e.get_first_failure()
-    out["failed"] = [rank, f.message]
-print(json.dumps(out))
-"""
-
 
 def test_launch_agent_with_python_callables() -> None:
-    script = _AGENT_SCRIPT.format(helpers=str(ROOT / "tests" / "helpers"))
-    p = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, str(AGENT_JOB)], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     rc, out, err = _finish(p, 40)
     assert rc == 0, err
     res = json.loads(out.strip().splitlines()[-1])

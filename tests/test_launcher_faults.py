@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -21,31 +20,7 @@ pytestmark = [pytest.mark.subprocess]
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Modes: deaf (ignores SIGTERM, and starts a child that ignores it too), spam (prints lines on
-# stdout until stopped; honours SIGTERM). Each worker writes "<pid> <child pid>" to <dir>/<RANK>.
-WORKER = textwrap.dedent(
-    """
-    import os, signal, subprocess, sys, time
-    mode, out = sys.argv[1], sys.argv[2]
-    pids = [os.getpid()]
-    if mode == "deaf":
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(15, signal.SIG_IGN); time.sleep(60)"])
-        pids.append(child.pid)
-    path = os.path.join(out, os.environ["RANK"])
-    with open(path + ".tmp", "w") as f:
-        f.write(" ".join(map(str, pids)))
-    os.rename(path + ".tmp", path)
-    line = "x" * 1000 + "\\n"
-    end = time.monotonic() + 60
-    while time.monotonic() < end:
-        if mode == "spam":
-            sys.stdout.write(line * 16)
-            time.sleep(0.001)
-        else:
-            time.sleep(0.5)
-    """
-)
+WORKER = ROOT / "tests" / "helpers" / "sigterm_worker.py"  # writes its pid(s) to <dir>/<RANK>, then waits to be killed
 
 
 def _env() -> dict[str, str]:
@@ -55,9 +30,7 @@ def _env() -> dict[str, str]:
 
 
 def _launch(tmp: Path, mode: str, stdout: int) -> subprocess.Popen[bytes]:
-    script = tmp / "worker.py"
-    script.write_text(WORKER)
-    argv = [sys.executable, "-m", "aiodist.run", "--standalone", "--nproc-per-node", "2", str(script), mode, str(tmp)]
+    argv = [sys.executable, "-m", "aiodist.run", "--standalone", "--nproc-per-node", "2", str(WORKER), mode, str(tmp)]
     return subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=stdout, stderr=subprocess.PIPE)
 
 
@@ -127,7 +100,7 @@ def _cleanup(p: subprocess.Popen[bytes], pids: list[int], groups: set[int]) -> N
 def test_killed_launcher_leaves_no_process_of_the_job(tmp_path: Path, term_first: bool) -> None:
     """Workers (and a child each) that ignore SIGTERM: the launcher is SIGKILLed (or, as a
     supervisor does, sent SIGTERM and SIGKILLed before its own SIGKILL to the workers)."""
-    p = _launch(tmp_path, "deaf", subprocess.DEVNULL)
+    p = _launch(tmp_path, "deaf-child", subprocess.DEVNULL)
     pids: list[int] = []
     groups: set[int] = set()
     try:

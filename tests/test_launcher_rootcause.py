@@ -2,8 +2,8 @@
 the lost connection; a worker without ``@record`` still reported with the exception it printed.
 
 Pure tests of the stderr scanner, one of the agent's cancel helper, then real four-rank jobs.
-``AIODIST_ROOTCAUSE_RUNS=20`` runs the issue's acceptance check (20 of 20 jobs); the default
-suite runs 5, concurrently."""
+The four-rank job runs 5 times, 5 at once (``AIODIST_ROOTCAUSE_RUNS=20``: 20 times); every run
+must name the right root cause."""
 
 from __future__ import annotations
 
@@ -27,35 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNS = int(os.environ.get("AIODIST_ROOTCAUSE_RUNS", "5"))
 CONCURRENT = 5
 
-# Rank 1 raises after a barrier while the others are in an all_reduce; every rank tears its
-# group down in ``finally`` (as torch scripts do), so rank 1's connections close before its
-# traceback is printed and its peers' "closed the connection" errors race it to the exit.
-FOUR_RANKS = """
-import asyncio
-import numpy as np
-import aiodist as dist
-
-async def main():
-    await dist.init_process_group("gloo")
-    try:
-        await dist.barrier()
-        if dist.get_rank() == 1:
-            raise ValueError("rank one exploded")
-        await dist.all_reduce(np.ones(4))
-    finally:
-        await dist.destroy_process_group()
-
-asyncio.run(main())
-"""
-
+HELPERS = ROOT / "tests" / "helpers"
+# Rank 1 raises after a barrier while the others are in an all_reduce; every rank tears its group down.
+RANK1_RAISES = HELPERS / "rank1_raises_job.py"
 # No aiodist, no @record: rank 0 raises at once, rank 1 a moment later, each its own error.
-TWO_OWN_ERRORS = """
-import os, time
-if os.environ["RANK"] == "1":
-    time.sleep(0.3)
-    raise KeyError("late key")
-raise RuntimeError("first, without record")
-"""
+OWN_ERRORS = HELPERS / "own_errors_job.py"
 
 
 def _scan(text: str) -> tuple[str, int] | None:
@@ -251,11 +227,9 @@ def _sections(err: str) -> tuple[dict[int, str], tuple[int, str]]:
 @pytest.mark.subprocess
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_root_cause_is_the_rank_that_raised_in_every_four_rank_run(tmp_path: Path) -> None:
-    script = tmp_path / "rank1_raises.py"
-    script.write_text(FOUR_RANKS)
+def test_root_cause_is_the_rank_that_raised_in_every_four_rank_run() -> None:
     with ThreadPoolExecutor(CONCURRENT) as pool:
-        results = list(pool.map(lambda _: _launch(script, 4), range(RUNS)))
+        results = list(pool.map(lambda _: _launch(RANK1_RAISES, 4), range(RUNS)))
     wrong = []
     for p in results:
         assert p.returncode == 1, p.stderr[-3000:]
@@ -269,10 +243,8 @@ def test_root_cause_is_the_rank_that_raised_in_every_four_rank_run(tmp_path: Pat
 
 
 @pytest.mark.subprocess
-def test_worker_without_record_is_reported_with_its_exception_from_stderr(tmp_path: Path) -> None:
-    script = tmp_path / "own_errors.py"
-    script.write_text(TWO_OWN_ERRORS)
-    p = _launch(script, 2, timeout=30)
+def test_worker_without_record_is_reported_with_its_exception_from_stderr() -> None:
+    p = _launch(OWN_ERRORS, 2, timeout=30)
     assert p.returncode == 1, p.stderr
     others, (rank, root) = _sections(p.stderr)
     assert others == {1: "KeyError: 'late key'"}, p.stderr

@@ -187,24 +187,7 @@ def two_hosts() -> Iterator[netns.Hosts]:
 # --- the harness itself --------------------------------------------------------------------------
 
 
-SERVER = """
-import select, socket, sys
-ss = [socket.create_server((a, 5555), family=socket.AF_INET6 if ":" in a else socket.AF_INET) for a in sys.argv[1:]]
-print("listening", flush=True)
-for _ in range(2 * len(ss)):  # each address answers hosts 1 and 2 with the address it sees them at
-    ready, _, _ = select.select(ss, [], [], 20)
-    c, peer = ready[0].accept()
-    c.sendall(peer[0].encode())
-    c.close()
-"""
-
-CLIENT = """
-import socket, sys
-print(socket.gethostname(), socket.gethostbyname(socket.gethostname()))
-for a in sys.argv[1:]:
-    with socket.create_connection((a, 5555), timeout=5) as c:
-        print(a, c.recv(100).decode())
-"""
+PROBE = Path(__file__).resolve().parent / "helpers" / "netns_probe.py"  # server ADDR... / client ADDR...: who reaches whom
 
 
 def test_harness_hosts_share_a_loopback_hostname_and_reach_each_other() -> None:
@@ -216,11 +199,11 @@ def test_harness_hosts_share_a_loopback_hostname_and_reach_each_other() -> None:
         fams: tuple[netns.Family, ...] = ("ipv4", "ipv6")
         where = [(j, f) for j in range(2) for f in fams]
         addrs = [hosts.addr(0, j, f) for j, f in where]
-        srv = hosts.popen(0, [sys.executable, "-c", SERVER, *addrs], stdout=subprocess.PIPE, text=True)
+        srv = hosts.popen(0, [sys.executable, str(PROBE), "server", *addrs], stdout=subprocess.PIPE, text=True)
         assert srv.stdout is not None and srv.stdout.readline() == "listening\n"
         before = hosts.counters(0, "eth1")
         for i in (1, 2):
-            r = hosts.run(i, [sys.executable, "-c", CLIENT, *addrs], timeout=20)
+            r = hosts.run(i, [sys.executable, str(PROBE), "client", *addrs], timeout=20)
             assert r.returncode == 0, r.stderr
             lines = r.stdout.splitlines()
             assert lines[0] == f"{socket.gethostname()} 127.0.1.1", lines

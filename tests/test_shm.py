@@ -48,125 +48,7 @@ pytestmark = [pytest.mark.timeout(120)]
 ROOT = Path(__file__).resolve().parents[1]
 START_S = 60.0  # 4 interpreters importing numpy on a loaded 2-core machine, plus the ops
 
-WORKER = r"""
-import asyncio, hashlib, json, logging, os, sys
-sys.path.insert(0, {root!r})
-import numpy as np
-import aiodist as dist
-
-logs = []
-
-class Keep(logging.Handler):
-    def emit(self, record):
-        logs.append(record.getMessage())
-
-logging.getLogger("aiodist").addHandler(Keep())
-logging.getLogger("aiodist").setLevel(logging.INFO)
-
-def memfds():
-    with open("/proc/self/maps") as f:
-        maps = sum("memfd:aiodist-shm" in line for line in f)
-    fds = 0
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            fds += "memfd:aiodist-shm" in os.readlink(f"/proc/self/fd/{{name}}")
-        except OSError:
-            pass
-    return maps, fds
-
-async def main():
-    rules = json.loads(sys.argv[1])  # the default group's path rules
-    await dist.init_process_group("gloo", timeout=30, pg_options=rules)
-    rank, n = dist.get_rank(), dist.get_world_size()
-    # the same rules with every shared-memory path off: this group is socket-only
-    off = dict(allreduce_shm_min=-1, allgather_shm_min=-1, lane_max=0, broadcast_shm_min=-1, reduce_cma_min=-1,
-               reduce_scatter_cma_min=-1, alltoall_cma=-1, gather_cma_min=-1, scatter_cma_min=-1)
-    sock = await dist.new_group(list(range(n)), pg_options={{**rules, **off}})
-    rng = np.random.default_rng(1234 + rank)
-    digests, same = {{}}, {{}}
-
-    async def both(name, make, op=dist.ReduceOp.SUM, exact=True):
-        a, b = make(), make()
-        await dist.all_reduce(a, op=op)
-        await dist.all_reduce(b, op=op, group=sock)
-        digests[name] = hashlib.sha256(a.tobytes()).hexdigest()
-        same[name] = bool(np.array_equal(a, b, equal_nan=True)) if exact else True
-
-    big = 1_000_003  # odd: uneven slices and rounds (4 MB of float32 = 8 rounds of 512 KiB)
-    await both("f32_random", lambda: rng.standard_normal(big).astype(np.float32), exact=False)
-    r2 = np.random.default_rng(99 + rank)
-    ints = r2.integers(-1000, 1000, 300_001)
-    await both("f32_intvalued", lambda: ints.astype(np.float32))
-    await both("f64_avg_intvalued", lambda: ints.astype(np.float64) * n, op=dist.ReduceOp.AVG)
-    await both("i64_sum", lambda: ints.astype(np.int64))
-    await both("i32_max", lambda: ints.astype(np.int32), op=dist.ReduceOp.MAX)
-    await both("i16_min", lambda: ints.astype(np.int16), op=dist.ReduceOp.MIN)
-    await both("u8_band", lambda: (ints % 256).astype(np.uint8), op=dist.ReduceOp.BAND)
-    await both("c64_sum", lambda: (ints + 1j * ints[::-1]).astype(np.complex64))
-    await both("f32_small", lambda: np.full(3, rank + 0.5, np.float32))  # fewer elements than ranks' slices
-    await both("f32_empty", lambda: np.empty(0, np.float32))
-
-    inp = (np.arange(250_007, dtype=np.int32) * (rank + 1))
-    out_s, out_k = np.empty(inp.size * n, np.int32), np.empty(inp.size * n, np.int32)
-    await dist.all_gather_into_tensor(out_s, inp)
-    await dist.all_gather_into_tensor(out_k, inp, group=sock)
-    same["all_gather_into_tensor"] = bool(np.array_equal(out_s, out_k))
-    sizes = [100_000 + 77_777 * r for r in range(n)]  # uneven parts
-    mine = np.full(sizes[rank], rank - 0.25, np.float64)
-    lst_s = [np.empty(s, np.float64) for s in sizes]
-    lst_k = [np.empty(s, np.float64) for s in sizes]
-    await dist.all_gather(lst_s, mine)
-    await dist.all_gather(lst_k, mine, group=sock)
-    same["all_gather_uneven"] = all(np.array_equal(x, y) for x, y in zip(lst_s, lst_k))
-    same["all_gather_values"] = all(np.all(x == r - 0.25) for r, x in enumerate(lst_s))
-
-    ok = True
-    for root in range(n):  # big broadcasts: single-copy reads of the root's tensor
-        a = np.arange(300_007, dtype=np.float32) * (root + 1) if rank == root else np.zeros(300_007, np.float32)
-        b = a.copy()
-        await dist.broadcast(a, src=root)
-        await dist.broadcast(b, src=root, group=sock)
-        ok = ok and bool(np.array_equal(a, b)) and bool(np.array_equal(a, np.arange(300_007, dtype=np.float32) * (root + 1)))
-    same["broadcast"] = ok
-    ok = True
-    for root in range(n):  # reduces: single-copy reads of the peers' slices, the others' tensors left alone
-        a = ints.astype(np.float32) * (rank + 1)  # integer values: exact in either order
-        b, keep = a.copy(), a.copy()
-        await dist.reduce(a, dst=root)
-        await dist.reduce(b, dst=root, group=sock)
-        ok = ok and bool(np.array_equal(a, b)) and (rank == root or bool(np.array_equal(a, keep)))
-    same["reduce"] = ok
-    a = np.concatenate([ints[:250_000]] * n).astype(np.float32) * (rank + 1)  # integer values: exact in any order
-    o_s, o_k = np.empty(250_000, np.float32), np.empty(250_000, np.float32)
-    await dist.reduce_scatter_tensor(o_s, a)
-    await dist.reduce_scatter_tensor(o_k, a, group=sock)
-    same["reduce_scatter_tensor"] = bool(np.array_equal(o_s, o_k))
-    splits = [1000 * (rank + 1) + 7 * q for q in range(n)]  # uneven: what this rank sends each
-    got = [1000 * (q + 1) + 7 * rank for q in range(n)]
-    x = r2.standard_normal(sum(splits))
-    t_s, t_k = np.empty(sum(got)), np.empty(sum(got))
-    await dist.all_to_all_single(t_s, x, output_split_sizes=got, input_split_sizes=splits)
-    await dist.all_to_all_single(t_k, x, output_split_sizes=got, input_split_sizes=splits, group=sock)
-    same["all_to_all_single"] = bool(np.array_equal(t_s, t_k))
-    g_s = [np.empty(1000 * (q + 1) + 7 * q) for q in range(n)] if rank == 0 else None
-    g_k = [np.empty(1000 * (q + 1) + 7 * q) for q in range(n)] if rank == 0 else None
-    mine = x[: 1000 * (rank + 1) + 7 * rank]
-    await dist.gather(mine, g_s, dst=0)
-    await dist.gather(mine, g_k, dst=0, group=sock)
-    same["gather"] = g_s is None or all(np.array_equal(a, b) for a, b in zip(g_s, g_k))
-    s_s, s_k = np.empty(2000 + rank), np.empty(2000 + rank)
-    parts = [r2.standard_normal(2000 + q) for q in range(n)] if rank == n - 1 else None
-    await dist.scatter(s_s, parts, src=n - 1)
-    await dist.scatter(s_k, parts, src=n - 1, group=sock)
-    same["scatter"] = bool(np.array_equal(s_s, s_k))
-
-    shm = dist.group.WORLD.backend.stats()["shm"]
-    during = memfds()
-    await dist.destroy_process_group()
-    print(json.dumps({{"digests": digests, "same": same, "shm": shm, "during": during, "after": memfds(), "logs": logs}}))
-
-asyncio.run(main())
-"""
+WORKER = ROOT / "tests" / "helpers" / "shm_compare_rank.py"  # RULES_JSON: every op on a shared-memory and a socket-only group
 
 
 #: the default group's path rules in every rank (its init_process_group's pg_options): shared
@@ -174,16 +56,14 @@ asyncio.run(main())
 WORKER_RULES = {"allreduce_shm_min": 0, "allgather_shm_min": 0, "reduce_cma_min": 0, "cma_wide_min": 0, "scatter_cma_min": 0}
 
 
-def _world(tmp_path: Path, n: int, extra: dict[int, dict[str, str]] | None = None) -> list[dict[str, Any]]:
-    script = tmp_path / "rank.py"
-    script.write_text(WORKER.format(root=str(ROOT)))
+def _world(n: int, extra: dict[int, dict[str, str]] | None = None) -> list[dict[str, Any]]:
     port = str(free_port())
     envs = []
     for r in range(n):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), WORLD_SIZE=str(n), AIODIST_SHM_BYTES="1M")
         env.update((extra or {}).get(r, {}))
         envs.append(env)
-    return run_ranks([[sys.executable, str(script), json.dumps(WORKER_RULES)]] * n, envs, START_S)
+    return run_ranks([[sys.executable, str(WORKER), json.dumps(WORKER_RULES)]] * n, envs, START_S)
 
 
 def _cma_between_processes() -> bool:
@@ -202,8 +82,8 @@ def _cma_between_processes() -> bool:
 
 @pytest.mark.subprocess
 @pytest.mark.parametrize("n", [2, 4])
-def test_shared_memory_path_matches_the_socket_path(tmp_path: Path, n: int) -> None:
-    res = _world(tmp_path, n)
+def test_shared_memory_path_matches_the_socket_path(n: int) -> None:
+    res = _world(n)
     cma = _cma_between_processes()
     for r, out in enumerate(res):
         assert out["shm"]["groups"] == [0], f"rank {r}: the default group did not use shared memory: {out['shm']}"
@@ -221,10 +101,10 @@ def test_shared_memory_path_matches_the_socket_path(tmp_path: Path, n: int) -> N
 
 
 @pytest.mark.subprocess
-def test_single_copy_off_on_one_rank_keeps_shared_memory_with_two_copies(tmp_path: Path) -> None:
+def test_single_copy_off_on_one_rank_keeps_shared_memory_with_two_copies() -> None:
     """AIODIST_SHM_CMA=0 on one rank: the group votes single copy off, and its all_gathers go
     through the segments (two copies) with the same results."""
-    res = _world(tmp_path, 2, {1: {"AIODIST_SHM_CMA": "0"}})
+    res = _world(2, {1: {"AIODIST_SHM_CMA": "0"}})
     for out in res:
         assert out["shm"]["groups"] == [0] and out["shm"]["cma_groups"] == [] and out["shm"]["cma_ops"] == 0, out["shm"]
         assert all(out["same"].values()), out["same"]
@@ -233,8 +113,8 @@ def test_single_copy_off_on_one_rank_keeps_shared_memory_with_two_copies(tmp_pat
 
 
 @pytest.mark.subprocess
-def test_shared_memory_off_on_one_rank_uses_the_socket_and_says_so(tmp_path: Path) -> None:
-    res = _world(tmp_path, 2, {1: {"AIODIST_SHM_BYTES": "0"}})
+def test_shared_memory_off_on_one_rank_uses_the_socket_and_says_so() -> None:
+    res = _world(2, {1: {"AIODIST_SHM_BYTES": "0"}})
     for r, out in enumerate(res):
         assert out["shm"]["groups"] == [], f"rank {r}: a group used shared memory with it off on rank 1: {out['shm']}"
         assert all(out["same"].values()), out["same"]

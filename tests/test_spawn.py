@@ -224,41 +224,19 @@ def test_exceptions_pickle_and_arguments_are_checked() -> None:
         spawn(exit_with, args=(0,), nprocs=1, start_method="fork")
 
 
-ORPHAN_PARENT = """
-import os, signal, sys, time
-sys.path.insert(0, {tests!r})
-sys.path.insert(0, {root!r})
-from pathlib import Path
-from aiodist.multiprocessing import spawn
-import test_spawn
-
-if __name__ == "__main__":
-    ctx = spawn(test_spawn.sleep_then_return, args=({pid_dir!r}, 60.0), nprocs=2, join=False)
-    for r in range(2):
-        test_spawn._wait_for(Path({pid_dir!r}, f"{{r}}.pid"))
-    print(" ".join(map(str, ctx.pids())), flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
-"""
-
-
-IGNORING_PARENT = ORPHAN_PARENT.replace(
-    "import os, signal, sys, time\n",
-    "import os, signal, sys, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell's background job\n",
-)
+# MODE PID_DIR: spawns two children of sleep_then_return, then kills or interrupts itself
+PARENT = Path(__file__).resolve().parent / "helpers" / "spawn_parent.py"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-@pytest.mark.parametrize("template", [ORPHAN_PARENT, IGNORING_PARENT], ids=["plain", "parent-ignores-sigint"])
-def test_children_do_not_outlive_a_killed_parent(tmp_path: Path, template: str) -> None:
+@pytest.mark.parametrize("mode", ["orphan", "orphan-ignoring-sigint"], ids=["plain", "parent-ignores-sigint"])
+def test_children_do_not_outlive_a_killed_parent(tmp_path: Path, mode: str) -> None:
     """A SIGKILLed parent's children die (PR_SET_PDEATHSIG). Also when the parent ignores SIGINT,
     as a job a shell started in the background does: the children must not inherit that, since
     SIGINT is their death signal (found: a test run started with `&`)."""
-    tests = Path(__file__).resolve().parent
-    script = tmp_path / "parent.py"
-    script.write_text(template.format(tests=str(tests), root=str(tests.parent), pid_dir=str(tmp_path)))
     out, err = tmp_path / "out", tmp_path / "err"
     with out.open("w") as fo, err.open("w") as fe:  # files, not pipes: orphans holding a pipe would block the wait
-        proc = subprocess.run([sys.executable, str(script)], stdout=fo, stderr=fe, timeout=60)
+        proc = subprocess.run([sys.executable, str(PARENT), mode, str(tmp_path)], stdout=fo, stderr=fe, timeout=60)
     assert proc.returncode == -signal.SIGKILL, err.read_text()
     pids = [int(p) for p in out.read_text().split()]
     assert len(pids) == WORLD
@@ -273,33 +251,10 @@ def test_children_do_not_outlive_a_killed_parent(tmp_path: Path, template: str) 
                 os.kill(p, signal.SIGKILL)  # our own child, if the death signal failed
 
 
-INTERRUPTED_PARENT = """
-import os, signal, sys, threading
-signal.signal(signal.SIGINT, signal.default_int_handler)  # a supervisor's SIGINT, even if pytest runs with it ignored
-sys.path.insert(0, {tests!r})
-sys.path.insert(0, {root!r})
-from pathlib import Path
-from aiodist.multiprocessing import spawn
-import test_spawn
-
-if __name__ == "__main__":
-    try:
-        spawn(test_spawn.sleep_then_return, args=({pid_dir!r}, 60.0), nprocs=2)
-    except KeyboardInterrupt:
-        pids = [int(Path({pid_dir!r}, f"{{r}}.pid").read_text()) for r in range(2)]
-        print("interrupted", *[int(test_spawn._dead(p)) for p in pids], flush=True)
-        sys.exit(0)
-    sys.exit(3)
-"""
-
-
 def test_interrupted_parent_stops_its_children_before_raising(tmp_path: Path) -> None:
-    tests = Path(__file__).resolve().parent
-    script = tmp_path / "parent.py"
-    script.write_text(INTERRUPTED_PARENT.format(tests=str(tests), root=str(tests.parent), pid_dir=str(tmp_path)))
     out = tmp_path / "out"
     with out.open("w") as fo:
-        proc = subprocess.Popen([sys.executable, str(script)], stdout=fo, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen([sys.executable, str(PARENT), "interrupted", str(tmp_path)], stdout=fo, stderr=subprocess.PIPE, text=True)
         try:
             for r in range(WORLD):
                 _wait_for(Path(tmp_path, f"{r}.pid"))

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -162,44 +161,18 @@ async def test_deadline_knows_whether_it_fired() -> None:
 
 # -- (c) the store's host is stopped ---------------------------------------------------------------------------
 
-_WORKER = textwrap.dedent(
-    """
-    import asyncio, json, os, sys
-    import numpy as np
-    import aiodist as dist
-
-    async def main(port, rank):
-        await dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
-        await dist.all_reduce(np.ones(4, np.float32))  # everyone connected, in step (the default group's 30 min)
-        g = await dist.new_group(timeout=0.6)
-        print("ready", flush=True)
-        if rank == 0:  # the store's host: the test stops this process now
-            await asyncio.sleep(60)
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # rank 0 is stopped
-        try:
-            await dist.all_reduce(np.ones(4, np.float32), group=g)
-            out = {"error": None}
-        except dist.DistError as exc:
-            out = {"error": type(exc).__name__, "message": str(exc)}
-        print(json.dumps(out), flush=True)
-        os._exit(0)  # no teardown: the store's host is stopped
-
-    asyncio.run(main(int(sys.argv[1]), int(sys.argv[2])))
-    """
-)
+_WORKER = Path(__file__).resolve().parent / "helpers" / "stopped_store_job.py"
 
 
 @pytest.mark.subprocess
 @pytest.mark.timeout(60)
-def test_a_stopped_store_host_is_said_and_no_live_rank_is_blamed(tmp_path: Path) -> None:
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
+def test_a_stopped_store_host_is_said_and_no_live_rank_is_blamed() -> None:
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("AIODIST_DEBUG", None)
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(port), str(r)],
+            [sys.executable, str(_WORKER), str(port), str(r)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -225,39 +225,17 @@ def test_their_arguments_reads_a_whole_message_a_part_of_one_and_another_dtype()
 
 
 ROOT = Path(__file__).resolve().parents[1]
-LANE_DESYNC = r"""
-import asyncio, json, os, sys
-sys.path.insert(0, {root!r})
-import numpy as np
-import aiodist as dist
-
-async def main():
-    await dist.init_process_group("gloo", timeout=20)
-    rank = dist.get_rank()
-    if {warm}:
-        await dist.all_reduce(np.ones(3))
-    try:
-        await dist.all_reduce(np.ones(5 if rank == 1 else 4, np.float32))
-        msg = "no error"
-    except dist.DistError as exc:
-        msg = str(exc)
-    print(json.dumps({{"msg": msg}}))
-    os._exit(0)
-
-asyncio.run(main())
-"""
+LANE_DESYNC = ROOT / "tests" / "helpers" / "shape_desync_rank.py"  # WHEN: all_reduce of float32[5] on rank 1, [4] elsewhere
 
 
 @pytest.mark.subprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("warm", [False, True], ids=["first_op", "later_op"])
-def test_a_desync_between_processes_names_both_shapes(tmp_path: Path, warm: bool) -> None:
+def test_a_desync_between_processes_names_both_shapes(warm: bool) -> None:
     """Same-host processes: the group's first op agrees on shared memory (its vote tells no
     shape), then small all_reduces go through the latency lane, whose slot heads carry the size."""
-    script = tmp_path / "rank.py"
-    script.write_text(LANE_DESYNC.format(root=str(ROOT), warm=warm))
     port = str(free_port())
     envs = [dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), WORLD_SIZE="2") for r in range(2)]
-    for out in run_ranks([[sys.executable, str(script)]] * 2, envs, 60.0):
+    for out in run_ranks([[sys.executable, str(LANE_DESYNC), "later_op" if warm else "first_op"]] * 2, envs, 60.0):
         msg = out["msg"]
         assert "rank 1 has tensor float32[5]" in msg and "rank 0 has tensor float32[4]" in msg, json.dumps(out)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -334,19 +335,8 @@ async def test_monitored_barrier_names_absent_ranks_in_torchs_words(wait_all: bo
     assert "failed to pass monitoredBarrier" in out[2]  # rank 0's verdict reached global rank 2
 
 
-_TORCH_MONITORED = """
-import datetime, sys, time
-import torch.distributed as dist
-rank, path = int(sys.argv[1]), sys.argv[2]
-dist.init_process_group("gloo", store=dist.FileStore(path, 2), rank=rank, world_size=2)
-if rank == 0:
-    try:
-        dist.monitored_barrier(timeout=datetime.timedelta(milliseconds=700))
-    except RuntimeError as e:
-        print(str(e).splitlines()[0])
-else:
-    time.sleep(1.2)
-"""
+# RANK PATH: torch gloo over a FileStore; rank 0 prints the first line of its monitored_barrier error
+_TORCH_MONITORED = Path(__file__).resolve().parent / "helpers" / "torch_monitored_barrier.py"
 
 
 def test_torch_says_the_same_monitored_barrier_words(torch_dist, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -356,7 +346,7 @@ def test_torch_says_the_same_monitored_barrier_words(torch_dist, tmp_path) -> No
     path = str(tmp_path / "store")
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _TORCH_MONITORED, str(r), path], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            [sys.executable, str(_TORCH_MONITORED), str(r), path], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
         )
         for r in (0, 1)
     ]

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -21,9 +21,13 @@ Procs = dict[int, "subprocess.Popen[str]"]
 
 
 def start_ranks(
-    script: Path, n: int, env: Callable[[int], Mapping[str, str | None]] | None = None, stderr: Callable[[int], IO[Any] | int] | None = None
+    script: Path,
+    n: int,
+    env: Callable[[int], Mapping[str, str | None]] | None = None,
+    stderr: Callable[[int], IO[Any] | int] | None = None,
+    args: Sequence[object] = (),
 ) -> Procs:
-    """``python script`` once per rank of an env:// world of ``n`` on a free loopback port,
+    """``python script *args`` once per rank of an env:// world of ``n`` on a free loopback port,
     stdout a line-buffered text pipe (stderr merged into it unless ``stderr(rank)`` says where),
     with ``env(rank)`` added to the environment (None: removed from it). On any failure the ones started are killed."""
     port = str(free_port())
@@ -37,7 +41,9 @@ def start_ranks(
                 else:
                     e[k] = v
             err = stderr(rank) if stderr is not None else subprocess.STDOUT
-            procs[rank] = subprocess.Popen([sys.executable, str(script)], env=e, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1)
+            procs[rank] = subprocess.Popen(
+                [sys.executable, str(script), *map(str, args)], env=e, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1
+            )
     except BaseException:
         kill_all(procs)
         raise

@@ -34,85 +34,15 @@ MIB = 1 << 20
 
 ROOT = Path(__file__).resolve().parents[2]
 
-WORKER = """
-import asyncio, json, os, sys, time
-from datetime import timedelta
-sys.path.insert(0, {root!r})
-T_UP = time.monotonic()
-import numpy as np
-import aiodist as dist
-
-K, SIZE, HOLD_S = {k}, {size}, {hold}
-N = SIZE // 8
-
-def status():
-    out = {{}}
-    with open("/proc/self/status") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name in ("VmRSS", "VmHWM"):
-                out[name] = int(rest.split()[0]) * 1024
-    return out
-
-async def main():
-    rank = int(os.environ["RANK"])
-    store = await dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 2, rank == 0, timeout=timedelta(seconds=60))
-    await dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=60)
-    base = np.arange(N, dtype=np.uint64)  # allocated before the baseline: not part of the flood
-    await dist.barrier()
-    if rank == 0:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset VmHWM to the current RSS: the peak from here on is the flood's
-        except OSError:
-            pass  # then VmHWM may hold an older, higher peak: the bound is only stricter
-        before = status()["VmRSS"]
-        t_start = time.monotonic()
-        bufs = []
-        for i in range(K):
-            b = np.empty(N, dtype=np.uint64)
-            np.add(base, np.uint64(i << 32), out=b)
-            bufs.append(b)
-        works = [await dist.isend(b, dst=1) for b in bufs]
-        issued = status()["VmRSS"]
-        t0 = time.monotonic()
-        issue_s = t0 - t_start
-        await store.set("issued", "1")
-        for w in works:
-            await w.wait()
-        sent_s = time.monotonic() - t0
-        s = status()
-        print("RESULT " + json.dumps(dict(before=before, issued=issued, peak=s["VmHWM"], after=s["VmRSS"], sent_s=sent_s, issue_s=issue_s, up_s=t_start - T_UP)), flush=True)
-    else:
-        await store.wait(["issued"])
-        await asyncio.sleep(HOLD_S)  # nothing posted: the sender's isends wait
-        buf = np.empty(N, dtype=np.uint64)
-        bad = []
-        for i in range(K):
-            buf.fill(0)
-            await dist.recv(buf, src=0)
-            np.subtract(buf, np.uint64(i << 32), out=buf)
-            if not np.array_equal(buf, base):
-                bad.append(i)
-        print("CHECKED " + json.dumps(bad), flush=True)
-    await dist.destroy_process_group()
-
-if {uvloop!r}:
-    import uvloop
-    uvloop.run(main())
-else:
-    asyncio.run(main())
-"""
+WORKER = ROOT / "tests" / "helpers" / "flood_rank.py"  # rank 0 floods, rank 1 receives late
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-def test_isend_flood_to_a_late_receiver_keeps_sender_rss_within_1_3x_in_flight(tmp_path: Path, loop: str) -> None:
+def test_isend_flood_to_a_late_receiver_keeps_sender_rss_within_1_3x_in_flight(loop: str) -> None:
     if loop == "uvloop":
         pytest.importorskip("uvloop")
-    script = tmp_path / "rank.py"
-    script.write_text(WORKER.format(root=str(ROOT), k=K, size=SIZE, hold=HOLD_S, uvloop=loop == "uvloop"))
     outs: list[str] = []
-    procs = start_ranks(script, 2)
+    procs = start_ranks(WORKER, 2, args=(K, SIZE, HOLD_S, loop))
     try:
         deadline = time.monotonic() + RUN_S
         for p in procs.values():

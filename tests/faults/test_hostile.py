@@ -48,68 +48,7 @@ EXIT_S = 30.0
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "default_pg/"  # env:// init wraps the store in PrefixStore("default_pg", ...)
 
-WORKER = """
-import asyncio, logging, os, sys, threading, time
-sys.path.insert(0, {root!r})
-logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="LOG %(levelname)s %(name)s: %(message)s")
-import numpy as np
-import aiodist as dist
-
-stop = threading.Event()
-
-def read_stdin():
-    sys.stdin.readline()  # the test writes a line (or closes stdin) to end the loop
-    stop.set()
-
-def check(what, got, want):
-    if not np.array_equal(got, want):
-        print(f"WRONG {{what}}: {{got!r}} != {{want!r}}", flush=True)
-        os._exit(3)
-
-async def main():
-    await dist.init_process_group("gloo", timeout=30)
-    rank, n = dist.get_rank(), dist.get_world_size()
-    if rank == 0:
-        threading.Thread(target=read_stdin, daemon=True).start()
-    ctl = np.zeros(2, dtype=np.int64)
-    it = 0
-    said = time.monotonic()
-    while True:
-        small = np.full(7, rank + it, dtype=np.float64)
-        await dist.all_reduce(small)
-        check("all_reduce 56 B", small, np.full(7, n * it + n * (n - 1) // 2, dtype=np.float64))
-        big = np.arange(1 << 16, dtype=np.int64) * (rank + 1) + it
-        await dist.all_reduce(big)
-        check("all_reduce 512 KiB", big, np.arange(1 << 16, dtype=np.int64) * (n * (n + 1) // 2) + n * it)
-        root = it % n
-        b = np.arange(1000, dtype=np.int32) + it if rank == root else np.zeros(1000, dtype=np.int32)
-        await dist.broadcast(b, src=root)
-        check(f"broadcast from {{root}}", b, np.arange(1000, dtype=np.int32) + it)
-        outs = [np.zeros(5, dtype=np.int32) for _ in range(n)]
-        await dist.all_gather(outs, np.full(5, rank * 1000 + it, dtype=np.int32))
-        check("all_gather", np.stack(outs), np.stack([np.full(5, r * 1000 + it, dtype=np.int32) for r in range(n)]))
-        got = np.zeros(3, dtype=np.int64)
-        works = [await dist.isend(np.full(3, rank * 7 + it, dtype=np.int64), (rank + 1) % n), await dist.irecv(got, (rank - 1) % n)]
-        for w in works:
-            await w.wait()
-        check("isend/irecv", got, np.full(3, (rank - 1) % n * 7 + it, dtype=np.int64))
-        it += 1
-        if rank == 0:
-            ctl[:] = (it, stop.is_set())
-        await dist.broadcast(ctl, src=0)
-        check("control broadcast", ctl[0], it)
-        if it == 1:
-            print("running", flush=True)
-        if rank == 0 and time.monotonic() - said >= 0.25:
-            said = time.monotonic()
-            print(f"it {{it}}", flush=True)
-        if ctl[1]:
-            break
-    print(f"done {{it}}", flush=True)
-    await dist.destroy_process_group()
-
-{run}(main())
-"""
+WORKER = ROOT / "tests" / "helpers" / "hostile_rank.py"  # checked collectives in a loop, on the loop named in argv
 
 
 # -- hostile connections ----------------------------------------------------------------------
@@ -301,15 +240,13 @@ def check_stderr(rank: int, lines: list[str]) -> int:
     return refused
 
 
-async def test_hostile_bytes_against_a_running_job(tmp_path: Path) -> None:
+async def test_hostile_bytes_against_a_running_job() -> None:
     port = free_port()
     ranks: list[Rank] = []
     store: TCPStore | None = None
     rnd = random.Random(14)
     try:
         for r in range(N):
-            script = tmp_path / f"rank{r}.py"
-            script.write_text(WORKER.format(root=str(ROOT), run="__import__('uvloop').run" if r == 1 else "asyncio.run"))
             env = dict(
                 os.environ,
                 MASTER_ADDR="127.0.0.1",
@@ -320,7 +257,8 @@ async def test_hostile_bytes_against_a_running_job(tmp_path: Path) -> None:
             )
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
-                str(script),
+                str(WORKER),
+                "uvloop" if r == 1 else "asyncio",
                 env=env,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,

@@ -49,48 +49,7 @@ MIB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "default_pg/"
 
-WORKER = """
-import asyncio, os, resource, sys, threading
-sys.path.insert(0, {root!r})
-import logging
-logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="LOG %(levelname)s %(name)s: %(message)s")
-soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-if soft != resource.RLIM_INFINITY and soft < 4096:
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY and hard < 4096 else 4096, hard))
-import numpy as np
-import aiodist as dist
-
-stop = threading.Event()
-
-def read_stdin():
-    sys.stdin.readline()
-    stop.set()
-
-async def main():
-    await dist.init_process_group("gloo", timeout=30)
-    rank = dist.get_rank()
-    if rank == 0:
-        threading.Thread(target=read_stdin, daemon=True).start()
-    ctl = np.zeros(2, dtype=np.int64)
-    it = 0
-    while True:
-        it += 1
-        if rank == 0:
-            ctl[:] = (it, stop.is_set())
-        await dist.all_reduce(ctl, op=dist.ReduceOp.MAX)
-        if ctl[0] != it:
-            print(f"WRONG {{ctl!r}} at iteration {{it}}", flush=True)
-            os._exit(3)
-        if it == 1:
-            print("running", flush=True)
-        if ctl[1]:
-            break
-        await asyncio.sleep(0.02)
-    print(f"done {{it}}", flush=True)
-    await dist.destroy_process_group()
-
-{run}(main())
-"""
+WORKER = ROOT / "tests" / "helpers" / "idle_rank.py"  # a slow all_reduce loop, on the loop named in argv
 
 
 def vm_rss(pid: int) -> int:
@@ -248,14 +207,17 @@ def test_idle_connections_are_closed_by_ranks_and_kept_by_the_store(tmp_path: Pa
     stopped = False
     try:
         for r in range(N):
-            script = tmp_path / f"rank{r}.py"
-            script.write_text(WORKER.format(root=str(ROOT), run="__import__('uvloop').run" if r == 0 else "asyncio.run"))
             env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(N))
             env["AIODIST_HANDSHAKE_TIMEOUT"] = str(HANDSHAKE_S)
             with open(errs[r], "w") as err:
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, str(script)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True
+                        [sys.executable, str(WORKER), "uvloop" if r == 0 else "asyncio"],
+                        env=env,
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=err,
+                        text=True,
                     )
                 )
         deadline = time.monotonic() + START_S

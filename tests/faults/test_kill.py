@@ -25,40 +25,16 @@ EXIT_S = GROUP_TIMEOUT_S + 5.0  # survivors that never notice are caught by this
 
 ROOT = Path(__file__).resolve().parents[2]
 
-WORKER = """
-import asyncio, os, sys, time
-sys.path.insert(0, {root!r})
-import numpy as np
-import aiodist as dist
-
-async def main():
-    await dist.init_process_group("gloo", timeout={timeout})
-    rank = dist.get_rank()
-    x = np.ones({nbytes} // 4, dtype=np.float32)
-    await dist.all_reduce(x)  # every rank is connected and through one op before "running"
-    print("running", flush=True)
-    try:
-        while True:
-            await dist.all_reduce(x)
-    except dist.DistError as exc:
-        t = time.time()
-        msg = " ".join(str(exc).split())
-        print(f"ERROR {{t!r}} {{type(exc).__name__}}: {{msg}}", flush=True)
-    os._exit(0)  # a broken world's teardown is not what this test measures
-
-asyncio.run(main())
-"""
+WORKER = ROOT / "tests" / "helpers" / "loop_rank.py"  # all_reduce in a loop until the group breaks
 
 
 CASES = [pytest.param(v, 4, id=f"victim{v}-4B") for v in range(N)] + [pytest.param(v, 16 << 20, id=f"victim{v}-16MiB") for v in range(N)]
 
 
 @pytest.mark.parametrize("victim,nbytes", CASES)
-def test_sigkill_of_one_rank_fails_every_survivor_within_2s(tmp_path: Path, victim: int, nbytes: int) -> None:
-    script = tmp_path / "rank.py"
-    script.write_text(WORKER.format(root=str(ROOT), timeout=GROUP_TIMEOUT_S, nbytes=nbytes))
+def test_sigkill_of_one_rank_fails_every_survivor_within_2s(victim: int, nbytes: int) -> None:
     outs: dict[int, list[str]] = {r: [] for r in range(N)}
-    procs = start_ranks(script, N)
+    procs = start_ranks(WORKER, N, args=(GROUP_TIMEOUT_S, nbytes, "exit"))
     try:
         running = read_lines_until(procs, "running", time.monotonic() + START_S, outs)
         assert running == set(range(N)) and all(o and o[-1] == "running" for o in outs.values()), outs

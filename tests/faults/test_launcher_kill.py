@@ -1,4 +1,4 @@
-"""The launcher killed or stopped under its workers (issue 14): a SIGKILLed launcher whose
+"""The launcher killed or stopped under its workers: a SIGKILLed launcher whose
 workers ignore SIGTERM leaves no process of the job alive 5 s later (its workers' watchdogs
 end them); a SIGTERMed one stops its workers within 2 s and prints the failure report.
 
@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -20,21 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Writes its pid to <dir>/<RANK> (renamed into place), then loops until killed.
-WORKER = textwrap.dedent(
-    """
-    import os, signal, sys, time
-    if sys.argv[1] == "deaf":
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    path = os.path.join(sys.argv[2], os.environ["RANK"])
-    with open(path + ".tmp", "w") as f:
-        f.write(str(os.getpid()))
-    os.rename(path + ".tmp", path)
-    end = time.monotonic() + 60
-    while time.monotonic() < end:
-        time.sleep(0.05)
-    """
-)
+# Writes its pid to <dir>/<RANK>, then waits to be killed (modes "deaf": ignores SIGTERM, "plain").
+WORKER = ROOT / "tests" / "helpers" / "sigterm_worker.py"
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -76,11 +62,9 @@ def _alive(pids: set[int]) -> set[int]:
 
 
 def _start(tmp: Path, mode: str, n: int) -> tuple[subprocess.Popen[bytes], list[int]]:
-    script = tmp / "worker.py"
-    script.write_text(WORKER)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    argv = [sys.executable, "-m", "aiodist.run", "--standalone", "--nproc-per-node", str(n), str(script), mode, str(tmp)]
+    argv = [sys.executable, "-m", "aiodist.run", "--standalone", "--nproc-per-node", str(n), str(WORKER), mode, str(tmp)]
     p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 30
     files = [tmp / str(r) for r in range(n)]

@@ -26,46 +26,7 @@ EXIT_S = GROUP_TIMEOUT_S + 10.0
 
 ROOT = Path(__file__).resolve().parents[2]
 
-WORKER = """
-import asyncio, os, sys, time
-sys.path.insert(0, {root!r})
-import numpy as np
-import aiodist as dist
-
-async def main():
-    await dist.init_process_group("gloo", timeout={timeout})
-    rank, n = dist.get_rank(), dist.get_world_size()
-    x = np.ones((16 << 20) // 4 // n * n, dtype=np.float32)  # (n equal parts)
-    out = np.empty_like(x)
-    parts = [np.empty(x.size // n, np.float32) for _ in range(n)]
-
-    async def op():
-        if {op!r} == "all_reduce":
-            await dist.all_reduce(x)
-        elif {op!r} == "reduce":
-            await dist.reduce(x, dst=0)
-        elif {op!r} == "reduce_scatter_tensor":
-            await dist.reduce_scatter_tensor(out[: x.size // n], x)
-        elif {op!r} == "all_to_all_single":
-            await dist.all_to_all_single(out, x)
-        elif {op!r} == "gather":
-            await dist.gather(x[: x.size // n], parts if rank == 0 else None)
-        else:
-            await dist.scatter(x[: x.size // n], parts if rank == 0 else None)
-
-    await op()
-    used = dist.group.WORLD.backend.stats()["shm"]["groups"]
-    print(f"running {{used}}", flush=True)
-    try:
-        while True:
-            await op()
-    except dist.DistError as exc:
-        t = time.time()
-        print(f"ERROR {{t!r}} {{type(exc).__name__}}: {{' '.join(str(exc).split())}}", flush=True)
-    os._exit(0)
-
-asyncio.run(main())
-"""
+WORKER = ROOT / "tests" / "helpers" / "shm_loop_rank.py"  # the op in a loop until the group breaks
 
 
 # every op with a shared-memory path for 16 MiB (the single-copy ones read the victim's pages;
@@ -75,13 +36,11 @@ OPS = [("all_reduce", 3), ("reduce", 3), ("reduce_scatter_tensor", 3), ("all_to_
 
 @pytest.mark.parametrize("op,N", OPS, ids=[o for o, _ in OPS])
 def test_sigkill_during_a_shared_memory_op_fails_the_survivors_fast(tmp_path: Path, op: str, N: int) -> None:
-    script = tmp_path / "rank.py"
-    script.write_text(WORKER.format(root=str(ROOT), timeout=GROUP_TIMEOUT_S, op=op))
     errs = [open(tmp_path / f"err{r}", "w") for r in range(N)]  # noqa: SIM115 - closed below
     outs: dict[int, list[str]] = {r: [] for r in range(N)}
     try:
         # stderr to a file: an unread pipe could fill and stall a rank
-        procs = start_ranks(script, N, env=lambda r: {"AIODIST_SHM_BYTES": "8M"}, stderr=lambda r: errs[r])
+        procs = start_ranks(WORKER, N, env=lambda r: {"AIODIST_SHM_BYTES": "8M"}, stderr=lambda r: errs[r], args=(GROUP_TIMEOUT_S, op))
         try:
             read_lines_until(procs, "running", time.monotonic() + START_S, outs)
             running = {r: o[-1] if o else "" for r, o in outs.items()}

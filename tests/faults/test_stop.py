@@ -33,39 +33,14 @@ HELD_S = 1.6  # the victim stays stopped this long past the others' timeout: its
 
 ROOT = Path(__file__).resolve().parents[2]
 
-WORKER = """
-import asyncio, os, sys, time
-sys.path.insert(0, {root!r})
-import numpy as np
-import aiodist as dist
-
-async def main():
-    await dist.init_process_group("gloo", timeout={timeout})
-    x = np.ones(1, dtype=np.float32)
-    await dist.all_reduce(x)  # every rank is connected and through one op before "running"
-    print("running", flush=True)
-    try:
-        while True:
-            await dist.all_reduce(x)
-    except dist.DistError as exc:
-        t = time.time()
-        msg = " ".join(str(exc).split())
-        print(f"ERROR {{t!r}} {{type(exc).__name__}}: {{msg}}", flush=True)
-    t = time.monotonic()
-    await dist.destroy_process_group()
-    print(f"destroyed in {{time.monotonic() - t:.3f}} s", flush=True)
-
-asyncio.run(main())
-"""
+WORKER = ROOT / "tests" / "helpers" / "loop_rank.py"  # all_reduce in a loop until the group breaks
 
 
 @pytest.mark.parametrize("victim", [1, 0], ids=["victim1", "victim0-store-host"])
-def test_sigstop_of_one_rank_fails_every_other_within_the_timeout_and_all_destroy_after_sigcont(tmp_path: Path, victim: int) -> None:
-    script = tmp_path / "rank.py"
-    script.write_text(WORKER.format(root=str(ROOT), timeout=GROUP_TIMEOUT_S))
+def test_sigstop_of_one_rank_fails_every_other_within_the_timeout_and_all_destroy_after_sigcont(victim: int) -> None:
     outs: dict[int, list[str]] = {r: [] for r in range(N)}
     codes: dict[int, int | None] = {}
-    procs = start_ranks(script, N, env=lambda r: {"AIODIST_DEBUG": None})
+    procs = start_ranks(WORKER, N, env=lambda r: {"AIODIST_DEBUG": None}, args=(GROUP_TIMEOUT_S, 4, "destroy"))
     try:
         running = read_lines_until(procs, "running", time.monotonic() + START_S, outs)
         assert running == set(range(N)) and all(o and o[-1] == "running" for o in outs.values()), outs

@@ -49,43 +49,7 @@ SLOT = 2 + ADDS  # per client in the log: sent, acknowledged, then each acknowle
 
 ROOT = Path(__file__).resolve().parents[2]
 
-CLIENT = """
-import asyncio, sys
-from datetime import timedelta
-sys.path.insert(0, {root!r})
-import numpy as np
-import aiodist as dist
-
-HOST, PORT, PROC = "127.0.0.1", int(sys.argv[1]), int(sys.argv[2])
-CONNS, ADDS, SLOT, CLIENTS, KILL_AT = {conns}, {adds}, {slot}, {clients}, {kill_at}
-VICTIM = PROC in {victims}
-log = np.memmap({log!r}, dtype=np.int64, mode="r+", offset=PROC * CONNS * SLOT * 8, shape=(CONNS, SLOT))
-
-async def client(c):
-    store = await dist.TCPStore(HOST, PORT, timeout=timedelta(seconds=30))
-    try:
-        # all 64 clients connected before any adds: they run at once
-        if await store.add("arrived", 1) == CLIENTS:
-            await store.set("go", "1")
-        await store.wait(["go"])
-        row = log[c]
-        for i in range(ADDS):
-            if VICTIM and i >= KILL_AT:  # past the point it is killed at: slow, so the kill lands mid-run
-                await asyncio.sleep(0.002)
-            row[0] = i + 1  # sent (about to be)
-            v = await store.add({key!r}, 1)
-            row[2 + i] = v
-            row[1] = i + 1  # acknowledged
-    finally:
-        await store.close()
-
-async def main():
-    await asyncio.gather(*(client(c) for c in range(CONNS)))
-    print("done", flush=True)
-
-import uvloop
-uvloop.run(main())
-"""
+CLIENT = ROOT / "tests" / "helpers" / "store_adds_client.py"  # CONNS connections of ADDS adds each, logged to a shared file
 
 
 def _server_port(server: subprocess.Popen[str], deadline: float) -> int:
@@ -119,20 +83,8 @@ async def _final_count(port: int) -> int:
 def test_64_clients_1000_adds_two_client_processes_killed(tmp_path: Path) -> None:
     log_path = tmp_path / "adds.log"
     log_path.write_bytes(b"\0" * (PROCS * CONNS * SLOT * 8))
-    script = tmp_path / "client.py"
-    script.write_text(
-        CLIENT.format(
-            root=str(ROOT),
-            conns=CONNS,
-            adds=ADDS,
-            slot=SLOT,
-            clients=PROCS * CONNS,
-            log=str(log_path),
-            key=KEY,
-            kill_at=KILL_AT,
-            victims=VICTIMS,
-        )
-    )
+    client_args = ["--log", str(log_path), "--key", KEY, "--conns", str(CONNS), "--adds", str(ADDS), "--clients", str(PROCS * CONNS)]
+    client_args += ["--kill-at", str(KILL_AT), "--victims", ",".join(map(str, VICTIMS))]
     log = np.memmap(log_path, dtype=np.int64, mode="r", shape=(PROCS, CONNS, SLOT))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     server_log = tmp_path / "server.log"
@@ -151,7 +103,7 @@ def test_64_clients_1000_adds_two_client_processes_killed(tmp_path: Path) -> Non
         for proc in range(PROCS):
             clients.append(
                 subprocess.Popen(
-                    [sys.executable, str(script), str(port), str(proc)],
+                    [sys.executable, str(CLIENT), *client_args, "--port", str(port), "--proc", str(proc)],
                     env=env,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,

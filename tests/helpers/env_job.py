@@ -5,8 +5,8 @@
     result.out(0)  # rank 0's stdout
 
 Each process gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK=0,
-MASTER_ADDR=127.0.0.1 and MASTER_PORT (a free port), OMP_NUM_THREADS=1, and PYTHONPATH pointing
-at the checkout; no TORCHELASTIC_USE_AGENT_STORE, so under env:// rank 0 hosts the job's store
+MASTER_ADDR=127.0.0.1 and MASTER_PORT (``aiodist.testing.ports.free_port()``),
+OMP_NUM_THREADS=1, and PYTHONPATH pointing at the checkout; no TORCHELASTIC_USE_AGENT_STORE, so under env:// rank 0 hosts the job's store
 (aiodist.rendezvous.create_c10d_store). Output goes to files (no pipe can fill up and block a
 rank). The job is bounded: past ``timeout`` seconds, or ``grace`` seconds after the first rank
 failed, the processes still running are killed (by their own pid, each in its own session, with
@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,13 +25,9 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from aiodist.testing.ports import free_port
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
