@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers.memfds import memfds
 from helpers.rank_procs import run_ranks
 
 import aiodist as dist
@@ -145,17 +146,7 @@ def _shm() -> SharedMemory:
     return shm
 
 
-def _memfds() -> tuple[int, int]:
-    """memfd mappings and fds of aiodist segments in this process (every rank's, here)."""
-    with open("/proc/self/maps") as f:
-        maps = sum("memfd:aiodist-shm" in line for line in f)
-    fds = 0
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            fds += "memfd:aiodist-shm" in os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            pass
-    return maps, fds
+_memfds = memfds  # memfd mappings and fds of aiodist segments in this process (every rank's, here)
 
 
 def _turns(group: Any) -> Any:

@@ -23,7 +23,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without install
 
 import numpy as np  # noqa: E402
+from memfds import memfds  # noqa: E402  (tests/helpers: this script's own folder)
 
 import aiodist as dist  # noqa: E402
 
@@ -40,18 +40,6 @@ logs: list[str] = []
 class Keep(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         logs.append(record.getMessage())
-
-
-def memfds() -> tuple[int, int]:
-    with open("/proc/self/maps") as f:
-        maps = sum("memfd:aiodist-shm" in line for line in f)
-    fds = 0
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            fds += "memfd:aiodist-shm" in os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            pass
-    return maps, fds
 
 
 async def main() -> None:
