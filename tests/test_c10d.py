@@ -16,8 +16,6 @@ from aiodist.backends import CommBackend, create_memory_backend
 from aiodist.store import HashStore
 from aiodist.testing import run_world
 
-pytestmark = pytest.mark.any_loop  # asyncio in debug mode, and uvloop
-
 SIZES = [1, 2, 3, 4, 5]
 
 

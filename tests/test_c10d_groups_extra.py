@@ -13,8 +13,6 @@ import pytest
 import aiodist as dist
 from aiodist.testing import run_world
 
-pytestmark = pytest.mark.any_loop
-
 BACKENDS = ["memory", "gloo"]
 
 

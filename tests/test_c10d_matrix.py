@@ -476,7 +476,6 @@ async def test_socket_all_reduce_bitwise_identical_every_float_dtype_and_op(vari
 # -- socket backend: several async ops in flight on one group, awaited out of order ------------
 
 
-@pytest.mark.any_loop
 @pytest.mark.parametrize("n", [3, 4])
 async def test_socket_async_ops_in_flight_awaited_out_of_order(n: int) -> None:
     async def fn(rank: int) -> None:

@@ -31,8 +31,6 @@ MIXED = ["cpu:gloo,cuda:nccl", "cpu:memory,cuda:nccl"]
 GLOO = "cpu:gloo,cuda:nccl"
 R = dist.ReduceOp
 
-pytestmark = pytest.mark.any_loop  # asyncio in debug mode catches loop calls from the backend's threads; and uvloop
-
 
 @pytest.fixture
 def sim(monkeypatch: pytest.MonkeyPatch) -> Iterator[fake_cupy.Installed]:

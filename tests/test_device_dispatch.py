@@ -32,8 +32,6 @@ from aiodist.testing import run_world
 
 register_fakegpu()  # once per session: the backend registry is class state
 
-pytestmark = pytest.mark.any_loop  # asyncio in debug mode, and uvloop
-
 MIXED = "cpu:memory,cuda:fakegpu"
 
 

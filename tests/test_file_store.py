@@ -103,7 +103,6 @@ async def test_stats(tmp_path: Path) -> None:
 # -- every method ------------------------------------------------------------------------------
 
 
-@pytest.mark.any_loop
 async def test_every_method(tmp_path: Path) -> None:
     s = FileStore(_path(tmp_path), timeout=SHORT)  # lazily registered by the first call
     await s.set("k", "v")
@@ -755,7 +754,6 @@ async def test_torch_filestore_file_is_refused(tmp_path: Path) -> None:
 # -- the conformance kit -----------------------------------------------------------------------
 
 
-@pytest.mark.any_loop
 async def test_store_conformance_kit(tmp_path: Path) -> None:
     testing = pytest.importorskip("aiodist.testing")
     names = itertools.count()

@@ -151,7 +151,6 @@ async def _until_waiters(store: HashStore, n: int, limit_s: float = 5.0) -> None
             await asyncio.sleep(0.005)
 
 
-@pytest.mark.any_loop
 @pytest.mark.parametrize("handle", ["same", "clone"])
 async def test_get_in_another_thread_is_woken_by_set_here(handle: str) -> None:
     store = HashStore(timeout=5)
@@ -162,7 +161,6 @@ async def test_get_in_another_thread_is_woken_by_set_here(handle: str) -> None:
     assert await thread.join() == b"from the main loop"
 
 
-@pytest.mark.any_loop
 async def test_get_here_is_woken_by_set_in_another_thread() -> None:
     store = HashStore(timeout=5)
     getter = asyncio.create_task(store.get("k"))
@@ -172,7 +170,6 @@ async def test_get_here_is_woken_by_set_in_another_thread() -> None:
     assert await asyncio.wait_for(getter, 5) == b"from a thread"
 
 
-@pytest.mark.any_loop
 async def test_queue_pop_in_threads_each_item_once() -> None:
     store = HashStore(timeout=5)
     threads = [_Thread(lambda: store.clone().queue_pop("q")) for _ in range(3)]

@@ -26,8 +26,6 @@ from aiodist.c10d.objects import (
 from aiodist.collective_utils import all_gather_object_enforce_type
 from aiodist.testing import run_world
 
-pytestmark = pytest.mark.any_loop  # asyncio in debug mode, and uvloop
-
 SIZES = [1, 2, 3, 4, 5]
 MB = 1 << 20
 

@@ -12,8 +12,6 @@ import pytest
 import aiodist as dist
 from aiodist.testing import run_world, until
 
-pytestmark = pytest.mark.any_loop
-
 BACKENDS = ["memory", "gloo"]
 
 

@@ -311,7 +311,6 @@ async def _every_collective(ts: list[Transport], th: Thresholds, seed: int, grou
         assert st["pending_receives"] == 0 and st["staged_messages"] == 0
 
 
-@pytest.mark.any_loop
 @pytest.mark.parametrize("n", [2, 3, 4])
 async def test_every_collective_over_channels(n: int) -> None:
     async with world(n) as ts:
@@ -552,7 +551,6 @@ async def test_many_ops_in_flight_with_a_small_staging_bound() -> None:
         _healthy(ts)
 
 
-@pytest.mark.any_loop
 @pytest.mark.parametrize("unix", [True, False])
 async def test_collectives_with_a_late_rank_and_a_tiny_staging_bound(unix: bool) -> None:
     n, m = 3, 5_000  # 40 KB per float64 array: far over the bound
