@@ -11,13 +11,17 @@ Event loops
       installed). The ``any_loop`` fixture's value is the name of the loop the test is running
       on (``"asyncio"`` or ``"uvloop"``), for keys or messages that must differ between the two.
     - A test opts out with ``@pytest.mark.one_loop(reason="...")`` (on the test, its class, or
-      the module's ``pytestmark``): it runs once, on a plain asyncio loop, under a hidden id. The
+      the module's ``pytestmark``): it runs once, on the asyncio loop in debug mode, under no id. The
       reason is required; the opt-out is for tests where a second loop adds nothing (the test's
       process only starts and waits on child processes, which run their own loops) or costs too
       much (its run is mostly a wait on a deadline of its own, the same on every loop). See
       docs/testing.md.
-    - Run one loop only with ``-k asyncio`` / ``-k uvloop`` (opted-out tests have neither id).
-      ``--asyncio-debug`` turns debug mode on for every loop.
+    - ``-k asyncio`` / ``-k uvloop`` select one loop's runs (``-k`` also matches marker names,
+      and pytest-asyncio marks every async test ``asyncio``: ``pytest_collection_modifyitems``
+      below keeps that marker out of ``-k``'s sight). ``-k "not uvloop"`` runs everything that
+      runs on asyncio, the opted-out tests and the tests without a loop included; ``-m
+      one_loop`` selects the opted-out tests. ``--asyncio-debug`` turns debug mode on for
+      uvloop too.
 
 Nothing passed
     A session in which no test passed (all skipped, xfailed or deselected; for example a
@@ -28,7 +32,7 @@ Nothing passed
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -61,13 +65,13 @@ LOOP_FACTORIES: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio":
 if uvloop is not None:
     LOOP_FACTORIES["uvloop"] = uvloop.new_event_loop
 
-_PLAIN_LOOP: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": asyncio.new_event_loop}
+_ONE_LOOP: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": DebugEventLoop}
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "one_loop(reason): run this async test once, on a plain asyncio loop, instead of on every loop of "
+        "one_loop(reason): run this async test once, on the asyncio loop in debug mode, instead of on every loop of "
         "tests/conftest.py LOOP_FACTORIES; reason= says why a second loop adds nothing or costs too much",
     )
 
@@ -86,8 +90,28 @@ def _one_loop_reason(item: pytest.Item) -> str | None:
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
-    # pytest-asyncio refuses None here, so a test that opts out gets a single plain loop.
-    return _PLAIN_LOOP if _one_loop_reason(item) is not None else LOOP_FACTORIES
+    # One factory: pytest-asyncio hides the id, so an opted-out test keeps its plain name.
+    return _ONE_LOOP if _one_loop_reason(item) is not None else LOOP_FACTORIES
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Iterator[None]:
+    # -k matches marker names too, and pytest-asyncio marks every async test "asyncio", so
+    # `-k asyncio` would select the [uvloop] runs as well. While -k filters the items, that
+    # marker is out of its sight; it is put back after. (Not when -m names it: -m needs it.)
+    if not config.option.keyword or "asyncio" in config.option.markexpr:
+        return (yield)
+    hidden: list[tuple[pytest.Item, list[pytest.Mark]]] = []
+    for item in items:
+        marks = [m for m in item.own_markers if m.name == "asyncio"]
+        if marks:
+            hidden.append((item, marks))
+            item.own_markers[:] = [m for m in item.own_markers if m.name != "asyncio"]
+    try:
+        return (yield)
+    finally:
+        for item, marks in hidden:
+            item.own_markers.extend(marks)
 
 
 @pytest.fixture
