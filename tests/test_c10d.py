@@ -114,6 +114,7 @@ async def test_gloo_over_loopback_sockets(n: int) -> None:
     await run_world(n, fn, backend="gloo", timeout=5)
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.6 s a run); a second loop waits them out again for the same result")
 @pytest.mark.parametrize("backend", ["gloo", "memory"])
 async def test_a_broken_group_is_aborted_on_the_peers(backend: str) -> None:
     """Rank 1 gives up on the group early (its timeout is shorter); its ABORT fails rank 2's
@@ -154,6 +155,7 @@ async def test_gloo_large_all_reduce_after_broadcasts(n: int) -> None:
     await run_world(n, fn, backend="gloo", timeout=10)
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~0.5 s a run); a second loop waits them out again for the same result")
 async def test_gloo_rank_that_never_joins() -> None:
     async def fn(rank: int) -> str | None:
         g = await dist.new_group(timeout=0.3, group_desc="slow")
@@ -650,6 +652,7 @@ asyncio.run(main(int(sys.argv[1]), sys.argv[2]))
 """
 
 
+@pytest.mark.one_loop(reason="the two ranks are child processes that run their own loops; this process only waits on them")
 @pytest.mark.subprocess
 async def test_gloo_two_processes(tmp_path: Any) -> None:
     import sys

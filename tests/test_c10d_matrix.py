@@ -10,9 +10,6 @@ Over the memory backend (fast): every dtype x every ReduceOp through all_reduce,
 reduce_scatter_tensor; valid pairs against numpy, invalid pairs refused before anything is sent
 (the group's sequence number does not move and the group stays usable); torch CPU tensors
 (bfloat16 included) updated in place.
-
-Heavy tests run on the default loop only (tests/test_c10d.py runs the API on asyncio-debug and
-uvloop already); the async-in-flight test runs on both.
 """
 
 from __future__ import annotations

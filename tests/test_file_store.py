@@ -240,6 +240,7 @@ async def _times_out(aw: object, *names: str, not_named: tuple[str, ...] = ()) -
         assert repr(n) not in missing, info.value
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.0 s a run); a second loop waits them out again for the same result")
 async def test_timeouts(tmp_path: Path) -> None:
     s = FileStore(_path(tmp_path), timeout=SHORT)
     await s.set("present", "1")
@@ -326,6 +327,7 @@ async def test_file_work_runs_off_the_loop(tmp_path: Path, monkeypatch: pytest.M
     assert {"open", "flock", "stat", "fstat", "pread", "pwrite", "unlink", "close"} <= done, done
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.3 s a run); a second loop waits them out again for the same result")
 async def test_lock_held_by_another(tmp_path: Path) -> None:
     """Another holder of the flock stalls operations in their worker threads, not the loop;
     a cancelled operation gives up at once and does nothing; the lock wait is bounded."""
@@ -555,6 +557,7 @@ asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4
 """
 
 
+@pytest.mark.one_loop(reason="the three ranks are child processes that run their own loops; this process only waits on them")
 @pytest.mark.subprocess
 async def test_three_processes(tmp_path: Path) -> None:
     p = _path(tmp_path)

@@ -488,6 +488,7 @@ async def test_closed_connection_drops_its_waiters(server: TCPStoreServer) -> No
     await until(lambda: server.stats()["waiters"] == 0, "the server to drop the closed connection's waiters")
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.0 s a run); a second loop waits them out again for the same result")
 async def test_peer_that_never_reads_does_not_make_the_server_buffer_without_bound(server: TCPStoreServer, good: TCPStore) -> None:
     value = b"v" * LIMITS.max_value_bytes
     await good.set("v", value)

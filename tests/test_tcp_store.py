@@ -196,6 +196,7 @@ async def test_world_size_without_wait_for_workers_returns_at_once() -> None:
         await m.close()
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~0.5 s a run); a second loop waits them out again for the same result")
 async def test_master_times_out_waiting_for_workers() -> None:
     t = time.monotonic()
     with pytest.raises(StoreTimeoutError, match="1/3 clients joined") as info:
@@ -205,6 +206,7 @@ async def test_master_times_out_waiting_for_workers() -> None:
     assert 0.45 <= waited < 0.5 + SLACK_S, waited
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.0 s a run); a second loop waits them out again for the same result")
 async def test_master_times_out_with_one_of_three_workers() -> None:
     s, port = refused_port()
     m_task = asyncio.ensure_future(TCPStore(HOST, port, world_size=3, is_master=True, timeout=0.5, master_listen_fd=s.detach()))
@@ -224,6 +226,7 @@ async def test_master_times_out_with_one_of_three_workers() -> None:
 # -- connecting to nothing -------------------------------------------------------------------
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~0.5 s a run); a second loop waits them out again for the same result")
 async def test_connect_to_nothing_raises_network_error_within_timeout() -> None:
     s, port = refused_port()
     try:
@@ -706,6 +709,7 @@ async def test_handshake_with_a_non_tcpstore_server_fails_fast(kind: str) -> Non
         await srv.wait_closed()
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.0 s a run); a second loop waits them out again for the same result")
 async def test_a_server_that_drops_the_handshake_is_retried_until_the_timeout() -> None:
     """A connection closed during the handshake may be a server starting or stopping: the client
     retries, as for a refused connect, and names host:port when the timeout runs out."""
@@ -728,6 +732,7 @@ async def test_a_server_that_drops_the_handshake_is_retried_until_the_timeout() 
         await srv.wait_closed()
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.2 s a run); a second loop waits them out again for the same result")
 async def test_silent_server_times_out_each_call() -> None:
     """A server that completes the handshake and then never answers: every call fails within the
     store's timeout instead of hanging."""
