@@ -439,7 +439,9 @@ async def test_torch_client_and_aiodist_client_see_each_other(torch_server: Any,
     assert await client.add("shared", 1) == 11
 
 
-@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~8.4 s a run); a second loop waits them out again for the same result")
+@pytest.mark.one_loop(
+    reason="mostly waits out the kit's deadlines (~8.4 s a run); the client's kit runs on both loops against aiodist's servers (test_tcp_store.py)"
+)
 async def test_conformance_kit_on_client_of_torch_server() -> None:
     from aiodist.testing import check_store
 
