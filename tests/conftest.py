@@ -5,16 +5,23 @@ Event loops
     hook, implemented below; it parametrizes the test over the factories the hook returns
     (overriding the ``event_loop_policy`` fixture, the older way, is deprecated in 1.5).
 
-    - An ordinary async test gets one factory, the plain asyncio loop, under a hidden id: it
-      runs once, named as before.
-    - An async test that opts in runs once per loop in ``LOOP_FACTORIES``, with ids
-      ``[asyncio]`` (the default asyncio loop in debug mode, which also catches calls into a
-      loop from the wrong thread) and ``[uvloop]`` (where uvloop is installed). Opt in by
-      marking the test, class or module with ``@pytest.mark.any_loop`` (``pytestmark =
-      pytest.mark.any_loop``), or by requesting the ``any_loop`` fixture, whose value is the
-      name of the loop the test is running on (``"asyncio"`` or ``"uvloop"``).
-    - Run one loop only with ``-k asyncio`` / ``-k uvloop``. ``--asyncio-debug`` turns debug
-      mode on for every loop.
+    - Every async test runs once per loop in ``LOOP_FACTORIES``, with ids ``[asyncio]`` (the
+      default asyncio loop in debug mode, which also reports calls into a loop from the wrong
+      thread, never-retrieved exceptions and slow callbacks) and ``[uvloop]`` (where uvloop is
+      installed). The ``any_loop`` fixture's value is the name of the loop the test is running
+      on (``"asyncio"`` or ``"uvloop"``), for keys or messages that must differ between the two.
+    - A test opts out with ``@pytest.mark.one_loop(reason="...")`` (on the test, its class, or
+      the module's ``pytestmark``): it runs once, on the asyncio loop in debug mode, under no id. The
+      reason is required; the opt-out is for tests where a second loop adds nothing (the test's
+      process only starts and waits on child processes, which run their own loops) or costs too
+      much (its run is mostly a wait on a deadline of its own, the same on every loop). See
+      docs/testing.md.
+    - ``-k asyncio`` / ``-k uvloop`` select one loop's runs (``-k`` also matches marker names,
+      and pytest-asyncio marks every async test ``asyncio``: ``pytest_collection_modifyitems``
+      below keeps that marker out of ``-k``'s sight). ``-k "not uvloop"`` runs everything that
+      runs on asyncio, the opted-out tests and the tests without a loop included; ``-m
+      one_loop`` selects the opted-out tests. ``--asyncio-debug`` turns debug mode on for
+      uvloop too.
 
 Nothing passed
     A session in which no test passed (all skipped, xfailed or deselected; for example a
@@ -25,7 +32,7 @@ Nothing passed
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -58,27 +65,58 @@ LOOP_FACTORIES: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio":
 if uvloop is not None:
     LOOP_FACTORIES["uvloop"] = uvloop.new_event_loop
 
-_PLAIN_LOOP: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": asyncio.new_event_loop}
+_ONE_LOOP: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": DebugEventLoop}
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "any_loop: run this async test on every event loop of tests/conftest.py LOOP_FACTORIES (asyncio in debug mode, uvloop)"
+        "markers",
+        "one_loop(reason): run this async test once, on the asyncio loop in debug mode, instead of on every loop of "
+        "tests/conftest.py LOOP_FACTORIES; reason= says why a second loop adds nothing or costs too much",
     )
 
 
-def _wants_any_loop(item: pytest.Item) -> bool:
-    return item.get_closest_marker("any_loop") is not None or "any_loop" in getattr(item, "fixturenames", ())
+def _one_loop_reason(item: pytest.Item) -> str | None:
+    """The reason of the test's ``one_loop`` marker, or None when it runs on every loop."""
+    marker = item.get_closest_marker("one_loop")
+    if marker is None:
+        return None
+    reason = marker.kwargs.get("reason", marker.args[0] if marker.args else None)
+    if not isinstance(reason, str) or not reason.strip():
+        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.one_loop needs a reason: one_loop(reason='...')")
+    if "any_loop" in getattr(item, "fixturenames", ()):
+        raise pytest.UsageError(f"{item.nodeid}: requests the any_loop fixture but is marked one_loop")
+    return reason
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
-    # pytest-asyncio refuses None here, so tests that do not opt in get a single plain loop.
-    return LOOP_FACTORIES if _wants_any_loop(item) else _PLAIN_LOOP
+    # One factory: pytest-asyncio hides the id, so an opted-out test keeps its plain name.
+    return _ONE_LOOP if _one_loop_reason(item) is not None else LOOP_FACTORIES
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Iterator[None]:
+    # -k matches marker names too, and pytest-asyncio marks every async test "asyncio", so
+    # `-k asyncio` would select the [uvloop] runs as well. While -k filters the items, that
+    # marker is out of its sight; it is put back after. (Not when -m names it: -m needs it.)
+    if not config.option.keyword or "asyncio" in config.option.markexpr:
+        return (yield)
+    hidden: list[tuple[pytest.Item, list[pytest.Mark]]] = []
+    for item in items:
+        marks = [m for m in item.own_markers if m.name == "asyncio"]
+        if marks:
+            hidden.append((item, marks))
+            item.own_markers[:] = [m for m in item.own_markers if m.name != "asyncio"]
+    try:
+        return (yield)
+    finally:
+        for item, marks in hidden:
+            item.own_markers.extend(marks)
 
 
 @pytest.fixture
 async def any_loop() -> str:
-    """Run the requesting async test on every loop; the value names the current one."""
+    """The name of the loop the requesting async test is running on: ``"asyncio"`` or ``"uvloop"``."""
     loop = asyncio.get_running_loop()
     if uvloop is not None and isinstance(loop, uvloop.Loop):
         return "uvloop"

@@ -354,7 +354,6 @@ async def test_thresholds_default_to_the_environment(monkeypatch: pytest.MonkeyP
 # -- ops in flight at once, no deadlock --------------------------------------------------------
 
 
-@pytest.mark.any_loop
 async def test_several_ops_in_flight_at_once() -> None:
     n = 5
     rng = np.random.default_rng(3)
@@ -387,7 +386,6 @@ async def test_several_ops_in_flight_at_once() -> None:
     assert all(w[0].world.unmatched() == [] for w in worlds)
 
 
-@pytest.mark.any_loop
 @pytest.mark.parametrize("capacity", [0, 1])
 async def test_no_deadlock_on_a_transport_that_holds_nothing(capacity: int) -> None:
     # capacity 0: a send completes only once its receive is posted (a rendezvous); pieces of 8

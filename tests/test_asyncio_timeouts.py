@@ -16,8 +16,6 @@ import pytest
 import aiodist as dist
 from aiodist.testing import run_world
 
-pytestmark = pytest.mark.any_loop  # asyncio in debug mode, and uvloop
-
 LATE_S = 0.4  # rank 1 joins the all_reduce this late
 T_S = 0.05  # the caller's asyncio deadline on rank 0
 

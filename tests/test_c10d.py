@@ -17,8 +17,6 @@ from aiodist.backends import CommBackend, create_memory_backend
 from aiodist.store import HashStore
 from aiodist.testing import run_world
 
-pytestmark = pytest.mark.any_loop  # asyncio in debug mode, and uvloop
-
 SIZES = [1, 2, 3, 4, 5]
 
 
@@ -117,6 +115,7 @@ async def test_gloo_over_loopback_sockets(n: int) -> None:
     await run_world(n, fn, backend="gloo", timeout=5)
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.6 s a run); a second loop waits them out again for the same result")
 @pytest.mark.parametrize("backend", ["gloo", "memory"])
 async def test_a_broken_group_is_aborted_on_the_peers(backend: str) -> None:
     """Rank 1 gives up on the group early (its timeout is shorter); its ABORT fails rank 2's
@@ -157,6 +156,7 @@ async def test_gloo_large_all_reduce_after_broadcasts(n: int) -> None:
     await run_world(n, fn, backend="gloo", timeout=10)
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~0.5 s a run); a second loop waits them out again for the same result")
 async def test_gloo_rank_that_never_joins() -> None:
     async def fn(rank: int) -> str | None:
         g = await dist.new_group(timeout=0.3, group_desc="slow")
@@ -638,6 +638,7 @@ async def test_torch_cpu_tensors_in_place() -> None:
 _TWO_PROCESSES = Path(__file__).resolve().parent / "helpers" / "file_init_job.py"  # RANK PATH: gloo over file:// rendezvous
 
 
+@pytest.mark.one_loop(reason="the two ranks are child processes that run their own loops; this process only waits on them")
 @pytest.mark.subprocess
 async def test_gloo_two_processes(tmp_path: Any) -> None:
     import sys

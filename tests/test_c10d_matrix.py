@@ -10,9 +10,6 @@ Over the memory backend (fast): every dtype x every ReduceOp through all_reduce,
 reduce_scatter_tensor; valid pairs against numpy, invalid pairs refused before anything is sent
 (the group's sequence number does not move and the group stays usable); torch CPU tensors
 (bfloat16 included) updated in place.
-
-Heavy tests run on the default loop only (tests/test_c10d.py runs the API on asyncio-debug and
-uvloop already); the async-in-flight test runs on both.
 """
 
 from __future__ import annotations
@@ -476,7 +473,6 @@ async def test_socket_all_reduce_bitwise_identical_every_float_dtype_and_op(vari
 # -- socket backend: several async ops in flight on one group, awaited out of order ------------
 
 
-@pytest.mark.any_loop
 @pytest.mark.parametrize("n", [3, 4])
 async def test_socket_async_ops_in_flight_awaited_out_of_order(n: int) -> None:
     async def fn(rank: int) -> None:

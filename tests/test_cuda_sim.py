@@ -31,8 +31,6 @@ MIXED = ["cpu:gloo,cuda:nccl", "cpu:memory,cuda:nccl"]
 GLOO = "cpu:gloo,cuda:nccl"
 R = dist.ReduceOp
 
-pytestmark = pytest.mark.any_loop  # asyncio in debug mode catches loop calls from the backend's threads; and uvloop
-
 
 @pytest.fixture
 def sim(monkeypatch: pytest.MonkeyPatch) -> Iterator[fake_cupy.Installed]:
@@ -601,6 +599,7 @@ async def test_no_split_without_a_parent_communicator_or_when_switched_off(
 KNOBS = [None, ("AIODIST_CUDA_LAUNCH", "loop"), ("AIODIST_CUDA_COMPLETION", "hostfunc")]
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~0.6 s a run); a second loop waits them out again for the same result")
 @pytest.mark.parametrize("knob", KNOBS, ids=["default", "launch-loop", "hostfunc"])
 async def test_a_rank_that_never_joins_times_out_and_aborts_the_communicator(
     sim: fake_cupy.Installed, monkeypatch: pytest.MonkeyPatch, knob: tuple[str, str] | None
@@ -671,6 +670,7 @@ async def test_an_async_error_of_a_stuck_kernel_fails_the_op_before_the_timeout(
         sim.sim.unexpected.clear()
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~0.5 s a run); a second loop waits them out again for the same result")
 async def test_a_rank_that_never_makes_the_communicator_times_out(sim: fake_cupy.Installed) -> None:
     async def fn(rank: int) -> None:
         if rank == 1:

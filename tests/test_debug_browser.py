@@ -19,7 +19,12 @@ from test_debug_server import blocked_job, blocked_line, stuck_job
 
 CHROMIUM = next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)
 
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium installed (apt-get install chromium)")
+pytestmark = [
+    pytest.mark.skipif(CHROMIUM is None, reason="no chromium installed (apt-get install chromium)"),
+    pytest.mark.one_loop(
+        reason="its time is Chromium's, a child process; the debug server's pages are checked on both loops in test_debug_server.py"
+    ),
+]
 
 
 async def chromium(*args: str, timeout: float = 30) -> str:

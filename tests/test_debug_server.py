@@ -137,6 +137,7 @@ async def test_routes_name_the_stuck_rank() -> None:
     assert health["ranks"]["1"]["pid"] == os.getpid()
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~2.6 s a run); a second loop waits them out again for the same result")
 async def test_partial_when_a_worker_is_gone_or_hangs() -> None:
     unblock, stopped = asyncio.Event(), asyncio.Event()
 
@@ -383,6 +384,7 @@ def blocked_line() -> str:
     return f"tests/test_debug_server.py:{n} in step: time.sleep(0.05)"
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~2.3 s a run); a second loop waits them out again for the same result")
 async def test_page_names_a_blocked_loop_within_5_s() -> None:
     async def probe(url: str, s: ClientSession) -> dict[str, Any]:
         out = {"index": await get_json(s, url + "/")}

@@ -17,8 +17,6 @@ from aiodist.device_mesh import DeviceMesh, init_device_mesh
 from aiodist.testing import run_world
 from aiodist.testing.ports import free_port
 
-pytestmark = pytest.mark.any_loop  # asyncio in debug mode, and uvloop
-
 
 def row_along(mesh: np.ndarray, coord: list[int], dim: int) -> list[int]:
     """The ranks that share every coordinate of ``coord`` except the one along ``dim``."""

@@ -103,7 +103,6 @@ async def test_stats(tmp_path: Path) -> None:
 # -- every method ------------------------------------------------------------------------------
 
 
-@pytest.mark.any_loop
 async def test_every_method(tmp_path: Path) -> None:
     s = FileStore(_path(tmp_path), timeout=SHORT)  # lazily registered by the first call
     await s.set("k", "v")
@@ -241,6 +240,7 @@ async def _times_out(aw: object, *names: str, not_named: tuple[str, ...] = ()) -
         assert repr(n) not in missing, info.value
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.0 s a run); a second loop waits them out again for the same result")
 async def test_timeouts(tmp_path: Path) -> None:
     s = FileStore(_path(tmp_path), timeout=SHORT)
     await s.set("present", "1")
@@ -327,6 +327,7 @@ async def test_file_work_runs_off_the_loop(tmp_path: Path, monkeypatch: pytest.M
     assert {"open", "flock", "stat", "fstat", "pread", "pwrite", "unlink", "close"} <= done, done
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.3 s a run); a second loop waits them out again for the same result")
 async def test_lock_held_by_another(tmp_path: Path) -> None:
     """Another holder of the flock stalls operations in their worker threads, not the loop;
     a cancelled operation gives up at once and does nothing; the lock wait is bounded."""
@@ -538,6 +539,7 @@ async def test_two_poppers_one_push_each(tmp_path: Path) -> None:
 CHILD = Path(__file__).resolve().parent / "helpers" / "file_store_child.py"  # PATH RANK N_ADD N_ITEMS WORLD
 
 
+@pytest.mark.one_loop(reason="the three ranks are child processes that run their own loops; this process only waits on them")
 @pytest.mark.subprocess
 async def test_three_processes(tmp_path: Path) -> None:
     p = _path(tmp_path)
@@ -736,7 +738,6 @@ async def test_torch_filestore_file_is_refused(tmp_path: Path) -> None:
 # -- the conformance kit -----------------------------------------------------------------------
 
 
-@pytest.mark.any_loop
 async def test_store_conformance_kit(tmp_path: Path) -> None:
     testing = pytest.importorskip("aiodist.testing")
     names = itertools.count()

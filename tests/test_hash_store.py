@@ -1,12 +1,17 @@
 """HashStore: the conformance kit (on every event loop), use from other threads, clones,
-stats, and the kit's own tests (a broken HashStore for each check, which that check must catch)."""
+stats, and the kit's own tests (a broken HashStore for each check, which that check must catch).
+Also the suite's loop plumbing (tests/conftest.py): which loop a test runs on, the one_loop
+opt-out and its required reason, ``-k asyncio`` / ``-k uvloop`` selecting one loop's runs."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 from collections import deque
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +19,8 @@ import pytest
 from aiodist import DistStoreError, HashStore, QueueEmptyError, Store, StoreTimeoutError
 from aiodist.store.base import to_value
 from aiodist.testing import STORE_CHECKS, check_store
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 async def make_hash_store() -> HashStore:
@@ -32,6 +39,49 @@ async def test_any_loop_names_the_running_loop(any_loop: str) -> None:
     else:
         uvloop = pytest.importorskip("uvloop")
         assert isinstance(loop, uvloop.Loop)
+
+
+@pytest.mark.one_loop(reason="checks the opt-out itself")
+async def test_an_opted_out_test_runs_once_in_debug_mode(request: pytest.FixtureRequest) -> None:
+    loop = asyncio.get_running_loop()
+    assert type(loop).__name__ == "DebugEventLoop" and loop.get_debug()
+    assert request.node.name == "test_an_opted_out_test_runs_once_in_debug_mode"  # no loop id
+
+
+def test_one_loop_needs_a_reason() -> None:
+    from conftest import _one_loop_reason
+
+    class Item:
+        nodeid = "t"
+        fixturenames = ()
+
+        def __init__(self, mark: Any) -> None:
+            self.mark = mark
+
+        def get_closest_marker(self, name: str) -> Any:
+            return self.mark
+
+    assert _one_loop_reason(Item(None)) is None
+    assert _one_loop_reason(Item(pytest.mark.one_loop(reason="why").mark)) == "why"
+    for bare in (pytest.mark.one_loop.mark, pytest.mark.one_loop(reason=" ").mark):
+        with pytest.raises(pytest.UsageError, match="needs a reason"):
+            _one_loop_reason(Item(bare))
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_k_selects_one_loops_runs(loop: str) -> None:
+    # -k also matches marker names, and pytest-asyncio marks every async test "asyncio"
+    if loop == "uvloop":
+        pytest.importorskip("uvloop")
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", "-k", loop, "tests/test_hash_store.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    ids = [line for line in r.stdout.splitlines() if "::" in line and "test_k_selects_one_loops_runs" not in line]
+    assert ids and all(f"[{loop}" in i for i in ids), r.stdout
 
 
 # -- construction, stats, clones ---------------------------------------------------------------
@@ -151,7 +201,6 @@ async def _until_waiters(store: HashStore, n: int, limit_s: float = 5.0) -> None
             await asyncio.sleep(0.005)
 
 
-@pytest.mark.any_loop
 @pytest.mark.parametrize("handle", ["same", "clone"])
 async def test_get_in_another_thread_is_woken_by_set_here(handle: str) -> None:
     store = HashStore(timeout=5)
@@ -162,7 +211,6 @@ async def test_get_in_another_thread_is_woken_by_set_here(handle: str) -> None:
     assert await thread.join() == b"from the main loop"
 
 
-@pytest.mark.any_loop
 async def test_get_here_is_woken_by_set_in_another_thread() -> None:
     store = HashStore(timeout=5)
     getter = asyncio.create_task(store.get("k"))
@@ -172,7 +220,6 @@ async def test_get_here_is_woken_by_set_in_another_thread() -> None:
     assert await asyncio.wait_for(getter, 5) == b"from a thread"
 
 
-@pytest.mark.any_loop
 async def test_queue_pop_in_threads_each_item_once() -> None:
     store = HashStore(timeout=5)
     threads = [_Thread(lambda: store.clone().queue_pop("q")) for _ in range(3)]
@@ -495,6 +542,7 @@ async def test_check_catches_its_mutant(name: str) -> None:
         await check_store(make, timeout=0.2, skip=others)
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~0.9 s a run); a second loop waits them out again for the same result")
 async def test_kit_uses_a_fresh_store_per_check_and_closes_it() -> None:
     made: list[HashStore] = []
     closed: list[HashStore] = []

@@ -37,6 +37,9 @@ async def _until(cond: object, timeout: float) -> None:
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.one_loop(
+    reason="the launchers and ranks are child processes that run their own loops; this process waits on them and counts the store's requests"
+)
 @pytest.mark.subprocess
 @pytest.mark.timeout(90)
 async def test_idle_two_node_job_does_not_poll_the_store(tmp_path: Path) -> None:

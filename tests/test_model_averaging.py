@@ -14,8 +14,6 @@ from aiodist.c10d.objects import all_gather_object
 from aiodist.model_averaging import average_parameters, average_parameters_or_parameter_groups, get_params_to_average
 from aiodist.testing import run_world
 
-pytestmark = pytest.mark.any_loop  # asyncio in debug mode, and uvloop
-
 SIZES = [1, 2, 3, 4, 5]
 SHAPES = [(3, 4), (7,), (2, 1, 5), ()]
 

@@ -15,7 +15,6 @@ async def make_prefix_store() -> PrefixStore:
     return PrefixStore("p", HashStore())
 
 
-@pytest.mark.any_loop
 async def test_conformance_kit() -> None:
     await check_store(make_prefix_store)
 

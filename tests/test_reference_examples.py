@@ -24,7 +24,7 @@ from aiodist.testing import run_world
 
 torch = pytest.importorskip("torch")
 
-pytestmark = [pytest.mark.any_loop, pytest.mark.parametrize("backend", ["memory", "gloo"])]
+pytestmark = pytest.mark.parametrize("backend", ["memory", "gloo"])
 
 ReduceOp = dist.ReduceOp
 

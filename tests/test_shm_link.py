@@ -218,6 +218,7 @@ def test_a_p2p_without_a_link_is_refused() -> None:
         op_link(local_world(2)[0])
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~3.0 s a run); a second loop waits them out again for the same result")
 async def test_a_lane_wait_is_counted_by_the_ops_tracker(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0's small all_reduce waits in the latency lane for rank 1, which never calls it: the
     timeout message names rank 1 among the ranks not heard from (``OpLink.wait_on``)."""

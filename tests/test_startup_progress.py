@@ -38,6 +38,7 @@ def _warnings(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRe
     return [r for r in caplog.records if r.levelno == logging.WARNING and text in r.getMessage()]
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.0 s a run); a second loop waits them out again for the same result")
 async def test_a_master_addr_that_does_not_resolve_is_warned_about_at_once(
     env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -69,6 +70,7 @@ async def test_a_master_addr_that_does_not_resolve_is_warned_about_at_once(
     assert " of 1.0 s; last error: " in periodic[0].getMessage()
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.2 s a run); a second loop waits them out again for the same result")
 async def test_a_rank_that_never_starts_is_named_with_the_count_joined(env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     port = free_port()
     caplog.set_level(logging.WARNING, logger="aiodist")
@@ -84,6 +86,7 @@ async def test_a_rank_that_never_starts_is_named_with_the_count_joined(env: pyte
         assert r.name == "aiodist.store"
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.2 s a run); a second loop waits them out again for the same result")
 async def test_with_three_ranks_the_missing_one_is_named_by_the_master_and_by_the_others(
     env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -29,8 +29,6 @@ from aiodist.store._connection import _Call
 from aiodist.store.tcp import TCPStore
 from aiodist.testing import until
 
-pytestmark = pytest.mark.any_loop
-
 HOST = "127.0.0.1"
 
 

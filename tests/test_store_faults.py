@@ -103,6 +103,7 @@ async def timed(coro: Any) -> tuple[float, BaseException]:
     return time.monotonic() - t, info.value
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~0.5 s a run); a second loop waits them out again for the same result")
 async def test_wait_timeout_bounds_the_missing_keys_check(server: Frozen) -> None:
     """The server answers the CHECK, then freezes under the WAIT: the error comes at the wait's
     timeout, not a second later (the CHECK naming the missing keys waited up to 1 s)."""
@@ -118,6 +119,7 @@ async def test_wait_timeout_bounds_the_missing_keys_check(server: Frozen) -> Non
         await store.close()
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~0.5 s a run); a second loop waits them out again for the same result")
 async def test_wait_timeout_bounds_the_reconnect(server: Frozen) -> None:
     """The main connection was reset and the server is frozen: the reconnect is bounded by the
     wait's 0.4 s, not the store's timeout (it took the store's 3 s)."""
@@ -148,6 +150,7 @@ async def test_short_wait_timeout_leaves_the_connection_to_the_others(server: Fr
         await store.close()
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~0.7 s a run); a second loop waits them out again for the same result")
 async def test_a_missed_deadline_names_itself_to_the_other_requests(server: Frozen) -> None:
     """One request overdue closes the connection: a write behind it is told which request was
     overdue (not "no reply within" its own timeout, which it did not wait), and a read behind it

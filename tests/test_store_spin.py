@@ -109,7 +109,6 @@ async def client(server: tuple[subprocess.Popen[str], int]) -> AsyncIterator[TCP
         await store.close()
 
 
-@pytest.mark.any_loop
 @pytest.mark.parametrize("unix", [True, False], ids=["unix", "tcp"])
 async def test_calls_one_at_a_time_read_their_reply_by_spinning(
     server: tuple[subprocess.Popen[str], int], long_spin: None, unix: bool, any_loop: str
@@ -136,21 +135,24 @@ async def test_calls_one_at_a_time_read_their_reply_by_spinning(
 
 
 @pytest.mark.parametrize("size", [70_000, 3 << 20])
-async def test_a_big_value_read_partly_by_the_spin_is_whole(client: TCPStore, long_spin: None, size: int) -> None:
+async def test_a_big_value_read_partly_by_the_spin_is_whole(client: TCPStore, long_spin: None, size: int, any_loop: str) -> None:
     value = os.urandom(size)
-    await client.set(f"big/{size}", value)
+    key = f"big/{any_loop}/{size}"  # the server is the module's: each loop's run has its own keys
+    await client.set(key, value)
     for _ in range(3):
-        assert await client.get(f"big/{size}") == value
-    assert await client.add(f"big/{size}/n", 1) == 1  # the stream is in step after it
+        assert await client.get(key) == value
+    assert await client.add(f"{key}/n", 1) == 1  # the stream is in step after it
 
 
-async def test_a_get_of_a_missing_key_still_waits_for_it(client: TCPStore, server: tuple[subprocess.Popen[str], int], long_spin: None) -> None:
+async def test_a_get_of_a_missing_key_still_waits_for_it(
+    client: TCPStore, server: tuple[subprocess.Popen[str], int], long_spin: None, any_loop: str
+) -> None:
     other = await _client(server[1])
     try:
-        got = asyncio.ensure_future(client.get("late/key"))
+        got = asyncio.ensure_future(client.get(f"late/{any_loop}"))
         await asyncio.sleep(0.05)
         assert not got.done()
-        await other.set("late/key", b"here")
+        await other.set(f"late/{any_loop}", b"here")
         assert await asyncio.wait_for(got, 5) == b"here"
     finally:
         await other.close()
@@ -267,16 +269,16 @@ async def test_a_spin_ends_at_the_end_of_the_stream(monkeypatch: pytest.MonkeyPa
         theirs.close()
 
 
-async def test_tasks_that_take_turns_pipeline_instead_of_spinning(client: TCPStore, long_spin: None) -> None:
+async def test_tasks_that_take_turns_pipeline_instead_of_spinning(client: TCPStore, long_spin: None, any_loop: str) -> None:
     # 32 tasks making calls on one store: each call's request goes out with the others' in one
     # round trip. A spin would make each task wait out its own (the seq rate, not the pipe's).
     async def adder() -> None:
         for _ in range(50):
-            await client.add("turns/n", 1)
+            await client.add(f"turns/{any_loop}", 1)
 
     before = client.stats()["spun"]
     await asyncio.gather(*(adder() for _ in range(32)))
-    assert await client.add("turns/n", 0) == 32 * 50
+    assert await client.add(f"turns/{any_loop}", 0) == 32 * 50
     assert client.stats()["spun"] - before <= 100
 
 

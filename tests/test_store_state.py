@@ -207,7 +207,6 @@ async def test_awaiting_the_future_is_resumed() -> None:
 # -- threads -------------------------------------------------------------------------------------
 
 
-@pytest.mark.any_loop
 async def test_set_here_wakes_a_waiter_on_another_threads_loop() -> None:
     s = KVState()
     registered = threading.Event()
@@ -235,7 +234,6 @@ async def test_set_here_wakes_a_waiter_on_another_threads_loop() -> None:
     assert out == {"value": b"v"}
 
 
-@pytest.mark.any_loop
 async def test_a_thread_without_a_loop_wakes_a_waiter_here() -> None:
     s = KVState()
     w = s.wait([b"k"])
@@ -246,7 +244,6 @@ async def test_a_thread_without_a_loop_wakes_a_waiter_here() -> None:
     await asyncio.wait_for(asyncio.gather(w.fut, q.fut), 5)
 
 
-@pytest.mark.any_loop
 async def test_queue_push_here_wakes_exactly_one_thread() -> None:
     s = KVState()
     n = 3

@@ -26,7 +26,12 @@ import pytest
 from aiodist.errors import DistError, DistNetworkError, StoreTimeoutError
 from aiodist.store.tcp import TCPStore
 
-pytestmark = pytest.mark.subprocess
+pytestmark = [
+    pytest.mark.subprocess,
+    pytest.mark.one_loop(
+        reason="the clients and the standalone server are child processes that run their own loops; this process starts them and waits on them"
+    ),
+]
 
 HOST = "127.0.0.1"
 WORKER = str(Path(__file__).parent / "helpers" / "tcp_store_worker.py")

@@ -44,6 +44,7 @@ async def _warm_up() -> None:
 # -- (b) a rank that never issues the op ----------------------------------------------------------------
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.0 s a run); a second loop waits them out again for the same result")
 async def test_a_rank_that_never_issues_the_op_is_named_first() -> None:
     done = asyncio.Event()
     failed: list[int] = []
@@ -72,6 +73,7 @@ async def test_a_rank_that_never_issues_the_op_is_named_first() -> None:
 # -- (a) ranks at different ops ---------------------------------------------------------------------------
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.0 s a run); a second loop waits them out again for the same result")
 async def test_a_rank_at_another_op_on_the_same_seq_is_named_with_that_op() -> None:
     """Rank 0 calls broadcast at seq 2, the others all_reduce. Frames of the two ops may meet, so
     a desync check (when frames carry digests) may fail the op first; otherwise the timeout's
@@ -92,6 +94,7 @@ async def test_a_rank_at_another_op_on_the_same_seq_is_named_with_that_op() -> N
         assert msg.endswith(DETAIL_HINT), msg
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.3 s a run); a second loop waits them out again for the same result")
 async def test_a_rank_in_another_op_where_no_frames_meet_is_found_there() -> None:
     """Rank 0 waits in a point-to-point receive (its own numbering, no frame of the collective
     meets it) while the others call all_reduce at seq 2: they find it through its note."""
@@ -235,6 +238,7 @@ def test_explain_names_a_silent_rank_in_the_op_and_what_it_did() -> None:
     assert head.startswith("the store did not answer within 0.1 s") and tail == "" and hint
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.4 s a run); a second loop waits them out again for the same result")
 async def test_deadline_late_is_the_timers_delay_not_the_unwinding() -> None:
     """``Deadline.late`` is measured when the timer runs: a blocked loop makes it late; a body
     that takes long to unwind after the cancel does not (the runner's "did not run" verdict)."""

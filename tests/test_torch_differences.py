@@ -46,6 +46,7 @@ COMPLEX_REFUSED = [R.MAX, R.MIN, R.PRODUCT, R.BAND, R.BOR, R.BXOR]  # torch's te
 # -- a barrier's timeout, in torch's words, culprits first ---------------------------------------
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.0 s a run); a second loop waits them out again for the same result")
 @pytest.mark.parametrize("backend", ["gloo", "memory"])
 @pytest.mark.parametrize("subgroup", [False, True], ids=["default_group", "full_subgroup"])
 async def test_a_barrier_timeout_says_timeout_after_the_culprits(backend: str, subgroup: bool) -> None:
@@ -77,6 +78,7 @@ async def test_a_barrier_timeout_says_timeout_after_the_culprits(backend: str, s
     assert "seq 0 timed out after 1 s on rank 0 (the timeout of the group)" in msg, msg
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.1 s a run); a second loop waits them out again for the same result")
 async def test_a_timeout_of_the_calls_own_says_so() -> None:
     """monitored_barrier runs under its own timeout, not the group's: a rank whose group rank 0
     never comes fails at that deadline, naming rank 0 first."""

@@ -206,6 +206,9 @@ async def test_torch_get_timeout_against_aiodist(master: TCPStore) -> None:
     assert 0.25 <= waited < 0.3 + SLACK_S
 
 
+@pytest.mark.one_loop(
+    reason="its time is a child process importing torch; the aiodist master's side runs on both loops in the other tests here"
+)
 async def test_torch_list_keys_and_queue_len_against_aiodist_master(master: TCPStore) -> None:
     await master.set("x", "1")
     await master.queue_push("q", "not a key")
@@ -262,6 +265,7 @@ async def test_world_size_join_torch_master_aiodist_client() -> None:
         await c.close()
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.0 s a run); a second loop waits them out again for the same result")
 async def test_torch_master_times_out_when_aiodist_client_missing() -> None:
     """The message format aiodist copies: 'k/N clients joined'."""
     fd, port = bound_socket()
@@ -361,6 +365,7 @@ async def test_aiodist_multi_get_waits_for_torch_writes(torch_server: Any, clien
     assert await asyncio.wait_for(mg, 20) == [b"1", b"2"]
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.1 s a run); a second loop waits them out again for the same result")
 async def test_aiodist_timeouts_against_torch_server(torch_server: Any) -> None:
     c = await TCPStore(HOST, torch_server.port, timeout=10)  # connect with room to spare on a busy box
     await c.set_timeout(0.3)
@@ -434,6 +439,9 @@ async def test_torch_client_and_aiodist_client_see_each_other(torch_server: Any,
     assert await client.add("shared", 1) == 11
 
 
+@pytest.mark.one_loop(
+    reason="mostly waits out the kit's deadlines (~8.4 s a run); the client's kit runs on both loops against aiodist's servers (test_tcp_store.py)"
+)
 async def test_conformance_kit_on_client_of_torch_server() -> None:
     from aiodist.testing import check_store
 

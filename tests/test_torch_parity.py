@@ -32,6 +32,7 @@ async def test_a_negative_world_size_means_not_fixed_as_in_torch() -> None:
         assert await s.get("k") == b"v"
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~0.5 s a run); a second loop waits them out again for the same result")
 async def test_the_masters_wait_names_the_configured_timeout_in_seconds() -> None:
     with pytest.raises(StoreTimeoutError) as e:
         await TCPStore("127.0.0.1", 0, 2, True, timeout=0.5)
@@ -307,6 +308,7 @@ def test_torch_refuses_max_on_complex_and_coalesces_mixed_dtypes(torch_dist, tmp
 # -- monitored_barrier: torch's words ---------------------------------------------------------------
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.2 s a run); a second loop waits them out again for the same result")
 @pytest.mark.parametrize("wait_all", [False, True])
 async def test_monitored_barrier_names_absent_ranks_in_torchs_words(wait_all: bool) -> None:
     """Ranks that never enter the barrier at all: rank 0 says torch's sentence (group ranks),
@@ -419,6 +421,7 @@ def test_torch_new_subgroups_says_the_same(torch_dist, tmp_path) -> None:  # typ
 # -- "timeout" in every timeout message --------------------------------------------------------------
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.8 s a run); a second loop waits them out again for the same result")
 async def test_every_timeout_message_says_timeout() -> None:
     """torch users match ``[Tt]imeout``: a collective's, a barrier's, ``Work.wait``'s and init's
     timeouts all say it (aiodist's detail kept after it)."""

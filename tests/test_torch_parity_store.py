@@ -246,6 +246,7 @@ def test_torch_port_in_use_words(no_agent_env: pytest.MonkeyPatch) -> None:
 # -- 4. a client that cannot connect: torch's words, and it tries for the whole timeout ------
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.0 s a run); a second loop waits them out again for the same result")
 @pytest.mark.parametrize("host", ["dnsnotexist", "127.0.0.1"])
 async def test_a_client_tries_for_its_whole_timeout_and_says_so_as_torch(host: str) -> None:
     port = 23456 if host == "dnsnotexist" else _free_port()

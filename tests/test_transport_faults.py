@@ -82,7 +82,6 @@ async def pair(**kw: Any) -> AsyncIterator[list[Transport]]:
 # -- a flood of sends to a late receiver ------------------------------------------------------
 
 
-@pytest.mark.any_loop
 @pytest.mark.parametrize("unix", [True, False], ids=["unix", "tcp"])
 async def test_send_flood_to_a_late_receiver_keeps_sender_memory_bounded(unix: bool, any_loop: str) -> None:
     """8 x 8 MiB sends issued at once (as isends are) to a rank that posts its receives 0.5 s
@@ -167,7 +166,6 @@ def open_idle(where: list[tuple[int, Any]], n: int) -> list[socket.socket]:
     return out
 
 
-@pytest.mark.any_loop
 async def test_idle_connections_are_closed_after_the_handshake_deadline(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, any_loop: str
 ) -> None:
@@ -238,7 +236,6 @@ async def test_idle_connections_are_closed_after_the_handshake_deadline(
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "sent no HELLO" not in r.getMessage()]
 
 
-@pytest.mark.any_loop
 async def test_hello_that_came_while_the_loop_was_blocked_is_not_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """The loop is blocked past an accepted connection's deadline while its HELLO arrives: the
     HELLO is read before the connection is closed (uvloop runs timers before polling)."""

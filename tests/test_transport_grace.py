@@ -16,8 +16,6 @@ from aiodist.testing import until
 from aiodist.transport import Transport, _connection
 from aiodist.transport._connection import GRACE_MIN_BYTES, GRACE_SECONDS
 
-pytestmark = pytest.mark.any_loop
-
 BIG = GRACE_MIN_BYTES // 4  # int32 elements: just at the threshold
 
 

@@ -289,6 +289,7 @@ def closed_port() -> int:
     return port
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.5 s a run); a second loop waits them out again for the same result")
 async def test_a_peer_that_cannot_be_reached_is_warned_about_and_named(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -348,6 +349,7 @@ def test_launcher_endpoints_round_trip_ipv6(host: str, port: int, text: str) -> 
     assert parse_endpoint(text, 0) == (host.strip("[]"), port)
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.7 s a run); a second loop waits them out again for the same result")
 async def test_a_group_timeout_says_no_connection_was_ever_made(monkeypatch: pytest.MonkeyPatch) -> None:
     """A peer whose published address refuses by the time it is dialed (a rank behind a
     firewall, a wrong --local-addr; here: a rank whose listener closed after init): the
@@ -414,6 +416,7 @@ async def test_different_split_sizes_fail_on_every_rank(monkeypatch: pytest.Monk
         await asyncio.gather(*(t.close() for t in ts))
 
 
+@pytest.mark.one_loop(reason="mostly waits out its own deadlines (~1.5 s a run); a second loop waits them out again for the same result")
 @pytest.mark.usefixtures("distinct_hosts")
 async def test_a_lane_that_never_connects_is_named() -> None:
     # the commonest multi-NIC mistake: a second interface that does not route between the hosts
