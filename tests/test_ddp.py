@@ -709,5 +709,6 @@ async def test_big_buckets_are_reduced_straight_into_the_gradients(backward_mode
         np.testing.assert_array_equal(a, b)  # the same bits on every rank
         if backward_mode == "loop":  # the reference ran on the same thread as DDP's backward
             np.testing.assert_array_equal(a, x + y)
-        else:  # autograd on another thread may round the local gradients otherwise (its kernels' state is per thread)
-            np.testing.assert_allclose(a, x + y, rtol=1e-5, atol=1e-6)
+        else:  # autograd on another thread may round the local gradients otherwise (its kernels' state is per
+            # thread, and a matmul's sum order with it): float32 rounding, on the scale of the whole array
+            np.testing.assert_allclose(a, x + y, rtol=1e-5, atol=1e-5 * float(np.abs(x + y).max()))
