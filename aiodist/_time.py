@@ -52,31 +52,42 @@ class Deadline:
     task that entered it, so it must not be entered in a communicating call's first step
     (see ``within``).
 
-    The op runner uses the same deadline without a block: ``start`` and ``end``, for an op
-    whose first step runs before the task that runs the rest exists."""
+    The op runner uses the same deadline without a block (armed by its constructor, disarmed by
+    ``end``), for an op whose first step runs before the task that runs the rest exists."""
 
     __slots__ = ("seconds", "_cell", "_handle", "_due", "_fired_at", "_cancelling")
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(
+        self,
+        seconds: float,
+        loop: asyncio.AbstractEventLoop | None = None,
+        cell: list[asyncio.Task[Any]] | None = None,
+        cancelling: int = 0,
+    ) -> None:
+        """``Deadline(seconds)`` is armed by ``async with``. With ``loop`` and ``cell`` it is armed
+        now, without a block (the op runner's form): when it passes, ``cell[0]`` is cancelled
+        (``cell`` may be filled after this, before the loop next runs: the timer only fires from
+        the loop); ``cancelling`` is that task's ``cancelling()`` now (0 for a task not made
+        yet). ``end`` disarms it."""
         self.seconds = seconds
-        self._cell: list[asyncio.Task[Any]] = []
-        self._handle: asyncio.TimerHandle | None = None
-        self._due = 0.0
         self._fired_at: float | None = None
-        self._cancelling = 0
+        self._cancelling = cancelling
+        if loop is None or cell is None:
+            self._cell: list[asyncio.Task[Any]] = []
+            self._handle: asyncio.TimerHandle | None = None
+            self._due = 0.0
+            return
+        self._cell = cell
+        self._due = due = loop.time() + seconds
+        self._handle = loop.call_at(due, self._fire, loop)
 
     async def __aenter__(self) -> Deadline:
         task = asyncio.current_task()
         if task is None:
             raise RuntimeError("Deadline must be used inside a task")
-        return self.start(asyncio.get_running_loop(), [task], task.cancelling())
-
-    def start(self, loop: asyncio.AbstractEventLoop, cell: list[asyncio.Task[Any]], cancelling: int) -> Deadline:
-        """Arm the deadline: when it passes, ``cell[0]`` is cancelled (``cell`` may be filled
-        after this, before the loop next runs: the timer only fires from the loop).
-        ``cancelling``: that task's ``cancelling()`` now (0 for a task not made yet)."""
-        self._cell = cell
-        self._cancelling = cancelling
+        loop = asyncio.get_running_loop()
+        self._cell = [task]
+        self._cancelling = task.cancelling()
         self._due = loop.time() + self.seconds
         self._handle = loop.call_at(self._due, self._fire, loop)
         return self
@@ -88,7 +99,7 @@ class Deadline:
     def end(self, exc: BaseException | None) -> bool:
         """Disarm it, the block (or op) having ended with ``exc`` (None: completed). True when
         ``exc`` is this deadline's own cancellation: the caller raises ``TimeoutError`` from it.
-        The cancellation is its own when it fired and no other came after ``start``
+        The cancellation is its own when it fired and no other came after it was armed
         (asyncio.timeout's uncancel rule)."""
         if self._handle is not None:
             self._handle.cancel()

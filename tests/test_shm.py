@@ -18,6 +18,7 @@ and the agreement's fallbacks.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -138,6 +139,9 @@ BIG = 300_007  # 1.2 MB of float32: three 512 KiB rounds, so ops in flight overl
 def shm_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for k, v in IN_PROCESS_ENV.items():
         monkeypatch.setenv(k, v)
+    # segments an earlier test's garbage still holds (a timed-out op's exception keeps its frames
+    # in a cycle until the collector runs) go now: a test's own must go at destroy, with no collection
+    gc.collect()
 
 
 def _shm() -> SharedMemory:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -215,19 +215,24 @@ async def _all(*aws: Coroutine[Any, Any, None]) -> None:
         raise first from (eg if len(eg.exceptions) > 1 else None)
 
 
-async def _exchange(p2p: P2P, to: int, out: np.ndarray, into: np.ndarray, tag: int, frm: int | None = None) -> None:
-    """Send ``out`` to ``to`` and receive ``into`` from ``frm`` (default: ``to``), concurrently.
-    Where the P2P can send at once (``P2P.send_nowait``: the socket transport's channel, when the
-    bytes go straight into the kernel), the receive is simply awaited, without a task (the
-    latency-bound schedules' common case)."""
+def _exchange(p2p: P2P, to: int, out: np.ndarray, into: np.ndarray, tag: int, frm: int | None = None) -> Awaitable[None]:
+    """Send ``out`` to ``to`` and receive ``into`` from ``frm`` (default: ``to``), concurrently:
+    ``await _exchange(...)``. Where the P2P can send at once (``P2P.send_nowait``: the socket
+    transport's channel, when the bytes go straight into the kernel), what is awaited is the
+    receive itself, with no coroutine of this function's around it (the latency-bound
+    schedules' common case)."""
     src = to if frm is None else frm
     sent = p2p.send_nowait(to, out, tag)
     if sent is False:
-        await _all(p2p.send(to, out, tag), p2p.recv(src, into, tag))
-        return
-    await p2p.recv(src, into, tag)
-    if sent is not True:
-        await sent  # written, still draining: the caller may change ``out`` only after this
+        return _all(p2p.send(to, out, tag), p2p.recv(src, into, tag))
+    if sent is True:
+        return p2p.recv(src, into, tag)
+    return _recv_then_drain(p2p.recv(src, into, tag), sent)
+
+
+async def _recv_then_drain(recv: Awaitable[None], sent: Awaitable[None]) -> None:
+    await recv
+    await sent  # written, still draining: the caller may change ``out`` only after this
 
 
 class _Send(NamedTuple):

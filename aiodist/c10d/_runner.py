@@ -564,8 +564,8 @@ async def run(
     task that runs the rest, if any, before the loop runs again: the deadline's timer only
     fires from the loop).
 
-    The op's deadline is an ``aiodist._time.Deadline``, started without a block (``start`` /
-    ``end``: the task to cancel may be made after the first step): its cancellation is a
+    The op's deadline is an ``aiodist._time.Deadline``, armed without a block (its constructor,
+    then ``end``: the task to cancel may be made after the first step): its cancellation is a
     timeout only when no other came after the op started (asyncio.timeout's uncancel rule)."""
     since = pg.recorder.started(entry) if entry is not None else time.time()
     if loop is None:
@@ -583,7 +583,7 @@ async def run(
             grace = grace_for(limit)
             if len(_GRACE) < 64:
                 _GRACE[limit] = grace
-    deadline = Deadline(limit - grace).start(loop, cell, cancelling)
+    deadline = Deadline(limit - grace, loop, cell, cancelling)
     try:
         try:
             await body(tracker)
