@@ -1,4 +1,4 @@
-"""Always-on desync detection (issue 13, aiodist._digest): every collective frame of the
+"""Always-on desync detection (aiodist._digest): every collective frame of the
 socket backend carries a digest of what all ranks must agree on; a receiver whose own op at that
 seq has another digest fails it at once, and the group breaks on every rank with one sentence.
 

@@ -1,5 +1,5 @@
 """A forgotten ``await`` never goes silent and never puts the ranks out of step, and torch's
-non-blocking forms port by adding ``await`` to ``wait()`` alone (issue 13, aiodist._pending).
+non-blocking forms port by adding ``await`` to ``wait()`` alone (aiodist._pending).
 
 Each test fails before: a communicating call was a bare coroutine, so ``dist.all_reduce(x)``
 issued nothing (only Python's "never awaited" RuntimeWarning, at collection), and

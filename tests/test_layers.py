@@ -146,7 +146,7 @@ def aiodist_imports_closure(start: list[pathlib.Path]) -> dict[str, str]:
 def test_transport_does_not_import_algorithms() -> None:
     """aiodist.transport sits below the collective algorithms (it carries their messages): no
     module it imports, directly or through another, is aiodist.algorithms (byte_view and the
-    tag limits live in aiodist/_message.py; issue 15)."""
+    tag limits live in aiodist/_message.py)."""
     closure = aiodist_imports_closure(sorted((ROOT / "transport").glob("*.py")))
     assert "aiodist.wire.frame" in closure
     bad = {m: by for m, by in closure.items() if m.startswith(("aiodist.algorithms", "aiodist.backends", "aiodist.c10d"))}

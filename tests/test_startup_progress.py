@@ -1,4 +1,4 @@
-"""Start-up mistakes explain themselves (issue 13, item 3): while init waits it says what for.
+"""Start-up mistakes explain themselves: while init waits it says what for.
 
 A MASTER_ADDR that does not resolve is warned about at once; a rank that never starts is named,
 with the count joined, every AIODIST_INIT_WARN_INTERVAL seconds; rank/world_size passed in code

@@ -1,5 +1,5 @@
 """TCPStore under faults: a server that stops answering (its loop frozen, as under SIGSTOP), and
-the sans-I/O store parsers fed the same bytes split every way (issue 14, items 2, 5 and 6)."""
+the sans-I/O store parsers fed the same bytes split every way."""
 
 from __future__ import annotations
 

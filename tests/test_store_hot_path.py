@@ -1,4 +1,4 @@
-"""The TCPStore's one-op-at-a-time hot path (issue 15): the shortcuts give exactly what the
+"""The TCPStore's one-op-at-a-time hot path: the shortcuts give exactly what the
 general code gives, and the number of Python calls one get/add/set costs stays counted.
 
 - The server answers GET, ADD, SET, PING and one-key CHECK straight from the chunk it

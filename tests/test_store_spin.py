@@ -1,4 +1,4 @@
-"""TCPStore calls that read their reply by spinning (``aiodist.store._connection._Connection.spin``, issue 15).
+"""TCPStore calls that read their reply by spinning (``aiodist.store._connection._Connection.spin``).
 
 A call made one at a time on a connection to a same-host server polls the socket for up to
 ``SPIN_S`` before it is awaited, so the reply is read without a pass of the event loop. Checked

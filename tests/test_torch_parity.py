@@ -1,4 +1,4 @@
-"""Where torch users rely on torch's exact behaviour (issue 12, the first items): the same
+"""Where torch users rely on torch's exact behaviour: the same
 exception types and words as torch, checked against torch 2.13 where torch is installed.
 
 Each test fails before its fix: world_size=0 was taken as "not fixed"; the master's wait named

@@ -1,4 +1,4 @@
-"""The stores and rendezvous behave as torch's do (issue 12): the agent store under torchrun,
+"""The stores and rendezvous behave as torch's do: the agent store under torchrun,
 timeout words, a port in use, a host that does not resolve, FileStore's key count, and the
 exception types of rendezvous's argument checks. Each aiodist test failed before its fix; the
 ``torch_`` tests check torch 2.13's own behaviour (skipped without torch).

@@ -1,4 +1,4 @@
-"""Faults and bounds of the transport (issue 14): a flood of sends to a late receiver keeps the
+"""Faults and bounds of the transport: a flood of sends to a late receiver keeps the
 sender's memory bounded on both loops (no write to a paused connection); connections that never
 complete their handshake are closed after the handshake deadline, and their memory and fds come
 back, while a real job runs on; a failed ``Work``'s repr does not silence asyncio's warning."""

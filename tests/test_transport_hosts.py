@@ -1,5 +1,5 @@
 """Which address a rank advertises, interface lanes and striping, and connection failures that
-show while they happen (issue 11), below the multi-host tests of tests/test_multihost.py:
+show while they happen, below the multi-host tests of tests/test_multihost.py:
 
 - ``aiodist.transport._ifaces.choose`` as a pure decision over a given interface table and
   route (the 127.0.1.1 pitfall, IFNAME precedence, unknown interfaces, families);

@@ -1,4 +1,4 @@
-"""The isend flood of issue 14 (case 1), across two processes, on both loops: rank 0 isends
+"""An isend flood, across two processes, on both loops: rank 0 isends
 K x S bytes at once to rank 1, which posts no receive until HOLD_S seconds after the sender
 has issued them all, then receives every message and checks every byte (message i holds
 ``arange + i * 2**32`` as uint64, so a message delivered twice, out of order or torn is
