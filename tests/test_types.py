@@ -516,7 +516,8 @@ def test_buffer_protocol_objects() -> None:
     assert as_array(mv).dtype_name == "int32" and as_array(mv).array.shape == (2,)
     with pytest.raises(ValueError, match="not contiguous"):
         as_array(memoryview(bytearray(8))[::2], writable=True)
-    with pytest.raises(TypeError, match="not supported"):
+    with pytest.raises(TypeError, match="not supported"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # 'u' is deprecated from 3.13: the format is what is tested
         as_array(array.array("u", "ab"))
 
 
