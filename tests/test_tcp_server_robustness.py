@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import socket
 import struct
 import time
 from collections.abc import AsyncIterator
 
 import pytest
+from helpers.streams import open_unix
 
 from aiodist.errors import DistStoreError
 from aiodist.store.server import ServerThread, TCPStoreServer
@@ -247,19 +247,6 @@ async def test_bad_connections_while_a_client_works(server: TCPStoreServer, good
     assert server.stats()["clients"] == 1  # only the good client's connection is left
 
 
-async def _open_unix(name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A stream over the server's abstract Unix socket. uvloop's ``open_unix_connection(path)``
-    refuses an abstract name (EINVAL), so the socket is connected first, as aiodist's client does."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(sock, name)
-    except BaseException:
-        sock.close()
-        raise
-    return await asyncio.open_unix_connection(sock=sock)
-
-
 async def test_bad_input_on_same_host_unix_socket() -> None:
     """A server on every interface also listens on an abstract Unix socket; bad input there is
     handled the same way."""
@@ -273,13 +260,13 @@ async def test_bad_input_on_same_host_unix_socket() -> None:
         async with TCPStore(HOST, st.server.port, timeout=5) as c:
             await c.set("k", "v")
             for data in (b"\xff" * 64, op(VALIDATE, u32(1)), HELLO + op(GET, u64(2**60))):
-                reader, writer = await _open_unix(name)
+                reader, writer = await open_unix(name)
                 raw = Raw(reader, writer)
                 await raw.send(data)
                 await raw.expect_closed()
                 await raw.close()
             assert await c.get("k") == b"v"
-            reader, writer = await _open_unix(name)
+            reader, writer = await open_unix(name)
             raw = Raw(reader, writer)
             await raw.send(HELLO)
             assert await raw.ask(op(GET, s(b"/k")), 9) == s(b"v")

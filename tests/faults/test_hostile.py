@@ -22,7 +22,6 @@ import json
 import os
 import random
 import re
-import socket
 import struct
 import sys
 import time
@@ -30,6 +29,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from helpers.streams import open_unix
 
 from aiodist import TCPStore
 from aiodist.store.server import local_socket_name
@@ -62,15 +62,8 @@ class Closed(Exception):
 async def _open(target: tuple[str, object]) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     kind, where = target
     if kind == "unix":
-        # connected first: uvloop's open_unix_connection(path) refuses an abstract name (EINVAL)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.setblocking(False)
-            await asyncio.get_running_loop().sock_connect(sock, where)
-        except BaseException:
-            sock.close()
-            raise
-        return await asyncio.open_unix_connection(sock=sock)
+        assert isinstance(where, str)
+        return await open_unix(where)
     assert isinstance(where, int)
     return await asyncio.open_connection("127.0.0.1", where)
 
