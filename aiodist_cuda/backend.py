@@ -493,7 +493,7 @@ class NcclBackend(DeviceBackend):
         version = _cupy.nccl_version()
         return version is not None and version >= 21801
 
-    async def new_group(self, parent: Any, group: Any | None, group_id: int, members: Sequence[int]) -> None:
+    async def new_group(self, parent: ProcessGroupLike, group: ProcessGroupLike | None, group_id: int, members: Sequence[int]) -> None:
         """Every rank of ``parent`` makes a sub-group, in the same order: where the parent has a
         communicator, the sub-group's is split from it (ncclCommSplit; ranks outside the new
         group take part with no color); else the sub-group makes its own on first use."""

@@ -58,7 +58,7 @@ class DeviceBackend(abc.ABC):
         """``group_id`` broke on this rank (an op failed or timed out): abort what the backend
         holds for it so nothing waits on it any more. Must not block the event loop."""
 
-    async def new_group(self, parent: Any, group: Any | None, group_id: int, members: Sequence[int]) -> None:  # noqa: B027 - optional
+    async def new_group(self, parent: ProcessGroupLike, group: ProcessGroupLike | None, group_id: int, members: Sequence[int]) -> None:  # noqa: B027 - optional
         """Called on every rank of ``parent`` when a sub-group of it is made by all of them
         (``new_group`` without local synchronisation, ``split_group``), in the same order on
         every rank; ``group`` is None on ranks not in it. A backend may split the parent's

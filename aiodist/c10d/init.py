@@ -41,7 +41,7 @@ from aiodist.backends.device import DeviceBackend
 from aiodist.c10d._blocked import publisher
 from aiodist.c10d.backend_registry import Backend, create_backend, is_backend_available, is_nccl_available, parse_backend_config
 from aiodist.c10d.process_group import ProcessGroup
-from aiodist.c10d.world import NON_GROUP_MEMBER, current_world, default_group, on_world_loop
+from aiodist.c10d.world import NON_GROUP_MEMBER, World, current_world, default_group, on_world_loop
 from aiodist.constants import default_pg_timeout
 from aiodist.errors import DistBackendError, DistTimeoutError
 from aiodist.rendezvous import rendezvous, warn_if_launcher_disagrees
@@ -364,7 +364,7 @@ async def _create_backends(
 
 
 def _make_group(
-    world: Any, gid: int, members: Sequence[int], seconds: float, *, name: str, desc: str, pg_options: Any = None
+    world: World, gid: int, members: Sequence[int], seconds: float, *, name: str, desc: str, pg_options: Any = None
 ) -> ProcessGroup:
     assert world.backend is not None
     return ProcessGroup(
