@@ -54,10 +54,22 @@ from aiodist.errors import DistError
 __all__ = ["Home", "Pending", "communicating", "mark_coroutine_function", "not_produced", "say_never_awaited"]
 
 log = logging.getLogger("aiodist.c10d")
+_STORE_LOG = logging.getLogger("aiodist.store")  # a store call's never-awaited ERROR: the store's logger
 
 _DONE = object()
 _LAZY = object()  # a handle made outside a running loop: nothing started yet
 _NOT_STARTED = object()  # Pending(started=...) not given: the call is new
+
+
+class _Failed:
+    """A handle's ``_value`` when its call ended with an error (awaiting it again raises it)."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
 P = ParamSpec("P")
 T = TypeVar("T")
 C = TypeVar("C", bound=Callable[..., Any])
@@ -132,39 +144,52 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
         self._used = True
         coro = self._coro
         if coro is None:
-            return self._value
+            return self._settled()
         self._coro = None
-        if self._yielded is _LAZY:  # made outside a loop: its first step is now
-            if self._ctx is None:
-                value = yield from coro.__await__()
-            else:
-                try:
-                    first = self._ctx.run(coro.send, None)
-                except StopIteration as stop:
-                    value = stop.value
+        try:
+            if self._yielded is _LAZY:  # made outside a loop: its first step is now
+                if self._ctx is None:
+                    value = yield from coro.__await__()
                 else:
-                    value = yield from _steps(coro, None, self._ctx.run, first)
-            self._value = value
-            return value
-        if self._ctx is None:
-            try:
-                yield self._yielded  # the future the first step waits on: the awaiting task waits on it
-            except GeneratorExit:
-                coro.close()
-                raise
-            except BaseException as exc:  # thrown in (cancellation): on into the call
-                value = yield from _steps(coro, exc, _plain)
-            else:
+                    try:
+                        first = self._ctx.run(coro.send, None)
+                    except StopIteration as stop:
+                        value = stop.value
+                    else:
+                        value = yield from _steps(coro, None, self._ctx.run, first)
+            elif self._ctx is None:
                 try:
-                    value = yield from coro.__await__()  # resumes the call where it waits
-                except DistError as exc:  # the op's error: its sentence says it all
-                    _trim(exc)
+                    yield self._yielded  # the future the first step waits on: the awaiting task waits on it
+                except GeneratorExit:
+                    coro.close()
                     raise
-            self._value = value
-            return value
-        value = yield from _steps(coro, None, self._ctx.run, self._yielded)
+                except BaseException as exc:  # thrown in (cancellation): on into the call
+                    value = yield from _steps(coro, exc, _plain)
+                else:
+                    try:
+                        value = yield from coro.__await__()  # resumes the call where it waits
+                    except DistError as exc:  # the op's error: its sentence says it all
+                        _trim(exc)
+                        raise
+            else:
+                value = yield from _steps(coro, None, self._ctx.run, self._yielded)
+        except GeneratorExit:
+            raise
+        except BaseException as exc:
+            self._value = _Failed(exc)
+            raise
         self._value = value
         return value
+
+    def _settled(self) -> Any:
+        """What awaiting a call that has ended gives again: its value, or its error (as a
+        Future's); a call closed before it ended has neither."""
+        v = self._value
+        if type(v) is _Failed:
+            raise v.exc
+        if v is _DONE:
+            raise RuntimeError(f"{self._op}(...): its handle was closed before the call ended; there is nothing to await")
+        return v
 
     # the Coroutine protocol, so that asyncio.create_task / gather / ensure_future take it
     def send(self, value: Any) -> Any:
@@ -187,7 +212,13 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
         if coro is None:
             raise exc
         self._coro = None
-        value = yield from _steps(coro, exc, _plain if self._ctx is None else self._ctx.run)
+        try:
+            value = yield from _steps(coro, exc, _plain if self._ctx is None else self._ctx.run)
+        except GeneratorExit:
+            raise
+        except BaseException as e:
+            self._value = _Failed(e)
+            raise
         self._value = value
         return value
 
@@ -202,10 +233,15 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
     # -- torch's Work methods, without a first await -------------------------------------------
 
     def _work(self, what: str) -> Any:
+        """The call's Work (or value), for torch's Work method ``what``; the call's own error
+        where it failed (``result()`` raises it, ``exception()`` returns it)."""
         self._used = True
-        if self._value is _DONE:
+        v = self._value
+        if v is _DONE:
             raise not_produced(self._op, what)
-        return self._value
+        if type(v) is _Failed and what != "exception":
+            raise v.exc
+        return v
 
     async def wait(self, timeout: Any = None) -> bool:
         """torch's ``req.wait()``: ``await dist.isend(...).wait()`` works without a first await."""
@@ -230,7 +266,7 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
         error, if any, is raised where it is awaited)."""
         self._used = True
         v = self._value
-        if v is _DONE:
+        if v is _DONE or type(v) is _Failed:
             return False
         return bool(v.is_success()) if _is_work(v) else self._coro is None
 
@@ -243,6 +279,10 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
         """The Work's ``exception()``; a call without a Work that has finished: None (an error
         of the call itself is raised by the call or where it is awaited)."""
         v = self._work("exception")
+        if type(v) is _Failed:
+            if isinstance(v.exc, asyncio.CancelledError):
+                raise v.exc  # as a cancelled Future's exception() does
+            return v.exc
         return v.exception() if _is_work(v) else None
 
     def source_rank(self) -> int:
@@ -278,7 +318,8 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
             raise AttributeError(name)
         raise AttributeError(
             f"{self._op}(...) returned a handle, which has torch's Work methods (wait, is_completed, is_success, "
-            f"result, exception, source_rank, get_future) but no {name!r}: `work = await {self._op}(..., async_op=True)` "
+            f"result, exception, source_rank, get_future, synchronize, block_current_stream) but no {name!r}: "
+            f"`work = await {self._op}(..., async_op=True)` "
             f"gives the Work itself"
         )
 
@@ -363,7 +404,9 @@ def say_never_awaited(op: str, file: str, line: int, state: str) -> None:
     """The never-awaited ERROR, the one wording every handle logs (``Pending``'s and the store's
     ``_Call``): the call, where it was made, ``state`` (what became of it), what to write."""
     hint = op if "." in op else f"dist.{op}"  # "store.set" for a store's method
-    log.error("%s(...) called at %s:%d was never awaited: %s. Write `await %s(...)`.", op, file, line, state, hint)
+    (_STORE_LOG if op.startswith("store.") else log).error(
+        "%s(...) called at %s:%d was never awaited: %s. Write `await %s(...)`.", op, file, line, state, hint
+    )
 
 
 def not_produced(op: str, what: str) -> RuntimeError:

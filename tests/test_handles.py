@@ -93,6 +93,41 @@ async def test_every_handle_says_never_awaited_in_one_wording(store: TCPStore, k
     assert words[0].endswith("Write `await store.get(...)`."), words[0]
 
 
+@pytest.mark.parametrize("kind", KINDS)
+async def test_every_handle_answers_the_same_after_its_call_failed(kind: str) -> None:
+    m = await TCPStore(HOST, 0, is_master=True, timeout=5)
+    c = await TCPStore(HOST, m.port, timeout=0.2)
+    try:
+        h = KINDS[kind](c, "never-set")
+        with pytest.raises(DistStoreError) as raised:
+            await h
+        assert h.is_completed() and not h.is_success()
+        assert h.exception() is raised.value
+        with pytest.raises(DistStoreError) as again:
+            h.result()
+        assert again.value is raised.value
+        with pytest.raises(DistStoreError) as awaited_again:  # awaited again: the same error, as a Future's
+            await h
+        assert awaited_again.value is raised.value
+    finally:
+        await c.close()
+        await m.close()
+
+
+async def test_a_pending_cancelled_before_it_ran_is_not_awaited_again_into_a_value() -> None:
+    gate = asyncio.get_running_loop().create_future()
+    h = _echo(1, gate)
+    task = asyncio.ensure_future(h)
+    task.cancel()  # before its first step: the cancellation goes into the call
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert h.is_completed() and not h.is_success()
+    with pytest.raises(asyncio.CancelledError):
+        await h
+    with pytest.raises(asyncio.CancelledError):
+        h.exception()  # as a cancelled Future's
+
+
 async def test_a_pending_without_a_work_answers_from_its_value() -> None:
     gate = asyncio.get_running_loop().create_future()
     h = _echo(3, gate)

@@ -560,9 +560,10 @@ async def run(
 ) -> None:
     """Run one op of ``pg`` to its end: complete ``work``, or fail it (and break the group).
     ``cell`` holds the task running this (``_launch`` puts it there), ``loop`` its loop.
-    ``eager``: the first step runs in the issuing call, outside any task (``cell`` gets the
-    task that runs the rest, if any, before the loop runs again: the deadline's timer only
-    fires from the loop).
+    ``eager``: the first step runs in the issuing call, before ``cell`` holds a task (on Python
+    3.12+ inside the eager ``asyncio.Task`` being made, in a copy of the caller's context; on
+    3.11 in the caller's own step); ``cell`` gets the task that runs the rest, if any, before
+    the loop runs again: the deadline's timer only fires from the loop.
 
     The op's deadline is an ``aiodist._time.Deadline``, armed without a block (its constructor,
     then ``end``: the task to cancel may be made after the first step): its cancellation is a

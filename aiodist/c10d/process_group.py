@@ -325,7 +325,9 @@ class ProcessGroup:
     ) -> Work:
         """Run the op under the runner, in a task the group owns (``pending``); ``eager``: its
         first step runs here (module docstring of ``aiodist.c10d._runner``, ``EAGER_S``), and an
-        op that ends in it leaves no task."""
+        op that ends in it leaves no task to track (on 3.12+ a finished Task object, dropped).
+        A BaseException other than an Exception (KeyboardInterrupt) raised in that step leaves
+        the call, as from a task's step, and the Work pending."""
         limit = self.timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
         cell: list[asyncio.Task[None]] = []  # the task, for the runner (its deadline cancels it)
