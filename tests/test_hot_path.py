@@ -34,7 +34,7 @@ _OTHERS = tuple(
 
 OPS = 200
 RANKS = 2
-#: measured per op and rank: 52.0 Python-level calls and 50.0 C calls; the bounds leave ~20 %
+#: measured per op and rank: 51.0 Python-level calls and 50.0 C calls; the bounds leave ~20 %
 PY_BOUND = 62
 TOTAL_BOUND = 122
 
