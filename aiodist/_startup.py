@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 INTERVAL_ENV = "AIODIST_INIT_WARN_INTERVAL"
-DEFAULT_INTERVAL_S = 10.0
+DEFAULT_INTERVAL_S = knob(INTERVAL_ENV).number({})  # the registry's default
 _DESCRIBE_S = 2.0  # what a progress message may spend asking the store (it only improves a log line)
 
 

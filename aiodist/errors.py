@@ -53,22 +53,13 @@ class DistError(RuntimeError):
             self.seq = seq
         if rank is not None:
             self.rank = rank
-        if culprits:
-            self.culprits = dict(culprits)
-
-    @property
-    def culprits(self) -> dict[int, str]:
-        return self.__dict__.get("_culprits", {})
-
-    @culprits.setter
-    def culprits(self, value: dict[int, str]) -> None:
-        self.__dict__["_culprits"] = dict(value)
+        self.culprits: dict[int, str] = dict(culprits) if culprits else {}
 
     def with_facts(self, *, op: str, group: str, seq: int, rank: int, culprits: dict[int, str] | None = None) -> DistError:
         """Set the op's fields (``culprits`` only where given); returns the error."""
         self.op, self.group, self.seq, self.rank = op, group, seq, rank
         if culprits:
-            self.culprits = culprits
+            self.culprits = dict(culprits)
         return self
 
 

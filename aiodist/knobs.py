@@ -229,7 +229,7 @@ KNOBS: dict[str, Knob] = {
             "microseconds",
             100.0,
             "how long a TCPStore client spins for a reply before it sleeps (0: never); a bad value warns",
-            "aiodist.store.tcp",
+            "aiodist.store._connection",
             minimum=0,
         ),
         # training

@@ -117,6 +117,7 @@ class _Fallback(logging.Handler):
             return  # the application's handlers (or AIODIST_LOG_LEVEL's) print it
         try:
             sys.stderr.write(self.format(record) + "\n")
+            sys.stderr.flush()
         except Exception:  # a closed stderr at shutdown: logging's own rule
             self.handleError(record)
 

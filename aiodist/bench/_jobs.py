@@ -6,19 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from aiodist.testing.ports import free_port  # the store's port: outside the ephemeral range
+
 __all__ = ["free_port", "run_workers"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_workers(

@@ -375,9 +375,9 @@ def _rank_main(plan: Plan, rank: int, conn: multiprocessing.connection.Connectio
 
 
 def _free_port() -> int:
-    from aiodist.elastic.utils import get_free_port
+    from aiodist.testing.ports import free_port  # outside the ephemeral range: no race with outgoing connections
 
-    return get_free_port()
+    return free_port()
 
 
 @dataclass

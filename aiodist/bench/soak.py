@@ -29,8 +29,8 @@ import sys
 import time
 from typing import Any
 
-from aiodist.algorithms.thresholds import _parse
 from aiodist.bench._jobs import run_workers
+from aiodist.knobs import parse_size as _parse_size
 
 __all__ = ["main", "parse_size"]
 
@@ -38,9 +38,10 @@ _JOB_TIMEOUT_S = 600.0
 
 
 def parse_size(text: str) -> int:
-    """``--max-growth``: a byte count with an optional K/M/G suffix (the thresholds' parser)."""
+    """``--max-growth``: a byte count with an optional K/M/G suffix (aiodist's one size parser;
+    no minus sign)."""
     try:
-        return _parse("--max-growth", text)
+        return _parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

@@ -23,9 +23,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from aiodist._pending import not_produced, say_never_awaited
 from aiodist.knobs import knob
-from aiodist.store.base import (
-    check_key,
-)
 from aiodist.store.server import TCPStoreServer
 from aiodist.wire.store import (
     CHECK_READY,
@@ -40,32 +37,26 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("aiodist.store")
 
-_U8 = ((Reply.U8, 0),)
-_U32 = ((Reply.U32, 0),)
 _I64 = ((Reply.I64, 0),)
-_BYTES = ((Reply.BYTES, 0),)
 _CHECK_GET = ((Reply.U8, 0), (Reply.BYTES, 0))
 _QUICK_I64, _QUICK_CHECK_GET = QUICK[_I64], QUICK[_CHECK_GET]
-_MAX_IDLE_WAITERS = 8
 # Spinning for a reply (``_Connection.spin``): how long at most, per request (a same-host reply
 # comes in 7-40 us here, p99 65 us across CPUs); how recently the loop must have run for a call
 # to finish without it; and the back-off from spins that see no reply.
 SPIN_LOOP_S = 0.001
 SPIN_BACKOFF_MAX = 8  # after k spins in a row that saw no reply, 2**k - 1 requests do not spin (k <= 8)
-_CONNECT_ATTEMPT_S = 5.0  # one connect attempt's deadline
-_DIAGNOSIS_S = 0.1  # how long a timed-out wait may take to learn which keys are missing
 
 
 def _spin_seconds(raw: str | None) -> float:
-    """``AIODIST_STORE_SPIN_US`` in seconds: microseconds, default 100, 0 never spins. A
-    malformed value is named in a WARNING and the default used (this runs at import)."""
+    """``AIODIST_STORE_SPIN_US`` (its value ``raw``) in seconds: microseconds, default 100, 0
+    never spins. A malformed value is named in a WARNING and the default used (this runs at
+    import)."""
     k = knob("AIODIST_STORE_SPIN_US")
     try:
-        us = float(k.get({} if raw is None else {k.name: raw}))  # type: ignore[arg-type]
+        return k.number({} if raw is None else {k.name: raw}) * 1e-6
     except ValueError as exc:
         log.warning("%s (0: never spin); using %g", exc, k.default)
-        us = float(k.default)  # type: ignore[arg-type]
-    return us * 1e-6
+        return k.number({}) * 1e-6
 
 
 SPIN_S = _spin_seconds(os.environ.get("AIODIST_STORE_SPIN_US"))
@@ -510,11 +501,6 @@ def _what(op: str, arg: object) -> str:
     if isinstance(arg, tuple):
         return f"{op}({', '.join(repr(a) for a in arg)})"
     return f"{op}({arg!r})"
-
-
-def _wire_key(key: str) -> bytes:
-    """A user key as torch's client sends it: ``/`` in front."""
-    return b"/" + check_key(key).encode()
 
 
 def _same_host(sock: Any) -> bool:

@@ -68,17 +68,11 @@ from aiodist.wire.store import (
 __all__ = ["TCPStore", "InvalidEnvError"]
 
 from aiodist.store._connection import (
-    _BYTES,
     _CHECK_GET,
-    _CONNECT_ATTEMPT_S,
-    _DIAGNOSIS_S,
     _I64,
-    _MAX_IDLE_WAITERS,
     _NO_ARG,
     _QUICK_CHECK_GET,
     _QUICK_I64,
-    _U8,
-    _U32,
     _AddCall,
     _BadPeer,
     _Connection,
@@ -89,9 +83,20 @@ from aiodist.store._connection import (
     _Lost,
     _NoReply,
     _what,
-    _wire_key,
     log,
 )
+
+_U8 = ((Reply.U8, 0),)
+_U32 = ((Reply.U32, 0),)
+_BYTES = ((Reply.BYTES, 0),)
+_MAX_IDLE_WAITERS = 8
+_CONNECT_ATTEMPT_S = 5.0  # one connect attempt's deadline
+_DIAGNOSIS_S = 0.1  # how long a timed-out wait may take to learn which keys are missing
+
+
+def _wire_key(key: str) -> bytes:
+    """A user key as torch's client sends it: ``/`` in front."""
+    return b"/" + check_key(key).encode()
 
 
 class InvalidEnvError(ValueError, RuntimeError):
