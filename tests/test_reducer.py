@@ -220,3 +220,40 @@ async def test_a_bucket_is_not_issued_while_it_is_being_filled() -> None:
 
     await run_world(1, fn)
     assert seen and not any(seen)
+
+
+async def test_direct_buckets_reduce_into_the_gradients_and_an_abandoned_ones_write_is_waited_for() -> None:
+    """``reducer.direct`` on numpy gradients: a bucket of few gradients is reduced straight into
+    them (``written``), the averages as the bucket path gives them. A step abandoned while its
+    direct all_reduce is still on the wire: ``settle_late`` returns only once that op has written
+    the gradients, so it cannot write into the next step's."""
+    import asyncio
+
+    async def fn(rank: int) -> tuple[set[int], list[np.ndarray], list[np.ndarray]]:
+        params = mlp_params()
+        reducer = Reducer(params)
+        reducer.direct = True
+        grads = [np.full(p.shape, float(rank + 1 + i), np.float32) for i, p in enumerate(params)]
+        for i in reversed(range(len(params))):
+            reducer.ready(i, grads[i])
+        assert await reducer.finish() == []
+        written = set(reducer.written)
+        # a step abandoned on rank 0 while rank 1 is late: the op is on the wire, and writes later
+        late = [np.full(p.shape, float(10 * (rank + 1)), np.float32) for p in params]
+        if rank == 1:
+            await asyncio.sleep(0.05)
+        for i in reversed(range(len(params))):
+            reducer.ready(i, late[i])
+        if rank == 0:
+            reducer.abandon()
+            await reducer.settle_late()
+        else:
+            await reducer.finish()
+        return written, grads, [x.copy() for x in late]  # as they are now, on rank 0 right after settle_late
+
+    (w0, g0, l0), (w1, g1, l1) = await run_world(2, fn, timeout=20)
+    assert w0 == w1 == set(range(4))
+    for i in range(4):
+        want = np.float32(i + 1) * np.float32(0.5) + np.float32(i + 2) * np.float32(0.5)
+        assert np.array_equal(g0[i], g1[i]) and np.allclose(g0[i], want), i
+        assert np.array_equal(l0[i], l1[i]) and np.allclose(l0[i], 15.0), i  # rank 0's too: settled

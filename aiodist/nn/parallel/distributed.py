@@ -412,6 +412,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._in_backward = True
         t0 = time.perf_counter()
         try:
+            await reducer.settle_late()  # an abandoned step's ops must not write into this step's gradients
             if sync and self.find_unused_parameters:
                 reducer.mark_unused(self._unreachable(loss))
             if not self._on_thread:  # on the loop's thread (backward_on_thread): the hooks issue at once

@@ -38,6 +38,7 @@ Torch is never imported here: a tensor's methods are reached through the paramet
 from __future__ import annotations
 
 import inspect
+import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -53,6 +54,8 @@ from aiodist.nn.parallel._buckets import assign_buckets, bucket_limits, reverse_
 from aiodist.types import ReduceOp, is_torch_tensor
 
 __all__ = ["GradBucket", "Reducer"]
+
+log = logging.getLogger("aiodist.ddp")
 
 
 class _Ops:
@@ -287,6 +290,9 @@ class Reducer:
         self.last_done: float = 0.0
         #: reduce a bucket straight into its gradients where it can (the module docstring)
         self.direct = False
+        # handles of abandoned steps' ops that still write into the gradients (direct buckets):
+        # awaited before the next step's backward writes them (settle_late)
+        self._late: list[Any] = []
         #: after finish(): the parameters whose gradients hold their averages already
         self.written: set[int] = set()
 
@@ -465,9 +471,22 @@ class Reducer:
                 b.handle.is_completed()  # marks it seen: abandoning is deliberate, not a forgotten await
             if b.issued:
                 self._renew(b)
+            if b.dests is not None and b.handle is not None:
+                self._late.append(b.handle)  # it writes the gradients when it completes: settle_late
             b.handle = None
-            b.dests = None  # an issued op writes them when it completes, as it writes the old buffer
+            b.dests = None
         self._active = False
+
+    async def settle_late(self) -> None:
+        """Wait until the ops of abandoned steps that write straight into the gradients have
+        ended (each by its group's timeout at the latest), so that they cannot write into the
+        next step's gradients. Their errors were the abandoned step's: not raised again."""
+        late, self._late = self._late, []
+        for handle in late:
+            try:
+                await _settle(handle)
+            except Exception as exc:  # the abandoned step's failure, already reported to it
+                log.debug("an abandoned DDP step's all_reduce ended with %s: %s", type(exc).__name__, exc)
 
     def _renew(self, bucket: _Bucket) -> None:
         bucket.flat = self._ops.flat(bucket.flat, len(bucket.flat))
