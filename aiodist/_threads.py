@@ -171,11 +171,16 @@ async def _there(cf: concurrent.futures.Future[Any], hand: _Handoff, where: str,
 def _here(value: Any, loop: asyncio.AbstractEventLoop) -> Any:
     """What an op of ``loop`` returned, for a caller on another thread: Works (futures of that
     loop) wrapped."""
-    if isinstance(value, asyncio.Future) and _is_work(value):
+    if _loop_work(value):
         return ForeignWork(value, loop)
-    if isinstance(value, list) and value and all(isinstance(v, asyncio.Future) and _is_work(v) for v in value):  # batch_isend_irecv
+    if isinstance(value, list) and value and all(_loop_work(v) for v in value):  # batch_isend_irecv
         return [ForeignWork(v, loop) for v in value]
     return value
+
+
+def _loop_work(v: object) -> bool:
+    """A Work: a future of the job's loop."""
+    return isinstance(v, asyncio.Future) and _is_work(v)
 
 
 async def _call(fn: Callable[..., Any], *args: Any) -> Any:

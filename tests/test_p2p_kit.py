@@ -73,6 +73,28 @@ class _Truncating(LocalP2P):
         await super().send(peer, b[: b.size // 2], tag)
 
 
+class _Ghost(LocalP2P):
+    """A cancelled receive keeps listening: it takes the next message of its peer and tag."""
+
+    async def recv(self, peer: int, buf: object, tag: int) -> None:
+        import numpy as np
+
+        try:
+            await super().recv(peer, buf, tag)
+        except asyncio.CancelledError:
+            self.ghost = asyncio.ensure_future(super().recv(peer, np.empty_like(buf), tag))
+            raise
+
+
+class _VagueSizes(LocalP2P):
+    """A size mismatch whose error names the tag and a rank, not the sizes."""
+
+    async def recv(self, peer: int, buf: object, tag: int) -> None:
+        if tag == 40:
+            raise ValueError(f"tag {tag} failed from rank 8")
+        await super().recv(peer, buf, tag)
+
+
 async def test_the_kit_fails_an_implementation_that_breaks_the_contract() -> None:
     def broken(kind: type[LocalP2P]) -> object:
         @asynccontextmanager
@@ -88,3 +110,9 @@ async def test_the_kit_fails_an_implementation_that_breaks_the_contract() -> Non
     with pytest.raises(AssertionError) as info:
         await check_p2p(broken(_Truncating), timeout=0.3)  # type: ignore[arg-type]
     assert "bytes:" in str(info.value) and "size_mismatch:" in str(info.value)
+    with pytest.raises(AssertionError) as info:
+        await check_p2p(broken(_Ghost), timeout=0.3)  # type: ignore[arg-type]
+    assert "cancel:" in str(info.value) and "bytes:" not in str(info.value)
+    with pytest.raises(AssertionError) as info:
+        await check_p2p(broken(_VagueSizes), timeout=0.3)  # type: ignore[arg-type]
+    assert "size_mismatch:" in str(info.value) and "bytes:" not in str(info.value)

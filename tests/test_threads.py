@@ -60,3 +60,13 @@ def test_calls_after_the_jobs_loop_closed_are_refused_at_once() -> None:
             assert "loop is closed" in err["msg"] and "one asyncio.run(main())" in err["msg"]
         assert "all_reduce(...) called at" in res["refused"]["msg"]
         assert res["refused_s"] < 1.0
+
+
+def test_init_again_after_the_jobs_loop_closed_is_refused_with_the_rule() -> None:
+    import subprocess
+    import sys
+
+    helper = Path(__file__).resolve().parent / "helpers" / "init_after_loop_closed.py"
+    out = subprocess.run([sys.executable, str(helper)], capture_output=True, text=True, timeout=60).stdout.strip()
+    assert out.startswith("DistError: init_process_group(...): the default group exists: "), out
+    assert "that loop is closed (asyncio.run returned)" in out, out

@@ -147,7 +147,7 @@ def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0) -> 
         return _SOCKET_IN_LINE if _past_lane(th, nbytes, th.reduce_cma_min) else _SOCKET
     if op == "all_gather":
         if th.all_gather_shm(nbytes):
-            return Plan("single_copy" if ranks <= 2 or th.cma_wide_min <= nbytes else "halves", True)
+            return Plan("single_copy" if th.cma_wide(nbytes, ranks) else "halves", True)
         if th.lane(part):
             return Plan("lane", True)
         return _SOCKET

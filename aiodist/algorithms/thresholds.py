@@ -200,7 +200,12 @@ class Thresholds:
     def reduce_cma(self, nbytes: int, ranks: int = 2) -> bool:
         """reduce of ``nbytes`` in a group of ``ranks`` goes by single-copy reads where the group
         can (a group of 2 takes the lane first, up to ``lane_max``)."""
-        return 0 <= self.reduce_cma_min <= nbytes and nbytes > 0 and (ranks <= 2 or self.cma_wide_min <= nbytes)
+        return 0 <= self.reduce_cma_min <= nbytes and nbytes > 0 and self.cma_wide(nbytes, ranks)
+
+    def cma_wide(self, nbytes: int, ranks: int) -> bool:
+        """Single-copy reads of ``nbytes`` suit a group of ``ranks``: any size in a group of 2,
+        from ``cma_wide_min`` in wider groups (every rank then reads the whole message)."""
+        return ranks <= 2 or self.cma_wide_min <= nbytes
 
     def reduce_scatter_cma(self, total_nbytes: int) -> bool:
         """reduce_scatter of ``total_nbytes`` of input goes by single-copy reads where the group can."""
@@ -217,7 +222,7 @@ class Thresholds:
 
     def broadcast_shm(self, nbytes: int, ranks: int = 2) -> bool:
         """broadcast of ``nbytes`` in a group of ``ranks`` goes by single-copy reads where the group can."""
-        return 0 <= self.broadcast_shm_min <= nbytes and nbytes > 0 and (ranks <= 2 or self.cma_wide_min <= nbytes)
+        return 0 <= self.broadcast_shm_min <= nbytes and nbytes > 0 and self.cma_wide(nbytes, ranks)
 
     def all_gather_shm(self, total_nbytes: int) -> bool:
         """all_gather of ``total_nbytes`` (every rank's part) goes through shared memory where the group can."""

@@ -88,9 +88,10 @@ class Route:
         return pl.eager is not None and ticket is not None and ticket.lane_now(pl.eager)
 
     def issue(self, pg: Issuer[W], *args: Any, **kwargs: Any) -> W:
-        """``pg.issue(...)`` for the op: its place in line passes on when the Work completes, even
-        where the body never ran."""
+        """``pg.issue(...)`` for the op, eager where the route allows it (``eager``): its place in
+        line passes on when the Work completes, even where the body never ran."""
         ticket = self.ticket
+        kwargs.setdefault("eager", self.eager)
         try:
             work = pg.issue(*args, **kwargs)
         except BaseException:
@@ -109,11 +110,13 @@ class Route:
             await alg.broadcast(p2p, flat, root, thresholds=self.th)
 
     async def all_reduce(self, p2p: P2P, flat: np.ndarray, combine: Combine, into: Into | None = None) -> None:
-        """``flat`` reduced in place; with ``into``, the result is (also) in its arrays:
-        ``into.written`` where the path wrote them, else the caller copies (``Into.copy_from``)."""
+        """``flat`` reduced in place; with ``into``, the result is also in its arrays: read
+        straight into them where the path can (``into.written``), else copied from ``flat``."""
         pl, ticket = self.plan, self.ticket
         if ticket is None or not await run_all_reduce(ticket, p2p, flat, combine, pl.lane, pl.single_copy, into):
             await alg.all_reduce(p2p, flat, combine, thresholds=self.th)
+        if into is not None and not into.written:
+            into.copy_from(flat)
 
     def all_reduce_body(self, flat: np.ndarray, combine: Combine) -> Callable[[P2P], Any]:
         """The op's body for an all_reduce with nothing to do before or after the exchanges: on

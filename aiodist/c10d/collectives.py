@@ -14,6 +14,7 @@ AVG divides once at the end (``aiodist.types``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -179,7 +180,7 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
     if hit is None and type(tensor) is np.ndarray and type(op) is _KIND:
         _keep(pg, (_ALL_REDUCE, op, tensor.dtype, tensor.shape), (rop, combine, name, described, r.plan, plain))
     if plain:
-        work = r.issue(pg, "all_reduce", r.all_reduce_body(flat, combine), [tensor], described=described, eager=r.eager)
+        work = r.issue(pg, "all_reduce", r.all_reduce_body(flat, combine), [tensor], described=described)
     else:
         n = len(pg.ranks)
 
@@ -188,7 +189,7 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
             await r.all_reduce(p2p, flat, combine)
             _finalize(flat, rop, n, dtype=name)
 
-        work = r.issue(pg, "all_reduce", body, [tensor], described=described, eager=r.eager)
+        work = r.issue(pg, "all_reduce", body, [tensor], described=described)
     if asy:
         return work
     if not work.done():  # ``await work``, without its generator (a cancelled wait leaves the op running)
@@ -213,7 +214,7 @@ async def all_reduce_into(tensor: Any, outs: Sequence[Any], group: GroupArg = No
         return None
     pg = resolve_group(group, what="all_reduce_into")
     b = buf(tensor, "all_reduce_into tensor", writable=True)
-    rop, combine = _reduction(ReduceOp.SUM, b.dtype_name, "all_reduce")
+    rop, combine = _reduction(ReduceOp.SUM, b.dtype_name, "all_reduce_into")
     arrays = [buf(o, f"all_reduce_into outs[{k}]", writable=True) for k, o in enumerate(outs)]
     for k, a in enumerate(arrays):
         if a.flat.dtype != b.flat.dtype or not a.flat.flags.c_contiguous:
@@ -226,13 +227,9 @@ async def all_reduce_into(tensor: Any, outs: Sequence[Any], group: GroupArg = No
     into = Into([a.flat for a in arrays])
     r = route(pg, "all_reduce", flat.nbytes)
 
-    async def body(p2p: P2P) -> None:
-        await r.all_reduce(p2p, flat, combine, into)
-        if not into.written:
-            into.copy_from(flat)
-
+    body = functools.partial(r.all_reduce, flat=flat, combine=combine, into=into)
     described = describe_call("all_reduce", _meta(tensor=_t(b), op=_opname(rop)))
-    return r.issue(pg, "all_reduce", body, [tensor], described=described, eager=r.eager)
+    return r.issue(pg, "all_reduce", body, [tensor], described=described)
 
 
 @on_world_loop
@@ -266,7 +263,7 @@ async def reduce(
             _finalize(mine, rop, n, dtype=name)
 
     meta = _meta(tensor=_t(b), op=_opname(rop), root=pg.ranks[root])
-    return await _finish(r.issue(pg, "reduce", body, [tensor], meta=meta, eager=r.eager), asy)
+    return await _finish(r.issue(pg, "reduce", body, [tensor], meta=meta), asy)
 
 
 # -- all_gather / gather / scatter -------------------------------------------------------------
@@ -372,7 +369,7 @@ async def gather(
         await r.gather(p2p, flats, mine, root)
 
     meta = _meta(dtype=inp.dtype_name, root=pg.ranks[root], local={"input": _t(inp)})
-    return await _finish(r.issue(pg, "gather", body, list(gather_list or []), meta=meta, eager=r.eager), asy)
+    return await _finish(r.issue(pg, "gather", body, list(gather_list or []), meta=meta), asy)
 
 
 @on_world_loop
@@ -401,7 +398,7 @@ async def scatter(
         await r.scatter(p2p, mine, flats, root)
 
     meta = _meta(dtype=out.dtype_name, root=pg.ranks[root], local={"output": _t(out)})
-    return await _finish(r.issue(pg, "scatter", body, [tensor], meta=meta, eager=r.eager), asy)
+    return await _finish(r.issue(pg, "scatter", body, [tensor], meta=meta), asy)
 
 
 # -- reduce_scatter / all_to_all / barrier -----------------------------------------------------
@@ -472,7 +469,7 @@ def _issue_reduce_scatter(
         await r.reduce_scatter(p2p, out.flat, mine, combine)
         _finalize(out.flat, rop, n, dtype=dtype)
 
-    return r.issue(pg, name, body, [output], meta=_meta(output=_t(out), op=_opname(rop)), eager=r.eager)
+    return r.issue(pg, name, body, [output], meta=_meta(output=_t(out), op=_opname(rop)))
 
 
 @on_world_loop
@@ -548,7 +545,7 @@ def _issue_all_to_all(pg: ProcessGroup, name: str, outs: list[np.ndarray], ins: 
     async def body(p2p: P2P) -> None:
         await r.all_to_all(p2p, outs, ins)
 
-    return r.issue(pg, name, body, outputs, meta=_meta(dtype=str(ins[0].dtype) if ins else "?"), eager=r.eager)
+    return r.issue(pg, name, body, outputs, meta=_meta(dtype=str(ins[0].dtype) if ins else "?"))
 
 
 @on_world_loop

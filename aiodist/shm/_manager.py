@@ -54,7 +54,7 @@ __all__ = ["SharedMemory", "GroupShm", "Ticket", "ENV_BYTES", "DEFAULT_BYTES", "
 log = logging.getLogger("aiodist.shm")
 
 ENV_BYTES = "AIODIST_SHM_BYTES"
-DEFAULT_BYTES = 32 << 20
+DEFAULT_BYTES = knob(ENV_BYTES).whole({})  # the registry's default (aiodist.knobs)
 _MIN_BYTES = 4096
 _KEY = "aiodist/shm/"
 _SETUP_S = 10.0  # fetching the peers' segments; past it this rank votes for the socket path
@@ -63,7 +63,7 @@ _ALIGN = 64
 _RELEASED_KEPT = 1024  # destroyed groups whose ids are still refused (release_group)
 _LATENCY = Thresholds.latency_bound()
 ENV_SPIN = "AIODIST_SHM_SPIN_US"
-DEFAULT_SPIN_US = 500
+DEFAULT_SPIN_US = knob(ENV_SPIN).number({})  # the registry's default
 #: the lane relies on x86-TSO (stores seen in program order, loads in order) for its flags
 _TSO = platform.machine().lower() in ("x86_64", "amd64")
 
