@@ -394,31 +394,35 @@ async def test_all_gather_in_place_and_with_an_input_overlapping_the_output(shm_
         assert np.array_equal(straddle, np.concatenate(sent)), f"rank {r}: an input straddling the output's slices"
 
 
-async def test_eager_start_only_within_its_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A lane all_reduce whose turn has come and whose peer already waits completes in its
-    issuing call (ProcessGroup.issue's eager start) only while an op of the group started in a
-    task within EAGER_S; past that it goes through a task, so the loop runs."""
+async def test_an_op_done_in_its_call_lets_the_loop_run_within_its_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lane all_reduce whose peer already waits completes in its issuing call (post, collect:
+    ProcessGroup.issue_now) whether or not the loop ran lately; where no op of the group let the
+    loop run within EAGER_S, the call lets it run once before it returns (a callback scheduled
+    before the call has run by then), and otherwise it never passes through the loop."""
     monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")  # (the default thresholds: 4 B goes through the lane)
     monkeypatch.setattr(process_group, "EAGER_S", 0.5)  # a pause of the test's own process is not a stale group
 
-    async def fn(rank: int) -> list[int]:
+    async def fn(rank: int) -> list[tuple[int, bool]]:
         x = np.ones(1, np.float32)
         for _ in range(3):  # the agreement, and the lane in use
             await dist.all_reduce(x)
         pg = dist.group.WORLD
+        loop = asyncio.get_running_loop()
         got = []
         for stale in (False, True, False, True):
+            ran: list[int] = []
             if rank == 1:
                 await asyncio.sleep(0.01)  # rank 0 is in the lane by now, waiting for rank 1
                 pg.ran = time.perf_counter() - (1.0 if stale else 0.0)
+                loop.call_soon(ran.append, 1)
             before = pg.stats()["eager"]
             await dist.all_reduce(x)
-            got.append(pg.stats()["eager"] - before)
+            got.append((pg.stats()["eager"] - before, bool(ran)))
         assert x[0] == 2.0**7
         return got
 
     res = await run_world(2, fn, "gloo", timeout=30)
-    assert res[1] == [1, 0, 1, 0], res
+    assert res[1] == [(1, False), (1, True), (1, False), (1, True)], res
 
 
 async def test_a_small_reduce_of_two_ranks_starts_eagerly_too(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -477,14 +481,17 @@ async def test_the_rest_of_an_eager_op_gets_what_its_task_sends_and_throws() -> 
     assert seen == ["CancelledError"]
 
 
-async def test_an_eager_start_changes_nothing_but_where_the_first_step_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The eager start is c10d's one fast path: the same program of small ops gives the same
-    outputs, Work states and flight-recorder entries with it (EAGER_S 0.5 s) as without it (a
+async def test_ops_done_in_their_calls_change_nothing_but_where_they_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The in-call path (post, collect, or park: ProcessGroup.issue_now) and the eager start are
+    c10d's fast paths: the same program of small ops gives the same outputs, Work states and
+    flight-recorder entries with them (EAGER_S 0.5 s) as without them (no in-call path, and a
     negative budget: every op starts in a task); the ``eager`` count differs, and only it."""
     monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
 
     async def fn(rank: int) -> tuple[list[Any], list[Any], int]:
         pg = dist.group.WORLD
+        if process_group.EAGER_S < 0:
+            pg.quick = False
         outs: list[Any] = []
         for i in range(12):
             if rank == 1 and i % 3 == 0:

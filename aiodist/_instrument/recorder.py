@@ -195,6 +195,25 @@ class FlightRecorder:
         self._t_started[i] = self._t_done[i] = self._error[i] = None
         return n
 
+    def done_now(self, op: str, seq: int, frozen: tuple[Any, ...] | None) -> None:
+        """Record a collective that completed in its issuing call: one slot written, one clock
+        read (issued, started and done at that time), what ``issued``, ``started`` and
+        ``ended`` leave for an op that ran in a task."""
+        size = self.size
+        if not size:
+            return
+        n = self.recorded
+        self.recorded = n + 1
+        t = time.time()
+        i = n % size
+        if i >= len(self._fixed):
+            self._grow()
+        self._fixed[i] = (n, op, _COMM_NAME.get(), seq, "collective", t)
+        self._meta[i] = frozen
+        self._stack[i] = self._error[i] = None
+        self._state[i] = "completed"
+        self._t_started[i] = self._t_done[i] = t
+
     def _grow(self) -> None:
         more = min(_GROW, self.size - len(self._fixed))
         self._fixed += [(-1,)] * more  # id -1: no op holds the slot yet

@@ -34,8 +34,12 @@ from aiodist.algorithms.p2p import P2P
 from aiodist.algorithms.plan import Plan, plan
 from aiodist.backends.base import ProcessGroupLike
 from aiodist.shm import (
+    GroupShm,
     Into,
     Ticket,
+    all_reduce_now,
+    op_link,
+    reduce_slots,
     run_all_gather,
     run_all_reduce,
     run_all_to_all,
@@ -45,9 +49,10 @@ from aiodist.shm import (
     run_reduce,
     run_reduce_scatter,
     run_scatter,
+    settle,
 )
 
-__all__ = ["Into", "Route", "route"]
+__all__ = ["Into", "Route", "route", "Quick", "Rest", "quick"]
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
 W = TypeVar("W", covariant=True)
@@ -160,3 +165,91 @@ class Route:
         ticket = self.ticket
         if ticket is None or not await run_barrier(ticket, p2p):
             await alg.barrier(p2p)
+
+
+# -- the in-call path: post, collect, or park ------------------------------------------------------
+
+
+def quick(pg: ProcessGroupLike, pl: Plan, nbytes: int) -> Quick | None:
+    """The in-call path of a call kept by c10d (its plan ``pl``, ``nbytes`` per rank), where the
+    plan takes the latency lane and the backend has shared memory; None otherwise (every op of
+    the call then takes its route)."""
+    if pl.path != "lane" or pl.eager is None:
+        return None
+    shm = getattr(pg.backend, "shm", None)
+    return None if shm is None else Quick(shm, pg.group_id, pg.ranks, nbytes)
+
+
+class Rest:
+    """The rest of an op that its issuing call posted and could not finish (a peer not there
+    yet, or one that did not agree): ``body`` runs it under the op's runner; ``release`` (the
+    Work's done callback) passes its place in line on, whatever became of it."""
+
+    __slots__ = ("body", "release")
+
+    def __init__(self, body: Callable[[P2P], Any], release: Callable[..., None]) -> None:
+        self.body = body
+        self.release = release
+
+
+class Quick:
+    """A kept call's in-call path (trio's ``send_nowait`` as the first step of ``send``): where
+    the group's shared-memory line is empty and the group agreed on a lane the payload fits,
+    the op posts its part and collects its peers' in the call (``aiodist.shm._lane``); where
+    they are all there it completes with no coroutine, task, timer or callback, and where one
+    is not, it parks: the op takes its place in line (a ``Ticket``, whose turn it is) and its
+    ``Rest`` waits in a task. Elsewhere (an op ahead in line, no agreement yet, the socket
+    path) it answers None having done nothing, and the op takes its route."""
+
+    __slots__ = ("shm", "group_id", "ranks", "nbytes", "line", "g", "sizes")
+
+    def __init__(self, shm: Any, group_id: int, ranks: Sequence[int], nbytes: int) -> None:
+        self.shm = shm
+        self.group_id = group_id
+        self.ranks = ranks
+        self.nbytes = nbytes
+        self.line: Any = None  # the group's line (aiodist.shm._manager._Turns), once it has one
+        self.g: GroupShm | None = None  # the group's shared memory, once known to fit the lane
+        self.sizes = [nbytes] * len(ranks)
+
+    def _lane(self) -> GroupShm | None:
+        """The group's lane where this op may take it now (its line empty), else None."""
+        t = self.line
+        if t is None:
+            t = self.line = self.shm.line(self.group_id, self.ranks)
+            if t is None:
+                return None
+        if t.serving != t.issued:
+            return None
+        g = t.state
+        if g is not self.g:
+            if g is None or not g.fits_lane(self.nbytes):
+                return None
+            self.g = g
+        return g
+
+    def _park(self, g: GroupShm, s: int, finish: Callable[[list[np.ndarray]], None], op: str) -> Rest:
+        ticket = self.shm.ticket(self.group_id, self.ranks)  # the line was empty: its turn is now
+        sizes = self.sizes
+
+        async def rest(p2p: P2P) -> None:
+            try:
+                finish(await settle(op_link(p2p), g, s, sizes, op, spin=False))
+            finally:
+                ticket.release()
+
+        return Rest(rest, ticket.release)
+
+    def all_reduce(self, seq: int, digest: int, flat: np.ndarray, combine: Combine) -> bool | Rest | None:
+        """All-reduce ``flat`` (op ``seq``, ``digest``) in the call: True when done, the op's
+        ``Rest`` when parked, None when it is not for the lane now (nothing done)."""
+        t = self.line
+        g = self.g
+        if t is None or g is None or t.serving != t.issued or t.state is not g:
+            g = self._lane()
+            if g is None:
+                return None
+        s = all_reduce_now(g, seq, digest, flat, combine, self.sizes)
+        if s < 0:
+            return True
+        return self._park(g, s, lambda _parts: reduce_slots(g, s, flat, combine), "all_reduce")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,11 +25,11 @@ import numpy as np
 from aiodist._time import TimeoutLike, to_seconds
 from aiodist.algorithms import collectives as alg
 from aiodist.algorithms.p2p import P2P, SubP2P, byte_view
-from aiodist.backends.routes import Into, route
+from aiodist.backends.routes import Into, quick, route
 from aiodist.c10d._args import buf, bufs, check_async_op, group_root, same_dtype, split_sizes
 from aiodist.c10d._device import device_backend, issue_on_device
 from aiodist.c10d.init import GroupArg, not_member, resolve_group
-from aiodist.c10d.process_group import ProcessGroup, describe_call
+from aiodist.c10d.process_group import EAGER_S, NOT_NOW, ProcessGroup, describe_call
 from aiodist.c10d.work import Work
 from aiodist.c10d.world import _CURRENT, default_group, on_world_loop
 from aiodist.errors import DistTimeoutError
@@ -109,7 +110,7 @@ _ALL_REDUCE = "all_reduce"
 _HOT_MAX = 256
 
 
-def _keep(pg: ProcessGroup, key: tuple[Any, ...], value: tuple[Any, ...]) -> None:
+def _keep(pg: ProcessGroup, key: tuple[Any, ...], value: Any) -> None:
     """Keep what a call's checks found for the next call like it (``pg.hot``, bounded)."""
     if len(pg.hot) < _HOT_MAX:
         pg.hot[key] = value
@@ -145,6 +146,27 @@ async def broadcast(
     return await _finish(r.issue(pg, "broadcast", body, [tensor], meta=_meta(tensor=_t(b), root=pg.ranks[root])), asy)
 
 
+class Prepared:
+    """What a call's checks found, kept per group and call (``pg.hot``: the op, its reduce op
+    kind, dtype and shape): asyncpg's prepared statement. The next call like it reads these
+    fields instead of checking again: the reduction and its combine, the dtype's name, the
+    call's description (``describe_call``: the recorder's meta and the desync digest), the
+    plan, whether there is nothing to do before or after the exchanges (``plain``), and the
+    route's in-call path for it (``quick``, aiodist.backends.routes.Quick; None: every op of
+    the call takes its route)."""
+
+    __slots__ = ("rop", "combine", "name", "described", "plan", "plain", "quick")
+
+    def __init__(self, rop: ReduceOp, combine: Any, name: str, described: Any, plan: Any, plain: bool, quick: Any) -> None:
+        self.rop = rop
+        self.combine = combine
+        self.name = name
+        self.described = described
+        self.plan = plan
+        self.plain = plain
+        self.quick = quick
+
+
 @on_world_loop
 async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` across the group, in place; the same bits on every rank."""
@@ -157,7 +179,7 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
             return None
         pg = resolve_group(group, what="all_reduce")
     asy = async_op if type(async_op) is bool else check_async_op(async_op)
-    hit = None
+    hit: Prepared | None = None
     if type(tensor) is np.ndarray and type(op) is _KIND:
         # the hot path: a call seen before on this group (same op kind, dtype, shape) with a
         # writable C-contiguous array, whose checks, reduction and description are kept
@@ -165,8 +187,21 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
         if flags.writeable and flags.c_contiguous:
             hit = pg.hot.get((_ALL_REDUCE, op, tensor.dtype, tensor.shape))
     if hit is not None:
-        rop, combine, name, described, pl, plain = hit
         flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
+        if hit.quick is not None:  # post, collect, or park (ProcessGroup.issue_now)
+            done = pg.issue_now("all_reduce", hit.quick.all_reduce, flat, hit.combine, [tensor], hit.described, asy)
+            if done is not NOT_NOW:
+                t = time.perf_counter()
+                if t - pg.ran >= EAGER_S:  # ops done in their calls let the loop run this often
+                    pg.ran = t
+                    await asyncio.sleep(0)
+                if done is None or done.done():
+                    return done if asy else None
+                work = done
+                if asy:
+                    return work
+                return await _wait_work(work)
+        rop, combine, name, described, pl, plain = hit.rop, hit.combine, hit.name, hit.described, hit.plan, hit.plain
     else:
         if (dev := device_backend(pg, tensor, "all_reduce tensor")) is not None:
             return await issue_on_device(dev, pg, "all_reduce", {"tensor": tensor, "op": op}, asy)
@@ -178,7 +213,8 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
         plain = rop.op is not _PREMUL and rop.op is not _AVG  # nothing to do before or after the exchanges
     r = route(pg, "all_reduce", flat.nbytes, planned=pl)
     if hit is None and type(tensor) is np.ndarray and type(op) is _KIND:
-        _keep(pg, (_ALL_REDUCE, op, tensor.dtype, tensor.shape), (rop, combine, name, described, r.plan, plain))
+        q = quick(pg, r.plan, flat.nbytes) if plain else None
+        _keep(pg, (_ALL_REDUCE, op, tensor.dtype, tensor.shape), Prepared(rop, combine, name, described, r.plan, plain, q))
     if plain:
         work = r.issue(pg, "all_reduce", r.all_reduce_body(flat, combine), [tensor], described=described)
     else:
@@ -192,7 +228,12 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
         work = r.issue(pg, "all_reduce", body, [tensor], described=described)
     if asy:
         return work
-    if not work.done():  # ``await work``, without its generator (a cancelled wait leaves the op running)
+    return await _wait_work(work)
+
+
+async def _wait_work(work: Work) -> None:
+    """``await work`` without its generator (a cancelled wait leaves the op running); None."""
+    if not work.done():
         try:
             await work._waiter()
         except asyncio.CancelledError:

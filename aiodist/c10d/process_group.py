@@ -51,7 +51,10 @@ EAGER_S = 0.001
 _EAGER_TASKS = sys.version_info >= (3, 12)
 
 
-__all__ = ["ProcessGroup"]
+__all__ = ["ProcessGroup", "NOT_NOW"]
+
+#: ``issue_now``'s answer where the op must take its route instead
+NOT_NOW = object()
 
 log = logging.getLogger("aiodist.c10d")
 _TELL_AT_TEARDOWN_S = 0.2  # shutdown: how long a pending 'tell the peers' may still dial
@@ -155,7 +158,10 @@ class ProcessGroup:
         self.eager = 0  # ops that ended in their issuing call
         self.completed = 0
         # what the collectives' checks found for calls seen before, by call (aiodist.c10d.collectives)
-        self.hot: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self.hot: dict[tuple[Any, ...], Any] = {}
+        # ops may take their in-call path (issue_now): not where DETAIL compares every call
+        # first, nor where INFO tallies every op
+        self.quick = not self.detail and self._op_stats is None
 
     def __repr__(self) -> str:
         return f"<ProcessGroup {self.describe()} rank {self._rank}/{len(self.ranks)}>"
@@ -237,14 +243,27 @@ class ProcessGroup:
             described = describe_call(op, meta)
         seq = self.seq
         self.seq = seq + 1
-        meta = described[0]
-        entry = self.recorder.issued(op, seq, "collective", meta, with_stack=self.detail, frozen=described[2])
+        entry = self.recorder.issued(op, seq, "collective", described[0], with_stack=self.detail, frozen=described[2])
         staging = _STAGING.get()
         if staging is not None:  # host copies of device arrays: copy in before, copy back after
             body = _staged_body(staging, body)
-        # the channel and the Work
+        eager = eager and staging is None and not self.detail and time.perf_counter() - self.ran < EAGER_S
+        return self._open(op, seq, entry, described, body, outputs, timeout_s, eager)
+
+    def _open(
+        self,
+        op: str,
+        seq: int,
+        entry: Entry | None,
+        described: Described,
+        body: Body,
+        outputs: list[Any],
+        timeout_s: float | None = None,
+        eager: bool = False,
+    ) -> Work:
+        """The op's channel (its digest recorded), its Work, and its launch."""
         ranks = self.ranks
-        if self._digests and meta is not None:  # what every rank must agree on, sent with the op's frames
+        if self._digests and described[0] is not None:  # what every rank must agree on, sent with the op's frames
             channel = self.backend.channel(self.group_id, seq, ranks, described[3], (op, described[1], self.group_desc))
         else:
             channel = self.backend.channel(self.group_id, seq, ranks)
@@ -252,9 +271,37 @@ class ProcessGroup:
         desc = d[1] if d is not None and d[0] is self.group_desc else self.describe()
         work = Work(op, desc, seq, outputs)
         if self.detail:  # compare the call across ranks before running it (aiodist.debug.desync)
-            body = _checked_body(self, op, seq, meta, body)
-        eager = eager and staging is None and not self.detail and time.perf_counter() - self.ran < EAGER_S
+            body = _checked_body(self, op, seq, described[0], body)
         return self._launch(op, f"seq {seq}", seq, _Tracked(channel, ranks, self._rank), body, work, timeout_s, entry, eager)
+
+    def issue_now(self, op: str, now: Callable[..., Any], a: Any, b: Any, outputs: list[Any], described: Described, asy: bool) -> Any:
+        """Issue an op by its in-call path (``aiodist.backends.routes.Quick``): the next sequence
+        number, then ``now(seq, digest, a, b)``, which posts the op and collects the peers' parts.
+        Done in the call: the flight recorder's slot says so, and the answer is a finished Work
+        (``asy``) or None; posted and parked (``now`` gave the op's ``Rest``): the op's Work, its
+        rest running as any op's body. ``NOT_NOW`` where the op must take its route (nothing
+        done, no number taken): the group is broken or has a refusal, its calls are compared
+        first (DETAIL) or tallied (INFO), or the op stages device arrays, or ``now`` says so."""
+        if self.broken is not None or not self.quick or _STAGING.get() is not None:
+            return NOT_NOW
+        seq = self.seq
+        got = now(seq, described[3] if self._digests else 0, a, b)
+        if got is None:
+            return NOT_NOW
+        self.seq = seq + 1
+        if got is True:
+            self.recorder.done_now(op, seq, described[2])
+            self.completed += 1
+            self.eager += 1
+            if not asy:
+                return None
+            work = Work(op, self.describe(), seq, outputs)
+            work._complete()
+            return work
+        entry = self.recorder.issued(op, seq, "collective", described[0], frozen=described[2])
+        work = self._open(op, seq, entry, described, got.body, outputs)
+        work.add_done_callback(got.release)
+        return work
 
     def issue_device(
         self,

@@ -55,9 +55,9 @@ import numpy as np
 from aiodist._message import byte_view
 from aiodist.errors import DistBackendError
 from aiodist.shm._link import OpLink
-from aiodist.shm._manager import GroupShm
+from aiodist.shm._manager import LANE_SLOT, GroupShm
 
-__all__ = ["exchange", "phase", "announce", "all_reduce", "reduce", "broadcast", "all_gather", "fits"]
+__all__ = ["post", "collect", "parts", "settle", "exchange", "phase", "announce", "all_reduce", "reduce", "broadcast", "all_gather", "fits"]
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
 
@@ -79,54 +79,110 @@ def fits(g: GroupShm, nbytes: int) -> bool:
     return g.fits_lane(nbytes)
 
 
-async def exchange(
-    p2p: OpLink, g: GroupShm, mine: np.ndarray | Sequence[np.ndarray] | None, sizes: Sequence[int], op: str
-) -> list[np.ndarray]:
-    """One lane op: write ``mine`` (bytes, pieces of bytes written one after the other, or
-    nothing), wait for every peer's, check each peer's
-    digest and that it wrote ``sizes[peer]`` bytes (a negative size: any); every member's bytes
-    (views of the slots, valid until this rank's next lane op of the group)."""
-    me, p = p2p.rank, p2p.size
-    seq, digest = p2p.seq, p2p.digest
-    target = seq + 1
+#: indices into ``GroupShm.words[q]`` (int64 words of member q's lane): its ``current`` words
+#: (digest, seq + 1) and each slot's head (flag, then digest and nbytes after it)
+_CUR = 2
+_HEAD = (64 // 8, (64 + LANE_SLOT) // 8)
+#: ``collect``'s answer where every peer is there but one wrote another digest or size: the
+#: full check (``settle``, with the op's link) names it
+ODD: list[np.ndarray] = []
+
+
+def post(g: GroupShm, seq: int, digest: int, mine: np.ndarray | Sequence[np.ndarray] | None) -> int:
+    """A lane op's first step, which never waits: say which op this rank is in, write ``mine``
+    (bytes, pieces of bytes written one after the other, or nothing) and its head (digest, size,
+    then the flag), and ring every peer asleep on this op. The slot used (``collect``'s ``s``)."""
+    me = g.me
     s = g.lane_ops & 1
     g.lane_ops += 1
-    announce(p2p, g, me)
-    head = g.heads[me][s]
+    w = g.words[me]
+    w[_CUR + 1] = 0  # announce (a seqlock: see ``announce``)
+    w[_CUR] = digest
+    w[_CUR + 1] = seq + 1
     n = 0
     if isinstance(mine, np.ndarray):
         n = mine.nbytes
         if n:
-            np.copyto(g.bodies[me][s][:n], mine)
+            g.bodies[me][s][:n] = mine
     elif mine is not None:
         body = g.bodies[me][s]
         for piece in mine:
-            np.copyto(body[n : n + piece.nbytes], piece)
+            body[n : n + piece.nbytes] = piece
             n += piece.nbytes
-    head[1] = digest
-    head[2] = n
-    head[0] = target
-    _fence()
-    sleeping = g.sleeping
-    for q in range(p):
-        if q != me and sleeping[q][0] == target:
+    h = _HEAD[s]
+    w[h + 1] = digest
+    w[h + 2] = n
+    w[h] = seq + 1
+    _FENCE.acquire()  # a full barrier (``_fence``), written out: this is every lane op's path
+    _FENCE.release()
+    words = g.words
+    for q in g.others:
+        if words[q][0] == seq + 1:  # asleep waiting for this flag
             os.eventfd_write(g.bells[q], 1)
+    return s
+
+
+def collect(g: GroupShm, s: int, seq: int, digest: int, sizes: Sequence[int]) -> bool | list[np.ndarray]:
+    """Whether every peer posted op ``seq`` in slot ``s`` (False: not yet; nothing changes), and
+    with this rank's digest and ``sizes[peer]`` bytes (a negative size: any): True; ``ODD``
+    where one did not (``settle`` names it). Never waits."""
+    h = _HEAD[s]
+    target = seq + 1
+    words = g.words
+    odd = False
+    for q in g.others:
+        w = words[q]
+        if w[h] < target:
+            return False
+        if (w[h + 1] != digest and digest and w[h + 1]) or (w[h + 2] != sizes[q] and sizes[q] >= 0):
+            odd = True
+    return ODD if odd else True
+
+
+def parts(g: GroupShm, s: int, sizes: Sequence[int]) -> list[np.ndarray]:
+    """Every member's bytes of slot ``s`` (views, valid until this rank's next lane op of the
+    group), as ``sizes`` says (a negative size: what that member wrote)."""
+    h = _HEAD[s]
+    return [g.bodies[q][s][: n if n >= 0 else g.words[q][h + 2]] for q, n in enumerate(sizes)]
+
+
+async def settle(p2p: OpLink, g: GroupShm, s: int, sizes: Sequence[int], op: str, spin: bool = True) -> list[np.ndarray]:
+    """The rest of a lane op that ``post`` began: wait for every peer's flag (``_wait``: a
+    spin unless ``spin`` is false, then the doorbell), check each peer's digest and size (a
+    desync, a size error: raised), and every member's bytes (``parts``)."""
+    me = p2p.rank
+    seq, digest = p2p.seq, p2p.digest
+    target = seq + 1
     heads = [h[s] for h in g.heads]
-    missing = [q for q in range(p) if q != me and heads[q][0] < target]
+    missing = [q for q in g.others if heads[q][0] < target]
     if missing:
-        await _wait(p2p, g, heads, missing, target)
-    for q in range(p):
-        if q != me:
-            h = heads[q]
-            if digest and h[1] and h[1] != digest:
-                _desync(p2p, q, int(h[1]), int(h[2]))
-            if h[2] != sizes[q] and sizes[q] >= 0:
-                ranks = p2p.ranks
-                raise DistBackendError(
-                    f"{op} of group {p2p.group_id}, seq {seq}: rank {ranks[q]} passed {int(h[2])} bytes, "
-                    f"rank {ranks[me]} expected {sizes[q]} (every rank must pass the same shapes and dtype)"
-                )
-    return [g.bodies[q][s][: sizes[q] if sizes[q] >= 0 else int(heads[q][2])] for q in range(p)]
+        await _wait(p2p, g, heads, missing, target, spin)
+    for q in g.others:
+        h = heads[q]
+        if digest and h[1] and h[1] != digest:
+            _desync(p2p, q, int(h[1]), int(h[2]))
+        if h[2] != sizes[q] and sizes[q] >= 0:
+            ranks = p2p.ranks
+            raise DistBackendError(
+                f"{op} of group {p2p.group_id}, seq {seq}: rank {ranks[q]} passed {int(h[2])} bytes, "
+                f"rank {ranks[me]} expected {sizes[q]} (every rank must pass the same shapes and dtype)"
+            )
+    return parts(g, s, sizes)
+
+
+async def exchange(
+    p2p: OpLink, g: GroupShm, mine: np.ndarray | Sequence[np.ndarray] | None, sizes: Sequence[int], op: str
+) -> list[np.ndarray]:
+    """One lane op: write ``mine`` (bytes, pieces of bytes written one after the other, or
+    nothing), wait for every peer's, check each peer's digest and that it wrote ``sizes[peer]``
+    bytes (a negative size: any); every member's bytes (views of the slots, valid until this
+    rank's next lane op of the group). ``post``, then ``collect``, then ``settle`` where a peer
+    is not there yet or did not agree: the in-call path's steps, in one coroutine."""
+    seq, digest = p2p.seq, p2p.digest
+    s = post(g, seq, digest, mine)
+    if collect(g, s, seq, digest, sizes) is True:
+        return parts(g, s, sizes)
+    return await settle(p2p, g, s, sizes, op)
 
 
 async def all_reduce(p2p: OpLink, g: GroupShm, flat: np.ndarray, combine: Combine) -> None:
@@ -175,10 +231,11 @@ async def all_gather(p2p: OpLink, g: GroupShm, outs: Sequence[np.ndarray], mine:
         np.copyto(dsts[me], parts[me])  # from the slot: the input may overlap the output
 
 
-async def _wait(p2p: OpLink, g: GroupShm, words: list[np.ndarray], missing: list[int], target: int) -> None:
+async def _wait(p2p: OpLink, g: GroupShm, words: list[np.ndarray], missing: list[int], target: int, spin: bool = True) -> None:
     """Until ``words[q][0] >= target`` for every peer q in ``missing`` (a lane slot's flag, a
-    phase word: both only grow): spin, then sleep on the doorbell."""
-    end = time.perf_counter() + g.spin_s
+    phase word: both only grow): spin (unless ``spin`` is false: the caller spun already),
+    then sleep on the doorbell."""
+    end = time.perf_counter() + (g.spin_s if spin else 0.0)
     while True:
         missing = [q for q in missing if words[q][0] < target]
         if not missing or time.perf_counter() >= end:
@@ -297,3 +354,30 @@ def _desync(link: OpLink, q: int, theirs: int, nbytes: int = -1) -> None:
         f"shared-memory op of group {link.group_id}, seq {link.seq}: rank {ranks[q]} called another op or other arguments "
         f"(digest {theirs:#x}, rank {ranks[link.rank]}'s {link.digest:#x})"
     )
+
+
+def all_reduce_now(g: GroupShm, seq: int, digest: int, flat: np.ndarray, combine: Combine, sizes: Sequence[int]) -> int:
+    """A small all_reduce in the issuing call: ``post``, then ``collect`` (spinning at most
+    ``g.spin_s``, yielding the core at every turn, never the loop); where every peer is there
+    and agrees, ``flat`` is reduced in rank order from the slots (the same bits on every rank,
+    as ``all_reduce``) and -1 is returned. Otherwise the op is posted and waits: the slot to
+    ``settle`` (then ``reduce_slots``) in a task."""
+    s = post(g, seq, digest, flat.view(np.uint8))
+    got = collect(g, s, seq, digest, sizes)
+    if got is False and g.spin_s:
+        end = time.perf_counter() + g.spin_s
+        while got is False and time.perf_counter() < end:
+            os.sched_yield()  # a peer that shares this core runs now
+            got = collect(g, s, seq, digest, sizes)
+    if got is not True:
+        return s
+    reduce_slots(g, s, flat, combine)
+    return -1
+
+
+def reduce_slots(g: GroupShm, s: int, flat: np.ndarray, combine: Combine) -> None:
+    """``flat`` = every member's slot ``s`` combined in rank order."""
+    views = g.typed_slots(s, flat.dtype, flat.size)
+    np.copyto(flat, views[0])
+    for v in views[1:]:
+        combine(flat, v)

@@ -135,6 +135,13 @@ class GroupShm:
     # scratch that peers read by address, of single-copy ops that failed: kept until the group
     # goes, as a peer may still be reading it (aiodist.shm._algorithms._held)
     parked: list[np.ndarray] = field(default_factory=list)
+    me: int = 0  # this rank's group rank
+    # the in-call path (aiodist.shm._lane.post / collect): every member's lane words as a
+    # memoryview of int64 (an item read or written is a Python int, several times cheaper than
+    # a numpy element), the other members' group ranks, and typed views of the slots' payloads
+    words: list[memoryview] = field(default_factory=list)
+    others: tuple[int, ...] = ()
+    typed: dict[tuple[int, np.dtype[Any], int], list[np.ndarray]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         base = LANE_BYTES if self.lane else 0
@@ -151,6 +158,20 @@ class GroupShm:
                 self.heads.append((v[at[0] : at[0] + 24].view(np.int64), v[at[1] : at[1] + 24].view(np.int64)))
                 self.bodies.append((v[at[0] + 64 : at[0] + LANE_SLOT], v[at[1] + 64 : at[1] + LANE_SLOT]))
                 self.cma_words.append(v[LANE_CMA : LANE_CMA + 24].view(np.int64))
+                self.words.append(memoryview(v[: 64 + LANE_SLOT + 64]).cast("q"))  # type: ignore[arg-type]
+        self.others = tuple(q for q in range(len(self.segments)) if q != self.me)
+
+    def typed_slots(self, s: int, dtype: np.dtype[Any], count: int) -> list[np.ndarray]:
+        """Every member's payload of lane slot ``s`` as ``count`` items of ``dtype`` (made once
+        per slot, dtype and count, and kept: a training loop repeats a few shapes)."""
+        key = (s, dtype, count)
+        got = self.typed.get(key)
+        if got is None:
+            n = dtype.itemsize * count
+            got = [b[s][:n].view(dtype) for b in self.bodies]
+            if len(self.typed) < 64:
+                self.typed[key] = got
+        return got
 
     def fits_lane(self, nbytes: int) -> bool:
         """Whether a rank's ``nbytes`` fit the group's lane (the same answer on every rank)."""
@@ -344,6 +365,10 @@ class SharedMemory:
             return None
         return Ticket(self, turns, key)
 
+    def line(self, group_id: int, ranks: Sequence[int]) -> _Turns | None:
+        """The group's line, where an op of it took a ticket before (None: not yet)."""
+        return self._turns.get((group_id, tuple(ranks)))
+
     def _arrival(self, group_id: int) -> asyncio.Future[None]:
         fut = self._arrived.get(group_id)
         if fut is None:
@@ -423,7 +448,9 @@ class SharedMemory:
         spin = self.spin_s if len(set(pids)) == len(ranks) else 0.0  # ranks sharing a process (and loop) never spin
         # single copy where this rank reads every peer's probe bytes (the vote makes it all or none)
         cma = lane and self.cma is not None and all(_cma.readable(rec.get("pid"), rec.get("cma")) for rec in recs)
-        return GroupShm(by_rank, half, lane=lane, bells=bells, spin_s=spin, owner=self, cma=cma, pids=pids if cma else [])
+        return GroupShm(
+            by_rank, half, lane=lane, bells=bells, spin_s=spin, owner=self, cma=cma, pids=pids if cma else [], me=ranks.index(self.rank)
+        )
 
     async def agree(self, key: tuple[int, tuple[int, ...]], link: OpLink) -> GroupShm | None:
         """Map the group's segments here and agree with its ranks whether all could; the group's
