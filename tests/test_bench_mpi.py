@@ -55,7 +55,11 @@ def _script(path: pathlib.Path, body: str) -> None:
 
 
 #: what a fake interpreter answers to the probe
-GOOD = {"mpich": "MPICH Version:      5.0.2", "impi": "Intel(R) MPI Library 2021.18.1 for Linux* OS", "openmpi": "Open MPI v4.1.4, package: x"}
+GOOD = {
+    "mpich": "MPICH Version:      5.0.2",
+    "impi": "Intel(R) MPI Library 2021.18.1 for Linux* OS",
+    "openmpi": "Open MPI v4.1.4, package: x",
+}
 NO_MPI4PY = "echo \"ModuleNotFoundError: No module named 'mpi4py'\" >&2; exit 1"
 
 
@@ -85,7 +89,12 @@ VENV_CASES = [
         {},
         "AIODIST_BENCH_MPICH={v}: {v}/bin/python is missing (not a venv; make one: python3 -m venv {v} && {v}/bin/pip install mpich mpi4py numpy)",
     ),
-    ("impi", "set", {"python": _answers(GOOD["impi"])}, "AIODIST_BENCH_IMPI={v}: no mpirun in {v}/bin ({v}/bin/pip install impi-rt mpi4py numpy)"),
+    (
+        "impi",
+        "set",
+        {"python": _answers(GOOD["impi"])},
+        "AIODIST_BENCH_IMPI={v}: no mpirun in {v}/bin ({v}/bin/pip install impi-rt mpi4py numpy)",
+    ),
     (
         "mpich",
         "set",
@@ -130,7 +139,11 @@ def test_finding_mpich_and_intel_mpi(
 # (what mpirun on PATH answers to --version, or None for no mpirun; what this Python answers
 # to the probe; the expected skip line, or None). {bin}: the folder on PATH; {py}: the Python.
 OPENMPI_CASES = [
-    (None, _answers(GOOD["openmpi"]), "mpirun is not on PATH (install Open MPI: apt-get install openmpi-bin libopenmpi-dev, then pip install mpi4py)"),
+    (
+        None,
+        _answers(GOOD["openmpi"]),
+        "mpirun is not on PATH (install Open MPI: apt-get install openmpi-bin libopenmpi-dev, then pip install mpi4py)",
+    ),
     (
         "echo 'HYDRA build details:'",
         _answers(GOOD["openmpi"]),
@@ -238,7 +251,14 @@ def test_best_mpi_is_the_least_time_of_the_row() -> None:
     assert _mpi.best({"openmpi": None}) is None and _mpi.best({}) is None
     ten = [1.0] * 10
     mine = [4e-6 * x for x in ten]
-    assert bc.mpi_cells(mine, {"openmpi": [8e-6] * 10, "mpich": [2e-6] * 10, "impi": None}) == ["8.0", "2.0", "-", "2.0", "mpich", "2.00(2.00-2.00)"]
+    assert bc.mpi_cells(mine, {"openmpi": [8e-6] * 10, "mpich": [2e-6] * 10, "impi": None}) == [
+        "8.0",
+        "2.0",
+        "-",
+        "2.0",
+        "mpich",
+        "2.00(2.00-2.00)",
+    ]
     assert bc.mpi_cells(mine, {"openmpi": None}) == ["-", "-", "-", "-"]
     assert bc.mpi_cells(mine[:3], {"openmpi": [8e-6] * 3}) == ["8.0", "8.0", "openmpi", "n/a"]  # too few iterations
 
@@ -254,10 +274,34 @@ def test_report_has_a_column_per_library_then_the_best() -> None:
     def res(t: float) -> bc.Results:
         return {"all_reduce": {1: bc.Row([t] * 10, None, 0)}}
 
-    out = bc.report(["all_reduce"], 2, {"aiodist": res(6e-6), "torch": res(60e-6), "openmpi": res(4e-6), "mpich": res(3e-6), "impi": res(5e-6)})
+    out = bc.report(
+        ["all_reduce"], 2, {"aiodist": res(6e-6), "torch": res(60e-6), "openmpi": res(4e-6), "mpich": res(3e-6), "impi": res(5e-6)}
+    )
     header, rows = tables(out)["all_reduce"]
-    assert re.search(r"torch\(us\)\s+torch busbw\s+aiodist/torch\s+openmpi\(us\)\s+mpich\(us\)\s+impi\(us\)\s+best MPI\(us\)\s+best MPI\s+aiodist/best-MPI$", header[0])
-    assert rows == [["4", "1", "float32", "6.0", "0.001", "0.001", "0.0", "60.0", "0.000", "0.10(0.10-0.10)", "4.0", "3.0", "5.0", "3.0", "mpich", "2.00(2.00-2.00)"]]
+    assert re.search(
+        r"torch\(us\)\s+torch busbw\s+aiodist/torch\s+openmpi\(us\)\s+mpich\(us\)\s+impi\(us\)\s+best MPI\(us\)\s+best MPI\s+aiodist/best-MPI$",
+        header[0],
+    )
+    assert rows == [
+        [
+            "4",
+            "1",
+            "float32",
+            "6.0",
+            "0.001",
+            "0.001",
+            "0.0",
+            "60.0",
+            "0.000",
+            "0.10(0.10-0.10)",
+            "4.0",
+            "3.0",
+            "5.0",
+            "3.0",
+            "mpich",
+            "2.00(2.00-2.00)",
+        ]
+    ]
 
 
 # ----------------------------------------------------------------------------- real runs
@@ -301,7 +345,23 @@ def test_a_tiny_run_against_every_library_found_with_a_plot(tmp_path: pathlib.Pa
         pytest.skip(f"fewer than two MPI libraries here: {[(n, _found(n)) for n in _mpi.LIBS if n not in found]}")
     svg = tmp_path / "times.svg"
     plot = ["--plot", str(svg)] if bc.importlib.util.find_spec("matplotlib") is not None else []
-    r = run_bench("--compare", "mpi", "--ops", "all_reduce", "--min-bytes", "4", "--max-bytes", "4K", "--step", "32", "--iters", "10", "--warmup", "1", *plot)
+    r = run_bench(
+        "--compare",
+        "mpi",
+        "--ops",
+        "all_reduce",
+        "--min-bytes",
+        "4",
+        "--max-bytes",
+        "4K",
+        "--step",
+        "32",
+        "--iters",
+        "10",
+        "--warmup",
+        "1",
+        *plot,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     header, rows = tables(r.stdout)["all_reduce"]
     assert header[0].split()[7 : 7 + len(found)] == [f"{n}(us)" for n in found]
@@ -324,7 +384,12 @@ def test_plot_without_matplotlib_is_a_line_and_the_run_goes_on(
     real = bc.importlib.util.find_spec
     monkeypatch.setattr(bc.importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
     png = tmp_path / "x.png"
-    assert bc.main(["--nproc", "2", "--ops", "barrier", "--iters", "1", "--warmup", "0", "--no-lag-probe", "--timeout", "30", "--plot", str(png)]) == 0
+    assert (
+        bc.main(
+            ["--nproc", "2", "--ops", "barrier", "--iters", "1", "--warmup", "0", "--no-lag-probe", "--timeout", "30", "--plot", str(png)]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "plot: skipped: matplotlib is not installed: pip install matplotlib (or pip install 'aiodist[plot]')" in out.splitlines()
     assert not png.exists() and "plot: " + str(png) not in out

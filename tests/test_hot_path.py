@@ -1,5 +1,12 @@
-"""The small-op hot path: how many calls one 4-byte all_reduce costs, counted, not timed. Two
-ranks in this process (run_world, the in-memory backend) on a uvloop loop (its loop is C, so
+"""The small-op hot path: how many calls one 4-byte op costs, counted, not timed.
+
+The real path (``test_the_real_path_stays_within_its_call_budget``): two processes over the
+socket backend with shared memory (env://), the path users run, where a small op posts and
+collects in its call; every Python-level call counted, in aiodist and outside it (numpy's Python
+wrappers), but for the loop's own by the clock. The spin on a peer not there yet calls
+``collect`` again at each turn: those repeats are the wait's, not the op's, and are left out.
+
+The task path (the rest of this file): two ranks in this process (run_world, the in-memory backend) on a uvloop loop (its loop is C, so
 every Python call counted is the op's own); ``sys.setprofile`` counts Python-level calls
 ("call": a function entered or a coroutine resumed) and C calls, per op and rank, leaving out
 the backend's own code (it is not this path's: the socket transport has its own budget) and the
@@ -16,6 +23,7 @@ import asyncio
 import collections
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +31,7 @@ import pytest
 
 import aiodist as dist
 from aiodist.testing import run_world
+from aiodist.testing.ports import free_port
 
 uvloop = pytest.importorskip("uvloop")
 
@@ -130,3 +139,44 @@ async def test_a_cancelled_wait_leaves_the_op_running() -> None:
         assert y[0] == 2.0
 
     await run_world(RANKS, rank, backend="memory", timeout=30)
+
+
+#: the real path's budget per small op and rank, all Python-level calls (the issue's goal: 30;
+#: measured: all_reduce 20, broadcast 18, all_gather_into_tensor 19, barrier 18; the task path, 70)
+REAL_BOUND = 30
+_WORKER = Path(__file__).resolve().parent / "helpers" / "hot_path_rank.py"
+
+
+def _real_path(op: str) -> tuple[float, str]:
+    from helpers.rank_procs import run_ranks
+
+    port = str(free_port())
+    envs = [dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), WORLD_SIZE="2") for r in range(2)]
+    for e in envs:
+        e.pop("AIODIST_SHM_BYTES", None)
+        e.pop("AIODIST_DEBUG", None)
+    res = run_ranks([[sys.executable, str(_WORKER), op]] * 2, envs, 90)
+    worst, report = 0.0, []
+    for r, out in enumerate(res):
+        counts, ops = out["counts"], out["ops"]
+        spins = counts.get("shm/_lane.py:collect", 0) - counts.get("shm/_lane.py:now", 0)
+        py = (counts.get("py", 0) - spins) / ops
+        top = sorted(((v, k) for k, v in counts.items() if k not in ("py", "c")), reverse=True)[:24]
+        report.append(
+            f"rank {r}: {py:.1f} calls per op (spin repeats {spins / ops:.2f} left out, ops done in their call {out['eager']}): "
+            + ", ".join(f"{k} {v / ops:.2f}" for v, k in top)
+        )
+        worst = max(worst, py)
+    return worst, "; ".join(report)
+
+
+@pytest.mark.subprocess
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("op", ["all_reduce", "broadcast", "all_gather_into_tensor", "barrier"])
+def test_the_real_path_stays_within_its_call_budget(op: str) -> None:
+    """Two real ranks, shared memory on: a small op posts and collects in its call, and costs at
+    most REAL_BOUND Python-level calls per op and rank (the handle, the kept call's lookup, the
+    post, the collect, the result, the recorder's slot)."""
+    per, report = _real_path(op)
+    print(report)
+    assert per <= REAL_BOUND, report

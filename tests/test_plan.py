@@ -15,7 +15,9 @@ from aiodist.algorithms.thresholds import Thresholds
 K, M = 1 << 10, 1 << 20
 D = Thresholds()
 NO_LANE = Thresholds(lane_max=0)
-NO_CMA = Thresholds(broadcast_shm_min=-1, reduce_cma_min=-1, reduce_scatter_cma_min=-1, alltoall_cma=-1, gather_cma_min=-1, scatter_cma_min=-1)
+NO_CMA = Thresholds(
+    broadcast_shm_min=-1, reduce_cma_min=-1, reduce_scatter_cma_min=-1, alltoall_cma=-1, gather_cma_min=-1, scatter_cma_min=-1
+)
 
 
 class Row(NamedTuple):
@@ -49,14 +51,28 @@ ROWS = [
         Plan("lane", True),
         Thresholds(broadcast_shm_min=0),
     ),
-    Row("single copy allowed but within the lane's sizes, 4 ranks: socket", "broadcast", 8, 4, Plan("socket", False), Thresholds(broadcast_shm_min=0, cma_wide_min=0)),
+    Row(
+        "single copy allowed but within the lane's sizes, 4 ranks: socket",
+        "broadcast",
+        8,
+        4,
+        Plan("socket", False),
+        Thresholds(broadcast_shm_min=0, cma_wide_min=0),
+    ),
     # all_reduce
     Row("small: the lane, eager", "all_reduce", 4, 2, Plan("lane", True, 4)),
     Row("small, 4 ranks: the lane too (where the group has one)", "all_reduce", 4, 4, Plan("lane", True, 4)),
     Row("empty: the socket", "all_reduce", 0, 2, Plan("socket", False)),
     Row("256 KiB: the halves", "all_reduce", 256 * K, 2, Plan("halves", True)),
     Row("4 MiB: single copy", "all_reduce", 4 * M, 2, Plan("single_copy", True)),
-    Row("shared memory off, lane off: the socket", "all_reduce", 4 * M, 2, Plan("socket", False), Thresholds(allreduce_shm_min=-1, lane_max=0)),
+    Row(
+        "shared memory off, lane off: the socket",
+        "all_reduce",
+        4 * M,
+        2,
+        Plan("socket", False),
+        Thresholds(allreduce_shm_min=-1, lane_max=0),
+    ),
     # reduce
     Row("small, 2 ranks: the lane, eager", "reduce", 64, 2, Plan("lane", True, 64)),
     Row("small, 4 ranks: the socket", "reduce", 64, 4, Plan("socket", False)),
@@ -82,7 +98,14 @@ ROWS = [
     Row("reduce_scatter: single copy, eager", "reduce_scatter", 64, 2, Plan("single_copy", True, 0)),
     Row("reduce_scatter, big: single copy", "reduce_scatter", 4 * M, 4, Plan("single_copy", True)),
     Row("reduce_scatter, empty: the socket", "reduce_scatter", 0, 2, Plan("socket", False)),
-    Row("reduce_scatter, single copy from 1 MiB, 64 KiB: socket, in line", "reduce_scatter", 64 * K, 2, Plan("socket", True), Thresholds(reduce_scatter_cma_min=M)),
+    Row(
+        "reduce_scatter, single copy from 1 MiB, 64 KiB: socket, in line",
+        "reduce_scatter",
+        64 * K,
+        2,
+        Plan("socket", True),
+        Thresholds(reduce_scatter_cma_min=M),
+    ),
     Row("reduce_scatter, single copy off: the socket", "reduce_scatter", 64 * K, 2, Plan("socket", False), NO_CMA),
     # all_to_all (nbytes: this rank's own; part: the number of parts)
     Row("all_to_all: single copy, eager with 16 B a part", "all_to_all", 64, 4, Plan("single_copy", True, 64), part=4),

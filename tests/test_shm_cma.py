@@ -485,7 +485,9 @@ async def test_a_gather_or_scatter_whose_sizes_do_not_match_fails_the_reader(mon
     results = await run_world(2, fn, backend="gloo", pg_timeout=20, timeout=60)
     reader = 0 if op == "gather" else 1
     a, b = 4 * m, 4 * (m + 2)
-    want = f"rank 1 sends {b} bytes to rank 0, which expects {a}" if op == "gather" else f"rank 0 sends {a} bytes to rank 1, which expects {b}"
+    want = (
+        f"rank 1 sends {b} bytes to rank 0, which expects {a}" if op == "gather" else f"rank 0 sends {a} bytes to rank 1, which expects {b}"
+    )
     assert want in results[reader][0], results
     if op == "gather" or m > 1000:
         assert results[1 - reader][0] != "ok", results

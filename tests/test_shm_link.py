@@ -170,7 +170,13 @@ async def test_the_channel_and_the_tracker_keep_the_contract_on_a_real_transport
             assert isinstance(ch, OpLink) and op_link(ch) is ch
             tracked = TrackedP2P(ch, [0, 1], 0)
             assert isinstance(tracked, OpLink) and op_link(tracked) is tracked
-            assert (tracked.group_id, tracked.seq, tracked.digest, tracked.op_name, list(tracked.ranks)) == (901, 5, digest, "all_reduce", [0, 1])
+            assert (tracked.group_id, tracked.seq, tracked.digest, tracked.op_name, list(tracked.ranks)) == (
+                901,
+                5,
+                digest,
+                "all_reduce",
+                [0, 1],
+            )
             tracked.digest = 0  # what the agreement does for its vote: the channel sends no digest
             assert ch.digest == 0
             tracked.digest = digest

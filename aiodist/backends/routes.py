@@ -37,7 +37,7 @@ from aiodist.shm import (
     GroupShm,
     Into,
     Ticket,
-    all_reduce_now,
+    lane_now,
     op_link,
     reduce_slots,
     run_all_gather,
@@ -174,7 +174,7 @@ def quick(pg: ProcessGroupLike, pl: Plan, nbytes: int) -> Quick | None:
     """The in-call path of a call kept by c10d (its plan ``pl``, ``nbytes`` per rank), where the
     plan takes the latency lane and the backend has shared memory; None otherwise (every op of
     the call then takes its route)."""
-    if pl.path != "lane" or pl.eager is None:
+    if pl.path != "lane":
         return None
     shm = getattr(pg.backend, "shm", None)
     return None if shm is None else Quick(shm, pg.group_id, pg.ranks, nbytes)
@@ -201,7 +201,7 @@ class Quick:
     ``Rest`` waits in a task. Elsewhere (an op ahead in line, no agreement yet, the socket
     path) it answers None having done nothing, and the op takes its route."""
 
-    __slots__ = ("shm", "group_id", "ranks", "nbytes", "line", "g", "sizes")
+    __slots__ = ("shm", "group_id", "ranks", "me", "nbytes", "line", "g", "sizes", "_by_root")
 
     def __init__(self, shm: Any, group_id: int, ranks: Sequence[int], nbytes: int) -> None:
         self.shm = shm
@@ -211,6 +211,8 @@ class Quick:
         self.line: Any = None  # the group's line (aiodist.shm._manager._Turns), once it has one
         self.g: GroupShm | None = None  # the group's shared memory, once known to fit the lane
         self.sizes = [nbytes] * len(ranks)
+        self.me = list(ranks).index(shm.rank)
+        self._by_root: dict[int, list[int]] = {}  # a broadcast's sizes, by its root
 
     def _lane(self) -> GroupShm | None:
         """The group's lane where this op may take it now (its line empty), else None."""
@@ -221,35 +223,90 @@ class Quick:
                 return None
         if t.serving != t.issued:
             return None
-        g = t.state
+        g: GroupShm | None = t.state
         if g is not self.g:
             if g is None or not g.fits_lane(self.nbytes):
                 return None
             self.g = g
         return g
 
-    def _park(self, g: GroupShm, s: int, finish: Callable[[list[np.ndarray]], None], op: str) -> Rest:
+    def _park(self, g: GroupShm, s: int, sizes: Sequence[int], finish: Callable[[GroupShm, int], None], op: str) -> Rest:
         ticket = self.shm.ticket(self.group_id, self.ranks)  # the line was empty: its turn is now
-        sizes = self.sizes
 
         async def rest(p2p: P2P) -> None:
             try:
-                finish(await settle(op_link(p2p), g, s, sizes, op, spin=False))
+                await settle(op_link(p2p), g, s, sizes, op, spin=False)
+                finish(g, s)
             finally:
                 ticket.release()
 
         return Rest(rest, ticket.release)
 
-    def all_reduce(self, seq: int, digest: int, flat: np.ndarray, combine: Combine) -> bool | Rest | None:
-        """All-reduce ``flat`` (op ``seq``, ``digest``) in the call: True when done, the op's
-        ``Rest`` when parked, None when it is not for the lane now (nothing done)."""
+    def _go(
+        self,
+        seq: int,
+        digest: int,
+        mine: np.ndarray | Sequence[np.ndarray] | None,
+        sizes: Sequence[int],
+        finish: Callable[[GroupShm, int], None],
+        op: str,
+    ) -> bool | Rest | None:
         t = self.line
         g = self.g
         if t is None or g is None or t.serving != t.issued or t.state is not g:
             g = self._lane()
             if g is None:
                 return None
-        s = all_reduce_now(g, seq, digest, flat, combine, self.sizes)
-        if s < 0:
+        s = lane_now(g, seq, digest, mine, sizes)
+        if s >= 0:
+            finish(g, s)
             return True
-        return self._park(g, s, lambda _parts: reduce_slots(g, s, flat, combine), "all_reduce")
+        return self._park(g, s + 2, sizes, finish, op)
+
+    # -- the ops: each True when done in the call, its Rest when parked, None when it is not for
+    # -- the lane now (nothing done)
+
+    def all_reduce(self, seq: int, digest: int, flat: np.ndarray, combine: Combine) -> bool | Rest | None:
+        """All-reduce ``flat`` (op ``seq``, ``digest``)."""
+        t = self.line
+        g = self.g
+        if t is None or g is None or t.serving != t.issued or t.state is not g:
+            g = self._lane()
+            if g is None:
+                return None
+        s = lane_now(g, seq, digest, flat.view(np.uint8), self.sizes)
+        if s >= 0:
+            reduce_slots(g, s, flat, combine)
+            return True
+        return self._park(g, s + 2, self.sizes, lambda g, s: reduce_slots(g, s, flat, combine), "all_reduce")
+
+    def broadcast(self, seq: int, digest: int, flat: np.ndarray, root: int) -> bool | Rest | None:
+        """Broadcast ``flat`` from group rank ``root``."""
+        sizes = self._by_root.get(root)
+        if sizes is None:
+            sizes = self._by_root[root] = [self.nbytes if q == root else 0 for q in range(len(self.ranks))]
+        if self.me == root:
+            return self._go(seq, digest, flat.view(np.uint8), sizes, _nothing, "broadcast")
+
+        def finish(g: GroupShm, s: int) -> None:
+            flat[...] = g.typed_slots(s, flat.dtype, flat.size)[root]
+
+        return self._go(seq, digest, None, sizes, finish, "broadcast")
+
+    def all_gather(self, seq: int, digest: int, out: np.ndarray, mine: np.ndarray) -> bool | Rest | None:
+        """Every rank's ``mine`` into its part of ``out`` (flat, the group's size times ``mine``'s)."""
+        m = mine.size
+
+        def finish(g: GroupShm, s: int) -> None:
+            for q, v in enumerate(g.typed_slots(s, out.dtype, m)):
+                out[q * m : (q + 1) * m] = v  # this rank's own from its slot too: ``mine`` may overlap ``out``
+
+        return self._go(seq, digest, mine.view(np.uint8), self.sizes, finish, "all_gather")
+
+    def barrier(self, seq: int, digest: int, _a: Any = None, _b: Any = None) -> bool | Rest | None:
+        """Every rank of the group has entered."""
+        return self._go(seq, digest, None, self.sizes, _nothing, "barrier")
+
+
+def _nothing(g: GroupShm, s: int) -> None:
+    """An op with nothing to do once every peer's part is there (a barrier, a broadcast's root)."""

@@ -25,11 +25,11 @@ import numpy as np
 from aiodist._time import TimeoutLike, to_seconds
 from aiodist.algorithms import collectives as alg
 from aiodist.algorithms.p2p import P2P, SubP2P, byte_view
-from aiodist.backends.routes import Into, quick, route
+from aiodist.backends.routes import Into, Quick, quick, route
 from aiodist.c10d._args import buf, bufs, check_async_op, group_root, same_dtype, split_sizes
 from aiodist.c10d._device import device_backend, issue_on_device
 from aiodist.c10d.init import GroupArg, not_member, resolve_group
-from aiodist.c10d.process_group import EAGER_S, NOT_NOW, ProcessGroup, describe_call
+from aiodist.c10d.process_group import EAGER_S, NOT_NOW, Described, ProcessGroup, describe_call
 from aiodist.c10d.work import Work
 from aiodist.c10d.world import _CURRENT, default_group, on_world_loop
 from aiodist.errors import DistTimeoutError
@@ -106,6 +106,8 @@ def _same_size(a: Buffer, size: int, what: str) -> None:
 
 _KIND = ReduceOp.RedOpType
 _ALL_REDUCE = "all_reduce"
+_BROADCAST = "broadcast"
+_BARRIER = ("barrier",)  # the barrier's key in pg.hot (its call has nothing else)
 #: calls kept per group (``ProcessGroup.hot``): a training loop repeats a few shapes
 _HOT_MAX = 256
 
@@ -121,6 +123,70 @@ def _chunks(flat: np.ndarray, n: int) -> list[np.ndarray]:
     return [flat[i * m : (i + 1) * m] for i in range(n)]
 
 
+class Prepared:
+    """What a call's checks found, kept per group and call (``pg.hot``: the op and what its
+    checks depend on: dtype, shape, reduce op kind, root): asyncpg's prepared statement. The
+    next call like it reads these fields instead of checking again: the call's description
+    (``describe_call``: the recorder's meta and the desync digest), the plan, the route's
+    in-call path for it (``quick``, aiodist.backends.routes.Quick; None: every op of the call
+    takes its route), and per op: the reduction and its combine, the dtype's name, whether
+    there is nothing to do before or after the exchanges (``plain``), the group rank of the
+    root (``root``)."""
+
+    __slots__ = ("described", "plan", "quick", "rop", "combine", "name", "plain", "root")
+
+    def __init__(
+        self,
+        described: Described,
+        plan: Any,
+        quick: Quick | None,
+        *,
+        rop: ReduceOp | None = None,
+        combine: Any = None,
+        name: str = "",
+        plain: bool = False,
+        root: int = -1,
+    ) -> None:
+        self.described = described
+        self.plan = plan
+        self.quick = quick
+        self.rop = rop
+        self.combine = combine
+        self.name = name
+        self.plain = plain
+        self.root = root
+
+
+def _default_or(group: GroupArg, what: str) -> ProcessGroup | None:
+    """The call's group (None on a rank outside it, after torch's warning): the default group
+    read straight from the World, else ``resolve_group``."""
+    if group is None:
+        pg = _CURRENT.get().default_pg
+        return default_group() if pg is None else pg  # (default_group raises: no default group)
+    if not_member(group, what):
+        return None
+    return resolve_group(group, what=what)
+
+
+async def _issued_now(pg: ProcessGroup, op: str, now: Any, a: Any, b: Any, outputs: list[Any], described: Described, asy: bool) -> Any:
+    """Issue an op by its in-call path (``ProcessGroup.issue_now``) and answer as the call does:
+    its Work (``asy``) or None once done; ``NOT_NOW`` where the op must take its route. An op
+    done in its call lets the loop run once where no op of the group did within ``EAGER_S``
+    (back-to-back calls that never suspend would starve it)."""
+    done = pg.issue_now(op, now, a, b, outputs, described, asy)
+    if done is NOT_NOW:
+        return done
+    t = time.perf_counter()
+    if t - pg.ran >= EAGER_S:
+        pg.ran = t
+        await asyncio.sleep(0)
+    if asy:
+        return done
+    if done is not None:
+        await _wait_work(done)
+    return None
+
+
 # -- broadcast / all_reduce / reduce -----------------------------------------------------------
 
 
@@ -129,55 +195,42 @@ async def broadcast(
     tensor: Any, src: int | None = None, group: GroupArg = None, async_op: bool = False, group_src: int | None = None
 ) -> Work | None:
     """Copy ``tensor`` of ``src`` into ``tensor`` of every rank of the group."""
-    if not_member(group, "broadcast"):
+    pg = _default_or(group, "broadcast")
+    if pg is None:
         return None
-    pg = resolve_group(group, what="broadcast")
-    asy = check_async_op(async_op)
+    asy = async_op if type(async_op) is bool else check_async_op(async_op)
+    key = None
+    if type(tensor) is np.ndarray and tensor.flags.c_contiguous:  # a call seen before: its checks kept
+        key = (_BROADCAST, tensor.dtype, tensor.shape, src, group_src)
+        hit = pg.hot.get(key)
+        if hit is not None and hit.quick is not None and (tensor.flags.writeable or hit.root == pg.rank()):
+            flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
+            done = await _issued_now(pg, _BROADCAST, hit.quick.broadcast, flat, hit.root, [tensor], hit.described, asy)
+            if done is not NOT_NOW:
+                answer: Work | None = done
+                return answer
     root = group_root(pg, "broadcast", "src", src, group_src)
     if (dev := device_backend(pg, tensor, "broadcast tensor")) is not None:
         return await issue_on_device(dev, pg, "broadcast", {"tensor": tensor, "root": root}, asy)
     b = buf(tensor, "broadcast tensor", writable=pg.rank() != root)
     flat = b.flat
     r = route(pg, "broadcast", flat.nbytes)
+    described = describe_call("broadcast", _meta(tensor=_t(b), root=pg.ranks[root]))
+    if key is not None:
+        _keep(pg, key, Prepared(described, r.plan, quick(pg, r.plan, flat.nbytes), root=root))
 
     async def body(p2p: P2P) -> None:
         await r.broadcast(p2p, flat, root)
 
-    return await _finish(r.issue(pg, "broadcast", body, [tensor], meta=_meta(tensor=_t(b), root=pg.ranks[root])), asy)
-
-
-class Prepared:
-    """What a call's checks found, kept per group and call (``pg.hot``: the op, its reduce op
-    kind, dtype and shape): asyncpg's prepared statement. The next call like it reads these
-    fields instead of checking again: the reduction and its combine, the dtype's name, the
-    call's description (``describe_call``: the recorder's meta and the desync digest), the
-    plan, whether there is nothing to do before or after the exchanges (``plain``), and the
-    route's in-call path for it (``quick``, aiodist.backends.routes.Quick; None: every op of
-    the call takes its route)."""
-
-    __slots__ = ("rop", "combine", "name", "described", "plan", "plain", "quick")
-
-    def __init__(self, rop: ReduceOp, combine: Any, name: str, described: Any, plan: Any, plain: bool, quick: Any) -> None:
-        self.rop = rop
-        self.combine = combine
-        self.name = name
-        self.described = described
-        self.plan = plan
-        self.plain = plain
-        self.quick = quick
+    return await _finish(r.issue(pg, "broadcast", body, [tensor], described=described), asy)
 
 
 @on_world_loop
 async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` across the group, in place; the same bits on every rank."""
-    if group is None:  # the default group (resolve_group's first case, read straight from the World)
-        pg = _CURRENT.get().default_pg
-        if pg is None:
-            pg = default_group()  # raises: no default group
-    else:
-        if not_member(group, "all_reduce"):
-            return None
-        pg = resolve_group(group, what="all_reduce")
+    pg = _default_or(group, "all_reduce")
+    if pg is None:
+        return None
     asy = async_op if type(async_op) is bool else check_async_op(async_op)
     hit: Prepared | None = None
     if type(tensor) is np.ndarray and type(op) is _KIND:
@@ -189,18 +242,11 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
     if hit is not None:
         flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
         if hit.quick is not None:  # post, collect, or park (ProcessGroup.issue_now)
-            done = pg.issue_now("all_reduce", hit.quick.all_reduce, flat, hit.combine, [tensor], hit.described, asy)
+            done = await _issued_now(pg, _ALL_REDUCE, hit.quick.all_reduce, flat, hit.combine, [tensor], hit.described, asy)
             if done is not NOT_NOW:
-                t = time.perf_counter()
-                if t - pg.ran >= EAGER_S:  # ops done in their calls let the loop run this often
-                    pg.ran = t
-                    await asyncio.sleep(0)
-                if done is None or done.done():
-                    return done if asy else None
-                work = done
-                if asy:
-                    return work
-                return await _wait_work(work)
+                answer: Work | None = done
+                return answer
+        assert hit.rop is not None  # (an all_reduce's Prepared has its reduction)
         rop, combine, name, described, pl, plain = hit.rop, hit.combine, hit.name, hit.described, hit.plan, hit.plain
     else:
         if (dev := device_backend(pg, tensor, "all_reduce tensor")) is not None:
@@ -214,7 +260,11 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
     r = route(pg, "all_reduce", flat.nbytes, planned=pl)
     if hit is None and type(tensor) is np.ndarray and type(op) is _KIND:
         q = quick(pg, r.plan, flat.nbytes) if plain else None
-        _keep(pg, (_ALL_REDUCE, op, tensor.dtype, tensor.shape), Prepared(rop, combine, name, described, r.plan, plain, q))
+        _keep(
+            pg,
+            (_ALL_REDUCE, op, tensor.dtype, tensor.shape),
+            Prepared(described, r.plan, q, rop=rop, combine=combine, name=name, plain=plain),
+        )
     if plain:
         work = r.issue(pg, "all_reduce", r.all_reduce_body(flat, combine), [tensor], described=described)
     else:
@@ -228,7 +278,8 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
         work = r.issue(pg, "all_reduce", body, [tensor], described=described)
     if asy:
         return work
-    return await _wait_work(work)
+    await _wait_work(work)
+    return None
 
 
 async def _wait_work(work: Work) -> None:
@@ -347,10 +398,22 @@ async def all_gather_single(output_tensor: Any, input_tensor: Any, group: GroupA
 
 
 async def _all_gather_one(op: str, output_tensor: Any, input_tensor: Any, group: GroupArg, async_op: bool) -> Work | None:
-    if not_member(group, op):
+    pg = _default_or(group, op)
+    if pg is None:
         return None
-    pg = resolve_group(group, what=op)
-    asy = check_async_op(async_op)
+    asy = async_op if type(async_op) is bool else check_async_op(async_op)
+    key = None
+    if type(output_tensor) is np.ndarray and type(input_tensor) is np.ndarray:  # a call seen before: its checks kept
+        key = (op, output_tensor.dtype, output_tensor.shape, input_tensor.dtype, input_tensor.shape)
+        hit = pg.hot.get(key)
+        if hit is not None and hit.quick is not None:
+            flags = output_tensor.flags
+            if flags.writeable and flags.c_contiguous and input_tensor.flags.c_contiguous:
+                into, part = output_tensor.reshape(-1), input_tensor.reshape(-1)
+                done = await _issued_now(pg, op, hit.quick.all_gather, into, part, [output_tensor], hit.described, asy)
+                if done is not NOT_NOW:
+                    answer: Work | None = done
+                    return answer
     if (dev := device_backend(pg, input_tensor, f"{op} input_tensor")) is not None:
         return await issue_on_device(dev, pg, op, {"output_tensor": output_tensor, "input_tensor": input_tensor}, asy)
     out = buf(output_tensor, f"{op} output_tensor", writable=True)
@@ -360,11 +423,14 @@ async def _all_gather_one(op: str, output_tensor: Any, input_tensor: Any, group:
     _same_size(out, n * inp.flat.size, f"{op} output_tensor (world size x input size)")
     chunks, mine = _chunks(out.flat, n), inp.flat
     r = route(pg, "all_gather", out.flat.nbytes, part=mine.nbytes)
+    described = describe_call(op, _meta(output=_t(out), input=_t(inp)))
+    if key is not None:
+        _keep(pg, key, Prepared(described, r.plan, quick(pg, r.plan, mine.nbytes)))
 
     async def body(p2p: P2P) -> None:
         await r.all_gather(p2p, chunks, mine)
 
-    return await _finish(r.issue(pg, op, body, [output_tensor], meta=_meta(output=_t(out), input=_t(inp))), asy)
+    return await _finish(r.issue(pg, op, body, [output_tensor], described=described), asy)
 
 
 def _root_list(
@@ -592,19 +658,27 @@ def _issue_all_to_all(pg: ProcessGroup, name: str, outs: list[np.ndarray], ins: 
 @on_world_loop
 async def barrier(group: GroupArg = None, async_op: bool = False, device_ids: Any = None) -> Work | None:
     """Return once every rank of the group has entered (``device_ids`` is ignored on CPU)."""
-    if not_member(group, "barrier"):
+    pg = _default_or(group, "barrier")
+    if pg is None:
         return None
-    pg = resolve_group(group, what="barrier")
     asy = check_async_op(async_op)
     if pg.host_refusal is not None and pg.devices:  # no CPU backend ("nccl" alone): a device barrier
         return await issue_on_device(next(iter(pg.devices.values())), pg, "barrier", {"device_ids": device_ids}, asy)
-
+    hit = pg.hot.get(_BARRIER)
+    if hit is not None and hit.quick is not None:
+        done = await _issued_now(pg, "barrier", hit.quick.barrier, None, None, [], hit.described, asy)
+        if done is not NOT_NOW:
+            answer: Work | None = done
+            return answer
     r = route(pg, "barrier", 0)
+    if hit is None:
+        hit = Prepared(describe_call("barrier", _NO_META), r.plan, quick(pg, r.plan, 0))
+        _keep(pg, _BARRIER, hit)
 
     async def body(p2p: P2P) -> None:
         await r.barrier(p2p)
 
-    return await _finish(r.issue(pg, "barrier", body, [], meta=_NO_META), asy)
+    return await _finish(r.issue(pg, "barrier", body, [], described=hit.described), asy)
 
 
 # -- coalesced ops ----------------------------------------------------------------------------

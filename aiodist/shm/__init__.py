@@ -17,8 +17,9 @@ import numpy as np
 from aiodist.algorithms.p2p import P2P
 from aiodist.shm import _algorithms, _lane
 from aiodist.shm._algorithms import Into
+from aiodist.shm._lane import now as lane_now
+from aiodist.shm._lane import reduce_slots, settle
 from aiodist.shm._link import OpLink, op_link
-from aiodist.shm._lane import all_reduce_now, reduce_slots, settle
 from aiodist.shm._manager import DEFAULT_BYTES, ENV_BYTES, GroupShm, SharedMemory, Ticket, segment_bytes
 
 __all__ = [
@@ -39,9 +40,10 @@ __all__ = [
     "run_all_to_all",
     "run_gather",
     "run_scatter",
-    "all_reduce_now",
+    "lane_now",
     "reduce_slots",
     "settle",
+    "op_link",
 ]
 
 

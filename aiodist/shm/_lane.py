@@ -356,27 +356,23 @@ def _desync(link: OpLink, q: int, theirs: int, nbytes: int = -1) -> None:
     )
 
 
-def all_reduce_now(g: GroupShm, seq: int, digest: int, flat: np.ndarray, combine: Combine, sizes: Sequence[int]) -> int:
-    """A small all_reduce in the issuing call: ``post``, then ``collect`` (spinning at most
-    ``g.spin_s``, yielding the core at every turn, never the loop); where every peer is there
-    and agrees, ``flat`` is reduced in rank order from the slots (the same bits on every rank,
-    as ``all_reduce``) and -1 is returned. Otherwise the op is posted and waits: the slot to
-    ``settle`` (then ``reduce_slots``) in a task."""
-    s = post(g, seq, digest, flat.view(np.uint8))
+def now(g: GroupShm, seq: int, digest: int, mine: np.ndarray | Sequence[np.ndarray] | None, sizes: Sequence[int]) -> int:
+    """A lane op in the issuing call: ``post``, then ``collect``, spinning at most ``g.spin_s``
+    (yielding the core at every turn, never the loop). The slot (0 or 1) where every peer is
+    there and agrees (its bytes: ``parts``); the slot - 2 (-2 or -1) where the op is posted and
+    waits, for ``settle`` in a task."""
+    s = post(g, seq, digest, mine)
     got = collect(g, s, seq, digest, sizes)
     if got is False and g.spin_s:
         end = time.perf_counter() + g.spin_s
         while got is False and time.perf_counter() < end:
             os.sched_yield()  # a peer that shares this core runs now
             got = collect(g, s, seq, digest, sizes)
-    if got is not True:
-        return s
-    reduce_slots(g, s, flat, combine)
-    return -1
+    return s if got is True else s - 2
 
 
 def reduce_slots(g: GroupShm, s: int, flat: np.ndarray, combine: Combine) -> None:
-    """``flat`` = every member's slot ``s`` combined in rank order."""
+    """``flat`` = every member's slot ``s`` combined in rank order (the lane all_reduce's bits)."""
     views = g.typed_slots(s, flat.dtype, flat.size)
     np.copyto(flat, views[0])
     for v in views[1:]:
