@@ -514,3 +514,33 @@ async def test_ops_done_in_their_calls_change_nothing_but_where_they_run(monkeyp
         eager_ops = [n for _, _, n in res]
         assert (sum(eager_ops) > 0) if name == "eager" else eager_ops == [0, 0], (name, eager_ops)
     assert seen["eager"] == seen["never-eager"]
+
+
+async def test_an_async_op_call_gives_its_work_in_its_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's form, ``work = dist.all_reduce(x, async_op=True)`` without ``await``, then
+    ``work.wait()``: the handle has its Work at once whichever path the op takes, the in-call one
+    (a group whose loop ran lately) or its route (a stale group: the op starts in a task, and
+    the loop runs)."""
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+    monkeypatch.setattr(process_group, "EAGER_S", 0.5)
+
+    async def fn(rank: int) -> list[float]:
+        x = np.ones(1, np.float32)
+        for _ in range(3):  # the agreement, and the kept call
+            await dist.all_reduce(x)
+        pg = dist.group.WORLD
+        got = []
+        for stale in (False, True, False):
+            if rank == 1:
+                await asyncio.sleep(0.01)  # rank 0 waits in the lane
+            pg.ran = time.perf_counter() - (1.0 if stale else 0.0)
+            x[0] = rank + 1.0
+            handle = dist.all_reduce(x, async_op=True)
+            fut = handle.get_future()  # no await: the Work is there
+            await handle.wait()
+            assert fut.done()
+            got.append(float(x[0]))
+        return got
+
+    res = await run_world(2, fn, "gloo", timeout=30)
+    assert res == [[3.0] * 3] * 2, res

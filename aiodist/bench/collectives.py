@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from aiodist.bench import _mpi, format_table, machine_info
+from aiodist.bench import floor as _floor
 from aiodist.bench._mpi_rank import _Buffers as _Layout
 from aiodist.bench.probes import LagProbe, PeakRss, percentile
 from aiodist.knobs import parse_size
@@ -890,6 +891,13 @@ def side_order(impls: Sequence[str], row: int, rnd: int) -> list[str]:
     return [*impls[k:], *impls[:k]]
 
 
+def floors(nproc: int, sz: Sequence[int], iters: int) -> dict[int, float]:
+    """The Python floor (aiodist.bench.floor) of each size of the sweep up to
+    ``FLOOR_MAX_BYTES``: seconds per op of a bare shared-memory all_reduce with a Future and a
+    deadline per op, at ``nproc`` ranks."""
+    return {nbytes: _floor.measure(nproc, nbytes, iters) for nbytes in sz if nbytes <= _floor.FLOOR_MAX_BYTES}
+
+
 def run(args: argparse.Namespace, sz: tuple[int, ...]) -> tuple[dict[str, Results], list[float] | None]:
     """Every side's rows, interleaved: for each row, each side in turn (the order rotating
     from row to row and from round to round: ``side_order``), so the machine's drift lands on
@@ -988,10 +996,12 @@ def mpi_cells(mine: Sequence[float], times: dict[str, Sequence[float] | None]) -
     return cells + [_fmt_us(tm), name, ratio_cell(mine, times[name] or [])]
 
 
-def report(ops: Sequence[str], n: int, results: dict[str, Results]) -> str:
-    """A table per op: aiodist's time, bandwidth, loop lag and extra memory; then each other
-    implementation's time and busbw with the ratio of aiodist's time to it, except the MPI
-    libraries, which get a time column each and then the best of them (``mpi_cells``)."""
+def report(ops: Sequence[str], n: int, results: dict[str, Results], floor: dict[int, float] | None = None) -> str:
+    """A table per op: aiodist's time, bandwidth, loop lag and extra memory; the Python floor of
+    the row's size and aiodist's time over it (``floor``: seconds by size in bytes, the small
+    rows only); then each other implementation's time and busbw with the ratio of aiodist's time
+    to it, except the MPI libraries, which get a time column each and then the best of them
+    (``mpi_cells``)."""
     mine = results["aiodist"]
     mpis = [i for i in results if i in _mpi.LIBS]
     others = [i for i in results if i != "aiodist" and i not in mpis]
@@ -1001,6 +1011,7 @@ def report(ops: Sequence[str], n: int, results: dict[str, Results]) -> str:
         headers = ["size(B)", "count", "dtype", "time(us)", "algbw(GB/s)", "busbw(GB/s)"]
         headers += ["lag p50/p99/max(ms)"] if lag else []
         headers += ["mem+(MiB)"]
+        headers += ["floor(us)", "aiodist/floor"] if floor else []
         for i in others:
             headers += [f"{i}(us)", f"{i} busbw", f"aiodist/{i}"]
         if mpis:
@@ -1013,6 +1024,9 @@ def report(ops: Sequence[str], n: int, results: dict[str, Results]) -> str:
             row = [str(nbytes), str(count), "float32", _fmt_us(t), f"{alg:.3f}", f"{_busbw(op, n, nbytes, t):.3f}"]
             row += [_lag_cell(r.lags)] if lag else []
             row += [_mib(r.mem)]
+            if floor:
+                f = floor.get(nbytes)
+                row += ["-", "-"] if f is None else [_fmt_us(f), f"{t / f:.2f}"]
             for i in others:
                 ts = _times(results, i, op, count)
                 if ts is not None:
@@ -1109,6 +1123,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "pip install matplotlib, or the 'plot' extra; without it the run says so and goes on)",
     )
     p.add_argument("--no-lag-probe", dest="lag_probe", action="store_false", help="do not run the loop-lag probe on aiodist's ranks")
+    p.add_argument(
+        "--no-floor",
+        dest="floor",
+        action="store_false",
+        help=f"do not measure the Python floor (aiodist.bench.floor) of the rows up to {_floor.FLOOR_MAX_BYTES >> 10} KiB",
+    )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any op, or the wait for the next size, may take (default 120)")
     p.add_argument(
         "--quick",
@@ -1180,6 +1200,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"before: {args.before}, commit {commit}", flush=True)
     try:
         results, idle = run(args, sz)
+        floor = floors(args.nproc, sz, 200 if args.quick else 3000) if args.floor else None
+    except OSError as exc:
+        print(f"\nBENCHMARK FAILED: the floor probe: {exc}", file=sys.stderr, flush=True)
+        return 1
     except BenchError as exc:
         print(f"\nBENCHMARK FAILED: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -1187,13 +1211,19 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted", file=sys.stderr, flush=True)
         return 130
     print()
-    print(report(args.op_list, args.nproc, results))
+    print(report(args.op_list, args.nproc, results, floor))
     notes = ["aiodist: the 'gloo' backend (aiodist's socket transport) on uvloop"]
     if args.lag_probe:
         notes.append(f"loop lag with no op running (this machine's floor), p50/p99/max over {IDLE_PROBE_SECONDS:g} s: {_lag_cell(idle)} ms")
         notes.append(
             "lag = how late a 1 ms sleep on aiodist's rank loops woke up during the timed iterations (p50/p99/max over every wake-up of every rank; "
             "uvloop's timers have 1 ms resolution)"
+        )
+    if floor:
+        notes.append(
+            "floor = the Python floor of the row's size at these ranks, measured in this run after the sweep (aiodist/bench/floor.py: "
+            "forked processes exchanging through a shared mapping, with an asyncio Future and a deadline timer per op, spinning "
+            "with sched_yield); aiodist/floor = aiodist's time over it: how much of the row is aiodist's own"
         )
     notes.append(
         "mem+ = aiodist's largest peak RSS growth of any rank over warmup and timed iterations (VmHWM reset after the buffers and checks)"

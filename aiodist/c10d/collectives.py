@@ -170,18 +170,20 @@ def _default_or(group: GroupArg, what: str) -> ProcessGroup | None:
 
 async def _issued_now(pg: ProcessGroup, op: str, now: Any, a: Any, b: Any, outputs: list[Any], described: Described, asy: bool) -> Any:
     """Issue an op by its in-call path (``ProcessGroup.issue_now``) and answer as the call does:
-    its Work (``asy``) or None once done; ``NOT_NOW`` where the op must take its route. An op
-    done in its call lets the loop run once where no op of the group did within ``EAGER_S``
-    (back-to-back calls that never suspend would starve it)."""
-    done = pg.issue_now(op, now, a, b, outputs, described, asy)
+    its Work (``asy``) or None once done; ``NOT_NOW`` where the op must take its route. Calls
+    that never suspend would starve the loop, so where no op of the group let it run within
+    ``EAGER_S``, a blocking call lets it run once when its op is done, and an ``async_op`` call
+    (whose first step must give its Work: ``work = dist.all_reduce(x, async_op=True)`` without
+    ``await`` is torch's form) takes its route: its op then starts in a task."""
+    if asy:
+        return pg.issue_now(op, now, a, b, outputs, described, True) if time.perf_counter() - pg.ran < EAGER_S else NOT_NOW
+    done = pg.issue_now(op, now, a, b, outputs, described, False)
     if done is NOT_NOW:
         return done
     t = time.perf_counter()
     if t - pg.ran >= EAGER_S:
         pg.ran = t
         await asyncio.sleep(0)
-    if asy:
-        return done
     if done is not None:
         await _wait_work(done)
     return None
