@@ -38,6 +38,7 @@ def _slot_bytes(nbytes: int) -> int:
 
 
 def _rank(mm: mmap.mmap, rank: int, nranks: int, nbytes: int, iters: int, out: Any) -> None:
+    loop: asyncio.AbstractEventLoop
     try:
         import uvloop
 
