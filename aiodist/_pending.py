@@ -46,12 +46,13 @@ import functools
 import inspect
 import logging
 import sys
+import types
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any, ParamSpec, Protocol, TypeVar
 
 from aiodist.errors import DistError
 
-__all__ = ["Home", "Pending", "communicating", "mark_coroutine_function", "not_produced", "say_never_awaited"]
+__all__ = ["Home", "Pending", "communicating", "mark_coroutine_function", "not_produced", "say_never_awaited", "LATER", "LET_RUN"]
 
 log = logging.getLogger("aiodist.c10d")
 _STORE_LOG = logging.getLogger("aiodist.store")  # a store call's never-awaited ERROR: the store's logger
@@ -59,6 +60,12 @@ _STORE_LOG = logging.getLogger("aiodist.store")  # a store call's never-awaited 
 _DONE = object()
 _LAZY = object()  # a handle made outside a running loop: nothing started yet
 _NOT_STARTED = object()  # Pending(started=...) not given: the call is new
+_LET_RUN = object()  # a finished call's handle whose await lets the loop run once first
+
+#: what a call's ``now`` answers where the call must run its coroutine (``communicating``)
+LATER: Any = object()
+#: ... where the call is done, its value None, and its await should let the loop run once
+LET_RUN: Any = object()
 
 
 class _Failed:
@@ -134,6 +141,25 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
             self._used = True
             raise
 
+    @classmethod
+    def finished(cls, op: str, value: Any, site: tuple[str, int]) -> Pending:
+        """The handle of a call done in its first step without a coroutine (``communicating``'s
+        ``now``): ``value`` is what awaiting it gives (``LET_RUN``: None, after letting the loop
+        run once). A dropped one logs as any other."""
+        self = cls.__new__(cls)
+        self._op = op
+        self._site = site
+        self._said = False
+        self._it = None
+        self._coro = None
+        self._used = False
+        self._ctx = None
+        if value is LET_RUN:
+            self._value, self._yielded = None, _LET_RUN
+        else:
+            self._value, self._yielded = value, None
+        return self
+
     def __repr__(self) -> str:
         state = "done" if self._coro is None else "running"
         return f"<Pending {self._op} ({state}) from {self._site[0]}:{self._site[1]}>"
@@ -144,6 +170,9 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
         self._used = True
         coro = self._coro
         if coro is None:
+            if self._yielded is _LET_RUN:  # (a call done in its first step: ``finished``)
+                self._yielded = None
+                yield  # a bare yield: the awaiting task lets the loop run once
             return self._settled()
         self._coro = None
         try:
@@ -469,21 +498,36 @@ def _is_work(v: object) -> bool:
 _get_running_loop = asyncio._get_running_loop
 
 
-def communicating(fn: Callable[P, Coroutine[Any, Any, T]], op: str | None = None, home: Home | None = None) -> Callable[P, Pending]:
+def communicating(
+    fn: Callable[P, Coroutine[Any, Any, T]], op: str | None = None, home: Home | None = None, now: Callable[..., Any] | None = None
+) -> Callable[P, Pending]:
     """Make the coroutine function ``fn`` return a started ``Pending`` (module docstring), named
     ``op`` in its messages (default: ``fn``'s name; a store's methods pass ``store.<name>``).
 
     ``home``: where the call's op must run (c10d's calls: the World's event loop). A call made
-    on another thread runs there (``aiodist._threads.elsewhere``: its rules in order)."""
+    on another thread runs there (``aiodist._threads.elsewhere``: its rules in order).
+
+    ``now``: the call's first step as a plain function (trio's ``send_nowait`` before ``send``),
+    tried first where the call is made on its loop: it answers ``LATER`` having done nothing
+    (then ``fn`` runs, as without it), or the call's value (``LET_RUN``: None, and the await
+    lets the loop run once), or a coroutine that finishes the call. A call done in ``now`` makes
+    no coroutine of ``fn``'s: its handle is ``Pending.finished``."""
     name = op or fn.__name__
 
     @functools.wraps(fn)
     def call(*args: P.args, **kwargs: P.kwargs) -> Pending:
         f = sys._getframe(1)
-        if home is not None and (h := home.loop()) is not None and h is not _get_running_loop():
-            done = home.forward(name, fn, args, kwargs, h, _get_running_loop(), (f.f_code.co_filename, f.f_lineno))
+        running = _get_running_loop()
+        if home is not None and (h := home.loop()) is not None and h is not running:
+            done = home.forward(name, fn, args, kwargs, h, running, (f.f_code.co_filename, f.f_lineno))
             if done is not None:
                 return done
+        if now is not None and running is not None:
+            got = now(*args, **kwargs)
+            if got is not LATER:
+                if type(got) is types.CoroutineType:
+                    return Pending(name, got, (f.f_code.co_filename, f.f_lineno))
+                return Pending.finished(name, got, (f.f_code.co_filename, f.f_lineno))
         return Pending(name, fn(*args, **kwargs), (f.f_code.co_filename, f.f_lineno))
 
     return mark_coroutine_function(call, fn)

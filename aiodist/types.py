@@ -53,7 +53,7 @@ import numbers
 import operator
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
@@ -651,6 +651,53 @@ def _make_combiner(kind: ReduceOp.RedOpType, name: str) -> Callable[[np.ndarray[
             floating(dst, src)
 
     return floating_quiet
+
+
+Fold = Callable[[np.ndarray[Any, Any], Sequence[np.ndarray[Any, Any]]], None]
+_FOLDS: dict[tuple[ReduceOp.RedOpType, str], Fold] = {}
+
+
+def folder(op: ReduceOpLike, dtype: str, what: str | None = None) -> Fold:
+    """``fold(out, parts)`` for one (op, logical dtype), checked once: ``out`` = ``parts[0]``
+    combined with ``parts[1]``, then the next, in order (``combiner``'s bits, each element
+    computed once per part), where ``out`` overlaps no part. One call over every part: one
+    ufunc call per part after the first and, for floating dtypes, one quiet error state for
+    all of them (where ``combiner`` pays both per part). Made once per pair and kept."""
+    kind = _kind(op)
+    name = dtype_name(dtype)
+    made = _FOLDS.get((kind, name))
+    if made is not None:
+        return made
+    combine = combiner(kind, name, what)
+    if name == "bfloat16":
+
+        def slow(out: np.ndarray[Any, Any], parts: Sequence[np.ndarray[Any, Any]]) -> None:
+            np.copyto(out, parts[0])
+            for p in parts[1:]:
+                combine(out, p)
+
+        made = slow
+    else:
+        ufunc = _UFUNCS[kind]
+
+        def fold(out: np.ndarray[Any, Any], parts: Sequence[np.ndarray[Any, Any]]) -> None:
+            ufunc(parts[0], parts[1], out=out)
+            for p in parts[2:]:
+                ufunc(out, p, out=out)
+
+        if np.dtype(name).kind in "biu":  # integer and bool ufuncs raise no floating-point warnings
+            made = fold
+        elif _ERRSTATE_DECORATES:
+            made = np.errstate(all="ignore")(fold)
+        else:
+
+            def fold_quiet(out: np.ndarray[Any, Any], parts: Sequence[np.ndarray[Any, Any]]) -> None:
+                with np.errstate(all="ignore"):
+                    fold(out, parts)
+
+            made = fold_quiet
+    _FOLDS[(kind, name)] = made
+    return made
 
 
 def finalize(dst: np.ndarray[Any, Any], op: ReduceOpLike, world_size: int, *, dtype: str | None = None) -> None:

@@ -51,6 +51,7 @@ from aiodist.shm import (
     run_scatter,
     settle,
 )
+from aiodist.types import Fold
 
 __all__ = ["Into", "Route", "route", "Quick", "Rest", "quick"]
 
@@ -266,8 +267,9 @@ class Quick:
     # -- the ops: each True when done in the call, its Rest when parked, None when it is not for
     # -- the lane now (nothing done)
 
-    def all_reduce(self, seq: int, digest: int, flat: np.ndarray, combine: Combine) -> bool | Rest | None:
-        """All-reduce ``flat`` (op ``seq``, ``digest``)."""
+    def all_reduce(self, seq: int, digest: int, flat: np.ndarray, fold: Fold) -> bool | Rest | None:
+        """All-reduce ``flat`` (op ``seq``, ``digest``; ``fold``: ``aiodist.types.folder``'s for
+        the op's reduction and dtype)."""
         t = self.line
         g = self.g
         if t is None or g is None or t.serving != t.issued or t.state is not g:
@@ -276,9 +278,9 @@ class Quick:
                 return None
         s = lane_now(g, seq, digest, flat.view(np.uint8), self.sizes)
         if s >= 0:
-            reduce_slots(g, s, flat, combine)
+            reduce_slots(g, s, flat, fold)
             return True
-        return self._park(g, s + 2, self.sizes, lambda g, s: reduce_slots(g, s, flat, combine), "all_reduce")
+        return self._park(g, s + 2, self.sizes, lambda g, s: reduce_slots(g, s, flat, fold), "all_reduce")
 
     def broadcast(self, seq: int, digest: int, flat: np.ndarray, root: int) -> bool | Rest | None:
         """Broadcast ``flat`` from group rank ``root``."""

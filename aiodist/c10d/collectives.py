@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from aiodist._pending import LATER, LET_RUN
 from aiodist._time import TimeoutLike, to_seconds
 from aiodist.algorithms import collectives as alg
 from aiodist.algorithms.p2p import P2P, SubP2P, byte_view
@@ -31,9 +32,20 @@ from aiodist.c10d._device import device_backend, issue_on_device
 from aiodist.c10d.init import GroupArg, not_member, resolve_group
 from aiodist.c10d.process_group import EAGER_S, NOT_NOW, Described, ProcessGroup, describe_call
 from aiodist.c10d.work import Work
-from aiodist.c10d.world import _CURRENT, default_group, on_world_loop
+from aiodist.c10d.world import _CURRENT, default_group, on_world_loop, on_world_loop_now
 from aiodist.errors import DistTimeoutError
-from aiodist.types import Buffer, ReduceOp, ReduceOpLike, check_reduce, combiner, finalize, is_torch_tensor, premultiply, to_reduce_op
+from aiodist.types import (
+    Buffer,
+    ReduceOp,
+    ReduceOpLike,
+    check_reduce,
+    combiner,
+    finalize,
+    folder,
+    is_torch_tensor,
+    premultiply,
+    to_reduce_op,
+)
 
 __all__ = [
     "broadcast",
@@ -129,11 +141,11 @@ class Prepared:
     next call like it reads these fields instead of checking again: the call's description
     (``describe_call``: the recorder's meta and the desync digest), the plan, the route's
     in-call path for it (``quick``, aiodist.backends.routes.Quick; None: every op of the call
-    takes its route), and per op: the reduction and its combine, the dtype's name, whether
+    takes its route), and per op: the reduction, its combine and fold, the dtype's name, whether
     there is nothing to do before or after the exchanges (``plain``), the group rank of the
     root (``root``)."""
 
-    __slots__ = ("described", "plan", "quick", "rop", "combine", "name", "plain", "root")
+    __slots__ = ("described", "plan", "quick", "rop", "combine", "fold", "name", "plain", "root")
 
     def __init__(
         self,
@@ -143,6 +155,7 @@ class Prepared:
         *,
         rop: ReduceOp | None = None,
         combine: Any = None,
+        fold: Any = None,
         name: str = "",
         plain: bool = False,
         root: int = -1,
@@ -152,6 +165,7 @@ class Prepared:
         self.quick = quick
         self.rop = rop
         self.combine = combine
+        self.fold = fold
         self.name = name
         self.plain = plain
         self.root = root
@@ -168,31 +182,79 @@ def _default_or(group: GroupArg, what: str) -> ProcessGroup | None:
     return resolve_group(group, what=what)
 
 
-async def _issued_now(pg: ProcessGroup, op: str, now: Any, a: Any, b: Any, outputs: list[Any], described: Described, asy: bool) -> Any:
-    """Issue an op by its in-call path (``ProcessGroup.issue_now``) and answer as the call does:
-    its Work (``asy``) or None once done; ``NOT_NOW`` where the op must take its route. Calls
-    that never suspend would starve the loop, so where no op of the group let it run within
-    ``EAGER_S``, a blocking call lets it run once when its op is done, and an ``async_op`` call
-    (whose first step must give its Work: ``work = dist.all_reduce(x, async_op=True)`` without
-    ``await`` is torch's form) takes its route: its op then starts in a task."""
-    if asy:
-        return pg.issue_now(op, now, a, b, outputs, described, True) if time.perf_counter() - pg.ran < EAGER_S else NOT_NOW
-    done = pg.issue_now(op, now, a, b, outputs, described, False)
-    if done is NOT_NOW:
-        return done
-    t = time.perf_counter()
-    if t - pg.ran >= EAGER_S:
-        pg.ran = t
-        await asyncio.sleep(0)
-    if done is not None:
-        await _wait_work(done)
+def _now_group(group: GroupArg) -> ProcessGroup | None:
+    """The group of a call's first step (``_now``): the World's default group for None, the
+    group itself where it is a live group of this World; None where the call must check it
+    (its coroutine does, and says what is wrong)."""
+    world = _CURRENT.get()
+    if group is None:
+        return world.default_pg
+    if type(group) is ProcessGroup and world.groups.get(group.group_id) is group:
+        return group
     return None
+
+
+def _now(pg: ProcessGroup, op: str, run: Any, a: Any, b: Any, outputs: list[Any], described: Described, asy: bool) -> Any:
+    """A kept call's first step (``communicating``'s ``now``): issue its op by its in-call path
+    (``ProcessGroup.issue_now``) and answer as the call does: its Work (``async_op``), None once
+    done, or what finishes the call (a parked op's wait); ``LATER`` where the op must take its
+    route (the call's coroutine then runs). Calls that never suspend would starve the loop, so
+    where no op of the group let it run within ``EAGER_S``, a blocking call's await lets it run
+    once (``LET_RUN``) and an ``async_op`` call, whose first step must give its Work (torch's
+    ``work = dist.all_reduce(x, async_op=True)`` without ``await``), takes its route: its op then
+    starts in a task."""
+    t = time.perf_counter()
+    stale = t - pg.ran >= EAGER_S
+    if asy and stale:
+        return LATER
+    done = pg.issue_now(op, run, a, b, outputs, described, asy)
+    if done is NOT_NOW:
+        return LATER
+    if asy:
+        return done
+    if done is not None:  # parked: the call waits for its Work
+        return _wait_work(done)
+    if stale:
+        pg.ran = t
+        return LET_RUN
+    return None
+
+
+def _first_step_of(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Name a call's first step as the call (an argument error then reads ``all_reduce() got
+    an unexpected keyword argument``, as from the call's own coroutine)."""
+
+    def name_it(f: Callable[..., Any]) -> Callable[..., Any]:
+        f.__name__ = f.__qualname__ = name
+        return f
+
+    return name_it
 
 
 # -- broadcast / all_reduce / reduce -----------------------------------------------------------
 
 
-@on_world_loop
+@_first_step_of("broadcast")
+def _broadcast_now(
+    tensor: Any, src: int | None = None, group: GroupArg = None, async_op: bool = False, group_src: int | None = None
+) -> Any:
+    """broadcast's first step (``_now``): a kept call by its in-call path."""
+    if type(tensor) is not np.ndarray or type(async_op) is not bool:
+        return LATER
+    pg = _now_group(group)
+    if pg is None:
+        return LATER
+    flags = tensor.flags
+    if not flags.c_contiguous:
+        return LATER
+    hit = pg.hot.get((_BROADCAST, tensor.dtype, tensor.shape, src, group_src))
+    if hit is None or hit.quick is None or not (flags.writeable or hit.root == pg.rank()):
+        return LATER
+    flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
+    return _now(pg, _BROADCAST, hit.quick.broadcast, flat, hit.root, [tensor], hit.described, async_op)
+
+
+@on_world_loop_now(_broadcast_now)
 async def broadcast(
     tensor: Any, src: int | None = None, group: GroupArg = None, async_op: bool = False, group_src: int | None = None
 ) -> Work | None:
@@ -201,16 +263,8 @@ async def broadcast(
     if pg is None:
         return None
     asy = async_op if type(async_op) is bool else check_async_op(async_op)
-    key = None
-    if type(tensor) is np.ndarray and tensor.flags.c_contiguous:  # a call seen before: its checks kept
-        key = (_BROADCAST, tensor.dtype, tensor.shape, src, group_src)
-        hit = pg.hot.get(key)
-        if hit is not None and hit.quick is not None and (tensor.flags.writeable or hit.root == pg.rank()):
-            flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
-            done = await _issued_now(pg, _BROADCAST, hit.quick.broadcast, flat, hit.root, [tensor], hit.described, asy)
-            if done is not NOT_NOW:
-                answer: Work | None = done
-                return answer
+    # kept for the first step of the next call like it (_broadcast_now)
+    key = (_BROADCAST, tensor.dtype, tensor.shape, src, group_src) if type(tensor) is np.ndarray and tensor.flags.c_contiguous else None
     root = group_root(pg, "broadcast", "src", src, group_src)
     if (dev := device_backend(pg, tensor, "broadcast tensor")) is not None:
         return await issue_on_device(dev, pg, "broadcast", {"tensor": tensor, "root": root}, asy)
@@ -227,7 +281,26 @@ async def broadcast(
     return await _finish(r.issue(pg, "broadcast", body, [tensor], described=described), asy)
 
 
-@on_world_loop
+@_first_step_of("all_reduce")
+def _all_reduce_now(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False) -> Any:
+    """all_reduce's first step (``_now``): a kept call (a writable C-contiguous numpy array, a
+    ReduceOp kind, a call seen before on its group) by its in-call path."""
+    if type(tensor) is not np.ndarray or type(op) is not _KIND or type(async_op) is not bool:
+        return LATER
+    pg = _now_group(group)
+    if pg is None:
+        return LATER
+    flags = tensor.flags
+    if not (flags.writeable and flags.c_contiguous):
+        return LATER
+    hit = pg.hot.get((_ALL_REDUCE, op, tensor.dtype, tensor.shape))
+    if hit is None or hit.quick is None:
+        return LATER
+    flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
+    return _now(pg, _ALL_REDUCE, hit.quick.all_reduce, flat, hit.fold, [tensor], hit.described, async_op)
+
+
+@on_world_loop_now(_all_reduce_now)
 async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` across the group, in place; the same bits on every rank."""
     pg = _default_or(group, "all_reduce")
@@ -243,11 +316,6 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
             hit = pg.hot.get((_ALL_REDUCE, op, tensor.dtype, tensor.shape))
     if hit is not None:
         flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
-        if hit.quick is not None:  # post, collect, or park (ProcessGroup.issue_now)
-            done = await _issued_now(pg, _ALL_REDUCE, hit.quick.all_reduce, flat, hit.combine, [tensor], hit.described, asy)
-            if done is not NOT_NOW:
-                answer: Work | None = done
-                return answer
         assert hit.rop is not None  # (an all_reduce's Prepared has its reduction)
         rop, combine, name, described, pl, plain = hit.rop, hit.combine, hit.name, hit.described, hit.plan, hit.plain
     else:
@@ -262,11 +330,9 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
     r = route(pg, "all_reduce", flat.nbytes, planned=pl)
     if hit is None and type(tensor) is np.ndarray and type(op) is _KIND:
         q = quick(pg, r.plan, flat.nbytes) if plain else None
-        _keep(
-            pg,
-            (_ALL_REDUCE, op, tensor.dtype, tensor.shape),
-            Prepared(described, r.plan, q, rop=rop, combine=combine, name=name, plain=plain),
-        )
+        fold = folder(rop, name) if q is not None else None
+        kept = Prepared(described, r.plan, q, rop=rop, combine=combine, fold=fold, name=name, plain=plain)
+        _keep(pg, (_ALL_REDUCE, op, tensor.dtype, tensor.shape), kept)
     if plain:
         work = r.issue(pg, "all_reduce", r.all_reduce_body(flat, combine), [tensor], described=described)
     else:
@@ -387,13 +453,34 @@ async def all_gather(tensor_list: Sequence[Any], tensor: Any, group: GroupArg = 
     )
 
 
-@on_world_loop
+def _all_gather_now(op: str) -> Callable[..., Any]:
+    @_first_step_of(op)
+    def first_step(output_tensor: Any, input_tensor: Any, group: GroupArg = None, async_op: bool = False) -> Any:
+        """all_gather_into_tensor's first step (``_now``): a kept call by its in-call path."""
+        if type(output_tensor) is not np.ndarray or type(input_tensor) is not np.ndarray or type(async_op) is not bool:
+            return LATER
+        pg = _now_group(group)
+        if pg is None:
+            return LATER
+        hit = pg.hot.get((op, output_tensor.dtype, output_tensor.shape, input_tensor.dtype, input_tensor.shape))
+        if hit is None or hit.quick is None:
+            return LATER
+        flags = output_tensor.flags
+        if not (flags.writeable and flags.c_contiguous and input_tensor.flags.c_contiguous):
+            return LATER
+        into, part = output_tensor.reshape(-1), input_tensor.reshape(-1)
+        return _now(pg, op, hit.quick.all_gather, into, part, [output_tensor], hit.described, async_op)
+
+    return first_step
+
+
+@on_world_loop_now(_all_gather_now("all_gather_into_tensor"))
 async def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Every rank's ``input_tensor`` concatenated (or stacked) into ``output_tensor`` in rank order."""
     return await _all_gather_one("all_gather_into_tensor", output_tensor, input_tensor, group, async_op)
 
 
-@on_world_loop
+@on_world_loop_now(_all_gather_now("all_gather_single"))
 async def all_gather_single(output_tensor: Any, input_tensor: Any, group: GroupArg = None, async_op: bool = False) -> Work | None:
     """The newer name of ``all_gather_into_tensor`` (concatenation and stack forms)."""
     return await _all_gather_one("all_gather_single", output_tensor, input_tensor, group, async_op)
@@ -404,18 +491,9 @@ async def _all_gather_one(op: str, output_tensor: Any, input_tensor: Any, group:
     if pg is None:
         return None
     asy = async_op if type(async_op) is bool else check_async_op(async_op)
-    key = None
-    if type(output_tensor) is np.ndarray and type(input_tensor) is np.ndarray:  # a call seen before: its checks kept
+    key = None  # kept for the first step of the next call like it (_all_gather_now)
+    if type(output_tensor) is np.ndarray and type(input_tensor) is np.ndarray:
         key = (op, output_tensor.dtype, output_tensor.shape, input_tensor.dtype, input_tensor.shape)
-        hit = pg.hot.get(key)
-        if hit is not None and hit.quick is not None:
-            flags = output_tensor.flags
-            if flags.writeable and flags.c_contiguous and input_tensor.flags.c_contiguous:
-                into, part = output_tensor.reshape(-1), input_tensor.reshape(-1)
-                done = await _issued_now(pg, op, hit.quick.all_gather, into, part, [output_tensor], hit.described, asy)
-                if done is not NOT_NOW:
-                    answer: Work | None = done
-                    return answer
     if (dev := device_backend(pg, input_tensor, f"{op} input_tensor")) is not None:
         return await issue_on_device(dev, pg, op, {"output_tensor": output_tensor, "input_tensor": input_tensor}, asy)
     out = buf(output_tensor, f"{op} output_tensor", writable=True)
@@ -657,7 +735,19 @@ def _issue_all_to_all(pg: ProcessGroup, name: str, outs: list[np.ndarray], ins: 
     return r.issue(pg, name, body, outputs, meta=_meta(dtype=str(ins[0].dtype) if ins else "?"))
 
 
-@on_world_loop
+@_first_step_of("barrier")
+def _barrier_now(group: GroupArg = None, async_op: bool = False, device_ids: Any = None) -> Any:
+    """barrier's first step (``_now``): a kept call by its in-call path."""
+    if type(async_op) is not bool:
+        return LATER
+    pg = _now_group(group)
+    hit = None if pg is None else pg.hot.get(_BARRIER)
+    if pg is None or hit is None or hit.quick is None:
+        return LATER
+    return _now(pg, "barrier", hit.quick.barrier, None, None, [], hit.described, async_op)
+
+
+@on_world_loop_now(_barrier_now)
 async def barrier(group: GroupArg = None, async_op: bool = False, device_ids: Any = None) -> Work | None:
     """Return once every rank of the group has entered (``device_ids`` is ignored on CPU)."""
     pg = _default_or(group, "barrier")
@@ -667,11 +757,6 @@ async def barrier(group: GroupArg = None, async_op: bool = False, device_ids: An
     if pg.host_refusal is not None and pg.devices:  # no CPU backend ("nccl" alone): a device barrier
         return await issue_on_device(next(iter(pg.devices.values())), pg, "barrier", {"device_ids": device_ids}, asy)
     hit = pg.hot.get(_BARRIER)
-    if hit is not None and hit.quick is not None:
-        done = await _issued_now(pg, "barrier", hit.quick.barrier, None, None, [], hit.described, asy)
-        if done is not NOT_NOW:
-            answer: Work | None = done
-            return answer
     r = route(pg, "barrier", 0)
     if hit is None:
         hit = Prepared(describe_call("barrier", _NO_META), r.plan, quick(pg, r.plan, 0))

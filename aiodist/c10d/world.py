@@ -127,6 +127,16 @@ def on_world_loop(fn: Callable[P, Coroutine[Any, Any, Any]]) -> Callable[P, Pend
     return communicating(fn, home=_HOME)
 
 
+def on_world_loop_now(now: Callable[..., Any]) -> Callable[[Callable[P, Coroutine[Any, Any, Any]]], Callable[P, Pending]]:
+    """``on_world_loop`` for a call whose first step ``now`` may finish it without a coroutine
+    (``communicating``'s ``now``): ``@on_world_loop_now(first_step)``."""
+
+    def deco(fn: Callable[P, Coroutine[Any, Any, Any]]) -> Callable[P, Pending]:
+        return communicating(fn, home=_HOME, now=now)
+
+    return deco
+
+
 @contextlib.contextmanager
 def use_world(world: World) -> Iterator[World]:
     """Point this context (and tasks created inside it) at ``world`` for the ``with`` block."""

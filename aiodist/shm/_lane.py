@@ -56,6 +56,7 @@ from aiodist._message import byte_view
 from aiodist.errors import DistBackendError
 from aiodist.shm._link import OpLink
 from aiodist.shm._manager import LANE_SLOT, GroupShm
+from aiodist.types import Fold
 
 __all__ = ["post", "collect", "parts", "settle", "exchange", "phase", "announce", "all_reduce", "reduce", "broadcast", "all_gather", "fits"]
 
@@ -371,9 +372,7 @@ def now(g: GroupShm, seq: int, digest: int, mine: np.ndarray | Sequence[np.ndarr
     return s if got is True else s - 2
 
 
-def reduce_slots(g: GroupShm, s: int, flat: np.ndarray, combine: Combine) -> None:
-    """``flat`` = every member's slot ``s`` combined in rank order (the lane all_reduce's bits)."""
-    views = g.typed_slots(s, flat.dtype, flat.size)
-    np.copyto(flat, views[0])
-    for v in views[1:]:
-        combine(flat, v)
+def reduce_slots(g: GroupShm, s: int, flat: np.ndarray, fold: Fold) -> None:
+    """``flat`` = every member's slot ``s`` combined in rank order (``aiodist.types.folder``:
+    the lane all_reduce's bits)."""
+    fold(flat, g.typed_slots(s, flat.dtype, flat.size))
