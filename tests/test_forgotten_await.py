@@ -299,3 +299,58 @@ async def test_a_task_made_from_a_handle_and_cancelled_before_it_ran_throws_into
     with pytest.raises(asyncio.CancelledError):
         await task
     assert seen == ["cancelled in the call"]
+
+
+async def test_a_forgotten_await_on_a_call_done_in_its_first_step_is_named_too(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kept small call whose peer already waits in shared memory is done in its first step
+    (communicating's ``now``: a handle without a coroutine, ``Pending.finished``); dropped, it
+    still logs the ERROR with its line, and the ranks stay in step."""
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+
+    async def fn(rank: int) -> tuple[float, int]:
+        x = np.ones(1, np.float32)
+        for _ in range(3):  # the agreement, and the kept call
+            await dist.all_reduce(x)
+        pg = dist.group.WORLD
+        if rank == 1:
+            await asyncio.sleep(0.01)  # rank 0 waits in the lane: rank 1's call is done in its first step
+            before = pg.stats()["eager"]
+            x[0] = 2.0
+            dist.all_reduce(x)  # forgotten await, done in the call
+            done_in_call = pg.stats()["eager"] - before
+        else:
+            x[0] = 1.0
+            await dist.all_reduce(x)
+            done_in_call = 0
+        y = np.ones(1, np.float32)
+        await dist.all_reduce(y)  # still in step
+        assert y[0] == 2.0
+        return float(x[0]), done_in_call
+
+    with caplog.at_level(logging.ERROR, logger="aiodist.c10d"):
+        out = await run_world(2, fn, "gloo", timeout=20)
+    assert out == [(3.0, 0), (3.0, 1)], out
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    line = _line_of("dist.all_reduce(x)  # forgotten await, done in the call")
+    assert [m for m in errors if f"all_reduce(...) called at {__file__}:{line} was never awaited" in m], errors
+    assert len(errors) == 1, errors
+
+
+async def test_a_kept_call_with_a_wrong_argument_is_refused_as_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first step takes the call's arguments: one it does not know is the call's TypeError
+    (named ``all_reduce``), refused on the calling rank with nothing sent, the group usable."""
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+
+    async def fn(rank: int) -> float:
+        x = np.ones(1, np.float32)
+        for _ in range(3):
+            await dist.all_reduce(x)
+        with pytest.raises(TypeError, match=r"^all_reduce\(\) got an unexpected keyword argument 'groupp'"):
+            dist.all_reduce(x, groupp=None)  # type: ignore[call-arg]
+        x[0] = rank + 1.0
+        await dist.all_reduce(x)
+        return float(x[0])
+
+    assert await run_world(2, fn, "gloo", timeout=20) == [3.0, 3.0]
