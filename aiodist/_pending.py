@@ -52,7 +52,18 @@ from typing import Any, ParamSpec, Protocol, TypeVar
 
 from aiodist.errors import DistError
 
-__all__ = ["Home", "Pending", "communicating", "mark_coroutine_function", "not_produced", "say_never_awaited", "LATER", "LET_RUN"]
+__all__ = [
+    "Home",
+    "Pending",
+    "communicating",
+    "finished",
+    "file_line",
+    "mark_coroutine_function",
+    "not_produced",
+    "say_never_awaited",
+    "LATER",
+    "LET_RUN",
+]
 
 log = logging.getLogger("aiodist.c10d")
 _STORE_LOG = logging.getLogger("aiodist.store")  # a store call's never-awaited ERROR: the store's logger
@@ -108,7 +119,7 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
     __slots__ = ("_op", "_coro", "_yielded", "_value", "_used", "_site", "_it", "_ctx", "_said")
 
     def __init__(
-        self, op: str, coro: Coroutine[Any, Any, Any], site: tuple[str, int], *, own_context: bool = False, started: Any = _NOT_STARTED
+        self, op: str, coro: Coroutine[Any, Any, Any], site: tuple[Any, int], *, own_context: bool = False, started: Any = _NOT_STARTED
     ) -> None:
         self._op = op
         self._site = site
@@ -141,28 +152,10 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
             self._used = True
             raise
 
-    @classmethod
-    def finished(cls, op: str, value: Any, site: tuple[str, int]) -> Pending:
-        """The handle of a call done in its first step without a coroutine (``communicating``'s
-        ``now``): ``value`` is what awaiting it gives (``LET_RUN``: None, after letting the loop
-        run once). A dropped one logs as any other."""
-        self = cls.__new__(cls)
-        self._op = op
-        self._site = site
-        self._said = False
-        self._it = None
-        self._coro = None
-        self._used = False
-        self._ctx = None
-        if value is LET_RUN:
-            self._value, self._yielded = None, _LET_RUN
-        else:
-            self._value, self._yielded = value, None
-        return self
-
     def __repr__(self) -> str:
         state = "done" if self._coro is None else "running"
-        return f"<Pending {self._op} ({state}) from {self._site[0]}:{self._site[1]}>"
+        file, line = file_line(self._site)
+        return f"<Pending {self._op} ({state}) from {file}:{line}>"
 
     # -- awaiting ------------------------------------------------------------------------------
 
@@ -170,10 +163,13 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
         self._used = True
         coro = self._coro
         if coro is None:
-            if self._yielded is _LET_RUN:  # (a call done in its first step: ``finished``)
+            if self._yielded is _LET_RUN:  # (a call done in its first step: ``communicating``'s ``now``)
                 self._yielded = None
                 yield  # a bare yield: the awaiting task lets the loop run once
-            return self._settled()
+            v = self._value
+            if type(v) is _Failed or v is _DONE:
+                return self._settled()  # raises
+            return v
         self._coro = None
         try:
             if self._yielded is _LAZY:  # made outside a loop: its first step is now
@@ -374,7 +370,7 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
         never-awaited ERROR is logged now, before the traceback this error prints, not after it
         when the handle is freed."""
         self._say_dropped()
-        file, line = self._site
+        file, line = file_line(self._site)
         hint = self._op if "." in self._op else f"dist.{self._op}"
         return TypeError(
             f"{where} is the result of {self._op}(...) called at {file}:{line}, which was not awaited: "
@@ -399,7 +395,7 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
             return
         self._said = True
         running = self._coro is not None
-        file, line = self._site
+        file, line = file_line(self._site)
         if running and self._yielded is _LAZY:
             state = "it was made outside a running event loop and never run: nothing was sent"
         elif running:
@@ -427,6 +423,16 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
                     self._coro.close()
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
+
+
+def file_line(site: tuple[Any, int]) -> tuple[str, int]:
+    """A call's site as (file, line): kept as such, or as (code, instruction offset), whose line
+    is worked out only here, when the call is named (``f.f_lineno`` costs more than the rest of
+    a handle's making)."""
+    a, b = site
+    if type(a) is types.CodeType:
+        return a.co_filename, next((n for start, end, n in a.co_lines() if start <= b < end), None) or 0
+    return a, b
 
 
 def say_never_awaited(op: str, file: str, line: int, state: str) -> None:
@@ -488,7 +494,7 @@ async def _finish_dropped(p: Pending) -> None:
     try:
         await p
     except Exception as exc:
-        log.error("%s(...) called at %s:%d (never awaited) failed: %s: %s", p._op, p._site[0], p._site[1], type(exc).__name__, exc)
+        log.error("%s(...) called at %s:%d (never awaited) failed: %s: %s", p._op, *file_line(p._site), type(exc).__name__, exc)
 
 
 def _is_work(v: object) -> bool:
@@ -496,6 +502,20 @@ def _is_work(v: object) -> bool:
 
 
 _get_running_loop = asyncio._get_running_loop
+_new = object.__new__
+
+
+def finished(op: str, value: Any, site: tuple[Any, int], *, used: bool = False) -> Pending:
+    """The handle of a call that ended in its first step, with no coroutine left: awaiting it
+    gives ``value`` (``LET_RUN``: None, once the loop ran). ``used``: nothing is left to await
+    (never named as dropped); else a dropped one logs as any other."""
+    p: Pending = _new(Pending)
+    p._op, p._site, p._it, p._coro, p._ctx, p._used, p._said = op, site, None, None, None, used, used
+    if value is LET_RUN:
+        p._value, p._yielded = None, _LET_RUN
+    else:
+        p._value, p._yielded = value, None
+    return p
 
 
 def communicating(
@@ -511,7 +531,7 @@ def communicating(
     tried first where the call is made on its loop: it answers ``LATER`` having done nothing
     (then ``fn`` runs, as without it), or the call's value (``LET_RUN``: None, and the await
     lets the loop run once), or a coroutine that finishes the call. A call done in ``now`` makes
-    no coroutine of ``fn``'s: its handle is ``Pending.finished``."""
+    no coroutine of ``fn``'s: its handle holds the value and nothing to run."""
     name = op or fn.__name__
 
     @functools.wraps(fn)
@@ -519,16 +539,16 @@ def communicating(
         f = sys._getframe(1)
         running = _get_running_loop()
         if home is not None and (h := home.loop()) is not None and h is not running:
-            done = home.forward(name, fn, args, kwargs, h, running, (f.f_code.co_filename, f.f_lineno))
+            done = home.forward(name, fn, args, kwargs, h, running, file_line((f.f_code, f.f_lasti)))
             if done is not None:
                 return done
         if now is not None and running is not None:
             got = now(*args, **kwargs)
             if got is not LATER:
                 if type(got) is types.CoroutineType:
-                    return Pending(name, got, (f.f_code.co_filename, f.f_lineno))
-                return Pending.finished(name, got, (f.f_code.co_filename, f.f_lineno))
-        return Pending(name, fn(*args, **kwargs), (f.f_code.co_filename, f.f_lineno))
+                    return Pending(name, got, (f.f_code, f.f_lasti))
+                return finished(name, got, (f.f_code, f.f_lasti))
+        return Pending(name, fn(*args, **kwargs), (f.f_code, f.f_lasti))
 
     return mark_coroutine_function(call, fn)
 

@@ -46,7 +46,7 @@ import threading
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any
 
-from aiodist._pending import Pending, _is_work
+from aiodist._pending import Pending, _is_work, finished
 from aiodist.errors import DistError, DistTimeoutError
 
 __all__ = ["ForeignWork", "LoopHome", "closed_loop_error", "elsewhere"]
@@ -101,7 +101,7 @@ def elsewhere(
     if running is None:  # rule 4: block this thread until the op ends
         if not hand.started(block=True):
             raise hand.blocked(where)
-        return _finished(name, _here(cf.result(), loop), site)  # the op's own deadline bounds it
+        return finished(name, _here(cf.result(), loop), site, used=True)  # the op's own deadline bounds it
     return Pending(name, _there(cf, hand, where, loop), site)  # rule 5
 
 
@@ -149,14 +149,6 @@ class _Handoff:
             "so it is blocked: is a coroutine on it waiting for this thread (thread.join(), future.result(), queue.get())? "
             "Wait for the thread without blocking that loop (await asyncio.to_thread(thread.join)); the op was not started"
         )
-
-
-def _finished(name: str, value: Any, site: tuple[str, int]) -> Pending:
-    """A handle of a call that has ended here: awaiting it gives ``value`` at once."""
-    p: Pending = object.__new__(Pending)
-    p._op, p._site, p._it, p._ctx = name, site, None, None
-    p._coro, p._yielded, p._value, p._used, p._said = None, None, value, True, True  # nothing is left to await
-    return p
 
 
 async def _there(cf: concurrent.futures.Future[Any], hand: _Handoff, where: str, loop: asyncio.AbstractEventLoop) -> Any:

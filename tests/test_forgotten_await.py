@@ -305,7 +305,7 @@ async def test_a_forgotten_await_on_a_call_done_in_its_first_step_is_named_too(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A kept small call whose peer already waits in shared memory is done in its first step
-    (communicating's ``now``: a handle without a coroutine, ``Pending.finished``); dropped, it
+    (communicating's ``now``: a handle without a coroutine); dropped, it
     still logs the ERROR with its line, and the ranks stay in step."""
     monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
 

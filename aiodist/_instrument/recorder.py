@@ -40,6 +40,9 @@ __all__ = [
 FORMAT_VERSION = 1
 _DEFAULT_SIZE = 2000
 
+#: the state of a slot written by ``done_now`` (an op completed in its issuing call)
+_DONE_NOW = "completed in its call"
+
 _COMM_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar("aiodist_record_comm", default=None)
 
 
@@ -196,23 +199,21 @@ class FlightRecorder:
         return n
 
     def done_now(self, op: str, seq: int, frozen: tuple[Any, ...] | None) -> None:
-        """Record a collective that completed in its issuing call: one slot written, one clock
-        read (issued, started and done at that time), what ``issued``, ``started`` and
-        ``ended`` leave for an op that ran in a task."""
+        """Record a collective that completed in its issuing call: one clock read (issued,
+        started and done at that time) and three slot writes, where an op that ran in a task
+        pays ``issued``, ``started`` and ``ended``. Its state reads "completed" (``entry_json``:
+        ``_DONE_NOW`` stands for it, with no stack, error or times of its own)."""
         size = self.size
         if not size:
             return
         n = self.recorded
         self.recorded = n + 1
-        t = time.time()
         i = n % size
         if i >= len(self._fixed):
             self._grow()
-        self._fixed[i] = (n, op, _COMM_NAME.get(), seq, "collective", t)
+        self._fixed[i] = (n, op, _COMM_NAME.get(), seq, "collective", time.time())
         self._meta[i] = frozen
-        self._stack[i] = self._error[i] = None
-        self._state[i] = "completed"
-        self._t_started[i] = self._t_done[i] = t
+        self._state[i] = _DONE_NOW
 
     def _grow(self) -> None:
         more = min(_GROW, self.size - len(self._fixed))
@@ -287,8 +288,10 @@ class FlightRecorder:
         return [*range(start, held), *range(start)]
 
     def entry_json(self, i: int) -> dict[str, Any]:
-        f, stack = self._fixed[i], self._stack[i]
+        f, stack, state, error = self._fixed[i], self._stack[i], self._state[i], self._error[i]
         t_started, t_done = self._t_started[i], self._t_done[i]
+        if state is _DONE_NOW:  # (the other lists may hold the slot's previous op)
+            state, stack, error, t_started, t_done = "completed", None, None, f[_T_ISSUED], f[_T_ISSUED]
         return {
             "id": f[_ID],
             "op": f[_OP],
@@ -296,12 +299,12 @@ class FlightRecorder:
             "seq": f[_SEQ],
             "kind": f[_KIND],
             "meta": _thaw(self._meta[i]),
-            "state": self._state[i],
+            "state": state,
             "time_issued": f[_T_ISSUED],
             "time_started": t_started,
             "time_done": t_done,
             "duration_s": None if t_done is None or t_started is None else t_done - t_started,
-            "error": self._error[i],
+            "error": error,
             "stack": None if stack is None else list(stack),
         }
 

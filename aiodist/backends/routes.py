@@ -39,7 +39,6 @@ from aiodist.shm import (
     Ticket,
     lane_now,
     op_link,
-    reduce_slots,
     run_all_gather,
     run_all_reduce,
     run_all_to_all,
@@ -269,18 +268,21 @@ class Quick:
 
     def all_reduce(self, seq: int, digest: int, flat: np.ndarray, fold: Fold) -> bool | Rest | None:
         """All-reduce ``flat`` (op ``seq``, ``digest``; ``fold``: ``aiodist.types.folder``'s for
-        the op's reduction and dtype)."""
+        the op's reduction and dtype): written into this rank's slot as it is, the slots folded
+        into it in rank order."""
         t = self.line
         g = self.g
         if t is None or g is None or t.serving != t.issued or t.state is not g:
             g = self._lane()
             if g is None:
                 return None
-        s = lane_now(g, seq, digest, flat.view(np.uint8), self.sizes)
+        views = g.typed_slots(g.lane_ops & 1, flat.dtype, flat.size)  # (the slot post takes)
+        views[g.me][...] = flat
+        s = lane_now(g, seq, digest, None, self.sizes, flat.nbytes)
         if s >= 0:
-            reduce_slots(g, s, flat, fold)
+            fold(flat, views)
             return True
-        return self._park(g, s + 2, self.sizes, lambda g, s: reduce_slots(g, s, flat, fold), "all_reduce")
+        return self._park(g, s + 2, self.sizes, lambda g, s: fold(flat, views), "all_reduce")
 
     def broadcast(self, seq: int, digest: int, flat: np.ndarray, root: int) -> bool | Rest | None:
         """Broadcast ``flat`` from group rank ``root``."""

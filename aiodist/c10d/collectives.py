@@ -183,13 +183,10 @@ def _default_or(group: GroupArg, what: str) -> ProcessGroup | None:
 
 
 def _now_group(group: GroupArg) -> ProcessGroup | None:
-    """The group of a call's first step (``_now``): the World's default group for None, the
-    group itself where it is a live group of this World; None where the call must check it
-    (its coroutine does, and says what is wrong)."""
-    world = _CURRENT.get()
-    if group is None:
-        return world.default_pg
-    if type(group) is ProcessGroup and world.groups.get(group.group_id) is group:
+    """The group of a call's first step (``_now``), other than the default one (the callers read
+    that straight from the World): ``group`` where it is a live group of this World; None where
+    the call must check it (its coroutine does, and says what is wrong)."""
+    if type(group) is ProcessGroup and _CURRENT.get().groups.get(group.group_id) is group:
         return group
     return None
 
@@ -241,7 +238,7 @@ def _broadcast_now(
     """broadcast's first step (``_now``): a kept call by its in-call path."""
     if type(tensor) is not np.ndarray or type(async_op) is not bool:
         return LATER
-    pg = _now_group(group)
+    pg = _CURRENT.get().default_pg if group is None else _now_group(group)
     if pg is None:
         return LATER
     flags = tensor.flags
@@ -287,7 +284,7 @@ def _all_reduce_now(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupAr
     ReduceOp kind, a call seen before on its group) by its in-call path."""
     if type(tensor) is not np.ndarray or type(op) is not _KIND or type(async_op) is not bool:
         return LATER
-    pg = _now_group(group)
+    pg = _CURRENT.get().default_pg if group is None else _now_group(group)
     if pg is None:
         return LATER
     flags = tensor.flags
@@ -459,7 +456,7 @@ def _all_gather_now(op: str) -> Callable[..., Any]:
         """all_gather_into_tensor's first step (``_now``): a kept call by its in-call path."""
         if type(output_tensor) is not np.ndarray or type(input_tensor) is not np.ndarray or type(async_op) is not bool:
             return LATER
-        pg = _now_group(group)
+        pg = _CURRENT.get().default_pg if group is None else _now_group(group)
         if pg is None:
             return LATER
         hit = pg.hot.get((op, output_tensor.dtype, output_tensor.shape, input_tensor.dtype, input_tensor.shape))
@@ -740,7 +737,7 @@ def _barrier_now(group: GroupArg = None, async_op: bool = False, device_ids: Any
     """barrier's first step (``_now``): a kept call by its in-call path."""
     if type(async_op) is not bool:
         return LATER
-    pg = _now_group(group)
+    pg = _CURRENT.get().default_pg if group is None else _now_group(group)
     hit = None if pg is None else pg.hot.get(_BARRIER)
     if pg is None or hit is None or hit.quick is None:
         return LATER

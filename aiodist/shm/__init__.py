@@ -18,7 +18,7 @@ from aiodist.algorithms.p2p import P2P
 from aiodist.shm import _algorithms, _lane
 from aiodist.shm._algorithms import Into
 from aiodist.shm._lane import now as lane_now
-from aiodist.shm._lane import reduce_slots, settle
+from aiodist.shm._lane import settle
 from aiodist.shm._link import OpLink, op_link
 from aiodist.shm._manager import DEFAULT_BYTES, ENV_BYTES, GroupShm, SharedMemory, Ticket, segment_bytes
 
@@ -41,7 +41,6 @@ __all__ = [
     "run_gather",
     "run_scatter",
     "lane_now",
-    "reduce_slots",
     "settle",
     "op_link",
 ]

@@ -56,7 +56,6 @@ from aiodist._message import byte_view
 from aiodist.errors import DistBackendError
 from aiodist.shm._link import OpLink
 from aiodist.shm._manager import LANE_SLOT, GroupShm
-from aiodist.types import Fold
 
 __all__ = ["post", "collect", "parts", "settle", "exchange", "phase", "announce", "all_reduce", "reduce", "broadcast", "all_gather", "fits"]
 
@@ -89,10 +88,11 @@ _HEAD = (64 // 8, (64 + LANE_SLOT) // 8)
 ODD: list[np.ndarray] = []
 
 
-def post(g: GroupShm, seq: int, digest: int, mine: np.ndarray | Sequence[np.ndarray] | None) -> int:
+def post(g: GroupShm, seq: int, digest: int, mine: np.ndarray | Sequence[np.ndarray] | None, written: int = 0) -> int:
     """A lane op's first step, which never waits: say which op this rank is in, write ``mine``
-    (bytes, pieces of bytes written one after the other, or nothing) and its head (digest, size,
-    then the flag), and ring every peer asleep on this op. The slot used (``collect``'s ``s``)."""
+    (bytes, pieces of bytes written one after the other, or nothing: then ``written`` bytes the
+    caller wrote in the slot, ``g.lane_ops & 1``) and its head (digest, size, then the flag),
+    and ring every peer asleep on this op. The slot used (``collect``'s ``s``)."""
     me = g.me
     s = g.lane_ops & 1
     g.lane_ops += 1
@@ -100,7 +100,7 @@ def post(g: GroupShm, seq: int, digest: int, mine: np.ndarray | Sequence[np.ndar
     w[_CUR + 1] = 0  # announce (a seqlock: see ``announce``)
     w[_CUR] = digest
     w[_CUR + 1] = seq + 1
-    n = 0
+    n = written
     if isinstance(mine, np.ndarray):
         n = mine.nbytes
         if n:
@@ -357,12 +357,12 @@ def _desync(link: OpLink, q: int, theirs: int, nbytes: int = -1) -> None:
     )
 
 
-def now(g: GroupShm, seq: int, digest: int, mine: np.ndarray | Sequence[np.ndarray] | None, sizes: Sequence[int]) -> int:
-    """A lane op in the issuing call: ``post``, then ``collect``, spinning at most ``g.spin_s``
+def now(g: GroupShm, seq: int, digest: int, mine: np.ndarray | Sequence[np.ndarray] | None, sizes: Sequence[int], written: int = 0) -> int:
+    """A lane op in the issuing call: ``post`` (``mine``, or ``written``), then ``collect``, spinning at most ``g.spin_s``
     (yielding the core at every turn, never the loop). The slot (0 or 1) where every peer is
     there and agrees (its bytes: ``parts``); the slot - 2 (-2 or -1) where the op is posted and
     waits, for ``settle`` in a task."""
-    s = post(g, seq, digest, mine)
+    s = post(g, seq, digest, mine, written)
     got = collect(g, s, seq, digest, sizes)
     if got is False and g.spin_s:
         end = time.perf_counter() + g.spin_s
@@ -370,9 +370,3 @@ def now(g: GroupShm, seq: int, digest: int, mine: np.ndarray | Sequence[np.ndarr
             os.sched_yield()  # a peer that shares this core runs now
             got = collect(g, s, seq, digest, sizes)
     return s if got is True else s - 2
-
-
-def reduce_slots(g: GroupShm, s: int, flat: np.ndarray, fold: Fold) -> None:
-    """``flat`` = every member's slot ``s`` combined in rank order (``aiodist.types.folder``:
-    the lane all_reduce's bits)."""
-    fold(flat, g.typed_slots(s, flat.dtype, flat.size))

@@ -21,7 +21,7 @@ from collections.abc import Coroutine, Generator
 from types import CodeType
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-from aiodist._pending import not_produced, say_never_awaited
+from aiodist._pending import file_line, not_produced, say_never_awaited
 from aiodist.knobs import knob
 from aiodist.store.server import TCPStoreServer
 from aiodist.wire.store import (
@@ -452,8 +452,7 @@ class _Call(asyncio.Future, Coroutine):
     def __del__(self) -> None:  # (a Python call per op: kept to what the check needs)
         if not self._used:
             try:
-                code, lasti = self._site
-                file, line = code.co_filename, next((n for a, b, n in code.co_lines() if a <= lasti < b), None) or 0
+                file, line = file_line(self._site)
                 say_never_awaited(f"store.{self._op}", file, line, "the op was started when called; nothing waits for it")
             except Exception:  # pragma: no cover - interpreter shutdown
                 pass
