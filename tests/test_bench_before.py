@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
     # smaller than --quick: each side's two ranks start once, and the rows are few and small
-    quick = ["--min-bytes", "4", "--max-bytes", "1K", "--step", "16", "--iters", "3", "--warmup", "1", "--no-lag-probe"]
+    quick = ["--min-bytes", "4", "--max-bytes", "1K", "--step", "16", "--iters", "3", "--warmup", "1", "--no-lag-probe", "--no-floor"]
     return subprocess.run(
         [sys.executable, "-m", "aiodist.bench", "collectives", "--nproc", "2", "--timeout", "30", *quick, *args],
         capture_output=True,

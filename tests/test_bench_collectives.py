@@ -18,9 +18,23 @@ from aiodist.bench.collectives import FAIL_ENV, OPS
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def run_bench(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_bench(*args: str, env: dict[str, str] | None = None, floor: bool = False) -> subprocess.CompletedProcess[str]:
+    """A --quick run; without the floor probe unless ``floor`` (its two columns are checked by
+    their own test)."""
     return subprocess.run(
-        [sys.executable, "-m", "aiodist.bench", "collectives", "--quick", "--nproc", "2", "--timeout", "30", *args],
+        [
+            sys.executable,
+            "-m",
+            "aiodist.bench",
+            "collectives",
+            "--quick",
+            "--nproc",
+            "2",
+            "--timeout",
+            "30",
+            *args,
+            *([] if floor else ["--no-floor"]),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -68,6 +82,30 @@ def check_lag_and_mem(cells: list[str]) -> None:
         p50, p99, top = map(float, m.groups())
         assert 0 <= p50 <= p99 <= top
     assert float(cells[7]) >= 0
+
+
+def test_the_small_rows_show_the_python_floor() -> None:
+    """The floor probe (aiodist.bench.floor) runs in the same invocation: every row up to 64 KiB
+    gets the floor's time and aiodist's time over it; barrier (no size) and bigger rows get '-'."""
+    r = run_bench("--ops", "all_reduce,barrier", "--no-lag-probe", floor=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "floor(us)" in r.stdout and "aiodist/floor" in r.stdout and "floor = the Python floor" in r.stdout
+    tables = parse(r.stdout)
+    for cells in tables["all_reduce"]:
+        assert len(cells) == 9, cells  # 7 of aiodist's (no lag column) + the floor's two
+        t, floor, ratio = float(cells[3]), float(cells[7]), float(cells[8])
+        assert floor > 0 and ratio == pytest.approx(t / floor, rel=0.05, abs=0.01)
+    assert [c[7:] for c in tables["barrier"]] == [["-", "-"]]
+
+
+def test_the_floor_probe_measures_an_exchange() -> None:
+    from aiodist.bench.floor import measure
+
+    for n, nbytes in ((2, 4), (3, 4096)):
+        t = measure(n, nbytes, iters=200)
+        assert 0 < t < 0.01, (n, nbytes, t)
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        measure(1)
 
 
 def test_quick_run_prints_a_table_per_op() -> None:

@@ -24,7 +24,7 @@ TINY = ("--ops", "all_reduce,barrier", "--min-bytes", "4", "--max-bytes", "1K", 
 
 def run_bench(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "aiodist.bench", "collectives", "--nproc", "2", "--timeout", "30", "--no-lag-probe", *args],
+        [sys.executable, "-m", "aiodist.bench", "collectives", "--nproc", "2", "--timeout", "30", "--no-lag-probe", "--no-floor", *args],
         capture_output=True,
         text=True,
         timeout=120,

@@ -172,7 +172,7 @@ def _real_path(op: str) -> tuple[float, str]:
 
 @pytest.mark.subprocess
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("op", ["all_reduce", "broadcast", "all_gather_into_tensor", "barrier"])
+@pytest.mark.parametrize("op", ["all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "all_gather", "barrier"])
 def test_the_real_path_stays_within_its_call_budget(op: str) -> None:
     """Two real ranks, shared memory on: a small op posts and collects in its call, and costs at
     most REAL_BOUND Python-level calls per op and rank (the handle, the kept call's lookup, the

@@ -297,6 +297,18 @@ class Quick:
 
         return self._go(seq, digest, None, sizes, finish, "broadcast")
 
+    def reduce(self, seq: int, digest: int, flat: np.ndarray, kept: Any) -> bool | Rest | None:
+        """Every rank's ``flat`` folded in rank order into the root's (``kept``: the call's kept
+        checks, whose ``root`` and ``fold`` it reads); the others' are only read."""
+        root, fold = kept.root, kept.fold
+        if self.me != root:
+            return self._go(seq, digest, flat.view(np.uint8), self.sizes, _nothing, "reduce")
+
+        def finish(g: GroupShm, s: int) -> None:
+            fold(flat, g.typed_slots(s, flat.dtype, flat.size))
+
+        return self._go(seq, digest, flat.view(np.uint8), self.sizes, finish, "reduce")
+
     def all_gather(self, seq: int, digest: int, out: np.ndarray, mine: np.ndarray) -> bool | Rest | None:
         """Every rank's ``mine`` into its part of ``out`` (flat, the group's size times ``mine``'s)."""
         m = mine.size
@@ -306,6 +318,17 @@ class Quick:
                 out[q * m : (q + 1) * m] = v  # this rank's own from its slot too: ``mine`` may overlap ``out``
 
         return self._go(seq, digest, mine.view(np.uint8), self.sizes, finish, "all_gather")
+
+    def all_gather_list(self, seq: int, digest: int, outs: Sequence[np.ndarray], mine: np.ndarray) -> bool | Rest | None:
+        """Every rank's ``mine`` into ``outs[that rank]`` (every one of ``mine``'s dtype and shape)."""
+        m = mine.size
+        shape = mine.shape
+
+        def finish(g: GroupShm, s: int) -> None:
+            for o, v in zip(outs, g.typed_slots(s, mine.dtype, m), strict=True):
+                o[...] = v if len(shape) == 1 else v.reshape(shape)  # this rank's own from its slot too: ``mine`` may be one of ``outs``
+
+        return self._go(seq, digest, mine.reshape(-1).view(np.uint8), self.sizes, finish, "all_gather")
 
     def barrier(self, seq: int, digest: int, _a: Any = None, _b: Any = None) -> bool | Rest | None:
         """Every rank of the group has entered."""

@@ -119,6 +119,8 @@ def _same_size(a: Buffer, size: int, what: str) -> None:
 _KIND = ReduceOp.RedOpType
 _ALL_REDUCE = "all_reduce"
 _BROADCAST = "broadcast"
+_REDUCE = "reduce"
+_ALL_GATHER = "all_gather"
 _BARRIER = ("barrier",)  # the barrier's key in pg.hot (its call has nothing else)
 #: calls kept per group (``ProcessGroup.hot``): a training loop repeats a few shapes
 _HOT_MAX = 256
@@ -389,7 +391,32 @@ async def all_reduce_into(tensor: Any, outs: Sequence[Any], group: GroupArg = No
     return r.issue(pg, "all_reduce", body, [tensor], described=described)
 
 
-@on_world_loop
+@_first_step_of("reduce")
+def _reduce_now(
+    tensor: Any,
+    dst: int | None = None,
+    op: ReduceOpLike = ReduceOp.SUM,
+    group: GroupArg = None,
+    async_op: bool = False,
+    group_dst: int | None = None,
+) -> Any:
+    """reduce's first step (``_now``): a kept call by its in-call path."""
+    if type(tensor) is not np.ndarray or type(op) is not _KIND or type(async_op) is not bool:
+        return LATER
+    pg = _CURRENT.get().default_pg if group is None else _now_group(group)
+    if pg is None:
+        return LATER
+    flags = tensor.flags
+    if not flags.c_contiguous:
+        return LATER
+    hit = pg.hot.get((_REDUCE, op, tensor.dtype, tensor.shape, dst, group_dst))
+    if hit is None or hit.quick is None or not (flags.writeable or hit.root != pg.rank()):
+        return LATER
+    flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
+    return _now(pg, _REDUCE, hit.quick.reduce, flat, hit, [tensor], hit.described, async_op)
+
+
+@on_world_loop_now(_reduce_now)
 async def reduce(
     tensor: Any,
     dst: int | None = None,
@@ -411,6 +438,12 @@ async def reduce(
     rop, combine = _reduction(op, b.dtype_name, "reduce")
     flat, name, n = b.flat, b.dtype_name, pg.size()
     r = route(pg, "reduce", flat.nbytes)
+    meta = _meta(tensor=_t(b), op=_opname(rop), root=pg.ranks[root])
+    plain = rop.op is not _PREMUL and rop.op is not _AVG
+    if plain and type(tensor) is np.ndarray and type(op) is _KIND and tensor.flags.c_contiguous:  # kept for _reduce_now
+        q = quick(pg, r.plan, flat.nbytes)
+        kept = Prepared(describe_call("reduce", meta), r.plan, q, fold=folder(rop, name) if q is not None else None, root=root)
+        _keep(pg, (_REDUCE, op, tensor.dtype, tensor.shape, dst, group_dst), kept)
 
     async def body(p2p: P2P) -> None:
         mine = flat if is_root or rop.op is not _PREMUL else flat.copy()
@@ -419,14 +452,33 @@ async def reduce(
         if is_root:
             _finalize(mine, rop, n, dtype=name)
 
-    meta = _meta(tensor=_t(b), op=_opname(rop), root=pg.ranks[root])
     return await _finish(r.issue(pg, "reduce", body, [tensor], meta=meta), asy)
 
 
 # -- all_gather / gather / scatter -------------------------------------------------------------
 
 
-@on_world_loop
+@_first_step_of("all_gather")
+def _all_gather_list_now(tensor_list: Sequence[Any], tensor: Any, group: GroupArg = None, async_op: bool = False) -> Any:
+    """all_gather's first step (``_now``): a kept call of even parts (every array of the list
+    of the input's dtype and shape: the object collectives' size exchange is one) by its
+    in-call path."""
+    if type(tensor) is not np.ndarray or type(tensor_list) is not list or type(async_op) is not bool:
+        return LATER
+    pg = _CURRENT.get().default_pg if group is None else _now_group(group)
+    if pg is None or len(tensor_list) != len(pg.ranks):
+        return LATER
+    dtype, shape = tensor.dtype, tensor.shape
+    for o in tensor_list:
+        if type(o) is not np.ndarray or o.shape != shape or o.dtype != dtype or not (o.flags.writeable and o.flags.c_contiguous):
+            return LATER
+    hit = pg.hot.get((_ALL_GATHER, dtype, shape))
+    if hit is None or hit.quick is None or not tensor.flags.c_contiguous:
+        return LATER
+    return _now(pg, _ALL_GATHER, hit.quick.all_gather_list, tensor_list, tensor, list(tensor_list), hit.described, async_op)
+
+
+@on_world_loop_now(_all_gather_list_now)
 async def all_gather(tensor_list: Sequence[Any], tensor: Any, group: GroupArg = None, async_op: bool = False) -> Work | None:
     """Every rank's ``tensor`` into ``tensor_list[that rank]`` on every rank (sizes may differ per rank)."""
     if not_member(group, "all_gather"):
@@ -441,13 +493,19 @@ async def all_gather(tensor_list: Sequence[Any], tensor: Any, group: GroupArg = 
     _same_size(outs[pg.rank()], inp.flat.size, f"all_gather tensor_list[{pg.rank()}] (this rank's own slot)")
     flats, mine = [o.flat for o in outs], inp.flat
     r = route(pg, "all_gather", sum(f.nbytes for f in flats), part=max(f.nbytes for f in flats))
+    meta = _meta(dtype=inp.dtype_name, local={"input": _t(inp)})
+    even = type(tensor) is np.ndarray and all(type(o) is np.ndarray and o.shape == tensor.shape for o in tensor_list)
+    if even and type(tensor_list) is list:  # kept for _all_gather_list_now
+        _keep(
+            pg,
+            (_ALL_GATHER, tensor.dtype, tensor.shape),
+            Prepared(describe_call("all_gather", meta), r.plan, quick(pg, r.plan, mine.nbytes)),
+        )
 
     async def body(p2p: P2P) -> None:
         await r.all_gather(p2p, flats, mine)
 
-    return await _finish(
-        r.issue(pg, "all_gather", body, list(tensor_list), meta=_meta(dtype=inp.dtype_name, local={"input": _t(inp)})), asy
-    )
+    return await _finish(r.issue(pg, "all_gather", body, list(tensor_list), meta=meta), asy)
 
 
 def _all_gather_now(op: str) -> Callable[..., Any]:
