@@ -285,10 +285,11 @@ class ProcessGroup:
         if self.broken is not None or not self.quick or _STAGING.get() is not None:
             return NOT_NOW
         seq = self.seq
+        self.seq = seq + 1  # before the post: an exception out of it (KeyboardInterrupt) leaves the number taken
         got = now(seq, described[3] if self._digests else 0, a, b)
-        if got is None:
+        if got is None:  # nothing done: the number is not taken
+            self.seq = seq
             return NOT_NOW
-        self.seq = seq + 1
         if got is True:
             self.recorder.done_now(op, seq, described[2])
             self.completed += 1
