@@ -132,7 +132,7 @@ async def test_big_broadcast_reads_the_roots_tensor(monkeypatch: pytest.MonkeyPa
         assert np.all(m == 7)
         return int(dist.group.WORLD.backend.stats()["shm"]["cma_ops"])
 
-    rules = {**RULES, "broadcast_shm_min": "64K", "cma_wide_min": 0}
+    rules = {**RULES, "broadcast_shm_min": "64K", "broadcast_lane_max": "16K", "cma_wide_min": 0}  # (below 16 KiB: the lane)
     assert await run_world(n, fn, backend="gloo", timeout=60, pg_options=rules) == [n + 1] * n
 
 

@@ -84,9 +84,13 @@ class Thresholds:
     #: halves); 0: never (barrier too). Measured at 2 ranks here: all_reduce 64-128 KiB 120-230 us
     #: through the lane against 340-1560 us on the socket.
     lane_max: int = 256 * KiB
-    #: ... broadcast only up to this many bytes: a lane op waits for every rank's flag, where the
-    #: socket's root only sends (from 32 KiB up the socket's broadcast was faster here).
-    broadcast_lane_max: int = 16 * KiB
+    #: ... broadcast up to this many bytes, in a group of any size (a lane op waits for every
+    #: rank's flag, where the socket's root only sends: it paid while a lane op cost tens of
+    #: microseconds of Python; done in its call, it does not). Measured here, back to back, the
+    #: lane against the socket (and single copy from 256 KiB): 2 ranks 64 KiB 13 us against 154,
+    #: 256 KiB 24 against 175; 4 ranks on 2 cores 4 KiB 55 against 86, 64 KiB 37 against 396,
+    #: 256 KiB 85 against 534.
+    broadcast_lane_max: int = 256 * KiB
     #: broadcast by single-copy reads of the root's tensor (aiodist.shm._cma: every rank of the
     #: group on one host, and allowed to read the others' memory) from this many bytes; negative:
     #: never. At 2 ranks here the socket's broadcast took 2.4-4.6x Open MPI's time from 1 MiB up.
