@@ -160,8 +160,8 @@ class ProcessGroup:
         # what the collectives' checks found for calls seen before, by call (aiodist.c10d.collectives)
         self.hot: dict[tuple[Any, ...], Any] = {}
         # ops may take their in-call path (issue_now): not where DETAIL compares every call
-        # first, nor where INFO tallies every op
-        self.quick = not self.detail and self._op_stats is None
+        # first, nor where INFO tallies every op, nor where CPU arrays are refused
+        self.quick = not self.detail and self._op_stats is None and host_refusal is None
 
     def __repr__(self) -> str:
         return f"<ProcessGroup {self.describe()} rank {self._rank}/{len(self.ranks)}>"
