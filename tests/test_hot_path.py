@@ -142,7 +142,8 @@ async def test_a_cancelled_wait_leaves_the_op_running() -> None:
 
 
 #: the real path's budget per small op and rank, all Python-level calls (the issue's goal: 30;
-#: measured: all_reduce 20, broadcast 18, all_gather_into_tensor 19, barrier 18; the task path, 70)
+#: measured: all_reduce 16, broadcast 15, reduce 18, all_gather_into_tensor 16, all_gather 16,
+#: reduce_scatter_tensor 19, barrier 15; the task path, 70)
 REAL_BOUND = 30
 _WORKER = Path(__file__).resolve().parent / "helpers" / "hot_path_rank.py"
 
@@ -172,7 +173,9 @@ def _real_path(op: str) -> tuple[float, str]:
 
 @pytest.mark.subprocess
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("op", ["all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "all_gather", "barrier"])
+@pytest.mark.parametrize(
+    "op", ["all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "barrier"]
+)
 def test_the_real_path_stays_within_its_call_budget(op: str) -> None:
     """Two real ranks, shared memory on: a small op posts and collects in its call, and costs at
     most REAL_BOUND Python-level calls per op and rank (the handle, the kept call's lookup, the

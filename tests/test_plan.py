@@ -96,7 +96,9 @@ ROWS = [
     Row("gather, single copy off: the socket", "gather", 64, 2, Plan("socket", False), NO_CMA),
     Row("scatter, 2 ranks: single copy, eager with its parts' words", "scatter", 64, 2, Plan("single_copy", True, 32)),
     # reduce_scatter
-    Row("reduce_scatter: single copy, eager", "reduce_scatter", 64, 2, Plan("single_copy", True, 0)),
+    Row("reduce_scatter, small: the lane, eager", "reduce_scatter", 64, 2, Plan("lane", True, 64)),
+    Row("reduce_scatter, past the lane: single copy, eager", "reduce_scatter", 128 * K, 2, Plan("single_copy", True, 0)),
+    Row("reduce_scatter, lane off: single copy", "reduce_scatter", 64, 2, Plan("single_copy", True), NO_LANE),
     Row("reduce_scatter, big: single copy", "reduce_scatter", 4 * M, 4, Plan("single_copy", True)),
     Row("reduce_scatter, empty: the socket", "reduce_scatter", 0, 2, Plan("socket", False)),
     Row(
@@ -107,7 +109,7 @@ ROWS = [
         Plan("socket", True),
         Thresholds(reduce_scatter_cma_min=M),
     ),
-    Row("reduce_scatter, single copy off: the socket", "reduce_scatter", 64 * K, 2, Plan("socket", False), NO_CMA),
+    Row("reduce_scatter, single copy off: the socket", "reduce_scatter", 128 * K, 2, Plan("socket", False), NO_CMA),
     # all_to_all (nbytes: this rank's own; part: the number of parts)
     Row("all_to_all: single copy, eager with 16 B a part", "all_to_all", 64, 4, Plan("single_copy", True, 64), part=4),
     Row("all_to_all, big: single copy, not eager", "all_to_all", M, 4, Plan("single_copy", True), part=4),

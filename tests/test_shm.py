@@ -502,7 +502,9 @@ async def test_ops_done_in_their_calls_change_nothing_but_where_they_run(monkeyp
             await w
             y = np.arange(2, dtype=np.float32) + rank
             await dist.reduce(y, dst=0)
-            outs.append((x.tolist(), y.tolist(), w.is_completed(), w.is_success()))
+            z = np.empty(1, np.float32)
+            await dist.reduce_scatter_tensor(z, np.arange(2, dtype=np.float32) + 10 * rank + i)
+            outs.append((x.tolist(), y.tolist(), z.tolist(), w.is_completed(), w.is_success()))
         entries = [(e["op"], e["seq"], e["kind"], e["state"], e["error"]) for e in pg.recorder.to_json()]
         return outs, entries, int(pg.stats()["eager"])
 

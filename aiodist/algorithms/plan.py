@@ -60,9 +60,11 @@ gather, scatter (``nbytes``: a rank's own part, the same on every rank as torch 
      ``th.lane_max``.
   3. otherwise ``socket`` in line.
 reduce_scatter (``nbytes``: the input's total)
-  1. ``th.reduce_scatter_cma(nbytes)``: ``single_copy``, eager from 1 byte up to ``th.lane_max``.
-  2. past the broadcast lane's sizes (lane on) with single copy allowed: ``socket`` in line.
-  3. otherwise ``socket``.
+  1. ``th.reduce_scatter_lane(nbytes)``: ``lane``, eager (every rank posts its input and folds
+     its own part of every slot).
+  2. ``th.reduce_scatter_cma(nbytes)``: ``single_copy``, eager from 1 byte up to ``th.lane_max``.
+  3. past the broadcast lane's sizes (lane on) with single copy allowed: ``socket`` in line.
+  4. otherwise ``socket``.
 all_to_all (``nbytes``: what this rank sends in all; ``part``: the number of parts)
   1. ``th.alltoall_cma >= 0``: ``single_copy`` for every all_to_all, eager up to ``th.lane_max``.
   2. otherwise ``socket``.
@@ -161,6 +163,8 @@ def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0) -> 
             return Plan("single_copy", True, eager if nbytes <= th.lane_max else None)
         return _SOCKET_IN_LINE
     if op == "reduce_scatter":
+        if th.reduce_scatter_lane(nbytes):
+            return Plan("lane", True, nbytes)
         if th.reduce_scatter_cma(nbytes):
             return Plan("single_copy", True, 0 if 0 < nbytes <= th.lane_max else None)
         return _SOCKET_IN_LINE if _past_lane(th, nbytes, th.reduce_scatter_cma_min) else _SOCKET

@@ -153,7 +153,8 @@ class Route:
 
     async def reduce_scatter(self, p2p: P2P, out: np.ndarray, parts: Sequence[np.ndarray], combine: Combine) -> None:
         ticket = self.ticket
-        if ticket is None or not await run_reduce_scatter(ticket, p2p, out, parts, combine, self.plan.single_copy):
+        pl = self.plan
+        if ticket is None or not await run_reduce_scatter(ticket, p2p, out, parts, combine, pl.single_copy, pl.lane):
             await alg.reduce_scatter(p2p, out, parts, combine, thresholds=self.th)
 
     async def all_to_all(self, p2p: P2P, outs: Sequence[np.ndarray], ins: Sequence[np.ndarray]) -> None:
@@ -329,6 +330,18 @@ class Quick:
                 o[...] = v if len(shape) == 1 else v.reshape(shape)  # this rank's own from its slot too: ``mine`` may be one of ``outs``
 
         return self._go(seq, digest, mine.reshape(-1).view(np.uint8), self.sizes, finish, "all_gather")
+
+    def reduce_scatter(self, seq: int, digest: int, out: np.ndarray, inp_fold: tuple[np.ndarray, Fold]) -> bool | Rest | None:
+        """``out`` = this rank's part of every rank's input (``inp_fold``: the input, flat, the
+        group's size times ``out``'s, and the reduction's fold), folded in rank order."""
+        inp, fold = inp_fold
+        m = out.size
+        lo = self.me * m
+
+        def finish(g: GroupShm, s: int) -> None:
+            fold(out, [v[lo : lo + m] for v in g.typed_slots(s, inp.dtype, inp.size)])
+
+        return self._go(seq, digest, inp.view(np.uint8), self.sizes, finish, "reduce_scatter")
 
     def barrier(self, seq: int, digest: int, _a: Any = None, _b: Any = None) -> bool | Rest | None:
         """Every rank of the group has entered."""

@@ -665,7 +665,29 @@ async def reduce_scatter(
     return await _finish(_issue_reduce_scatter(pg, "reduce_scatter", out, [i.flat for i in ins], rop, combine, output), asy)
 
 
-@on_world_loop
+def _reduce_scatter_now(name: str) -> Callable[..., Any]:
+    @_first_step_of(name)
+    def first_step(output: Any, input: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False) -> Any:
+        """reduce_scatter_tensor's first step (``_now``): a kept call by its in-call path."""
+        if type(output) is not np.ndarray or type(input) is not np.ndarray or type(op) is not _KIND or type(async_op) is not bool:
+            return LATER
+        pg = _CURRENT.get().default_pg if group is None else _now_group(group)
+        if pg is None:
+            return LATER
+        hit = pg.hot.get((name, op, output.dtype, output.shape, input.dtype, input.shape))
+        if hit is None or hit.quick is None:
+            return LATER
+        flags = output.flags
+        if not (flags.writeable and flags.c_contiguous and input.flags.c_contiguous):
+            return LATER
+        return _now(
+            pg, name, hit.quick.reduce_scatter, output.reshape(-1), (input.reshape(-1), hit.fold), [output], hit.described, async_op
+        )
+
+    return first_step
+
+
+@on_world_loop_now(_reduce_scatter_now("reduce_scatter_tensor"))
 async def reduce_scatter_tensor(
     output: Any, input: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False
 ) -> Work | None:
@@ -673,7 +695,7 @@ async def reduce_scatter_tensor(
     return await _reduce_scatter_one("reduce_scatter_tensor", output, input, op, group, async_op)
 
 
-@on_world_loop
+@on_world_loop_now(_reduce_scatter_now("reduce_scatter_single"))
 async def reduce_scatter_single(
     output: Any, input: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False
 ) -> Work | None:
@@ -693,14 +715,31 @@ async def _reduce_scatter_one(name: str, output: Any, input: Any, op: ReduceOpLi
     same_dtype([inp], out, f"{name} input")
     _same_size(inp, pg.size() * out.flat.size, f"{name} input (world size x output size)")
     rop, combine = _reduction(op, out.dtype_name, name)
-    return await _finish(_issue_reduce_scatter(pg, name, out, _chunks(inp.flat, pg.size()), rop, combine, output), asy)
+    kept_as = None
+    if type(output) is np.ndarray and type(input) is np.ndarray and type(op) is _KIND:  # kept for _reduce_scatter_now
+        kept_as = (name, op, output.dtype, output.shape, input.dtype, input.shape)
+    return await _finish(_issue_reduce_scatter(pg, name, out, _chunks(inp.flat, pg.size()), rop, combine, output, kept_as), asy)
 
 
 def _issue_reduce_scatter(
-    pg: ProcessGroup, name: str, out: Buffer, parts: list[np.ndarray], rop: ReduceOp, combine: Any, output: Any
+    pg: ProcessGroup,
+    name: str,
+    out: Buffer,
+    parts: list[np.ndarray],
+    rop: ReduceOp,
+    combine: Any,
+    output: Any,
+    kept_as: tuple[Any, ...] | None = None,
 ) -> Work:
+    """The op (its input in ``parts``, rank q's part at q); ``kept_as``: the key under which the
+    call's checks are kept for its first step (``_reduce_scatter_now``)."""
     dtype, n = out.dtype_name, pg.size()
-    r = route(pg, "reduce_scatter", sum(x.nbytes for x in parts))  # the total: the same on every rank
+    total = sum(x.nbytes for x in parts)
+    r = route(pg, "reduce_scatter", total)  # the total: the same on every rank
+    described = describe_call(name, _meta(output=_t(out), op=_opname(rop)))
+    if kept_as is not None and rop.op is not _PREMUL and rop.op is not _AVG:
+        q = quick(pg, r.plan, total)
+        _keep(pg, kept_as, Prepared(described, r.plan, q, fold=folder(rop, dtype) if q is not None else None))
 
     async def body(p2p: P2P) -> None:
         mine = parts
@@ -711,7 +750,7 @@ def _issue_reduce_scatter(
         await r.reduce_scatter(p2p, out.flat, mine, combine)
         _finalize(out.flat, rop, n, dtype=dtype)
 
-    return r.issue(pg, name, body, [output], meta=_meta(output=_t(out), op=_opname(rop)))
+    return r.issue(pg, name, body, [output], described=described)
 
 
 @on_world_loop

@@ -161,10 +161,24 @@ async def _single_copy(ticket: Ticket, p2p: P2P, big: bool, run: Callable[[OpLin
 
 
 async def run_reduce_scatter(
-    ticket: Ticket, p2p: P2P, out: np.ndarray, parts: Sequence[np.ndarray], combine: _algorithms.Combine, big: bool
+    ticket: Ticket, p2p: P2P, out: np.ndarray, parts: Sequence[np.ndarray], combine: _algorithms.Combine, big: bool, lane: bool = False
 ) -> bool:
-    """A ``big`` reduce_scatter by single-copy reads in this op's turn (``_single_copy``)."""
-    return await _single_copy(ticket, p2p, big, lambda link, g: _algorithms.reduce_scatter_single_copy(link, g, out, parts, combine))
+    """A small reduce_scatter (``lane``) through the latency lane, or a ``big`` one by single-copy
+    reads, in this op's turn; False (nothing done) where the group can do neither for it (then
+    ``_to_socket``)."""
+    if not lane:
+        return await _single_copy(ticket, p2p, big, lambda link, g: _algorithms.reduce_scatter_single_copy(link, g, out, parts, combine))
+    try:
+        link = op_link(p2p)
+        g = await ticket.acquire(link)
+        if g is None:
+            return False
+        if not _lane.fits(g, sum(p.nbytes for p in parts)):
+            return _to_socket(link, g)
+        await _lane.reduce_scatter(link, g, out, parts, combine)
+        return True
+    finally:
+        ticket.release()
 
 
 async def run_all_to_all(ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray], ins: Sequence[np.ndarray]) -> bool:

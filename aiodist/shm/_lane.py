@@ -57,7 +57,22 @@ from aiodist.errors import DistBackendError
 from aiodist.shm._link import OpLink
 from aiodist.shm._manager import LANE_SLOT, GroupShm
 
-__all__ = ["post", "collect", "parts", "settle", "exchange", "phase", "announce", "all_reduce", "reduce", "broadcast", "all_gather", "fits"]
+__all__ = [
+    "post",
+    "collect",
+    "parts",
+    "settle",
+    "now",
+    "exchange",
+    "phase",
+    "announce",
+    "all_reduce",
+    "reduce",
+    "reduce_scatter",
+    "broadcast",
+    "all_gather",
+    "fits",
+]
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
 
@@ -230,6 +245,22 @@ async def all_gather(p2p: OpLink, g: GroupShm, outs: Sequence[np.ndarray], mine:
             np.copyto(d, parts[q])
     if outs[me] is not mine:
         np.copyto(dsts[me], parts[me])  # from the slot: the input may overlap the output
+
+
+async def reduce_scatter(p2p: OpLink, g: GroupShm, out: np.ndarray, parts: Sequence[np.ndarray], combine: Combine) -> None:
+    """Every rank's ``parts`` (rank q's part of the result at q, all of one size) folded into
+    ``out`` part by part: each rank posts its whole input, and reduces its own part of every
+    slot in rank order (the same bits wherever that part is computed)."""
+    me, n = p2p.rank, p2p.size
+    pieces = [byte_view(p) for p in parts]
+    total = sum(x.nbytes for x in pieces)
+    slots = await exchange(p2p, g, pieces, [total] * n, "reduce_scatter")
+    start = sum(x.nbytes for x in pieces[:me])
+    stop = start + pieces[me].nbytes
+    dt = out.dtype
+    np.copyto(byte_view(out, writable=True), slots[0][start:stop])
+    for slot in slots[1:]:
+        combine(out, slot[start:stop].view(dt))
 
 
 async def _wait(p2p: OpLink, g: GroupShm, words: list[np.ndarray], missing: list[int], target: int, spin: bool = True) -> None:

@@ -28,12 +28,14 @@ async def main(op: str) -> None:
     x = np.zeros(1, dtype=np.float32)  # 4 bytes (zeros: a sum stays put over any number of ops)
     out = np.zeros(dist.get_world_size(), dtype=np.float32)
     parts = [np.zeros(1, dtype=np.float32) for _ in range(dist.get_world_size())]
+    whole = np.zeros(dist.get_world_size(), dtype=np.float32)
     call = {
         "all_reduce": lambda: dist.all_reduce(x),
         "broadcast": lambda: dist.broadcast(x, src=0),
         "reduce": lambda: dist.reduce(x, dst=0),
         "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(out, x),
         "all_gather": lambda: dist.all_gather(parts, x),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(x, whole),
         "barrier": lambda: dist.barrier(),
     }[op]
     for _ in range(200):  # warm: the agreement, the kept calls, the recorder's slots
