@@ -218,13 +218,16 @@ class Quick:
     def _lane(self) -> GroupShm | None:
         """The group's lane where this op may take it now (its line empty), else None."""
         t = self.line
+        g = self.g
+        if t is not None and g is not None and t.serving == t.issued and t.state is g:
+            return g  # (every call but the first few)
         if t is None:
             t = self.line = self.shm.line(self.group_id, self.ranks)
             if t is None:
                 return None
         if t.serving != t.issued:
             return None
-        g: GroupShm | None = t.state
+        g = t.state
         if g is not self.g:
             if g is None or not g.fits_lane(self.nbytes):
                 return None
@@ -252,12 +255,9 @@ class Quick:
         finish: Callable[[GroupShm, int], None],
         op: str,
     ) -> bool | Rest | None:
-        t = self.line
-        g = self.g
-        if t is None or g is None or t.serving != t.issued or t.state is not g:
-            g = self._lane()
-            if g is None:
-                return None
+        g = self._lane()
+        if g is None:
+            return None
         s = lane_now(g, seq, digest, mine, sizes)
         if s >= 0:
             finish(g, s)
@@ -271,12 +271,9 @@ class Quick:
         """All-reduce ``flat`` (op ``seq``, ``digest``; ``fold``: ``aiodist.types.folder``'s for
         the op's reduction and dtype): written into this rank's slot as it is, the slots folded
         into it in rank order."""
-        t = self.line
-        g = self.g
-        if t is None or g is None or t.serving != t.issued or t.state is not g:
-            g = self._lane()
-            if g is None:
-                return None
+        g = self._lane()
+        if g is None:
+            return None
         views = g.typed_slots(g.lane_ops & 1, flat.dtype, flat.size)  # (the slot post takes)
         views[g.me][...] = flat
         s = lane_now(g, seq, digest, None, self.sizes, flat.nbytes)
