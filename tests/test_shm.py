@@ -36,7 +36,7 @@ from helpers.rank_procs import run_ranks
 import aiodist as dist
 from aiodist._pending import Pending
 from aiodist.c10d import process_group
-from aiodist.errors import DistStoreError
+from aiodist.errors import DistBackendError, DistStoreError
 from aiodist.shm import SharedMemory, _cma
 from aiodist.shm import _manager as shm_manager
 from aiodist.shm._manager import _Turns
@@ -546,3 +546,60 @@ async def test_an_async_op_call_gives_its_work_in_its_first_step(monkeypatch: py
 
     res = await run_world(2, fn, "gloo", timeout=30)
     assert res == [[3.0] * 3] * 2, res
+
+
+async def test_a_kept_broadcast_with_a_root_of_another_type_is_refused_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first step's key holds the root as given: a bool or float root (``src=True``,
+    ``src=1.0``) does not pass for the kept ``src=1``; the call's own check refuses it on every
+    rank, nothing sent, and the group stays usable."""
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+
+    async def fn(rank: int) -> float:
+        x = np.full(2, float(rank), np.float32)
+        for _ in range(3):  # the agreement, and the kept call
+            await dist.broadcast(x, src=1)
+        for bad in (True, 1.0):
+            with pytest.raises(TypeError):
+                await dist.broadcast(x, src=bad)  # type: ignore[arg-type]
+        x[:] = rank + 5.0
+        await dist.broadcast(x, src=1)
+        return float(x[0])
+
+    assert await run_world(2, fn, "gloo", timeout=30) == [6.0, 6.0]
+
+
+async def test_an_error_out_of_an_in_call_op_breaks_the_group_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception out of the in-call exchange (a KeyboardInterrupt in the spin, say) may leave
+    the op posted and its peers' parts unread: the group is broken (the two slots' reuse rule no
+    longer holds), the peers are told, and later ops on either rank fail naming it."""
+    from aiodist.backends import routes
+
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+    real = routes.lane_now
+    armed = [False]
+
+    def interrupted(g: Any, *args: Any) -> int:
+        if armed[0] and g.me == 0:
+            raise RuntimeError("interrupted in the spin")
+        return real(g, *args)
+
+    async def fn(rank: int) -> str:
+        x = np.ones(1, np.float32)
+        for _ in range(3):
+            await dist.all_reduce(x)
+        armed[0] = True
+        try:
+            if rank == 0:
+                with pytest.raises(RuntimeError, match="interrupted in the spin"):
+                    await dist.all_reduce(x)
+            else:
+                await asyncio.sleep(0.05)
+            with pytest.raises(DistBackendError) as err:
+                await dist.all_reduce(x)
+            return str(err.value)
+        finally:
+            armed[0] = False
+
+    monkeypatch.setattr(routes, "lane_now", interrupted)
+    out = await run_world(2, fn, "gloo", timeout=30)
+    assert all("interrupted in its issuing call" in m for m in out), out

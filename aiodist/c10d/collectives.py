@@ -27,10 +27,11 @@ from aiodist._time import TimeoutLike, to_seconds
 from aiodist.algorithms import collectives as alg
 from aiodist.algorithms.p2p import P2P, SubP2P, byte_view
 from aiodist.backends.routes import Into, Quick, quick, route
+from aiodist.c10d import process_group
 from aiodist.c10d._args import buf, bufs, check_async_op, group_root, same_dtype, split_sizes
 from aiodist.c10d._device import device_backend, issue_on_device
 from aiodist.c10d.init import GroupArg, not_member, resolve_group
-from aiodist.c10d.process_group import EAGER_S, NOT_NOW, Described, ProcessGroup, describe_call
+from aiodist.c10d.process_group import NOT_NOW, Described, ProcessGroup, describe_call
 from aiodist.c10d.work import Work
 from aiodist.c10d.world import _CURRENT, default_group, on_world_loop, on_world_loop_now
 from aiodist.errors import DistTimeoutError
@@ -193,6 +194,12 @@ def _now_group(group: GroupArg) -> ProcessGroup | None:
     return None
 
 
+def _int_or_none(x: object) -> bool:
+    """A root argument the kept call's key may hold as it is (anything else: the call's own
+    checks, which refuse a bool, a float or a list)."""
+    return x is None or type(x) is int
+
+
 def _now(pg: ProcessGroup, op: str, run: Any, a: Any, b: Any, outputs: list[Any], described: Described, asy: bool) -> Any:
     """A kept call's first step (``communicating``'s ``now``): issue its op by its in-call path
     (``ProcessGroup.issue_now``) and answer as the call does: its Work (``async_op``), None once
@@ -203,7 +210,7 @@ def _now(pg: ProcessGroup, op: str, run: Any, a: Any, b: Any, outputs: list[Any]
     ``work = dist.all_reduce(x, async_op=True)`` without ``await``), takes its route: its op then
     starts in a task."""
     t = time.perf_counter()
-    stale = t - pg.ran >= EAGER_S
+    stale = t - pg.ran >= process_group.EAGER_S  # (read here: a test may set it)
     if asy and stale:
         return LATER
     done = pg.issue_now(op, run, a, b, outputs, described, asy)
@@ -238,7 +245,7 @@ def _broadcast_now(
     tensor: Any, src: int | None = None, group: GroupArg = None, async_op: bool = False, group_src: int | None = None
 ) -> Any:
     """broadcast's first step (``_now``): a kept call by its in-call path."""
-    if type(tensor) is not np.ndarray or type(async_op) is not bool:
+    if type(tensor) is not np.ndarray or type(async_op) is not bool or not (_int_or_none(src) and _int_or_none(group_src)):
         return LATER
     pg = _CURRENT.get().default_pg if group is None else _now_group(group)
     if pg is None:
@@ -271,7 +278,7 @@ async def broadcast(
     flat = b.flat
     r = route(pg, "broadcast", flat.nbytes)
     described = describe_call("broadcast", _meta(tensor=_t(b), root=pg.ranks[root]))
-    if key is not None:
+    if key is not None and key not in pg.hot:
         _keep(pg, key, Prepared(described, r.plan, quick(pg, r.plan, flat.nbytes), root=root))
 
     async def body(p2p: P2P) -> None:
@@ -401,7 +408,12 @@ def _reduce_now(
     group_dst: int | None = None,
 ) -> Any:
     """reduce's first step (``_now``): a kept call by its in-call path."""
-    if type(tensor) is not np.ndarray or type(op) is not _KIND or type(async_op) is not bool:
+    if (
+        type(tensor) is not np.ndarray
+        or type(op) is not _KIND
+        or type(async_op) is not bool
+        or not (_int_or_none(dst) and _int_or_none(group_dst))
+    ):
         return LATER
     pg = _CURRENT.get().default_pg if group is None else _now_group(group)
     if pg is None:
@@ -440,10 +452,10 @@ async def reduce(
     r = route(pg, "reduce", flat.nbytes)
     meta = _meta(tensor=_t(b), op=_opname(rop), root=pg.ranks[root])
     plain = rop.op is not _PREMUL and rop.op is not _AVG
-    if plain and type(tensor) is np.ndarray and type(op) is _KIND and tensor.flags.c_contiguous:  # kept for _reduce_now
+    key = (_REDUCE, op, tensor.dtype, tensor.shape, dst, group_dst) if type(tensor) is np.ndarray and type(op) is _KIND else None
+    if plain and key is not None and tensor.flags.c_contiguous and key not in pg.hot:  # kept for _reduce_now
         q = quick(pg, r.plan, flat.nbytes)
-        kept = Prepared(describe_call("reduce", meta), r.plan, q, fold=folder(rop, name) if q is not None else None, root=root)
-        _keep(pg, (_REDUCE, op, tensor.dtype, tensor.shape, dst, group_dst), kept)
+        _keep(pg, key, Prepared(describe_call("reduce", meta), r.plan, q, fold=folder(rop, name) if q is not None else None, root=root))
 
     async def body(p2p: P2P) -> None:
         mine = flat if is_root or rop.op is not _PREMUL else flat.copy()
@@ -495,7 +507,7 @@ async def all_gather(tensor_list: Sequence[Any], tensor: Any, group: GroupArg = 
     r = route(pg, "all_gather", sum(f.nbytes for f in flats), part=max(f.nbytes for f in flats))
     meta = _meta(dtype=inp.dtype_name, local={"input": _t(inp)})
     even = type(tensor) is np.ndarray and all(type(o) is np.ndarray and o.shape == tensor.shape for o in tensor_list)
-    if even and type(tensor_list) is list:  # kept for _all_gather_list_now
+    if even and type(tensor_list) is list and (_ALL_GATHER, tensor.dtype, tensor.shape) not in pg.hot:  # kept for _all_gather_list_now
         _keep(
             pg,
             (_ALL_GATHER, tensor.dtype, tensor.shape),
@@ -559,7 +571,7 @@ async def _all_gather_one(op: str, output_tensor: Any, input_tensor: Any, group:
     chunks, mine = _chunks(out.flat, n), inp.flat
     r = route(pg, "all_gather", out.flat.nbytes, part=mine.nbytes)
     described = describe_call(op, _meta(output=_t(out), input=_t(inp)))
-    if key is not None:
+    if key is not None and key not in pg.hot:
         _keep(pg, key, Prepared(described, r.plan, quick(pg, r.plan, mine.nbytes)))
 
     async def body(p2p: P2P) -> None:
@@ -737,7 +749,7 @@ def _issue_reduce_scatter(
     total = sum(x.nbytes for x in parts)
     r = route(pg, "reduce_scatter", total)  # the total: the same on every rank
     described = describe_call(name, _meta(output=_t(out), op=_opname(rop)))
-    if kept_as is not None and rop.op is not _PREMUL and rop.op is not _AVG:
+    if kept_as is not None and rop.op is not _PREMUL and rop.op is not _AVG and kept_as not in pg.hot:
         q = quick(pg, r.plan, total)
         _keep(pg, kept_as, Prepared(described, r.plan, q, fold=folder(rop, dtype) if q is not None else None))
 

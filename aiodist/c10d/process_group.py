@@ -285,8 +285,15 @@ class ProcessGroup:
         if self.broken is not None or not self.quick or _STAGING.get() is not None:
             return NOT_NOW
         seq = self.seq
-        self.seq = seq + 1  # before the post: an exception out of it (KeyboardInterrupt) leaves the number taken
-        got = now(seq, described[3] if self._digests else 0, a, b)
+        self.seq = seq + 1
+        try:
+            got = now(seq, described[3] if self._digests else 0, a, b)
+        except BaseException as exc:  # (KeyboardInterrupt in the spin): the op may be posted and not read
+            break_group(
+                self,
+                f"{op} seq {seq} was interrupted in its issuing call ({type(exc).__name__}): its part may be posted, its peers' unread",
+            )
+            raise
         if got is None:  # nothing done: the number is not taken
             self.seq = seq
             return NOT_NOW
@@ -299,8 +306,12 @@ class ProcessGroup:
             work = Work(op, self.describe(), seq, outputs)
             work._complete()
             return work
-        entry = self.recorder.issued(op, seq, "collective", described[0], frozen=described[2])
-        work = self._open(op, seq, entry, described, got.body, outputs)
+        try:
+            entry = self.recorder.issued(op, seq, "collective", described[0], frozen=described[2])
+            work = self._open(op, seq, entry, described, got.body, outputs)
+        except BaseException:
+            got.release()  # its place in line passes on, as a Work's done callback would
+            raise
         work.add_done_callback(got.release)
         return work
 
