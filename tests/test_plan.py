@@ -109,6 +109,14 @@ ROWS = [
         Plan("socket", True),
         Thresholds(reduce_scatter_cma_min=M),
     ),
+    Row(
+        "reduce_scatter, single copy from 1 MiB, 128 KiB (past its lane, within the others'): socket, in line",
+        "reduce_scatter",
+        128 * K,
+        2,
+        Plan("socket", True),
+        Thresholds(reduce_scatter_cma_min=M),
+    ),
     Row("reduce_scatter, single copy off: the socket", "reduce_scatter", 128 * K, 2, Plan("socket", False), NO_CMA),
     # all_to_all (nbytes: this rank's own; part: the number of parts)
     Row("all_to_all: single copy, eager with 16 B a part", "all_to_all", 64, 4, Plan("single_copy", True, 64), part=4),

@@ -45,7 +45,7 @@ all_reduce
 reduce
   1. ``nbytes > 0`` and ``th.lane(nbytes)``: ``lane``, eager (in a group of any size, as broadcast).
   2. ``th.reduce_cma(nbytes, ranks)``: ``single_copy``.
-  3. past the broadcast lane's sizes (lane on) with single copy allowed: ``socket`` in line.
+  3. past the lane's sizes (``th.lane_max``; lane on) with single copy allowed: ``socket`` in line.
   4. otherwise ``socket``.
 all_gather, all_gather_into_tensor (``nbytes``: the output's total; ``part``: the largest part)
   1. ``th.all_gather_shm(nbytes)``: ``single_copy`` in a group of 2, or from ``th.cma_wide_min``
@@ -63,7 +63,8 @@ reduce_scatter (``nbytes``: the input's total)
   1. ``th.reduce_scatter_lane(nbytes)``: ``lane``, eager (every rank posts its input and folds
      its own part of every slot).
   2. ``th.reduce_scatter_cma(nbytes)``: ``single_copy``, eager from 1 byte up to ``th.lane_max``.
-  3. past the broadcast lane's sizes (lane on) with single copy allowed: ``socket`` in line.
+  3. past its lane's sizes (``th.reduce_scatter_lane_max``; lane on) with single copy allowed:
+     ``socket`` in line.
   4. otherwise ``socket``.
 all_to_all (``nbytes``: what this rank sends in all; ``part``: the number of parts)
   1. ``th.alltoall_cma >= 0``: ``single_copy`` for every all_to_all, eager up to ``th.lane_max``.
@@ -147,7 +148,7 @@ def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0) -> 
             return Plan("lane", True, nbytes)
         if th.reduce_cma(nbytes, ranks):
             return Plan("single_copy", True)
-        return _SOCKET_IN_LINE if _past_lane(th, nbytes, th.reduce_cma_min) else _SOCKET
+        return _SOCKET_IN_LINE if _past_lane(th, nbytes, th.lane_max, th.reduce_cma_min) else _SOCKET
     if op == "all_gather":
         if th.all_gather_shm(nbytes):
             return Plan("single_copy" if th.cma_wide(nbytes, ranks) else "halves", True)
@@ -167,7 +168,7 @@ def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0) -> 
             return Plan("lane", True, nbytes)
         if th.reduce_scatter_cma(nbytes):
             return Plan("single_copy", True, 0 if 0 < nbytes <= th.lane_max else None)
-        return _SOCKET_IN_LINE if _past_lane(th, nbytes, th.reduce_scatter_cma_min) else _SOCKET
+        return _SOCKET_IN_LINE if _past_lane(th, nbytes, th.reduce_scatter_lane_max, th.reduce_scatter_cma_min) else _SOCKET
     if op == "all_to_all":
         if th.alltoall_cma >= 0:
             return Plan("single_copy", True, 16 * part if nbytes <= th.lane_max else None)
@@ -177,7 +178,8 @@ def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0) -> 
     raise ValueError(f"plan: unknown op {op!r}; the ops are {', '.join(OPS)}")
 
 
-def _past_lane(th: Thresholds, nbytes: int, threshold: int) -> bool:
-    """An op that may go by single copy, past the broadcast lane's sizes where the group has a
-    lane, and with single copy allowed for it: it takes a place in line on the socket path too."""
-    return nbytes > th.broadcast_lane_max and th.lane_max > 0 and threshold >= 0
+def _past_lane(th: Thresholds, nbytes: int, lane_limit: int, threshold: int) -> bool:
+    """An op that may go by single copy, past its own lane's sizes (``lane_limit``) where the
+    group has a lane, and with single copy allowed for it: it takes a place in line on the
+    socket path too."""
+    return nbytes > lane_limit and th.lane_max > 0 and threshold >= 0
