@@ -48,6 +48,7 @@ Rules this module keeps:
 
 from __future__ import annotations
 
+import contextvars
 import enum
 import numbers
 import operator
@@ -600,9 +601,42 @@ def reduce_into(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any], op: Reduce
             ufunc(dst, src, out=dst)
 
 
-#: numpy 2's ``errstate`` used as a decorator sets and resets its context variable per call (two
-#: C calls); numpy 1's shares one saved state per instance, so there every call enters its own
-_ERRSTATE_DECORATES = np.lib.NumpyVersion(np.__version__) >= "2.0.0"
+#: numpy 2 keeps its error state in a context variable (numpy 1: per thread)
+_ERRSTATE_IN_CONTEXT = np.lib.NumpyVersion(np.__version__) >= "2.0.0"
+_QUIET: list[contextvars.Context] = []  # contexts where numpy ignores floating-point errors, free to enter
+
+
+def _quiet_context() -> contextvars.Context:
+    ctx = contextvars.Context()
+    ctx.run(np.errstate(all="ignore").__enter__)  # (never left: the context is this module's own)
+    return ctx
+
+
+def quietly(f: Callable[..., None]) -> Callable[..., None]:
+    """``f`` run with numpy's floating-point errors ignored (a reduction's overflow gives inf,
+    as torch's does, with no warning). With numpy 2, in a context where ``errstate`` says so,
+    made once and reused (one ``Context.run`` per call, where ``errstate`` sets and resets its
+    variable per call: a microsecond on a small op); a context is entered by one call at a time,
+    so a call takes one from a free list and gives it back (a call in another thread, or nested,
+    takes another). With numpy 1, ``errstate``."""
+    if not _ERRSTATE_IN_CONTEXT:
+
+        def old(*args: Any) -> None:
+            with np.errstate(all="ignore"):
+                f(*args)
+
+        return old
+
+    def run(*args: Any) -> None:
+        ctx = _QUIET.pop() if _QUIET else _quiet_context()
+        try:
+            ctx.run(f, *args)
+        finally:
+            _QUIET.append(ctx)
+
+    return run
+
+
 _COMBINERS: dict[tuple[ReduceOp.RedOpType, str], Callable[[np.ndarray[Any, Any], np.ndarray[Any, Any]], None]] = {}
 
 
@@ -643,26 +677,21 @@ def _make_combiner(kind: ReduceOp.RedOpType, name: str) -> Callable[[np.ndarray[
             _check_pair(dst, src)
         ufunc(dst, src, out=dst)
 
-    if _ERRSTATE_DECORATES:
-        return np.errstate(all="ignore")(floating)
-
-    def floating_quiet(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
-        with np.errstate(all="ignore"):
-            floating(dst, src)
-
-    return floating_quiet
+    return quietly(floating)
 
 
-Fold = Callable[[np.ndarray[Any, Any], Sequence[np.ndarray[Any, Any]]], None]
+Fold = Callable[..., None]  # fold(out, parts, tmp=None)
 _FOLDS: dict[tuple[ReduceOp.RedOpType, str], Fold] = {}
 
 
 def folder(op: ReduceOpLike, dtype: str, what: str | None = None) -> Fold:
-    """``fold(out, parts)`` for one (op, logical dtype), checked once: ``out`` = ``parts[0]``
-    combined with ``parts[1]``, then the next, in order (``combiner``'s bits, each element
-    computed once per part), where ``out`` overlaps no part. One call over every part: one
-    ufunc call per part after the first and, for floating dtypes, one quiet error state for
-    all of them (where ``combiner`` pays both per part). Made once per pair and kept."""
+    """``fold(out, parts, tmp=None)`` for one (op, logical dtype), checked once: ``out`` =
+    ``parts[0]`` combined with ``parts[1]``, then the next, in order (``combiner``'s bits, each
+    element computed once per part), where ``out`` overlaps no part. One call over every part:
+    one ufunc call per part after the first and, for floating dtypes, one quiet error state for
+    all of them (where ``combiner`` pays both per part). ``tmp`` (out's dtype and size, overlapping
+    nothing) lets the steps go from one array to the other: numpy's ufunc writing into one of
+    its inputs costs 2-3x one that does not, on a small array. Made once per pair and kept."""
     kind = _kind(op)
     name = dtype_name(dtype)
     made = _FOLDS.get((kind, name))
@@ -671,7 +700,7 @@ def folder(op: ReduceOpLike, dtype: str, what: str | None = None) -> Fold:
     combine = combiner(kind, name, what)
     if name == "bfloat16":
 
-        def slow(out: np.ndarray[Any, Any], parts: Sequence[np.ndarray[Any, Any]]) -> None:
+        def slow(out: np.ndarray[Any, Any], parts: Sequence[np.ndarray[Any, Any]], tmp: Any = None) -> None:
             np.copyto(out, parts[0])
             for p in parts[1:]:
                 combine(out, p)
@@ -680,22 +709,21 @@ def folder(op: ReduceOpLike, dtype: str, what: str | None = None) -> Fold:
     else:
         ufunc = _UFUNCS[kind]
 
-        def fold(out: np.ndarray[Any, Any], parts: Sequence[np.ndarray[Any, Any]]) -> None:
-            ufunc(parts[0], parts[1], out=out)
+        def fold(out: np.ndarray[Any, Any], parts: Sequence[np.ndarray[Any, Any]], tmp: Any = None) -> None:
+            n = len(parts)
+            if n == 2 or tmp is None:
+                ufunc(parts[0], parts[1], out=out)
+                for p in parts[2:]:
+                    ufunc(out, p, out=out)
+                return
+            # n - 1 steps, the last into out: each step from one array into the other
+            a, b = (out, tmp) if n % 2 == 0 else (tmp, out)
+            ufunc(parts[0], parts[1], out=a)
             for p in parts[2:]:
-                ufunc(out, p, out=out)
+                ufunc(a, p, out=b)
+                a, b = b, a
 
-        if np.dtype(name).kind in "biu":  # integer and bool ufuncs raise no floating-point warnings
-            made = fold
-        elif _ERRSTATE_DECORATES:
-            made = np.errstate(all="ignore")(fold)
-        else:
-
-            def fold_quiet(out: np.ndarray[Any, Any], parts: Sequence[np.ndarray[Any, Any]]) -> None:
-                with np.errstate(all="ignore"):
-                    fold(out, parts)
-
-            made = fold_quiet
+        made = fold if np.dtype(name).kind in "biu" else quietly(fold)  # integer and bool ufuncs raise no floating-point warnings
     _FOLDS[(kind, name)] = made
     return made
 

@@ -28,9 +28,11 @@ from aiodist.types import (
     as_array,
     bfloat16_to_float32,
     check_reduce,
+    combiner,
     dtype_name,
     finalize,
     float32_to_bfloat16,
+    folder,
     premultiply,
     reduce_into,
     reduce_op,
@@ -790,3 +792,73 @@ def test_bfloat16_reduce_matches_the_scalar_reference(pair: tuple[np.ndarray, np
         exact = x + y if op == R.SUM else x * y if op == R.PRODUCT else min(x, y) if op == R.MIN else max(x, y)
         want = round_value(exact, "bfloat16")
         assert (math.isnan(g) and math.isnan(want)) or g == want, (op, x, y, g, want)
+
+
+# -- folder: the lane's fold of every rank's part, in rank order -------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int64", "float16", "bfloat16"])
+@pytest.mark.parametrize("nparts", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("op", [R.SUM, R.PRODUCT, R.MAX])
+def test_fold_with_a_second_array_gives_the_bits_of_the_fold_in_place(dtype: str, nparts: int, op: R) -> None:
+    """The fold that steps between ``out`` and ``tmp`` (numpy's in-place ufunc costs 2-3x on a
+    small array) gives the same bits as the one in place and as ``combiner`` part after part,
+    with out's last step in ``out`` whatever the number of parts."""
+    rng = np.random.default_rng(nparts)
+    storage = np.uint16 if dtype == "bfloat16" else dtype
+    parts = [
+        (rng.standard_normal(7) * 3).astype(np.float32).view(np.uint32).astype(np.uint16)
+        if dtype == "bfloat16"
+        else (rng.standard_normal(7) * 3).astype(storage)
+        for _ in range(nparts)
+    ]
+    fold = folder(op, dtype)
+    combine = combiner(op, dtype)
+    want = parts[0].copy()
+    for p in parts[1:]:
+        combine(want, p)
+    in_place = np.empty_like(parts[0])
+    fold(in_place, parts)
+    stepped = np.full_like(parts[0], 99)
+    tmp = np.full_like(parts[0], 77)
+    fold(stepped, parts, tmp)
+    np.testing.assert_array_equal(in_place.view(np.uint8), want.view(np.uint8))
+    np.testing.assert_array_equal(stepped.view(np.uint8), want.view(np.uint8))
+
+
+def test_fold_and_combine_are_quiet_on_overflow_and_leave_the_callers_error_state() -> None:
+    """A floating reduction that overflows gives inf with no warning (as torch's), in the loop's
+    thread and in another, and the caller's own numpy error state is untouched after it."""
+    import threading
+
+    big = np.full(3, 3e38, np.float32)
+    fold = folder(R.SUM, "float32")
+    combine = combiner(R.SUM, "float32")
+
+    def run() -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = np.empty_like(big)
+            fold(out, [big, big, big], np.empty_like(big))
+            assert np.isinf(out).all()
+            acc = big.copy()
+            combine(acc, big)
+            assert np.isinf(acc).all()
+
+    run()
+    errs: list[BaseException] = []
+
+    def in_thread() -> None:
+        try:
+            run()
+        except BaseException as exc:  # (reported below, in the test's thread)
+            errs.append(exc)
+
+    t = threading.Thread(target=in_thread)
+    t.start()
+    t.join()
+    assert not errs
+    with np.errstate(over="raise"):
+        fold(np.empty_like(big), [big, big])  # quiet inside the fold ...
+        with pytest.raises(FloatingPointError):
+            big * np.float32(10)  # ... and the caller's state as it set it

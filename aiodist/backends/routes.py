@@ -202,7 +202,7 @@ class Quick:
     ``Rest`` waits in a task. Elsewhere (an op ahead in line, no agreement yet, the socket
     path) it answers None having done nothing, and the op takes its route."""
 
-    __slots__ = ("shm", "group_id", "ranks", "me", "nbytes", "line", "g", "sizes", "_by_root")
+    __slots__ = ("shm", "group_id", "ranks", "me", "nbytes", "line", "g", "sizes", "_by_root", "_tmp")
 
     def __init__(self, shm: Any, group_id: int, ranks: Sequence[int], nbytes: int) -> None:
         self.shm = shm
@@ -214,6 +214,7 @@ class Quick:
         self.sizes = [nbytes] * len(ranks)
         self.me = list(ranks).index(shm.rank)
         self._by_root: dict[int, list[int]] = {}  # a broadcast's sizes, by its root
+        self._tmp: np.ndarray | None = None  # a fold's second array (``aiodist.types.folder``)
 
     def _lane(self) -> GroupShm | None:
         """The group's lane where this op may take it now (its line empty), else None."""
@@ -233,6 +234,14 @@ class Quick:
                 return None
             self.g = g
         return g
+
+    def _scratch(self, like: np.ndarray) -> np.ndarray | None:
+        """A fold's second array, like ``like`` (the call's: one dtype and size), in a group of
+        more than 2 (where a fold has more than one step)."""
+        tmp = self._tmp
+        if tmp is None and len(self.ranks) > 2:
+            tmp = self._tmp = np.empty(like.size, like.dtype)
+        return tmp
 
     def _park(self, g: GroupShm, s: int, sizes: Sequence[int], finish: Callable[[GroupShm, int], None], op: str) -> Rest:
         ticket = self.shm.ticket(self.group_id, self.ranks)  # the line was empty: its turn is now
@@ -276,11 +285,12 @@ class Quick:
             return None
         views = g.typed_slots(g.lane_ops & 1, flat.dtype, flat.size)  # (the slot post takes)
         views[g.me][...] = flat
+        tmp = self._scratch(flat)
         s = lane_now(g, seq, digest, None, self.sizes, flat.nbytes)
         if s >= 0:
-            fold(flat, views)
+            fold(flat, views, tmp)
             return True
-        return self._park(g, s + 2, self.sizes, lambda g, s: fold(flat, views), "all_reduce")
+        return self._park(g, s + 2, self.sizes, lambda g, s: fold(flat, views, tmp), "all_reduce")
 
     def broadcast(self, seq: int, digest: int, flat: np.ndarray, root: int) -> bool | Rest | None:
         """Broadcast ``flat`` from group rank ``root``."""
@@ -302,8 +312,10 @@ class Quick:
         if self.me != root:
             return self._go(seq, digest, flat.view(np.uint8), self.sizes, _nothing, "reduce")
 
+        tmp = self._scratch(flat)
+
         def finish(g: GroupShm, s: int) -> None:
-            fold(flat, g.typed_slots(s, flat.dtype, flat.size))
+            fold(flat, g.typed_slots(s, flat.dtype, flat.size), tmp)
 
         return self._go(seq, digest, flat.view(np.uint8), self.sizes, finish, "reduce")
 
@@ -335,8 +347,10 @@ class Quick:
         m = out.size
         lo = self.me * m
 
+        tmp = self._scratch(out)
+
         def finish(g: GroupShm, s: int) -> None:
-            fold(out, [v[lo : lo + m] for v in g.typed_slots(s, inp.dtype, inp.size)])
+            fold(out, [v[lo : lo + m] for v in g.typed_slots(s, inp.dtype, inp.size)], tmp)
 
         return self._go(seq, digest, inp.view(np.uint8), self.sizes, finish, "reduce_scatter")
 

@@ -396,8 +396,17 @@ def now(g: GroupShm, seq: int, digest: int, mine: np.ndarray | Sequence[np.ndarr
     s = post(g, seq, digest, mine, written)
     got = collect(g, s, seq, digest, sizes)
     if got is False and g.spin_s:
+        # wait on one missing flag at a time (a word's read and the yield per turn), then
+        # collect once more
         end = time.perf_counter() + g.spin_s
-        while got is False and time.perf_counter() < end:
-            os.sched_yield()  # a peer that shares this core runs now
-            got = collect(g, s, seq, digest, sizes)
+        h = _HEAD[s]
+        target = seq + 1
+        words = g.words
+        for q in g.others:
+            w = words[q]
+            while w[h] < target:
+                os.sched_yield()  # a peer that shares this core runs now
+                if time.perf_counter() >= end:
+                    return s - 2
+        got = collect(g, s, seq, digest, sizes)
     return s if got is True else s - 2
