@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from aiodist._instrument.recorder import Entry
-from aiodist._time import Deadline
+from aiodist._time import Clock, Deadline
 from aiodist.algorithms.p2p import P2P
 from aiodist.c10d._blocked import BLOCKED_KEY
 from aiodist.c10d._blocked import describe as describe_block
@@ -584,7 +584,10 @@ async def run(
             grace = grace_for(limit)
             if len(_GRACE) < 64:
                 _GRACE[limit] = grace
-    deadline = Deadline(limit - grace, loop, cell, cancelling)
+    clock = pg.clock
+    if clock is None or clock.loop is not loop:
+        clock = pg.clock = Clock(loop)
+    deadline = Deadline(limit - grace, clock, cell, cancelling)
     try:
         try:
             await body(tracker)

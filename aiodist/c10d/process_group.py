@@ -32,6 +32,7 @@ from aiodist._digest import op_digest
 from aiodist._instrument.levels import DebugLevel, get_debug_level
 from aiodist._instrument.recorder import Entry, FlightRecorder, _freeze
 from aiodist._pending import Pending
+from aiodist._time import Clock
 from aiodist.algorithms.p2p import P2P
 from aiodist.algorithms.thresholds import Thresholds, current
 from aiodist.backends.base import CommBackend, ProcessGroupLike
@@ -159,6 +160,9 @@ class ProcessGroup:
         self.completed = 0
         # what the collectives' checks found for calls seen before, by call (aiodist.c10d.collectives)
         self.hot: dict[tuple[Any, ...], Any] = {}
+        # one timer for the deadlines of this group's running ops (aiodist._time.Clock), made
+        # by its first op on its loop
+        self.clock: Clock | None = None
         # ops may take their in-call path (issue_now): not where DETAIL compares every call
         # first, nor where INFO tallies every op, nor where CPU arrays are refused
         self.quick = not self.detail and self._op_stats is None and host_refusal is None
