@@ -100,6 +100,14 @@ class Clock:
             ended = 0
         self._ended = ended
 
+    def close(self) -> None:
+        """Cancel its timer and forget its deadlines (their group is torn down: its ops ended)."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._heap.clear()
+        self._ended = 0
+
     def _fire(self) -> None:
         self._handle = None
         heap = self._heap

@@ -90,3 +90,16 @@ async def test_a_fired_deadline_reports_its_own_cancellation_and_how_late() -> N
 
     t = asyncio.ensure_future(op())
     assert await asyncio.wait_for(t, 5) is True
+
+
+async def test_close_cancels_the_timer_a_torn_down_group_would_leave_armed() -> None:
+    """The timer stays armed after the last deadline ends (it fires once for nothing); a group
+    torn down closes its clock, so neither the clock nor the loop's timer outlives it (5000
+    group lifecycles in tests/faults/test_group_lifecycles.py)."""
+    loop = asyncio.get_running_loop()
+    clock = Clock(loop)
+    _armed(clock, 600, [asyncio.current_task()]).end(None)  # type: ignore[list-item]
+    assert clock._handle is not None
+    handle = clock._handle
+    clock.close()
+    assert clock._handle is None and handle.cancelled()

@@ -518,6 +518,58 @@ async def test_ops_done_in_their_calls_change_nothing_but_where_they_run(monkeyp
     assert seen["eager"] == seen["never-eager"]
 
 
+async def test_torch_cpu_tensors_take_the_in_call_path_as_numpy_arrays_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kept call on torch CPU tensors (a tensor that requires grad included, as torch's c10d
+    takes it) posts and collects in its call as a numpy array's does: the same results, done
+    in the call (``issue_now`` took it); a bfloat16 tensor, whose numpy view is another dtype,
+    takes its route, with the right result too, and a non-contiguous output is refused as before."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+    monkeypatch.setattr(process_group, "EAGER_S", 0.5)
+
+    async def fn(rank: int) -> tuple[list[Any], int]:
+        pg = dist.group.WORLD
+        done_in_call = 0
+        issue_now = pg.issue_now
+
+        def counting(*args: Any) -> Any:
+            nonlocal done_in_call
+            got = issue_now(*args)
+            done_in_call += got is not process_group.NOT_NOW
+            return got
+
+        pg.issue_now = counting  # type: ignore[method-assign]
+        outs: list[Any] = []
+        for _ in range(4):
+            x = torch.full((2,), rank + 1.0)
+            await dist.all_reduce(x)
+            p = torch.nn.Parameter(torch.full((3,), rank + 2.0))
+            await dist.all_reduce(p)
+            b = torch.full((2,), float(rank))
+            await dist.broadcast(b, src=1)
+            r = torch.full((2,), rank + 1.0)
+            await dist.reduce(r, dst=0)
+            g = torch.empty(4)
+            await dist.all_gather_into_tensor(g, torch.full((2,), float(rank)))
+            z = torch.empty(1)
+            await dist.reduce_scatter_tensor(z, torch.arange(2.0) + rank)
+            h = torch.ones(2, dtype=torch.bfloat16)
+            await dist.all_reduce(h)
+            with pytest.raises(ValueError, match="not contiguous"):  # refused as before, nothing issued
+                await dist.all_reduce(torch.ones(2, 2)[:, 0])
+            outs.append([t.tolist() for t in (x, p.detach(), b, r, g, z, h.float())])
+        return outs, done_in_call
+
+    res = await run_world(2, fn, "gloo", timeout=30)
+    for rank, (outs, done_in_call) in enumerate(res):
+        for got in outs:
+            assert got[0] == [3.0, 3.0] and got[1] == [5.0] * 3 and got[2] == [1.0, 1.0]
+            assert got[3] == ([3.0, 3.0] if rank == 0 else [rank + 1.0] * 2)
+            assert got[4] == [0.0, 0.0, 1.0, 1.0] and got[5] == [1.0 + 2 * rank]
+            assert got[6] == [2.0, 2.0]
+        assert done_in_call >= 3 * 6, (rank, done_in_call)  # every call of the six kinds once kept (the first is checked)
+
+
 async def test_an_async_op_call_gives_its_work_in_its_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's form, ``work = dist.all_reduce(x, async_op=True)`` without ``await``, then
     ``work.wait()``: the handle has its Work at once whichever path the op takes, the in-call one

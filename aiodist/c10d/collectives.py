@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -200,6 +201,34 @@ def _int_or_none(x: object) -> bool:
     return x is None or type(x) is int
 
 
+_TORCH_TENSOR: list[Any] = []  # torch.Tensor, once torch is imported (aiodist never imports it)
+
+
+def _host(t: object) -> np.ndarray | None:
+    """The array a kept call works on: ``t`` where it is a numpy array; where it is a torch CPU
+    tensor, C-contiguous, with no lazy conj or neg bit and not bfloat16 (whose numpy view is
+    uint16: another dtype's kept call), its numpy view (torch's c10d works on a tensor that
+    requires grad: so does this, on its storage); None otherwise (the call checks it itself,
+    and says what is wrong). A call's description names dtype and shape only, so a torch
+    tensor's call and a numpy array's of one dtype and shape are one kept call."""
+    if type(t) is np.ndarray:
+        return t
+    if not _TORCH_TENSOR:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return None
+        _TORCH_TENSOR.extend((torch.Tensor, torch.bfloat16, torch.strided))
+    tensor_type, bf16, strided = _TORCH_TENSOR
+    if not isinstance(t, tensor_type):
+        return None
+    if not t.is_cpu or t.layout is not strided or t.dtype is bf16 or not t.is_contiguous() or t.is_neg() or t.is_conj():
+        return None
+    try:
+        return (t.detach() if t.requires_grad else t).numpy()  # type: ignore[no-any-return]
+    except (RuntimeError, TypeError):  # (a dtype numpy has no view of)
+        return None
+
+
 def _now(pg: ProcessGroup, op: str, run: Any, a: Any, b: Any, outputs: list[Any], described: Described, asy: bool) -> Any:
     """A kept call's first step (``communicating``'s ``now``): issue its op by its in-call path
     (``ProcessGroup.issue_now``) and answer as the call does: its Work (``async_op``), None once
@@ -245,18 +274,19 @@ def _broadcast_now(
     tensor: Any, src: int | None = None, group: GroupArg = None, async_op: bool = False, group_src: int | None = None
 ) -> Any:
     """broadcast's first step (``_now``): a kept call by its in-call path."""
-    if type(tensor) is not np.ndarray or type(async_op) is not bool or not (_int_or_none(src) and _int_or_none(group_src)):
+    arr = tensor if type(tensor) is np.ndarray else _host(tensor)
+    if arr is None or type(async_op) is not bool or not (_int_or_none(src) and _int_or_none(group_src)):
         return LATER
     pg = _CURRENT.get().default_pg if group is None else _now_group(group)
     if pg is None:
         return LATER
-    flags = tensor.flags
+    flags = arr.flags
     if not flags.c_contiguous:
         return LATER
-    hit = pg.hot.get((_BROADCAST, tensor.dtype, tensor.shape, src, group_src))
+    hit = pg.hot.get((_BROADCAST, arr.dtype, arr.shape, src, group_src))
     if hit is None or hit.quick is None or not (flags.writeable or hit.root == pg.rank()):
         return LATER
-    flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
+    flat = arr if arr.ndim == 1 else arr.reshape(-1)
     return _now(pg, _BROADCAST, hit.quick.broadcast, flat, hit.root, [tensor], hit.described, async_op)
 
 
@@ -270,7 +300,8 @@ async def broadcast(
         return None
     asy = async_op if type(async_op) is bool else check_async_op(async_op)
     # kept for the first step of the next call like it (_broadcast_now)
-    key = (_BROADCAST, tensor.dtype, tensor.shape, src, group_src) if type(tensor) is np.ndarray and tensor.flags.c_contiguous else None
+    arr = _host(tensor)
+    key = (_BROADCAST, arr.dtype, arr.shape, src, group_src) if arr is not None and arr.flags.c_contiguous else None
     root = group_root(pg, "broadcast", "src", src, group_src)
     if (dev := device_backend(pg, tensor, "broadcast tensor")) is not None:
         return await issue_on_device(dev, pg, "broadcast", {"tensor": tensor, "root": root}, asy)
@@ -291,18 +322,19 @@ async def broadcast(
 def _all_reduce_now(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False) -> Any:
     """all_reduce's first step (``_now``): a kept call (a writable C-contiguous numpy array, a
     ReduceOp kind, a call seen before on its group) by its in-call path."""
-    if type(tensor) is not np.ndarray or type(op) is not _KIND or type(async_op) is not bool:
+    arr = tensor if type(tensor) is np.ndarray else _host(tensor)
+    if arr is None or type(op) is not _KIND or type(async_op) is not bool:
         return LATER
     pg = _CURRENT.get().default_pg if group is None else _now_group(group)
     if pg is None:
         return LATER
-    flags = tensor.flags
+    flags = arr.flags
     if not (flags.writeable and flags.c_contiguous):
         return LATER
-    hit = pg.hot.get((_ALL_REDUCE, op, tensor.dtype, tensor.shape))
+    hit = pg.hot.get((_ALL_REDUCE, op, arr.dtype, arr.shape))
     if hit is None or hit.quick is None:
         return LATER
-    flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
+    flat = arr if arr.ndim == 1 else arr.reshape(-1)
     return _now(pg, _ALL_REDUCE, hit.quick.all_reduce, flat, hit.fold, [tensor], hit.described, async_op)
 
 
@@ -334,11 +366,11 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
         pl = None
         plain = rop.op is not _PREMUL and rop.op is not _AVG  # nothing to do before or after the exchanges
     r = route(pg, "all_reduce", flat.nbytes, planned=pl)
-    if hit is None and type(tensor) is np.ndarray and type(op) is _KIND:
+    if hit is None and type(op) is _KIND and (arr := _host(tensor)) is not None and arr.flags.c_contiguous:
         q = quick(pg, r.plan, flat.nbytes) if plain else None
         fold = folder(rop, name) if q is not None else None
         kept = Prepared(described, r.plan, q, rop=rop, combine=combine, fold=fold, name=name, plain=plain)
-        _keep(pg, (_ALL_REDUCE, op, tensor.dtype, tensor.shape), kept)
+        _keep(pg, (_ALL_REDUCE, op, arr.dtype, arr.shape), kept)
     if plain:
         work = r.issue(pg, "all_reduce", r.all_reduce_body(flat, combine), [tensor], described=described)
     else:
@@ -408,23 +440,19 @@ def _reduce_now(
     group_dst: int | None = None,
 ) -> Any:
     """reduce's first step (``_now``): a kept call by its in-call path."""
-    if (
-        type(tensor) is not np.ndarray
-        or type(op) is not _KIND
-        or type(async_op) is not bool
-        or not (_int_or_none(dst) and _int_or_none(group_dst))
-    ):
+    arr = tensor if type(tensor) is np.ndarray else _host(tensor)
+    if arr is None or type(op) is not _KIND or type(async_op) is not bool or not (_int_or_none(dst) and _int_or_none(group_dst)):
         return LATER
     pg = _CURRENT.get().default_pg if group is None else _now_group(group)
     if pg is None:
         return LATER
-    flags = tensor.flags
+    flags = arr.flags
     if not flags.c_contiguous:
         return LATER
-    hit = pg.hot.get((_REDUCE, op, tensor.dtype, tensor.shape, dst, group_dst))
+    hit = pg.hot.get((_REDUCE, op, arr.dtype, arr.shape, dst, group_dst))
     if hit is None or hit.quick is None or not (flags.writeable or hit.root != pg.rank()):
         return LATER
-    flat = tensor if tensor.ndim == 1 else tensor.reshape(-1)
+    flat = arr if arr.ndim == 1 else arr.reshape(-1)
     return _now(pg, _REDUCE, hit.quick.reduce, flat, hit, [tensor], hit.described, async_op)
 
 
@@ -452,8 +480,9 @@ async def reduce(
     r = route(pg, "reduce", flat.nbytes)
     meta = _meta(tensor=_t(b), op=_opname(rop), root=pg.ranks[root])
     plain = rop.op is not _PREMUL and rop.op is not _AVG
-    key = (_REDUCE, op, tensor.dtype, tensor.shape, dst, group_dst) if type(tensor) is np.ndarray and type(op) is _KIND else None
-    if plain and key is not None and tensor.flags.c_contiguous and key not in pg.hot:  # kept for _reduce_now
+    arr = _host(tensor) if type(op) is _KIND else None
+    key = (_REDUCE, op, arr.dtype, arr.shape, dst, group_dst) if arr is not None else None
+    if plain and key is not None and arr is not None and arr.flags.c_contiguous and key not in pg.hot:  # kept for _reduce_now
         q = quick(pg, r.plan, flat.nbytes)
         _keep(pg, key, Prepared(describe_call("reduce", meta), r.plan, q, fold=folder(rop, name) if q is not None else None, root=root))
 
@@ -524,18 +553,20 @@ def _all_gather_now(op: str) -> Callable[..., Any]:
     @_first_step_of(op)
     def first_step(output_tensor: Any, input_tensor: Any, group: GroupArg = None, async_op: bool = False) -> Any:
         """all_gather_into_tensor's first step (``_now``): a kept call by its in-call path."""
-        if type(output_tensor) is not np.ndarray or type(input_tensor) is not np.ndarray or type(async_op) is not bool:
+        out = output_tensor if type(output_tensor) is np.ndarray else _host(output_tensor)
+        inp = input_tensor if type(input_tensor) is np.ndarray else _host(input_tensor)
+        if out is None or inp is None or type(async_op) is not bool:
             return LATER
         pg = _CURRENT.get().default_pg if group is None else _now_group(group)
         if pg is None:
             return LATER
-        hit = pg.hot.get((op, output_tensor.dtype, output_tensor.shape, input_tensor.dtype, input_tensor.shape))
+        hit = pg.hot.get((op, out.dtype, out.shape, inp.dtype, inp.shape))
         if hit is None or hit.quick is None:
             return LATER
-        flags = output_tensor.flags
-        if not (flags.writeable and flags.c_contiguous and input_tensor.flags.c_contiguous):
+        flags = out.flags
+        if not (flags.writeable and flags.c_contiguous and inp.flags.c_contiguous):
             return LATER
-        into, part = output_tensor.reshape(-1), input_tensor.reshape(-1)
+        into, part = out.reshape(-1), inp.reshape(-1)
         return _now(pg, op, hit.quick.all_gather, into, part, [output_tensor], hit.described, async_op)
 
     return first_step
@@ -559,8 +590,8 @@ async def _all_gather_one(op: str, output_tensor: Any, input_tensor: Any, group:
         return None
     asy = async_op if type(async_op) is bool else check_async_op(async_op)
     key = None  # kept for the first step of the next call like it (_all_gather_now)
-    if type(output_tensor) is np.ndarray and type(input_tensor) is np.ndarray:
-        key = (op, output_tensor.dtype, output_tensor.shape, input_tensor.dtype, input_tensor.shape)
+    if (o := _host(output_tensor)) is not None and (i := _host(input_tensor)) is not None:
+        key = (op, o.dtype, o.shape, i.dtype, i.shape)
     if (dev := device_backend(pg, input_tensor, f"{op} input_tensor")) is not None:
         return await issue_on_device(dev, pg, op, {"output_tensor": output_tensor, "input_tensor": input_tensor}, asy)
     out = buf(output_tensor, f"{op} output_tensor", writable=True)
@@ -681,20 +712,20 @@ def _reduce_scatter_now(name: str) -> Callable[..., Any]:
     @_first_step_of(name)
     def first_step(output: Any, input: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupArg = None, async_op: bool = False) -> Any:
         """reduce_scatter_tensor's first step (``_now``): a kept call by its in-call path."""
-        if type(output) is not np.ndarray or type(input) is not np.ndarray or type(op) is not _KIND or type(async_op) is not bool:
+        out = output if type(output) is np.ndarray else _host(output)
+        inp = input if type(input) is np.ndarray else _host(input)
+        if out is None or inp is None or type(op) is not _KIND or type(async_op) is not bool:
             return LATER
         pg = _CURRENT.get().default_pg if group is None else _now_group(group)
         if pg is None:
             return LATER
-        hit = pg.hot.get((name, op, output.dtype, output.shape, input.dtype, input.shape))
+        hit = pg.hot.get((name, op, out.dtype, out.shape, inp.dtype, inp.shape))
         if hit is None or hit.quick is None:
             return LATER
-        flags = output.flags
-        if not (flags.writeable and flags.c_contiguous and input.flags.c_contiguous):
+        flags = out.flags
+        if not (flags.writeable and flags.c_contiguous and inp.flags.c_contiguous):
             return LATER
-        return _now(
-            pg, name, hit.quick.reduce_scatter, output.reshape(-1), (input.reshape(-1), hit.fold), [output], hit.described, async_op
-        )
+        return _now(pg, name, hit.quick.reduce_scatter, out.reshape(-1), (inp.reshape(-1), hit.fold), [output], hit.described, async_op)
 
     return first_step
 
@@ -728,8 +759,8 @@ async def _reduce_scatter_one(name: str, output: Any, input: Any, op: ReduceOpLi
     _same_size(inp, pg.size() * out.flat.size, f"{name} input (world size x output size)")
     rop, combine = _reduction(op, out.dtype_name, name)
     kept_as = None
-    if type(output) is np.ndarray and type(input) is np.ndarray and type(op) is _KIND:  # kept for _reduce_scatter_now
-        kept_as = (name, op, output.dtype, output.shape, input.dtype, input.shape)
+    if type(op) is _KIND and (o := _host(output)) is not None and (i := _host(input)) is not None:  # kept for _reduce_scatter_now
+        kept_as = (name, op, o.dtype, o.shape, i.dtype, i.shape)
     return await _finish(_issue_reduce_scatter(pg, name, out, _chunks(inp.flat, pg.size()), rop, combine, output, kept_as), asy)
 
 

@@ -499,6 +499,8 @@ class ProcessGroup:
                 w.exception()  # torn down on purpose: not an error nobody looked at
         if tasks:
             await asyncio.wait(tasks)
+        if self.clock is not None:  # its timer would keep it (and the loop's timer) until it is due
+            self.clock.close()
         for dev in dict.fromkeys(self.devices.values()):
             try:
                 await dev.release_group(self.group_id)
