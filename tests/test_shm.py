@@ -504,7 +504,11 @@ async def test_ops_done_in_their_calls_change_nothing_but_where_they_run(monkeyp
             await dist.reduce(y, dst=0)
             z = np.empty(1, np.float32)
             await dist.reduce_scatter_tensor(z, np.arange(2, dtype=np.float32) + 10 * rank + i)
-            outs.append((x.tolist(), y.tolist(), z.tolist(), w.is_completed(), w.is_success()))
+            a = np.full(3, rank + i + 0.5, np.float32)
+            await dist.all_reduce(a, op=dist.ReduceOp.AVG)
+            v = np.full(3, 3.0 * rank + i, np.float32)
+            await dist.reduce(v, dst=1, op=dist.ReduceOp.AVG)
+            outs.append((x.tolist(), y.tolist(), z.tolist(), a.tolist(), v.tolist(), w.is_completed(), w.is_success()))
         entries = [(e["op"], e["seq"], e["kind"], e["state"], e["error"]) for e in pg.recorder.to_json()]
         return outs, entries, int(pg.stats()["eager"])
 

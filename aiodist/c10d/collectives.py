@@ -101,6 +101,20 @@ def _finalize(buf: np.ndarray, rop: ReduceOp, n: int, *, dtype: str) -> None:
         finalize(buf, rop, n, dtype=dtype)
 
 
+def _kept_fold(rop: ReduceOp, dtype: str, n: int) -> Any:
+    """The fold of a kept call's in-call path (``aiodist.types.folder``), and for AVG the
+    division by the group's size after it (torch's AVG: the sum, then the division)."""
+    fold = folder(rop, dtype)
+    if rop.op is not _AVG:
+        return fold
+
+    def fold_then_average(out: np.ndarray, parts: Any, tmp: Any = None) -> None:
+        fold(out, parts, tmp)
+        finalize(out, rop, n, dtype=dtype)
+
+    return fold_then_average
+
+
 async def _finish(work: Work, async_op: bool) -> Work | None:
     if async_op:
         return work
@@ -367,8 +381,8 @@ async def all_reduce(tensor: Any, op: ReduceOpLike = ReduceOp.SUM, group: GroupA
         plain = rop.op is not _PREMUL and rop.op is not _AVG  # nothing to do before or after the exchanges
     r = route(pg, "all_reduce", flat.nbytes, planned=pl)
     if hit is None and type(op) is _KIND and (arr := _host(tensor)) is not None and arr.flags.c_contiguous:
-        q = quick(pg, r.plan, flat.nbytes) if plain else None
-        fold = folder(rop, name) if q is not None else None
+        q = quick(pg, r.plan, flat.nbytes) if rop.op is not _PREMUL else None
+        fold = _kept_fold(rop, name, len(pg.ranks)) if q is not None else None
         kept = Prepared(described, r.plan, q, rop=rop, combine=combine, fold=fold, name=name, plain=plain)
         _keep(pg, (_ALL_REDUCE, op, arr.dtype, arr.shape), kept)
     if plain:
@@ -479,12 +493,15 @@ async def reduce(
     flat, name, n = b.flat, b.dtype_name, pg.size()
     r = route(pg, "reduce", flat.nbytes)
     meta = _meta(tensor=_t(b), op=_opname(rop), root=pg.ranks[root])
-    plain = rop.op is not _PREMUL and rop.op is not _AVG
     arr = _host(tensor) if type(op) is _KIND else None
     key = (_REDUCE, op, arr.dtype, arr.shape, dst, group_dst) if arr is not None else None
-    if plain and key is not None and arr is not None and arr.flags.c_contiguous and key not in pg.hot:  # kept for _reduce_now
+    if (
+        rop.op is not _PREMUL and key is not None and arr is not None and arr.flags.c_contiguous and key not in pg.hot
+    ):  # kept for _reduce_now
         q = quick(pg, r.plan, flat.nbytes)
-        _keep(pg, key, Prepared(describe_call("reduce", meta), r.plan, q, fold=folder(rop, name) if q is not None else None, root=root))
+        _keep(
+            pg, key, Prepared(describe_call("reduce", meta), r.plan, q, fold=_kept_fold(rop, name, n) if q is not None else None, root=root)
+        )
 
     async def body(p2p: P2P) -> None:
         mine = flat if is_root or rop.op is not _PREMUL else flat.copy()
@@ -780,9 +797,9 @@ def _issue_reduce_scatter(
     total = sum(x.nbytes for x in parts)
     r = route(pg, "reduce_scatter", total)  # the total: the same on every rank
     described = describe_call(name, _meta(output=_t(out), op=_opname(rop)))
-    if kept_as is not None and rop.op is not _PREMUL and rop.op is not _AVG and kept_as not in pg.hot:
+    if kept_as is not None and rop.op is not _PREMUL and kept_as not in pg.hot:
         q = quick(pg, r.plan, total)
-        _keep(pg, kept_as, Prepared(described, r.plan, q, fold=folder(rop, dtype) if q is not None else None))
+        _keep(pg, kept_as, Prepared(described, r.plan, q, fold=_kept_fold(rop, dtype, n) if q is not None else None))
 
     async def body(p2p: P2P) -> None:
         mine = parts
