@@ -90,10 +90,10 @@ def test_shared_memory_path_matches_the_socket_path(n: int) -> None:
     for r, out in enumerate(res):
         assert out["shm"]["groups"] == [0], f"rank {r}: the default group did not use shared memory: {out['shm']}"
         # the big broadcasts, reduces, the reduce_scatter, all_to_all and the two all_gathers
-        # (cma_wide_min 0 here; and at 2 ranks the gather and the scatter) took the single-copy
-        # path (process_vm_readv) where the kernel lets one process read another here
+        # (cma_wide_min 0 here) took the single-copy path (process_vm_readv) where the kernel
+        # lets one process read another here; the small gather and scatter, the lane
         if cma:
-            assert out["shm"]["cma_groups"] == [0] and out["shm"]["cma_ops"] == 2 * n + 4 + (2 if n == 2 else 0), f"rank {r}: {out['shm']}"
+            assert out["shm"]["cma_groups"] == [0] and out["shm"]["cma_ops"] == 2 * n + 4, f"rank {r}: {out['shm']}"
         else:
             assert out["shm"]["cma_groups"] == [] and out["shm"]["cma_ops"] == 0, f"rank {r}: {out['shm']}"
         assert all(out["same"].values()), f"rank {r}: shared memory and socket results differ: {out['same']}"
@@ -508,7 +508,12 @@ async def test_ops_done_in_their_calls_change_nothing_but_where_they_run(monkeyp
             await dist.all_reduce(a, op=dist.ReduceOp.AVG)
             v = np.full(3, 3.0 * rank + i, np.float32)
             await dist.reduce(v, dst=1, op=dist.ReduceOp.AVG)
-            outs.append((x.tolist(), y.tolist(), z.tolist(), a.tolist(), v.tolist(), w.is_completed(), w.is_success()))
+            gl = [np.empty((2, 2), np.int32) for _ in range(2)] if rank == i % 2 else None
+            await dist.gather(np.full((2, 2), rank * 10 + i, np.int32), gl, dst=i % 2)
+            sc = np.empty(3, np.float64)
+            await dist.scatter(sc, [np.full(3, q + i + 0.5) for q in range(2)] if rank == 1 - i % 2 else None, src=1 - i % 2)
+            got = (x, y, z, a, v, sc) if gl is None else (x, y, z, a, v, sc, *gl)
+            outs.append((*(t.tolist() for t in got), w.is_completed(), w.is_success()))
         entries = [(e["op"], e["seq"], e["kind"], e["state"], e["error"]) for e in pg.recorder.to_json()]
         return outs, entries, int(pg.stats()["eager"])
 
@@ -557,6 +562,11 @@ async def test_torch_cpu_tensors_take_the_in_call_path_as_numpy_arrays_do(monkey
             await dist.all_gather_into_tensor(g, torch.full((2,), float(rank)))
             z = torch.empty(1)
             await dist.reduce_scatter_tensor(z, torch.arange(2.0) + rank)
+            gl = [torch.empty(2) for _ in range(2)] if rank == 0 else None
+            await dist.gather(torch.full((2,), rank + 5.0), gl, dst=0)
+            sc = torch.empty(2)
+            await dist.scatter(sc, [torch.full((2,), q + 7.0) for q in range(2)] if rank == 1 else None, src=1)
+            assert sc.tolist() == [rank + 7.0] * 2 and (gl is None or [t.tolist() for t in gl] == [[5.0] * 2, [6.0] * 2])
             h = torch.ones(2, dtype=torch.bfloat16)
             await dist.all_reduce(h)
             with pytest.raises(ValueError, match="not contiguous"):  # refused as before, nothing issued
@@ -571,7 +581,54 @@ async def test_torch_cpu_tensors_take_the_in_call_path_as_numpy_arrays_do(monkey
             assert got[3] == ([3.0, 3.0] if rank == 0 else [rank + 1.0] * 2)
             assert got[4] == [0.0, 0.0, 1.0, 1.0] and got[5] == [1.0 + 2 * rank]
             assert got[6] == [2.0, 2.0]
-        assert done_in_call >= 3 * 6, (rank, done_in_call)  # every call of the six kinds once kept (the first is checked)
+        assert done_in_call >= 3 * 8, (rank, done_in_call)  # every call of the eight kinds once kept (the first is checked)
+
+
+async def test_small_gather_and_scatter_are_done_in_their_calls_and_object_payloads_of_any_size_still_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kept gather or scatter of one size everywhere posts and collects in its call, from any
+    root, in a group of 3 (not only 2); the object collectives, whose payloads differ in size
+    per rank on purpose (here one of 10 bytes and one of 300 KB, either side of the lane's
+    limit), take one path on every rank and pass."""
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+    monkeypatch.setattr(process_group, "EAGER_S", 0.5)
+
+    async def fn(rank: int) -> tuple[int, list[Any]]:
+        pg = dist.group.WORLD
+        done_in_call = 0
+        issue_now = pg.issue_now
+
+        def counting(*args: Any) -> Any:
+            nonlocal done_in_call
+            got = issue_now(*args)
+            done_in_call += got is not process_group.NOT_NOW
+            return got
+
+        pg.issue_now = counting  # type: ignore[method-assign]
+        seen: list[Any] = []
+        for i in range(9):
+            root = i % 3
+            gl = [np.empty(5, np.int64) for _ in range(3)] if rank == root else None
+            await dist.gather(np.arange(5) + 10 * rank + i, gl, dst=root)
+            if gl is not None:
+                assert all(np.array_equal(gl[q], np.arange(5) + 10 * q + i) for q in range(3))
+            sc = np.empty(4, np.float32)
+            await dist.scatter(sc, [np.full(4, q * 3.0 + i, np.float32) for q in range(3)] if rank == root else None, src=root)
+            assert np.all(sc == rank * 3.0 + i)
+        big = {"rank": rank, "blob": b"x" * (300_000 if rank == 1 else 10)}
+        got: list[Any] = [None] * 3 if rank == 0 else []
+        await dist.gather_object(big, got if rank == 0 else None, dst=0)
+        seen.append([g["rank"] for g in got] if rank == 0 else None)
+        out: list[Any] = [None]
+        await dist.scatter_object_list(out, [b"y" * (300_000 if q == 2 else 10) for q in range(3)] if rank == 0 else None, src=0)
+        seen.append(len(out[0]))
+        return done_in_call, seen
+
+    res = await run_world(3, fn, "gloo", timeout=30)
+    for rank, (done_in_call, seen) in enumerate(res):
+        assert done_in_call == 12, (rank, done_in_call)  # 18 calls; the first of each kind and root is checked
+        assert seen == ([[0, 1, 2]] if rank == 0 else [None]) + [300_000 if rank == 2 else 10], (rank, seen)
 
 
 async def test_an_async_op_call_gives_its_work_in_its_first_step(monkeypatch: pytest.MonkeyPatch) -> None:

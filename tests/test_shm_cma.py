@@ -425,11 +425,13 @@ async def test_an_all_to_all_whose_split_sizes_do_not_match_fails_on_both_ranks(
     assert all(dt < 5 for _, dt in results), results
 
 
+@pytest.mark.parametrize("lane", [False, True], ids=["no-lane", "lane"])
 @pytest.mark.parametrize("n", [2, 3])
-async def test_gather_and_scatter_read_straight_from_the_other_side(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
-    """gather and scatter by single copy in groups of 2 (every size here; 3 ranks: the
-    socket, the same results), every root in turn: sizes that differ per rank, 2-D tensors,
-    and in place (the root's own slot is its tensor)."""
+async def test_gather_and_scatter_read_straight_from_the_other_side(monkeypatch: pytest.MonkeyPatch, n: int, lane: bool) -> None:
+    """gather and scatter by single copy in groups of 2 (every size here, the lane off; 3
+    ranks: the socket, the same results), every root in turn: sizes that differ per rank, 2-D
+    tensors, and in place (the root's own slot is its tensor). With the lane on, the small ones
+    (up to 64 KiB a rank, sizes that differ included) go through it, the same results."""
     monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
 
     async def fn(rank: int) -> int:
@@ -459,7 +461,9 @@ async def test_gather_and_scatter_read_straight_from_the_other_side(monkeypatch:
             assert np.all(t == rank)
         return int(dist.group.WORLD.backend.stats()["shm"]["cma_ops"])
 
-    assert await run_world(n, fn, backend="gloo", timeout=60, pg_options={"scatter_cma_min": 0}) == [4 * n if n == 2 else 0] * n
+    rules: dict[str, object] = {"scatter_cma_min": 0} if lane else {"scatter_cma_min": 0, "gather_lane_max": 0, "scatter_lane_max": 0}
+    want = (2 if lane else 8) if n == 2 else 0  # (with the lane, only the 560 KB gathers by single copy)
+    assert await run_world(n, fn, backend="gloo", timeout=60, pg_options=rules) == [want] * n
 
 
 @pytest.mark.parametrize("op,m", [("gather", 10), ("scatter", 10), ("scatter", 100_000)], ids=["gather", "scatter-inline", "scatter-read"])

@@ -53,12 +53,17 @@ all_gather, all_gather_into_tensor (``nbytes``: the output's total; ``part``: th
      else ``halves``. Where the group cannot read its peers, single copy is the halves.
   2. ``th.lane(part)``: ``lane``.
   3. otherwise ``socket``.
-gather, scatter (``nbytes``: a rank's own part, the same on every rank as torch requires)
-  1. a group of other than 2 ranks, or single copy off for it: ``socket``. At 4 ranks on 2
+gather, scatter (``nbytes``: a rank's own part, the same on every rank as torch requires;
+``part``: 1 where the call's sizes may differ per rank on purpose, the object collectives'
+payloads, which every rank must take by one path whatever its own size)
+  1. ``part == 0``, ``0 < nbytes <= th.gather_lane_max`` (``scatter_lane_max``) and the lane
+     holds the root's post (gather: its table of sizes, 8 bytes a rank, or a part; scatter: the
+     table and every part): ``lane``, in a group of any size.
+  2. a group of other than 2 ranks, or single copy off for it: ``socket``. At 4 ranks on 2
      cores single copy was 2x slower up to 64 KiB and faster only from 4 MiB.
-  2. ``nbytes >= th.gather_cma_min`` (``scatter_cma_min``): ``single_copy``, eager up to
+  3. ``nbytes >= th.gather_cma_min`` (``scatter_cma_min``): ``single_copy``, eager up to
      ``th.lane_max``.
-  3. otherwise ``socket`` in line.
+  4. otherwise ``socket`` in line.
 reduce_scatter (``nbytes``: the input's total)
   1. ``th.reduce_scatter_lane(nbytes)``: ``lane``, eager (every rank posts its input and folds
      its own part of every slot).
@@ -156,11 +161,15 @@ def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0) -> 
             return Plan("lane", True)
         return _SOCKET
     if op in ("gather", "scatter"):
-        threshold = th.gather_cma_min if op == "gather" else th.scatter_cma_min
+        gather = op == "gather"
+        if part == 0 and 0 < nbytes <= (th.gather_lane_max if gather else th.scatter_lane_max):
+            if th.lane(max(nbytes, 8 * ranks) if gather else ranks * (nbytes + 8)):
+                return Plan("lane", True)
+        threshold = th.gather_cma_min if gather else th.scatter_cma_min
         if ranks != 2 or threshold < 0:
             return _SOCKET
         if threshold <= nbytes:
-            eager = 0 if op == "gather" else 16 * ranks
+            eager = 0 if gather else 16 * ranks
             return Plan("single_copy", True, eager if nbytes <= th.lane_max else None)
         return _SOCKET_IN_LINE
     if op == "reduce_scatter":

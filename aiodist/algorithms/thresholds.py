@@ -138,6 +138,13 @@ class Thresholds:
     #: there; 0: never. Measured here at 2 ranks, 16 B-64 KiB: 113-165 us an op by single copy
     #: (a task, the lane's table, the reads).
     reduce_scatter_lane_max: int = 64 * KiB
+    #: gather and scatter through the latency lane up to this many bytes per rank (a rank judges
+    #: by its own part: torch's gather and scatter take one size everywhere), in a group of any
+    #: size, where the group has a lane: the root posts its table of sizes (and a scatter's
+    #: parts), done in the call when the ranks are there; 0: never. Measured here at 2 ranks,
+    #: 4 B-64 KiB by single copy: gather 68-102 us, scatter 54-94 (a task, the doorbells).
+    gather_lane_max: int = 64 * KiB
+    scatter_lane_max: int = 64 * KiB
 
     def __post_init__(self) -> None:
         if self.pipeline_piece < 1:

@@ -37,6 +37,10 @@ from aiodist.shm import (
     GroupShm,
     Into,
     Ticket,
+    gather_copy,
+    gather_finish,
+    gather_posts,
+    gather_sizes_agree,
     lane_now,
     op_link,
     run_all_gather,
@@ -48,6 +52,10 @@ from aiodist.shm import (
     run_reduce,
     run_reduce_scatter,
     run_scatter,
+    scatter_copy,
+    scatter_finish,
+    scatter_posts,
+    scatter_sizes_agree,
     settle,
 )
 from aiodist.types import Fold
@@ -142,13 +150,13 @@ class Route:
             await alg.all_gather(p2p, outs, mine, thresholds=self.th)
 
     async def gather(self, p2p: P2P, outs: Sequence[np.ndarray] | None, mine: np.ndarray, root: int) -> None:
-        ticket = self.ticket
-        if ticket is None or not await run_gather(ticket, p2p, outs, mine, root, self.plan.single_copy):
+        ticket, pl = self.ticket, self.plan
+        if ticket is None or not await run_gather(ticket, p2p, outs, mine, root, pl.single_copy, pl.lane):
             await alg.gather(p2p, outs, mine, root)
 
     async def scatter(self, p2p: P2P, mine: np.ndarray, ins: Sequence[np.ndarray] | None, root: int) -> None:
-        ticket = self.ticket
-        if ticket is None or not await run_scatter(ticket, p2p, mine, ins, root, self.plan.single_copy):
+        ticket, pl = self.ticket, self.plan
+        if ticket is None or not await run_scatter(ticket, p2p, mine, ins, root, pl.single_copy, pl.lane):
             await alg.scatter(p2p, mine, ins, root)
 
     async def reduce_scatter(self, p2p: P2P, out: np.ndarray, parts: Sequence[np.ndarray], combine: Combine) -> None:
@@ -202,7 +210,7 @@ class Quick:
     ``Rest`` waits in a task. Elsewhere (an op ahead in line, no agreement yet, the socket
     path) it answers None having done nothing, and the op takes its route."""
 
-    __slots__ = ("shm", "group_id", "ranks", "me", "nbytes", "line", "g", "sizes", "_by_root", "_tmp")
+    __slots__ = ("shm", "group_id", "ranks", "me", "nbytes", "line", "g", "sizes", "any_sizes", "_by_root", "_tmp")
 
     def __init__(self, shm: Any, group_id: int, ranks: Sequence[int], nbytes: int) -> None:
         self.shm = shm
@@ -212,6 +220,7 @@ class Quick:
         self.line: Any = None  # the group's line (aiodist.shm._manager._Turns), once it has one
         self.g: GroupShm | None = None  # the group's shared memory, once known to fit the lane
         self.sizes = [nbytes] * len(ranks)
+        self.any_sizes = [-1] * len(ranks)  # (gather's and scatter's: their finish checks the sizes)
         self.me = list(ranks).index(shm.rank)
         self._by_root: dict[int, list[int]] = {}  # a broadcast's sizes, by its root
         self._tmp: np.ndarray | None = None  # a fold's second array (``aiodist.types.folder``)
@@ -353,6 +362,62 @@ class Quick:
             fold(out, [v[lo : lo + m] for v in g.typed_slots(s, inp.dtype, inp.size)], tmp)
 
         return self._go(seq, digest, inp.view(np.uint8), self.sizes, finish, "reduce_scatter")
+
+    def gather(self, seq: int, digest: int, mine: np.ndarray, outs_root: tuple[Sequence[np.ndarray] | None, int]) -> bool | Rest | None:
+        """Every rank's ``mine`` into ``outs[that rank]`` of the root (``outs_root``: the
+        root's list, None elsewhere, and the root's group rank): ``aiodist.shm._lane.gather``'s
+        posts, checks and copies, here in the call. Sizes that do not agree park the op, whose
+        rest names them."""
+        g = self._lane()
+        if g is None:
+            return None
+        outs, root = outs_root
+        me = self.me
+        sizes = self.any_sizes
+        s = lane_now(g, seq, digest, gather_posts(me, root, outs, mine), sizes)
+        if s >= 0 and gather_sizes_agree(g, s, me, root, outs, mine):
+            gather_copy(g, s, me, root, outs, mine)
+            return True
+
+        def finish(link: Any, g: GroupShm, s: int) -> None:
+            gather_finish(link, g, s, root, outs, mine)
+
+        return self._park_checked(g, s if s >= 0 else s + 2, sizes, finish, "gather")
+
+    def scatter(self, seq: int, digest: int, out: np.ndarray, ins_root: tuple[Sequence[np.ndarray] | None, int]) -> bool | Rest | None:
+        """``ins[q]`` of the root into ``out`` of rank q (``ins_root``: the root's list, None
+        elsewhere, and the root's group rank): ``aiodist.shm._lane.scatter``'s posts, checks
+        and copies, here in the call."""
+        g = self._lane()
+        if g is None:
+            return None
+        ins, root = ins_root
+        me, n = self.me, len(self.ranks)
+        sizes = self.any_sizes
+        s = lane_now(g, seq, digest, scatter_posts(me, root, ins, out), sizes)
+        if s >= 0 and scatter_sizes_agree(g, s, me, root, n, out):
+            scatter_copy(g, s, me, root, n, out)
+            return True
+
+        def finish(link: Any, g: GroupShm, s: int) -> None:
+            scatter_finish(link, g, s, root, out)
+
+        return self._park_checked(g, s if s >= 0 else s + 2, sizes, finish, "scatter")
+
+    def _park_checked(self, g: GroupShm, s: int, sizes: Sequence[int], finish: Callable[[Any, GroupShm, int], None], op: str) -> Rest:
+        """``_park`` for an op whose finish checks what it reads (and raises, naming it, under
+        the op's runner): ``finish(link, g, s)``."""
+        ticket = self.shm.ticket(self.group_id, self.ranks)
+
+        async def rest(p2p: P2P) -> None:
+            try:
+                link = op_link(p2p)
+                await settle(link, g, s, sizes, op, spin=False)
+                finish(link, g, s)
+            finally:
+                ticket.release()
+
+        return Rest(rest, ticket.release)
 
     def barrier(self, seq: int, digest: int, _a: Any = None, _b: Any = None) -> bool | Rest | None:
         """Every rank of the group has entered."""

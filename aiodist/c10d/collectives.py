@@ -137,6 +137,8 @@ _ALL_REDUCE = "all_reduce"
 _BROADCAST = "broadcast"
 _REDUCE = "reduce"
 _ALL_GATHER = "all_gather"
+_GATHER = "gather"
+_SCATTER = "scatter"
 _BARRIER = ("barrier",)  # the barrier's key in pg.hot (its call has nothing else)
 #: calls kept per group (``ProcessGroup.hot``): a training loop repeats a few shapes
 _HOT_MAX = 256
@@ -645,7 +647,62 @@ def _root_list(
     return [b.flat for b in items]
 
 
-@on_world_loop
+def _root_list_now(items: object, like: np.ndarray, n: int, writable: bool) -> list[np.ndarray] | None:
+    """A gather's or scatter's list on its root, for a kept call's first step: ``n`` arrays
+    (numpy, or torch tensors' views: ``_host``) of ``like``'s dtype and shape, C-contiguous
+    (and writable: ``writable``); None otherwise (the call's own checks take it)."""
+    if type(items) is not list or len(items) != n:
+        return None
+    got = []
+    for o in items:
+        a = o if type(o) is np.ndarray else _host(o)
+        if a is None or a.shape != like.shape or a.dtype != like.dtype:
+            return None
+        flags = a.flags
+        if not flags.c_contiguous or (writable and not flags.writeable):
+            return None
+        got.append(a)
+    return got
+
+
+def _not_root_list(items: object) -> bool:
+    """A root's list where a rank that is not the root has none (None or empty, as torch takes)."""
+    return items is None or (type(items) is list and not items)
+
+
+@_first_step_of("gather")
+def _gather_now(
+    tensor: Any,
+    gather_list: Sequence[Any] | None = None,
+    dst: int | None = None,
+    group: GroupArg = None,
+    async_op: bool = False,
+    group_dst: int | None = None,
+) -> Any:
+    """gather's first step (``_now``): a kept call of one size everywhere by its in-call path."""
+    arr = tensor if type(tensor) is np.ndarray else _host(tensor)
+    if arr is None or type(async_op) is not bool or not (_int_or_none(dst) and _int_or_none(group_dst)):
+        return LATER
+    pg = _CURRENT.get().default_pg if group is None else _now_group(group)
+    if pg is None or not arr.flags.c_contiguous:
+        return LATER
+    hit = pg.hot.get((_GATHER, arr.dtype, arr.shape, dst, group_dst))
+    if hit is None or hit.quick is None:
+        return LATER
+    root = hit.root
+    if root == pg.rank():
+        outs = _root_list_now(gather_list, arr, len(pg.ranks), True)
+        if outs is None:
+            return LATER
+        outputs = list(gather_list)  # type: ignore[arg-type]  # (a list: _root_list_now)
+    elif _not_root_list(gather_list):
+        outs, outputs = None, []
+    else:
+        return LATER
+    return _now(pg, _GATHER, hit.quick.gather, arr, (outs, root), outputs, hit.described, async_op)
+
+
+@on_world_loop_now(_gather_now)
 async def gather(
     tensor: Any,
     gather_list: Sequence[Any] | None = None,
@@ -655,6 +712,21 @@ async def gather(
     group_dst: int | None = None,
 ) -> Work | None:
     """Every rank's ``tensor`` into ``gather_list`` of ``dst`` (default: global rank 0)."""
+    return await _gather(tensor, gather_list, dst, group, async_op, group_dst, uneven=False)
+
+
+@on_world_loop
+async def gather_uneven(
+    tensor: Any, gather_list: Sequence[Any] | None = None, group: GroupArg = None, async_op: bool = False, group_dst: int | None = None
+) -> Work | None:  # not in __all__: the object collectives' payloads
+    """``gather`` whose parts differ in size per rank on purpose (pickled objects): every rank
+    takes one path, whatever its own size (``plan``'s ``part``)."""
+    return await _gather(tensor, gather_list, None, group, async_op, group_dst, uneven=True)
+
+
+async def _gather(
+    tensor: Any, gather_list: Sequence[Any] | None, dst: int | None, group: GroupArg, async_op: bool, group_dst: int | None, *, uneven: bool
+) -> Work | None:
     if not_member(group, "gather"):
         return None
     pg = resolve_group(group, what="gather")
@@ -665,16 +737,56 @@ async def gather(
     inp = buf(tensor, "gather tensor", writable=False)
     flats = _root_list(pg, root, gather_list, inp, "gather", "gather_list", "destination", writable=True)
     mine = inp.flat
-    r = route(pg, "gather", mine.nbytes)
+    n = pg.size()
+    r = route(pg, "gather", mine.nbytes, part=1 if uneven else 0)
+    meta = _meta(dtype=inp.dtype_name, root=pg.ranks[root], local={"input": _t(inp)})
+    described = describe_call("gather", meta)
+    arr = _host(tensor) if not uneven else None
+    if arr is not None and arr.flags.c_contiguous and (key := (_GATHER, arr.dtype, arr.shape, dst, group_dst)) not in pg.hot:
+        if pg.rank() != root or _root_list_now(gather_list, arr, n, True) is not None:  # one size everywhere: kept for _gather_now
+            _keep(pg, key, Prepared(described, r.plan, quick(pg, r.plan, max(mine.nbytes, 8 * n)), root=root))
 
     async def body(p2p: P2P) -> None:
         await r.gather(p2p, flats, mine, root)
 
-    meta = _meta(dtype=inp.dtype_name, root=pg.ranks[root], local={"input": _t(inp)})
-    return await _finish(r.issue(pg, "gather", body, list(gather_list or []), meta=meta), asy)
+    return await _finish(r.issue(pg, "gather", body, list(gather_list or []), described=described), asy)
 
 
-@on_world_loop
+@_first_step_of("scatter")
+def _scatter_now(
+    tensor: Any,
+    scatter_list: Sequence[Any] | None = None,
+    src: int | None = None,
+    group: GroupArg = None,
+    async_op: bool = False,
+    group_src: int | None = None,
+) -> Any:
+    """scatter's first step (``_now``): a kept call of one size everywhere by its in-call path."""
+    arr = tensor if type(tensor) is np.ndarray else _host(tensor)
+    if arr is None or type(async_op) is not bool or not (_int_or_none(src) and _int_or_none(group_src)):
+        return LATER
+    pg = _CURRENT.get().default_pg if group is None else _now_group(group)
+    if pg is None:
+        return LATER
+    flags = arr.flags
+    if not (flags.writeable and flags.c_contiguous):
+        return LATER
+    hit = pg.hot.get((_SCATTER, arr.dtype, arr.shape, src, group_src))
+    if hit is None or hit.quick is None:
+        return LATER
+    root = hit.root
+    if root == pg.rank():
+        ins = _root_list_now(scatter_list, arr, len(pg.ranks), False)
+        if ins is None:
+            return LATER
+    elif _not_root_list(scatter_list):
+        ins = None
+    else:
+        return LATER
+    return _now(pg, _SCATTER, hit.quick.scatter, arr, (ins, root), [tensor], hit.described, async_op)
+
+
+@on_world_loop_now(_scatter_now)
 async def scatter(
     tensor: Any,
     scatter_list: Sequence[Any] | None = None,
@@ -684,6 +796,28 @@ async def scatter(
     group_src: int | None = None,
 ) -> Work | None:
     """``scatter_list[i]`` of ``src`` (default: global rank 0) into ``tensor`` of group rank i."""
+    return await _scatter(tensor, scatter_list, src, group, async_op, group_src, uneven=False)
+
+
+@on_world_loop
+async def scatter_uneven(
+    tensor: Any, scatter_list: Sequence[Any] | None = None, group: GroupArg = None, async_op: bool = False, group_src: int | None = None
+) -> Work | None:  # not in __all__: the object collectives' payloads
+    """``scatter`` whose parts differ in size per rank on purpose (pickled objects): every rank
+    takes one path, whatever its own size (``plan``'s ``part``)."""
+    return await _scatter(tensor, scatter_list, None, group, async_op, group_src, uneven=True)
+
+
+async def _scatter(
+    tensor: Any,
+    scatter_list: Sequence[Any] | None,
+    src: int | None,
+    group: GroupArg,
+    async_op: bool,
+    group_src: int | None,
+    *,
+    uneven: bool,
+) -> Work | None:
     if not_member(group, "scatter"):
         return None
     pg = resolve_group(group, what="scatter")
@@ -694,13 +828,19 @@ async def scatter(
     out = buf(tensor, "scatter tensor", writable=True)
     flats = _root_list(pg, root, scatter_list, out, "scatter", "scatter_list", "source", writable=False)
     mine = out.flat
-    r = route(pg, "scatter", mine.nbytes)
+    n = pg.size()
+    r = route(pg, "scatter", mine.nbytes, part=1 if uneven else 0)
+    meta = _meta(dtype=out.dtype_name, root=pg.ranks[root], local={"output": _t(out)})
+    described = describe_call("scatter", meta)
+    arr = _host(tensor) if not uneven else None
+    if arr is not None and arr.flags.c_contiguous and (key := (_SCATTER, arr.dtype, arr.shape, src, group_src)) not in pg.hot:
+        if pg.rank() != root or _root_list_now(scatter_list, arr, n, False) is not None:  # one size everywhere: kept for _scatter_now
+            _keep(pg, key, Prepared(described, r.plan, quick(pg, r.plan, n * (mine.nbytes + 8)), root=root))
 
     async def body(p2p: P2P) -> None:
         await r.scatter(p2p, mine, flats, root)
 
-    meta = _meta(dtype=out.dtype_name, root=pg.ranks[root], local={"output": _t(out)})
-    return await _finish(r.issue(pg, "scatter", body, [tensor], meta=meta), asy)
+    return await _finish(r.issue(pg, "scatter", body, [tensor], described=described), asy)
 
 
 # -- reduce_scatter / all_to_all / barrier -----------------------------------------------------

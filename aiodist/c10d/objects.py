@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from aiodist.c10d._args import group_root
-from aiodist.c10d.collectives import all_gather, broadcast, gather, scatter
+from aiodist.c10d.collectives import all_gather, broadcast, gather, gather_uneven, scatter, scatter_uneven
 from aiodist.c10d.init import GroupArg, not_member, resolve_group
 from aiodist.c10d.point_to_point import isend, recv
 from aiodist.c10d.process_group import ProcessGroup
@@ -234,7 +234,7 @@ async def gather_object(
     n = pg.size()
     if out is None:  # both issued at once: no window between the two ops
         w1 = _issued(await gather(sizes, None, group=pg, group_dst=root, async_op=True))
-        w2 = _issued(await gather(payload, None, group=pg, group_dst=root, async_op=True))
+        w2 = _issued(await gather_uneven(payload, None, group=pg, group_dst=root, async_op=True))
         await w1
         await w2
         return
@@ -242,7 +242,7 @@ async def gather_object(
     await _before_next(pg, "gather_object", gather(sizes, all_sizes, group=pg, group_dst=root))
     got = np.concatenate(all_sizes)
     parts = [np.empty(int(s), dtype=np.uint8) for s in _checked(got, "gather_object")]
-    await gather(payload, parts, group=pg, group_dst=root)
+    await gather_uneven(payload, parts, group=pg, group_dst=root)
     out[:] = [_loads(p) for p in parts]
 
 
@@ -279,13 +279,13 @@ async def scatter_object_list(
         parts = [np.frombuffer(p, dtype=np.uint8) for p in pickles]
         mine = np.empty(len(pickles[root]), dtype=np.uint8)
         w1 = _issued(await scatter(size, sizes, group=pg, group_src=root, async_op=True))
-        w2 = _issued(await scatter(mine, parts, group=pg, group_src=root, async_op=True))  # no window between them
+        w2 = _issued(await scatter_uneven(mine, parts, group=pg, group_src=root, async_op=True))  # no window between them
         await w1
         await w2
     else:
         await _before_next(pg, "scatter_object_list", scatter(size, None, group=pg, group_src=root))
         mine = np.empty(int(_checked(size, "scatter_object_list")[0]), dtype=np.uint8)
-        await scatter(mine, None, group=pg, group_src=root)
+        await scatter_uneven(mine, None, group=pg, group_src=root)
     out[0] = _loads(mine)
 
 

@@ -17,8 +17,18 @@ import numpy as np
 from aiodist.algorithms.p2p import P2P
 from aiodist.shm import _algorithms, _lane
 from aiodist.shm._algorithms import Into
+from aiodist.shm._lane import (
+    gather_copy,
+    gather_finish,
+    gather_posts,
+    gather_sizes_agree,
+    scatter_copy,
+    scatter_finish,
+    scatter_posts,
+    scatter_sizes_agree,
+    settle,
+)
 from aiodist.shm._lane import now as lane_now
-from aiodist.shm._lane import settle
 from aiodist.shm._link import OpLink, op_link
 from aiodist.shm._manager import DEFAULT_BYTES, ENV_BYTES, GroupShm, SharedMemory, Ticket, segment_bytes
 
@@ -41,6 +51,14 @@ __all__ = [
     "run_gather",
     "run_scatter",
     "lane_now",
+    "gather_copy",
+    "gather_finish",
+    "gather_posts",
+    "gather_sizes_agree",
+    "scatter_copy",
+    "scatter_finish",
+    "scatter_posts",
+    "scatter_sizes_agree",
     "settle",
     "op_link",
 ]
@@ -187,15 +205,38 @@ async def run_all_to_all(ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray], i
     return await _single_copy(ticket, p2p, True, lambda link, g: _algorithms.all_to_all_single_copy(link, g, outs, ins), 16 * p2p.size)
 
 
-async def run_gather(ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray] | None, mine: np.ndarray, root: int, big: bool = True) -> bool:
-    """A ``big`` gather by single-copy reads in this op's turn (``_single_copy``)."""
+async def run_gather(
+    ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray] | None, mine: np.ndarray, root: int, big: bool = True, lane: bool = False
+) -> bool:
+    """A small gather (``lane``) through the latency lane, or a ``big`` one by single-copy
+    reads, in this op's turn (``_single_copy``); False (nothing done) where the group can do
+    neither (every rank alike: the group agreed on its lane)."""
+    if lane:
+        return await _in_lane(ticket, p2p, lambda link, g: _lane.gather(link, g, outs, mine, root))
     return await _single_copy(ticket, p2p, big, lambda link, g: _algorithms.gather_single_copy(link, g, outs, mine, root))
 
 
-async def run_scatter(ticket: Ticket, p2p: P2P, out: np.ndarray, ins: Sequence[np.ndarray] | None, root: int, big: bool = True) -> bool:
-    """A ``big`` scatter by single-copy reads in this op's turn (``_single_copy``); its table of
-    parts goes through the lane."""
+async def run_scatter(
+    ticket: Ticket, p2p: P2P, out: np.ndarray, ins: Sequence[np.ndarray] | None, root: int, big: bool = True, lane: bool = False
+) -> bool:
+    """A small scatter (``lane``) through the latency lane, or a ``big`` one by single-copy
+    reads (its table of parts through the lane), in this op's turn (``_single_copy``)."""
+    if lane:
+        return await _in_lane(ticket, p2p, lambda link, g: _lane.scatter(link, g, out, ins, root))
     return await _single_copy(ticket, p2p, big, lambda link, g: _algorithms.scatter_single_copy(link, g, out, ins, root), 16 * p2p.size)
+
+
+async def _in_lane(ticket: Ticket, p2p: P2P, run: Callable[[OpLink, GroupShm], Awaitable[None]]) -> bool:
+    """A lane op (``run``) in this op's turn; False (nothing done) where the group has no lane."""
+    try:
+        link = op_link(p2p)
+        g = await ticket.acquire(link)
+        if g is None or not g.lane:
+            return False
+        await run(link, g)
+        return True
+    finally:
+        ticket.release()
 
 
 async def run_all_gather(

@@ -1,5 +1,5 @@
-"""The latency lane: small all_reduce, all_gather, broadcast and barrier through the first bytes
-of every member's segment, with no message on any socket when the group's ranks arrive
+"""The latency lane: small all_reduce, reduce, reduce_scatter, all_gather, gather, scatter,
+broadcast and barrier through the first bytes of every member's segment, with no message on any socket when the group's ranks arrive
 together; and the phase words that are the big ops' doorbells (``phase``).
 
 Why: between processes on one host, what a small op costs is not the bytes but the wake-ups: a
@@ -71,6 +71,16 @@ __all__ = [
     "reduce_scatter",
     "broadcast",
     "all_gather",
+    "gather",
+    "gather_posts",
+    "gather_sizes_agree",
+    "gather_finish",
+    "gather_copy",
+    "scatter",
+    "scatter_posts",
+    "scatter_sizes_agree",
+    "scatter_finish",
+    "scatter_copy",
     "fits",
 ]
 
@@ -261,6 +271,155 @@ async def reduce_scatter(p2p: OpLink, g: GroupShm, out: np.ndarray, parts: Seque
     np.copyto(byte_view(out, writable=True), slots[0][start:stop])
     for slot in slots[1:]:
         combine(out, slot[start:stop].view(dt))
+
+
+# -- gather and scatter: sizes may differ per rank (the object collectives' payloads); the root's
+# -- table of sizes (int64, one per rank) travels with its post, so every rank checks its own
+
+#: what a rank other than the root posts in a scatter: the bytes it expects (one int64)
+_EXPECT = 8
+
+
+def gather_posts(me: int, root: int, outs: Sequence[np.ndarray] | None, mine: np.ndarray) -> np.ndarray | list[np.ndarray]:
+    """What a rank posts in a lane gather: the root its table (the bytes it expects of each
+    rank, ``outs``' sizes), the others their bytes (``mine``)."""
+    if me == root:
+        assert outs is not None
+        return np.array([o.nbytes for o in outs], np.int64).view(np.uint8)
+    return byte_view(mine)
+
+
+def _gather_odd(
+    g: GroupShm, s: int, me: int, root: int, outs: Sequence[np.ndarray] | None, mine: np.ndarray
+) -> tuple[int, int, int] | None:
+    """(sender, bytes sent, bytes expected) of the first rank whose size is not what the root's
+    table says, as this rank sees it; None where all agree."""
+    h = _HEAD[s]
+    if me == root:
+        assert outs is not None
+        for q, o in enumerate(outs):
+            if q != me:
+                sent = int(g.words[q][h + 2])
+                if sent != o.nbytes:
+                    return q, sent, o.nbytes
+        return None
+    want = int(g.bodies[root][s][8 * me : 8 * me + 8].view(np.int64)[0])
+    return None if want == mine.nbytes else (me, mine.nbytes, want)
+
+
+def gather_sizes_agree(g: GroupShm, s: int, me: int, root: int, outs: Sequence[np.ndarray] | None, mine: np.ndarray) -> bool:
+    """Whether the sizes of a gather posted in slot ``s`` agree (``gather_finish`` names the
+    first that does not)."""
+    return _gather_odd(g, s, me, root, outs, mine) is None
+
+
+def gather_finish(link: OpLink, g: GroupShm, s: int, root: int, outs: Sequence[np.ndarray] | None, mine: np.ndarray) -> None:
+    """A lane gather once every rank posted in slot ``s``: every rank checks the sizes it can
+    see (the root each rank's against its list, the others their own against the root's table:
+    a mistake fails both sides, naming the ranks and sizes), and the root copies the parts."""
+    me = link.rank
+    odd = _gather_odd(g, s, me, root, outs, mine)
+    if odd is not None:
+        q, sent, want = odd
+        ranks = link.ranks
+        raise DistBackendError(
+            f"gather of group {link.group_id}, seq {link.seq}: rank {ranks[q]} sends {sent} bytes to rank {ranks[root]}, "
+            f"which expects {want} (the root's gather_list and every rank's tensor must agree)"
+        )
+    gather_copy(g, s, me, root, outs, mine)
+
+
+def gather_copy(g: GroupShm, s: int, me: int, root: int, outs: Sequence[np.ndarray] | None, mine: np.ndarray) -> None:
+    """A lane gather's copies once its sizes agree: the root's, every part into its list."""
+    if me == root:
+        assert outs is not None
+        for q, o in enumerate(outs):
+            o.reshape(-1).view(np.uint8)[...] = byte_view(mine) if q == me else g.bodies[q][s][: o.nbytes]
+
+
+def scatter_posts(me: int, root: int, ins: Sequence[np.ndarray] | None, out: np.ndarray) -> list[np.ndarray]:
+    """What a rank posts in a lane scatter: the root its table (each rank's part's bytes) and
+    every part after it, in rank order; the others the bytes they expect (one int64)."""
+    if me == root:
+        assert ins is not None
+        return [np.array([x.nbytes for x in ins], np.int64).view(np.uint8), *(byte_view(x) for x in ins)]
+    return [np.array([out.nbytes], np.int64).view(np.uint8)]
+
+
+def _scatter_odd(g: GroupShm, s: int, me: int, root: int, n: int, out: np.ndarray) -> tuple[int, int, int] | None:
+    """(receiver, bytes the root sends it, bytes it expects) of the first rank whose size is
+    not the root's table's, as this rank sees it; None where all agree."""
+    table = g.bodies[root][s][: 8 * n].view(np.int64)
+    if me == root:
+        for q in range(n):
+            if q != me:
+                want = int(g.bodies[q][s][:_EXPECT].view(np.int64)[0])
+                if want != int(table[q]):
+                    return q, int(table[q]), want
+        return None
+    sent = int(table[me])
+    return None if sent == out.nbytes else (me, sent, out.nbytes)
+
+
+def scatter_sizes_agree(g: GroupShm, s: int, me: int, root: int, n: int, out: np.ndarray) -> bool:
+    """Whether the sizes of a scatter posted in slot ``s`` agree (``scatter_finish`` names the
+    first that does not)."""
+    return _scatter_odd(g, s, me, root, n, out) is None
+
+
+def scatter_finish(link: OpLink, g: GroupShm, s: int, root: int, out: np.ndarray) -> None:
+    """A lane scatter once every rank posted in slot ``s``: every rank checks the sizes it can
+    see (the root each rank's expectation against its table, the others their own part's
+    size: a mistake fails both sides), and each copies its part out of the root's slot."""
+    me, n = link.rank, link.size
+    odd = _scatter_odd(g, s, me, root, n, out)
+    if odd is not None:
+        q, sent, want = odd
+        ranks = link.ranks
+        raise DistBackendError(
+            f"scatter of group {link.group_id}, seq {link.seq}: rank {ranks[root]} sends {sent} bytes to rank {ranks[q]}, "
+            f"which expects {want} (the root's scatter_list and every rank's tensor must agree)"
+        )
+    scatter_copy(g, s, me, root, n, out)
+
+
+def scatter_copy(g: GroupShm, s: int, me: int, root: int, n: int, out: np.ndarray) -> None:
+    """A lane scatter's copy once its sizes agree: this rank's part, out of the root's slot."""
+    table = g.bodies[root][s][: 8 * n].view(np.int64)
+    start = 8 * n + int(table[:me].sum())
+    out.reshape(-1).view(np.uint8)[...] = g.bodies[root][s][start : start + out.nbytes]
+
+
+async def gather(p2p: OpLink, g: GroupShm, outs: Sequence[np.ndarray] | None, mine: np.ndarray, root: int) -> None:
+    """Every rank's ``mine`` into ``outs[that rank]`` of the root (sizes may differ per rank,
+    as the root's list says)."""
+    me = p2p.rank
+    seq, digest = p2p.seq, p2p.digest
+    sizes = [-1] * p2p.size
+    s = post(g, seq, digest, gather_posts(me, root, outs, mine))
+    if collect(g, s, seq, digest, sizes) is not True:
+        await settle(p2p, g, s, sizes, "gather")
+    gather_finish(p2p, g, s, root, outs, mine)
+
+
+async def scatter(p2p: OpLink, g: GroupShm, out: np.ndarray, ins: Sequence[np.ndarray] | None, root: int) -> None:
+    """``ins[q]`` of the root into ``out`` of rank q (sizes may differ per rank, as the root's
+    list says); the root's table and parts must fit its slot."""
+    me, n = p2p.rank, p2p.size
+    seq, digest = p2p.seq, p2p.digest
+    pieces = scatter_posts(me, root, ins, out)
+    total = sum(x.nbytes for x in pieces)
+    if not g.fits_lane(total):  # (only where sizes differ per rank: a rank judges by its own part)
+        ranks = p2p.ranks
+        raise DistBackendError(
+            f"scatter of group {p2p.group_id}, seq {seq}: rank {ranks[me]}'s parts take {total} bytes in all, more than the "
+            f"lane holds; the other ranks judged by their own parts and take the lane (pass parts of one size, as torch requires)"
+        )
+    sizes = [-1] * n
+    s = post(g, seq, digest, pieces)
+    if collect(g, s, seq, digest, sizes) is not True:
+        await settle(p2p, g, s, sizes, "scatter")
+    scatter_finish(p2p, g, s, root, out)
 
 
 async def _wait(p2p: OpLink, g: GroupShm, words: list[np.ndarray], missing: list[int], target: int, spin: bool = True) -> None:
