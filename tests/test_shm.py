@@ -512,7 +512,9 @@ async def test_ops_done_in_their_calls_change_nothing_but_where_they_run(monkeyp
             await dist.gather(np.full((2, 2), rank * 10 + i, np.int32), gl, dst=i % 2)
             sc = np.empty(3, np.float64)
             await dist.scatter(sc, [np.full(3, q + i + 0.5) for q in range(2)] if rank == 1 - i % 2 else None, src=1 - i % 2)
-            got = (x, y, z, a, v, sc) if gl is None else (x, y, z, a, v, sc, *gl)
+            aa = np.empty(4, np.float32)
+            await dist.all_to_all_single(aa, np.arange(4, dtype=np.float32) + 10 * rank + i)
+            got = (x, y, z, a, v, sc, aa) if gl is None else (x, y, z, a, v, sc, aa, *gl)
             outs.append((*(t.tolist() for t in got), w.is_completed(), w.is_success()))
         entries = [(e["op"], e["seq"], e["kind"], e["state"], e["error"]) for e in pg.recorder.to_json()]
         return outs, entries, int(pg.stats()["eager"])
@@ -567,6 +569,9 @@ async def test_torch_cpu_tensors_take_the_in_call_path_as_numpy_arrays_do(monkey
             sc = torch.empty(2)
             await dist.scatter(sc, [torch.full((2,), q + 7.0) for q in range(2)] if rank == 1 else None, src=1)
             assert sc.tolist() == [rank + 7.0] * 2 and (gl is None or [t.tolist() for t in gl] == [[5.0] * 2, [6.0] * 2])
+            aa = torch.empty(4)
+            await dist.all_to_all_single(aa, torch.arange(4.0) + 10 * rank)
+            assert aa.tolist() == [2.0 * rank, 2.0 * rank + 1, 10 + 2.0 * rank, 11 + 2.0 * rank]
             h = torch.ones(2, dtype=torch.bfloat16)
             await dist.all_reduce(h)
             with pytest.raises(ValueError, match="not contiguous"):  # refused as before, nothing issued
@@ -581,14 +586,14 @@ async def test_torch_cpu_tensors_take_the_in_call_path_as_numpy_arrays_do(monkey
             assert got[3] == ([3.0, 3.0] if rank == 0 else [rank + 1.0] * 2)
             assert got[4] == [0.0, 0.0, 1.0, 1.0] and got[5] == [1.0 + 2 * rank]
             assert got[6] == [2.0, 2.0]
-        assert done_in_call >= 3 * 8, (rank, done_in_call)  # every call of the eight kinds once kept (the first is checked)
+        assert done_in_call >= 3 * 9, (rank, done_in_call)  # every call of the nine kinds once kept (the first is checked)
 
 
-async def test_small_gather_and_scatter_are_done_in_their_calls_and_object_payloads_of_any_size_still_pass(
+async def test_small_gather_scatter_and_all_to_all_are_done_in_their_calls_and_object_payloads_of_any_size_still_pass(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A kept gather or scatter of one size everywhere posts and collects in its call, from any
-    root, in a group of 3 (not only 2); the object collectives, whose payloads differ in size
+    root, in a group of 3 (not only 2), and so does an all_to_all_single of even splits; the object collectives, whose payloads differ in size
     per rank on purpose (here one of 10 bytes and one of 300 KB, either side of the lane's
     limit), take one path on every rank and pass."""
     monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
@@ -616,6 +621,9 @@ async def test_small_gather_and_scatter_are_done_in_their_calls_and_object_paylo
             sc = np.empty(4, np.float32)
             await dist.scatter(sc, [np.full(4, q * 3.0 + i, np.float32) for q in range(3)] if rank == root else None, src=root)
             assert np.all(sc == rank * 3.0 + i)
+            aa = np.empty(6, np.int16)
+            await dist.all_to_all_single(aa, (np.arange(6) + 10 * rank + i).astype(np.int16))
+            assert aa.tolist() == [10 * q + i + 2 * rank + k for q in range(3) for k in range(2)]
         big = {"rank": rank, "blob": b"x" * (300_000 if rank == 1 else 10)}
         got: list[Any] = [None] * 3 if rank == 0 else []
         await dist.gather_object(big, got if rank == 0 else None, dst=0)
@@ -627,7 +635,7 @@ async def test_small_gather_and_scatter_are_done_in_their_calls_and_object_paylo
 
     res = await run_world(3, fn, "gloo", timeout=30)
     for rank, (done_in_call, seen) in enumerate(res):
-        assert done_in_call == 12, (rank, done_in_call)  # 18 calls; the first of each kind and root is checked
+        assert done_in_call == 12 + 8, (rank, done_in_call)  # 27 calls; the first of each kind and root is checked
         assert seen == ([[0, 1, 2]] if rank == 0 else [None]) + [300_000 if rank == 2 else 10], (rank, seen)
 
 

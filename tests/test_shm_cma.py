@@ -403,6 +403,34 @@ async def test_all_to_all_reads_every_ranks_part_for_it(monkeypatch: pytest.Monk
     assert await run_world(n, fn, backend="gloo", timeout=60) == [4] * n
 
 
+@pytest.mark.parametrize("n", [2, 3])
+async def test_an_all_to_all_mixes_parts_in_the_lane_and_parts_read_from_memory(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """Rank 0's parts fit the lane slot (inline), the others' do not (read from their memory):
+    every part arrives, in both directions, and the ops after it are in step (the ranks decided
+    alike on the second lane op). Then every rank inline: the same results."""
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+
+    async def fn(rank: int) -> list[bool]:
+        ok = []
+        for big in (100_000, 10):
+            each = [10 if q == 0 else big for q in range(n)]  # rank q sends each[q] elements to every rank
+            x = np.arange(each[rank] * n, dtype=np.float32) + 1000 * rank
+            o = np.empty(sum(each), np.float32)
+            await dist.all_to_all_single(o, x, output_split_sizes=each, input_split_sizes=[each[rank]] * n)
+            at = 0
+            for q in range(n):
+                want = np.arange(each[q] * rank, each[q] * (rank + 1), dtype=np.float32) + 1000 * q
+                ok.append(bool(np.array_equal(o[at : at + each[q]], want)))
+                at += each[q]
+            y = np.ones(1, np.float32)
+            await dist.all_reduce(y)
+            ok.append(bool(y[0] == n))
+        return ok
+
+    for got in await run_world(n, fn, backend="gloo", timeout=60):
+        assert all(got), got
+
+
 async def test_an_all_to_all_whose_split_sizes_do_not_match_fails_on_both_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     """A mistake: rank 0 sends rank 1 10 elements, rank 1 expects 12. Rank 1 finds it in the
     table it reads and says so (the sizes and ranks); rank 0, waiting for rank 1 to finish

@@ -37,6 +37,11 @@ from aiodist.shm import (
     GroupShm,
     Into,
     Ticket,
+    all_to_all_copy,
+    all_to_all_inline_agree,
+    all_to_all_rest,
+    all_to_all_table,
+    all_to_all_table_bytes,
     gather_copy,
     gather_finish,
     gather_posts,
@@ -179,12 +184,15 @@ class Route:
 # -- the in-call path: post, collect, or park ------------------------------------------------------
 
 
-def quick(pg: ProcessGroupLike, pl: Plan, nbytes: int) -> Quick | None:
-    """The in-call path of a call kept by c10d (its plan ``pl``, ``nbytes`` per rank), where the
-    plan takes the latency lane and the backend has shared memory; None otherwise (every op of
-    the call then takes its route)."""
-    if pl.path != "lane":
+def quick(pg: ProcessGroupLike, pl: Plan, nbytes: int, op: str = "") -> Quick | None:
+    """The in-call path of a call kept by c10d (its plan ``pl``, ``nbytes`` per rank: what it
+    posts), where the plan takes the latency lane (or, for an all_to_all, single copy, whose
+    small posts go inline through the lane) and the backend has shared memory; None otherwise
+    (every op of the call then takes its route)."""
+    if pl.path != "lane" and not (op == "all_to_all" and pl.single_copy):
         return None
+    if op == "all_to_all":
+        nbytes += all_to_all_table_bytes(len(pg.ranks))  # (its post: the table, then the parts)
     shm = getattr(pg.backend, "shm", None)
     return None if shm is None else Quick(shm, pg.group_id, pg.ranks, nbytes)
 
@@ -419,9 +427,49 @@ class Quick:
 
         return Rest(rest, ticket.release)
 
+    def all_to_all(self, seq: int, digest: int, out: np.ndarray, inp: np.ndarray) -> bool | Rest | None:
+        """Part q of ``inp`` to rank q, part q of ``out`` from rank q (flat, the group's size
+        times one part each): posted inline (``aiodist.shm._algorithms.all_to_all_table``:
+        the single-copy path's inline post); done in the call where every rank's post is inline
+        and agrees, else parked (the rest reads and checks as the route's). Not in a group that
+        cannot read its peers' memory: its all_to_all takes the socket."""
+        g = self._lane()
+        if g is None or not g.cma:
+            return None
+        n = len(self.ranks)
+        part = inp.nbytes // n
+        table = self._tmp
+        if table is None:
+            table = self._tmp = all_to_all_table(n, part)
+        me = self.me
+        src = inp.view(np.uint8)
+        g.cma_ops += 1
+        s = lane_now(g, seq, digest, [table, src], self.any_sizes)
+        if s >= 0 and all_to_all_inline_agree(g, s, me, n, part):
+            all_to_all_copy(g, s, me, n, out.view(np.uint8), part)
+            return True
+        at = s if s >= 0 else s + 2
+        ticket = self.shm.ticket(self.group_id, self.ranks)
+        outs, ins = _chunks_of(out, n), _chunks_of(inp, n)
+
+        async def rest(p2p: P2P) -> None:
+            try:
+                link = op_link(p2p)
+                await settle(link, g, at, self.any_sizes, "all_to_all", spin=False)
+                await all_to_all_rest(link, g, at, outs, ins)
+            finally:
+                ticket.release()
+
+        return Rest(rest, ticket.release)
+
     def barrier(self, seq: int, digest: int, _a: Any = None, _b: Any = None) -> bool | Rest | None:
         """Every rank of the group has entered."""
         return self._go(seq, digest, None, self.sizes, _nothing, "barrier")
+
+
+def _chunks_of(flat: np.ndarray, n: int) -> list[np.ndarray]:
+    m = flat.size // n
+    return [flat[i * m : (i + 1) * m] for i in range(n)]
 
 
 def _nothing(g: GroupShm, s: int) -> None:

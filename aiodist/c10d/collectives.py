@@ -139,6 +139,7 @@ _REDUCE = "reduce"
 _ALL_GATHER = "all_gather"
 _GATHER = "gather"
 _SCATTER = "scatter"
+_ALL_TO_ALL = "all_to_all_single"
 _BARRIER = ("barrier",)  # the barrier's key in pg.hot (its call has nothing else)
 #: calls kept per group (``ProcessGroup.hot``): a training loop repeats a few shapes
 _HOT_MAX = 256
@@ -986,7 +987,35 @@ def _split_bounds(b: Buffer, sizes: Sequence[int] | None, n: int, what: str) -> 
     return bounds, row
 
 
-@on_world_loop
+@_first_step_of("all_to_all_single")
+def _all_to_all_single_now(
+    output: Any,
+    input: Any,
+    output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None,
+    group: GroupArg = None,
+    async_op: bool = False,
+) -> Any:
+    """all_to_all_single's first step (``_now``): a kept call of even splits by its in-call path."""
+    if output_split_sizes is not None or input_split_sizes is not None or type(async_op) is not bool:
+        return LATER
+    out = output if type(output) is np.ndarray else _host(output)
+    inp = input if type(input) is np.ndarray else _host(input)
+    if out is None or inp is None:
+        return LATER
+    pg = _CURRENT.get().default_pg if group is None else _now_group(group)
+    if pg is None:
+        return LATER
+    hit = pg.hot.get((_ALL_TO_ALL, out.dtype, out.shape, inp.dtype, inp.shape))
+    if hit is None or hit.quick is None:
+        return LATER
+    flags = out.flags
+    if not (flags.writeable and flags.c_contiguous and inp.flags.c_contiguous):
+        return LATER
+    return _now(pg, _ALL_TO_ALL, hit.quick.all_to_all, out.reshape(-1), inp.reshape(-1), [output], hit.described, async_op)
+
+
+@on_world_loop_now(_all_to_all_single_now)
 async def all_to_all_single(
     output: Any,
     input: Any,
@@ -1017,16 +1046,28 @@ async def all_to_all_single(
         raise ValueError(f"all_to_all_single: this rank sends itself {ib[r][1] - ib[r][0]} elements but expects {ob[r][1] - ob[r][0]}")
     ins = [inp.flat[a:b] for a, b in ib]
     outs = [out.flat[a:b] for a, b in ob]
-    return await _finish(_issue_all_to_all(pg, "all_to_all_single", outs, ins, [output]), asy)
+    kept_as = None
+    if output_split_sizes is None and input_split_sizes is None and (o := _host(output)) is not None and (i := _host(input)) is not None:
+        if o.flags.c_contiguous and i.flags.c_contiguous and o.size == i.size:  # kept for _all_to_all_single_now
+            kept_as = (_ALL_TO_ALL, o.dtype, o.shape, i.dtype, i.shape)
+    return await _finish(_issue_all_to_all(pg, "all_to_all_single", outs, ins, [output], kept_as), asy)
 
 
-def _issue_all_to_all(pg: ProcessGroup, name: str, outs: list[np.ndarray], ins: list[np.ndarray], outputs: list[Any]) -> Work:
-    r = route(pg, "all_to_all", sum(x.nbytes for x in ins), part=len(ins))
+def _issue_all_to_all(
+    pg: ProcessGroup, name: str, outs: list[np.ndarray], ins: list[np.ndarray], outputs: list[Any], kept_as: tuple[Any, ...] | None = None
+) -> Work:
+    """The op; ``kept_as``: the key under which an even call's checks are kept for its first
+    step (``_all_to_all_single_now``)."""
+    total = sum(x.nbytes for x in ins)
+    r = route(pg, "all_to_all", total, part=len(ins))
+    described = describe_call(name, _meta(dtype=str(ins[0].dtype) if ins else "?"))
+    if kept_as is not None and kept_as not in pg.hot:
+        _keep(pg, kept_as, Prepared(described, r.plan, quick(pg, r.plan, total, op="all_to_all")))
 
     async def body(p2p: P2P) -> None:
         await r.all_to_all(p2p, outs, ins)
 
-    return r.issue(pg, name, body, outputs, meta=_meta(dtype=str(ins[0].dtype) if ins else "?"))
+    return r.issue(pg, name, body, outputs, described=described)
 
 
 @_first_step_of("barrier")

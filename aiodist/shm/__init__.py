@@ -16,7 +16,8 @@ import numpy as np
 
 from aiodist.algorithms.p2p import P2P
 from aiodist.shm import _algorithms, _lane
-from aiodist.shm._algorithms import Into
+from aiodist.shm._algorithms import Into, all_to_all_copy, all_to_all_inline_agree, all_to_all_rest, all_to_all_table
+from aiodist.shm._algorithms import table_bytes as all_to_all_table_bytes
 from aiodist.shm._lane import (
     gather_copy,
     gather_finish,
@@ -51,6 +52,11 @@ __all__ = [
     "run_gather",
     "run_scatter",
     "lane_now",
+    "all_to_all_copy",
+    "all_to_all_inline_agree",
+    "all_to_all_rest",
+    "all_to_all_table",
+    "all_to_all_table_bytes",
     "gather_copy",
     "gather_finish",
     "gather_posts",
@@ -202,7 +208,9 @@ async def run_reduce_scatter(
 async def run_all_to_all(ticket: Ticket, p2p: P2P, outs: Sequence[np.ndarray], ins: Sequence[np.ndarray]) -> bool:
     """An all_to_all by single-copy reads in this op's turn (every one: the group agreed on
     whether it can); its split tables go through the lane."""
-    return await _single_copy(ticket, p2p, True, lambda link, g: _algorithms.all_to_all_single_copy(link, g, outs, ins), 16 * p2p.size)
+    return await _single_copy(
+        ticket, p2p, True, lambda link, g: _algorithms.all_to_all_single_copy(link, g, outs, ins), _algorithms.table_bytes(p2p.size)
+    )
 
 
 async def run_gather(

@@ -43,11 +43,15 @@ Rules these keep:
   part r of every rank and folds them, in rank order (the bits of the socket's direct
   schedule), into its output; and rings "out". A rank returns only after every peer's "out".
 - all_to_all with single copy: each rank writes where each of its parts is (address and size,
-  per destination rank) through the latency lane (one lane op: the table is 16 bytes a rank,
-  too big for the single-copy words); reads its part of every peer's input straight into its
+  per destination rank, and the size it expects of that rank: sender and reader both check)
+  through the latency lane (one lane op: the table is 24 bytes a rank, too big for the
+  single-copy words); reads its part of every peer's input straight into its
   output; copies its own part; and takes a second lane op (nothing written) so that it returns
   only after every peer has read its input. An input that any output overlaps is first copied
-  into one block of scratch.
+  into one block of scratch. A rank whose parts fit the lane slot after its table writes them
+  there instead (inline; its table then says where in the slot), and its peers copy theirs
+  out; where every rank's parts were inline, the second lane op is left out (every rank sees
+  every post, so all decide alike; the slot's reuse rule covers the reads).
 - gather with single copy: each rank publishes where its input is (address, size) and rings
   "in"; the root copies its own part, reads every peer's input straight into its slot of the
   list, and rings "out"; every rank returns after the root's "out".
@@ -418,39 +422,136 @@ async def reduce_scatter_single_copy(p2p: OpLink, g: GroupShm, out: np.ndarray, 
         await _lane.phase(p2p, g, 1, offs[-1] * isz)  # every peer has read this rank's input
 
 
+#: an all_to_all post's first word: its parts follow its table in the lane slot (``INLINE``), or
+#: the table holds where they are in the poster's memory (``READ``)
+_READ, _INLINE = 0, 1
+
+
 async def all_to_all_single_copy(p2p: OpLink, g: GroupShm, outs: Sequence[np.ndarray], ins: Sequence[np.ndarray]) -> None:
     """``ins[j]`` of rank i into ``outs[i]`` of rank j by single-copy reads (see the module
-    docstring); sizes may differ, but ``outs[i]`` must be the size of rank i's ``ins[rank]``."""
-    p, me = p2p.size, p2p.rank
+    docstring), or through the lane slot where a rank's parts fit it (inline); sizes may
+    differ, but ``outs[i]`` must be the size of rank i's ``ins[rank]``."""
+    p = p2p.size
     g.cma_ops += 1
     srcs = [byte_view(x) for x in ins]
     dsts = [byte_view(o, writable=True) for o in outs]
+    total = sum(x.nbytes for x in srcs)
+    head = table_bytes(p)
+    table = np.zeros(1 + 3 * p, np.int64)
+    table[3::3] = [d.nbytes for d in dsts]  # what this rank expects of each (both sides check)
+    if _lane.fits(g, head + total):  # inline: the parts go in the slot, after the table
+        table[0] = _INLINE
+        at = head
+        for q, x in enumerate(srcs):
+            table[1 + 3 * q] = at
+            table[2 + 3 * q] = x.nbytes
+            at += x.nbytes
+        got = await _lane.exchange(p2p, g, [table.view(np.uint8), *srcs], [-1] * p, "all_to_all")
+        await _all_to_all_reads(p2p, g, got, dsts, srcs, _Pacer())
+        return
     aside = any(d.nbytes and x.nbytes and np.may_share_memory(d, x) for d in dsts for x in srcs)
     pace = _Pacer()
-    with _held(g, np.dtype(np.uint8), sum(x.nbytes for x in srcs) if aside else 0) as scratch:
+    with _held(g, np.dtype(np.uint8), total if aside else 0) as scratch:
         if aside:  # one block that nobody writes while the peers read it
             at = 0
             for q, x in enumerate(srcs):
                 srcs[q] = scratch[at : at + x.nbytes]
                 await _copy(srcs[q], x, pace)
                 at += x.nbytes
-        table = np.zeros(2 * p, np.int64)
+        table[0] = _READ
         for q, x in enumerate(srcs):
             if x.nbytes:
-                table[2 * q] = x.ctypes.data
-                table[2 * q + 1] = x.nbytes
-        got = await _lane.exchange(p2p, g, table.view(np.uint8), [16 * p] * p, "all_to_all")
-        frm = [(int(t[2 * me]), int(t[2 * me + 1])) for t in (v.view(np.int64) for v in got)]  # (views of the slots: read now)
-        for q in range(p):
-            if q == me:
-                continue
-            addr, n = frm[q]
-            if n != dsts[q].nbytes:
-                raise _size_mismatch(p2p, "all_to_all", q, n, me, dsts[q].nbytes)
-            await _read(p2p, g, q, dsts[q], addr, pace, "all_to_all")
-        if not _same_bytes(dsts[me], srcs[me]):
-            await _copy(dsts[me], srcs[me], pace)
+                table[1 + 3 * q] = x.ctypes.data
+                table[2 + 3 * q] = x.nbytes
+        got = await _lane.exchange(p2p, g, table.view(np.uint8), [-1] * p, "all_to_all")
+        await _all_to_all_reads(p2p, g, got, dsts, srcs, pace)
+
+
+def table_bytes(p: int) -> int:
+    """An all_to_all post's table in a group of ``p``: its first word, then per rank where the
+    part for it is, its size, and what this rank expects of it."""
+    return 8 + 24 * p
+
+
+async def _all_to_all_reads(
+    p2p: OpLink, g: GroupShm, got: list[np.ndarray], dsts: list[np.ndarray], srcs: list[np.ndarray], pace: _Pacer
+) -> None:
+    """An all_to_all's reads once every rank posted (``got``: every rank's post): first the
+    sizes, on both sides of every pair with this rank (a mistake fails sender and reader alike);
+    a part inline is copied out of its sender's slot (this rank's own too: its input may overlap
+    its output), one elsewhere read from its sender's memory; then, where any rank's parts were
+    read from its memory, a second lane op, so that it returns only after every peer has read
+    them (every rank sees every post: they all decide alike)."""
+    p, me = p2p.size, p2p.rank
+    posts = [v[: table_bytes(p)].view(np.int64) for v in got]  # (views of the slots: read now)
+    mine = posts[me]
+    for q in range(p):
+        theirs = posts[q]
+        n = int(theirs[2 + 3 * me])
+        if n != dsts[q].nbytes:
+            raise _size_mismatch(p2p, "all_to_all", q, n, me, dsts[q].nbytes)
+        sent, want = int(mine[2 + 3 * q]), int(theirs[3 + 3 * me])
+        if sent != want:
+            raise _size_mismatch(p2p, "all_to_all", me, sent, q, want)
+    read = False
+    for q in range(p):
+        post = posts[q]
+        inline = int(post[0]) == _INLINE
+        read = read or not inline
+        where, n = int(post[1 + 3 * me]), int(post[2 + 3 * me])
+        if inline:
+            if n:
+                await _copy(dsts[q], got[q][where : where + n], pace)
+        elif q == me:
+            if not _same_bytes(dsts[me], srcs[me]):
+                await _copy(dsts[me], srcs[me], pace)
+        else:
+            await _read(p2p, g, q, dsts[q], where, pace, "all_to_all")
+    if read:
         await _lane.exchange(p2p, g, None, [0] * p, "all_to_all")  # every peer has read this rank's input
+
+
+# -- an all_to_all of one size everywhere, posted inline in its issuing call
+# -- (aiodist.backends.routes.Quick): the same posts as all_to_all_single_copy's inline ones
+
+
+def all_to_all_table(p: int, part: int) -> np.ndarray:
+    """The table of an inline post of ``p`` parts of ``part`` bytes each (this rank sends and
+    expects ``part`` bytes of every rank), as bytes."""
+    table = np.zeros(1 + 3 * p, np.int64)
+    table[0] = _INLINE
+    head = table_bytes(p)
+    table[1::3] = head + part * np.arange(p)
+    table[2::3] = part
+    table[3::3] = part
+    return table.view(np.uint8)
+
+
+def all_to_all_inline_agree(g: GroupShm, s: int, me: int, p: int, part: int) -> bool:
+    """Whether every rank's post in slot ``s`` is inline and sends this rank, and expects of it,
+    ``part`` bytes: then ``all_to_all_copy`` finishes the op; otherwise its rest
+    (``all_to_all_rest``) reads, checks and names what does not agree."""
+    h = table_bytes(p)
+    for q in range(p):
+        post = g.bodies[q][s][:h].view(np.int64)
+        if post[0] != _INLINE or post[2 + 3 * me] != part or post[3 + 3 * me] != part:
+            return False
+    return True
+
+
+def all_to_all_copy(g: GroupShm, s: int, me: int, p: int, out: np.ndarray, part: int) -> None:
+    """Every rank's part for this one out of its slot into ``out`` (bytes, ``p`` parts)."""
+    at = table_bytes(p) + me * part
+    for q in range(p):
+        out[q * part : (q + 1) * part] = g.bodies[q][s][at : at + part]
+
+
+async def all_to_all_rest(p2p: OpLink, g: GroupShm, s: int, outs: Sequence[np.ndarray], ins: Sequence[np.ndarray]) -> None:
+    """The rest of an all_to_all posted in its issuing call, in slot ``s``, whose posts did not
+    all agree with it (a peer's parts read from its memory, or sizes that differ): the reads
+    and checks of ``all_to_all_single_copy``."""
+    got = _lane.parts(g, s, [-1] * p2p.size)
+    await _all_to_all_reads(p2p, g, got, [byte_view(o, writable=True) for o in outs], [byte_view(x) for x in ins], _Pacer())
 
 
 def _size_mismatch(p2p: OpLink, op: str, sender: int, n: int, reader: int, want: int) -> DistBackendError:
