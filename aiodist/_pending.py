@@ -23,9 +23,6 @@ port by adding ``await``. Now a call *starts* its op when it is made, and return
   layer's one fast path; ``tests/test_handles.py`` runs the same checks over both and checks the
   fast path against the general one. Both log a dropped call in one wording
   (``say_never_awaited``).
-- ``Pending(op, coro, site, started=fut)`` is also the rest of a call whose first step already
-  ran and waits on ``fut``, for a task to run (the op runner's eager start on Python 3.11; from
-  3.12 that is an eager ``asyncio.Task``).
 - A handle dropped without being awaited or waited on logs an ERROR naming the call and the
   file:line it was made at, at once (CPython frees it when the statement ends), and hands what
   is left of the call to a task, so the op still runs to its end and the ranks stay in step.
@@ -70,7 +67,6 @@ _STORE_LOG = logging.getLogger("aiodist.store")  # a store call's never-awaited 
 
 _DONE = object()
 _LAZY = object()  # a handle made outside a running loop: nothing started yet
-_NOT_STARTED = object()  # Pending(started=...) not given: the call is new
 _LET_RUN = object()  # a finished call's handle whose await lets the loop run once first
 
 #: what a call's ``now`` answers where the call must run its coroutine (``communicating``)
@@ -118,22 +114,13 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
 
     __slots__ = ("_op", "_coro", "_yielded", "_value", "_used", "_site", "_it", "_ctx", "_said")
 
-    def __init__(
-        self, op: str, coro: Coroutine[Any, Any, Any], site: tuple[Any, int], *, own_context: bool = False, started: Any = _NOT_STARTED
-    ) -> None:
+    def __init__(self, op: str, coro: Coroutine[Any, Any, Any], site: tuple[Any, int], *, own_context: bool = False) -> None:
         self._op = op
         self._site = site
         self._said = False
         self._it: Generator[Any, Any, Any] | None = None
         self._value: Any = _DONE
         self._coro: Coroutine[Any, Any, Any] | None = coro
-        if started is not _NOT_STARTED:
-            # the rest of a call whose first step ran already (it yielded ``started``, the future it
-            # waits on), for a task to run: the task owns it, so it is never reported as dropped
-            self._used = True
-            self._ctx = None
-            self._yielded: Any = started
-            return
         self._used = False
         # own_context: every step runs in one Context, a copy of the caller's, so that a ContextVar
         # set in the first step and reset in a later one stays valid whichever task awaits the

@@ -34,7 +34,6 @@ from helpers.memfds import memfds
 from helpers.rank_procs import run_ranks
 
 import aiodist as dist
-from aiodist._pending import Pending
 from aiodist.c10d import process_group
 from aiodist.errors import DistBackendError, DistStoreError
 from aiodist.shm import SharedMemory, _cma
@@ -425,16 +424,15 @@ async def test_an_op_done_in_its_call_lets_the_loop_run_within_its_budget(monkey
     assert res[1] == [(1, False), (1, True), (1, False), (1, True)], res
 
 
-async def test_a_small_reduce_of_two_ranks_starts_eagerly_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A small reduce (the lane) whose turn has come and whose peer already waits completes in
-    its issuing call, with the right result (single-copy ops of several steps need the peer to
-    run meanwhile: tests/test_shm_lane.py, in real processes)."""
+async def test_a_small_reduce_whose_peer_waits_is_done_in_its_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kept small reduce (the lane) whose peer already waits completes in its issuing call,
+    with the right result."""
     monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
     monkeypatch.setattr(process_group, "EAGER_S", 0.5)
 
     async def fn(rank: int) -> int:
-        for _ in range(3):  # the agreement, and shared memory in use
-            await dist.all_reduce(np.ones(1, np.float32))
+        for _ in range(3):  # the agreement, shared memory in use, and the kept call
+            await dist.reduce(np.ones(4, np.float32), dst=0)
         pg = dist.group.WORLD
         if rank == 1:
             await asyncio.sleep(0.01)  # rank 0 is in the op by now, waiting for rank 1
@@ -449,43 +447,11 @@ async def test_a_small_reduce_of_two_ranks_starts_eagerly_too(monkeypatch: pytes
     assert res[1] == 1, res
 
 
-async def test_the_rest_of_an_eager_op_gets_what_its_task_sends_and_throws() -> None:
-    """The task that runs an eager op's rest on Python 3.11 (a ``Pending`` made with
-    ``started=``) hands the op's coroutine its first wait, then what the task sends or throws
-    in: a cancellation before the task's first step included."""
-    loop = asyncio.get_running_loop()
-    seen: list[str] = []
-
-    async def op(f: asyncio.Future[int], g: asyncio.Future[int]) -> None:
-        try:
-            seen.append(f"f={await f}")
-            seen.append(f"g={await g}")
-        except BaseException as exc:
-            seen.append(type(exc).__name__)
-            raise
-
-    f, g = loop.create_future(), loop.create_future()
-    coro = op(f, g)
-    task = loop.create_task(Pending("op", coro, ("", 0), started=coro.send(None)))
-    f.set_result(1)
-    await asyncio.sleep(0)
-    g.set_result(2)
-    await task
-    assert seen == ["f=1", "g=2"]
-    seen.clear()
-    coro = op(loop.create_future(), g)
-    task = loop.create_task(Pending("op", coro, ("", 0), started=coro.send(None)))
-    task.cancel()  # before its first step (a group broken in the same stretch)
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert seen == ["CancelledError"]
-
-
 async def test_ops_done_in_their_calls_change_nothing_but_where_they_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The in-call path (post, collect, or park: ProcessGroup.issue_now) and the eager start are
-    c10d's fast paths: the same program of small ops gives the same outputs, Work states and
-    flight-recorder entries with them (EAGER_S 0.5 s) as without them (no in-call path, and a
-    negative budget: every op starts in a task); the ``eager`` count differs, and only it."""
+    """The in-call path (post, collect, or park: ProcessGroup.issue_now) is c10d's fast path:
+    the same program of small ops gives the same outputs, Work states and flight-recorder
+    entries with it (EAGER_S 0.5 s) as without it (no in-call path, and a negative budget: every
+    op starts in a task); the ``eager`` count (ops done in their call) differs, and only it."""
     monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
 
     async def fn(rank: int) -> tuple[list[Any], list[Any], int]:
@@ -495,7 +461,7 @@ async def test_ops_done_in_their_calls_change_nothing_but_where_they_run(monkeyp
         outs: list[Any] = []
         for i in range(12):
             if rank == 1 and i % 3 == 0:
-                await asyncio.sleep(0.005)  # the peer waits first: an eager op can complete in its call
+                await asyncio.sleep(0.005)  # the peer waits first: an op can complete in its call
                 pg.ran = time.perf_counter()
             x = np.full(2, float(rank + i), np.float32)
             w = await dist.all_reduce(x, async_op=True)

@@ -99,11 +99,10 @@ def test_a_rank_that_never_calls_is_named_by_the_timeout(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("op", ["all_reduce", "all_to_all_single", "reduce_scatter_tensor"])
-def test_eager_lane_ops_end_in_their_call_and_still_let_the_loop_run(op: str) -> None:
-    """Small lane all_reduces (and small single-copy all_to_alls and reduce_scatters, whose
-    steps are lane words too) issued back to back mostly complete in their issuing call (no
-    pass of the loop: ProcessGroup.issue's eager start), yet another task on the loop still
-    runs at least about once a millisecond (EAGER_S)."""
+def test_small_ops_end_in_their_call_and_still_let_the_loop_run(op: str) -> None:
+    """Small lane all_reduces, all_to_alls (inline in the lane) and reduce_scatters issued back
+    to back mostly complete in their issuing call (no pass of the loop: ProcessGroup.issue_now),
+    yet another task on the loop still runs at least about once a millisecond (EAGER_S)."""
     res = _run(["eager", op], 2)
     for r, out in enumerate(res):
         assert out["got"] == (2.0 if op == "all_reduce" else 3.0), out
@@ -112,7 +111,7 @@ def test_eager_lane_ops_end_in_their_call_and_still_let_the_loop_run(op: str) ->
         assert out["eager"] >= 2000 // 20, f"rank {r}: only {out['eager']} of 2000 ops ended in their call"
         # a yielding op at least every 1 ms gives the ticker 2 turns (before and after its body):
         # 1.9-3 a millisecond here; without the EAGER_S budget 0.06-0.6 (the ops that slept; and
-        # more where ops sleep more: test_eager_start_only_within_its_budget pins the rule)
+        # more where ops sleep more: test_an_op_done_in_its_call_lets_the_loop_run_within_its_budget pins the rule)
         assert out["ticks"] >= out["s"] * 1000 * 0.75, f"rank {r}: the ticker ran {out['ticks']} times in {out['s']:.3f} s"
 
 

@@ -9,8 +9,7 @@ a rank knows only its own sizes there, so its path does not depend on a size.
 
 A :class:`Plan` says what the op tries first (``path``), whether it takes a place in the group's
 shared-memory line (``shm``: the backend decides whether it has shared memory and whether the
-group agreed on it, and falls back to the socket where not), and whether a small op whose turn
-has come may complete in the issuing call (``eager``). The socket's own schedule (tree or chain,
+group agreed on it, and falls back to the socket where not). The socket's own schedule (tree or chain,
 recursive doubling or ring, ...) is chosen by ``aiodist.algorithms.collectives`` from the same
 Thresholds.
 
@@ -40,10 +39,10 @@ broadcast
   4. otherwise ``socket``.
 all_reduce
   1. ``th.all_reduce_shm(nbytes)``: ``single_copy`` if ``th.all_reduce_cma(nbytes)``, else ``halves``.
-  2. ``th.all_reduce_lane(nbytes)``: ``lane``, eager.
+  2. ``th.all_reduce_lane(nbytes)``: ``lane``.
   3. otherwise ``socket``.
 reduce
-  1. ``nbytes > 0`` and ``th.lane(nbytes)``: ``lane``, eager (in a group of any size, as broadcast).
+  1. ``nbytes > 0`` and ``th.lane(nbytes)``: ``lane`` (in a group of any size, as broadcast).
   2. ``th.reduce_cma(nbytes, ranks)``: ``single_copy``.
   3. past the lane's sizes (``th.lane_max``; lane on) with single copy allowed: ``socket`` in line.
   4. otherwise ``socket``.
@@ -61,18 +60,18 @@ payloads, which every rank must take by one path whatever its own size)
      table and every part): ``lane``, in a group of any size.
   2. a group of other than 2 ranks, or single copy off for it: ``socket``. At 4 ranks on 2
      cores single copy was 2x slower up to 64 KiB and faster only from 4 MiB.
-  3. ``nbytes >= th.gather_cma_min`` (``scatter_cma_min``): ``single_copy``, eager up to
-     ``th.lane_max``.
+  3. ``nbytes >= th.gather_cma_min`` (``scatter_cma_min``): ``single_copy``.
   4. otherwise ``socket`` in line.
 reduce_scatter (``nbytes``: the input's total)
-  1. ``th.reduce_scatter_lane(nbytes)``: ``lane``, eager (every rank posts its input and folds
+  1. ``th.reduce_scatter_lane(nbytes)``: ``lane`` (every rank posts its input and folds
      its own part of every slot).
-  2. ``th.reduce_scatter_cma(nbytes)``: ``single_copy``, eager from 1 byte up to ``th.lane_max``.
+  2. ``th.reduce_scatter_cma(nbytes)``: ``single_copy``.
   3. past its lane's sizes (``th.reduce_scatter_lane_max``; lane on) with single copy allowed:
      ``socket`` in line.
   4. otherwise ``socket``.
 all_to_all (``nbytes``: what this rank sends in all; ``part``: the number of parts)
-  1. ``th.alltoall_cma >= 0``: ``single_copy`` for every all_to_all, eager up to ``th.lane_max``.
+  1. ``th.alltoall_cma >= 0``: ``single_copy`` for every all_to_all (a rank's parts that fit
+     the lane slot go inline there).
   2. otherwise ``socket``.
 barrier
   1. ``th.lane(0)``: ``lane``.
@@ -113,9 +112,6 @@ class Plan:
     path: Path
     #: takes a place in the group's shared-memory line (where the backend has shared memory)
     shm: bool
-    #: the lane bytes ``Ticket.lane_now`` is asked about to complete the op in the issuing call
-    #: when its turn has come; None: never in the issuing call
-    eager: int | None = None
 
     @property
     def lane(self) -> bool:
@@ -137,7 +133,7 @@ def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0) -> 
         if th.all_reduce_shm(nbytes):
             return Plan("single_copy" if th.all_reduce_cma(nbytes) else "halves", True)
         if th.all_reduce_lane(nbytes):
-            return Plan("lane", True, nbytes)
+            return Plan("lane", True)
         return _SOCKET
     if op == "broadcast":
         if 0 < nbytes <= th.broadcast_lane_max and th.lane(nbytes):
@@ -150,7 +146,7 @@ def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0) -> 
         return _SOCKET
     if op == "reduce":
         if nbytes > 0 and th.lane(nbytes):
-            return Plan("lane", True, nbytes)
+            return Plan("lane", True)
         if th.reduce_cma(nbytes, ranks):
             return Plan("single_copy", True)
         return _SOCKET_IN_LINE if _past_lane(th, nbytes, th.lane_max, th.reduce_cma_min) else _SOCKET
@@ -169,18 +165,17 @@ def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0) -> 
         if ranks != 2 or threshold < 0:
             return _SOCKET
         if threshold <= nbytes:
-            eager = 0 if gather else 16 * ranks
-            return Plan("single_copy", True, eager if nbytes <= th.lane_max else None)
+            return Plan("single_copy", True)
         return _SOCKET_IN_LINE
     if op == "reduce_scatter":
         if th.reduce_scatter_lane(nbytes):
-            return Plan("lane", True, nbytes)
+            return Plan("lane", True)
         if th.reduce_scatter_cma(nbytes):
-            return Plan("single_copy", True, 0 if 0 < nbytes <= th.lane_max else None)
+            return Plan("single_copy", True)
         return _SOCKET_IN_LINE if _past_lane(th, nbytes, th.reduce_scatter_lane_max, th.reduce_scatter_cma_min) else _SOCKET
     if op == "all_to_all":
         if th.alltoall_cma >= 0:
-            return Plan("single_copy", True, 16 * part if nbytes <= th.lane_max else None)
+            return Plan("single_copy", True)
         return _SOCKET
     if op == "barrier":
         return Plan("lane", True) if th.lane(0) else _SOCKET

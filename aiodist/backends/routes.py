@@ -17,8 +17,8 @@ A route is made when the op is issued, in call order, and holds:
 
 Its methods try the planned shared-memory path (``aiodist.shm``: the lane, the segment halves,
 single copy), which answers False where the group has no shared memory or did not agree on it,
-and then the socket's schedules (``aiodist.algorithms.collectives``). ``eager`` says whether a
-small op may complete in the issuing call (its turn in line has come).
+and then the socket's schedules (``aiodist.algorithms.collectives``). The route's methods run
+in the op's task; a kept call's in-call path (``Quick``, below) runs in the call itself.
 """
 
 from __future__ import annotations
@@ -98,18 +98,10 @@ class Route:
         self.th = th
         self.ticket = ticket
 
-    @property
-    def eager(self) -> bool:
-        """Whether the op may complete in the issuing call: its plan allows it and its turn in the
-        shared-memory line has come (``ProcessGroup.issue``'s eager)."""
-        pl, ticket = self.plan, self.ticket
-        return pl.eager is not None and ticket is not None and ticket.lane_now(pl.eager)
-
     def issue(self, pg: Issuer[W], *args: Any, **kwargs: Any) -> W:
-        """``pg.issue(...)`` for the op, eager where the route allows it (``eager``): its place in
-        line passes on when the Work completes, even where the body never ran."""
+        """``pg.issue(...)`` for the op: its place in line passes on when the Work completes,
+        even where the body never ran."""
         ticket = self.ticket
-        kwargs.setdefault("eager", self.eager)
         try:
             work = pg.issue(*args, **kwargs)
         except BaseException:

@@ -555,28 +555,21 @@ async def run(
     entry: Entry | None = None,
     *,
     loop: asyncio.AbstractEventLoop | None = None,
-    cell: list[Any] | None = None,
-    eager: bool = False,
 ) -> None:
-    """Run one op of ``pg`` to its end: complete ``work``, or fail it (and break the group).
-    ``cell`` holds the task running this (``_launch`` puts it there), ``loop`` its loop.
-    ``eager``: the first step runs in the issuing call, before ``cell`` holds a task (on Python
-    3.12+ inside the eager ``asyncio.Task`` being made, in a copy of the caller's context; on
-    3.11 in the caller's own step); ``cell`` gets the task that runs the rest, if any, before
-    the loop runs again: the deadline's timer only fires from the loop.
+    """Run one op of ``pg`` to its end, in the task ``_launch`` made for it (on ``loop``):
+    complete ``work``, or fail it (and break the group).
 
-    The op's deadline is an ``aiodist._time.Deadline``, armed without a block (its constructor,
-    then ``end``: the task to cancel may be made after the first step): its cancellation is a
-    timeout only when no other came after the op started (asyncio.timeout's uncancel rule)."""
+    The op's deadline is an ``aiodist._time.Deadline`` on the group's clock, armed without a
+    block (its constructor, then ``end``): its cancellation is a timeout only when no other came
+    after the op started (asyncio.timeout's uncancel rule)."""
     since = pg.recorder.started(entry) if entry is not None else time.time()
     if loop is None:
         loop = asyncio.get_running_loop()
-    if cell is None or not (cell or eager):
-        cell = [asyncio.current_task()]
-    # (eager: the task that may run the rest is new, and goes in cell before the loop runs)
-    cancelling = 0 if eager else cell[0].cancelling()
-    if not eager:
-        pg.ran = time.perf_counter()
+    task = asyncio.current_task()
+    assert task is not None  # (an op runs in its own task)
+    cell = [task]
+    cancelling = task.cancelling()
+    pg.ran = time.perf_counter()
     grace = 0.0
     if pg.store is not None:
         grace = _GRACE.get(limit, -1.0)

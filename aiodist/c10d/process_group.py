@@ -23,7 +23,6 @@ import contextvars
 import functools
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
@@ -31,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 from aiodist._digest import op_digest
 from aiodist._instrument.levels import DebugLevel, get_debug_level
 from aiodist._instrument.recorder import Entry, FlightRecorder, _freeze
-from aiodist._pending import Pending
 from aiodist._time import Clock
 from aiodist.algorithms.p2p import P2P
 from aiodist.algorithms.thresholds import Thresholds, current
@@ -42,14 +40,10 @@ from aiodist.c10d.work import Work
 from aiodist.errors import DistBackendError
 from aiodist.store.base import Store
 
-#: an eager op (ProcessGroup.issue) starts in its issuing call only within this many seconds of
-#: the group's last op started in a task: back-to-back ops let the loop run at least this often
+#: ops done in their issuing calls (``issue_now``) let the loop run at least this often: where
+#: no op of the group let it run within this many seconds, a call's await lets it run once
+#: (aiodist.c10d.collectives ``_now``)
 EAGER_S = 0.001
-
-
-#: Python 3.12+: an eager op starts as an eager task (its first step runs in the Task's
-#: constructor); 3.11 drives the first step by hand and hands the rest to a task as a Pending
-_EAGER_TASKS = sys.version_info >= (3, 12)
 
 
 __all__ = ["ProcessGroup", "NOT_NOW"]
@@ -153,10 +147,10 @@ class ProcessGroup:
         self.broken: str | None = None
         self._pending: dict[asyncio.Task[None], Work] = {}
         self._aborting: set[asyncio.Task[None]] = set()
-        # when an op of this group last started in a task (time.perf_counter()): the loop ran then
-        # (an eager op may start in its issuing call only within EAGER_S of that: see issue)
+        # when an op of this group last let the loop run (time.perf_counter()): one that started
+        # in a task, or a call done in its issuing call that let it run once (EAGER_S)
         self.ran = 0.0
-        self.eager = 0  # ops that ended in their issuing call
+        self.eager = 0  # ops done in their issuing call (issue_now)
         self.completed = 0
         # what the collectives' checks found for calls seen before, by call (aiodist.c10d.collectives)
         self.hot: dict[tuple[Any, ...], Any] = {}
@@ -227,15 +221,10 @@ class ProcessGroup:
         timeout_s: float | None = None,
         meta: dict[str, Any] | None = None,
         described: Described | None = None,
-        eager: bool = False,
     ) -> Work:
-        """Take the next sequence number, open the channel and start the op (no suspension).
-        ``eager``: the body may run its first step in this call (up to its first wait; a
-        latency-lane op whose peers are already there completes in it, with no pass of the
-        loop), as long as an op of the group started in a task within ``EAGER_S``: so ops
-        issued back to back still let the loop run at least that often.
-        ``timeout_s`` replaces the group's timeout for this op (monitored_barrier's own).
-        ``meta`` describes the call for the flight recorder and DETAIL's desync check: its
+        """Take the next sequence number, open the channel and start the op in a task (no
+        suspension). ``timeout_s`` replaces the group's timeout for this op (monitored_barrier's
+        own). ``meta`` describes the call for the flight recorder and DETAIL's desync check: its
         ``"same"`` dict holds what every rank must agree on (dtype, shape, root, reduce op).
         ``described`` is ``describe_call(op, meta)`` made once and kept (a collective's cache for
         calls it has seen): the same description, without building it again."""
@@ -251,8 +240,7 @@ class ProcessGroup:
         staging = _STAGING.get()
         if staging is not None:  # host copies of device arrays: copy in before, copy back after
             body = _staged_body(staging, body)
-        eager = eager and staging is None and not self.detail and time.perf_counter() - self.ran < EAGER_S
-        return self._open(op, seq, entry, described, body, outputs, timeout_s, eager)
+        return self._open(op, seq, entry, described, body, outputs, timeout_s)
 
     def _open(
         self,
@@ -263,7 +251,6 @@ class ProcessGroup:
         body: Body,
         outputs: list[Any],
         timeout_s: float | None = None,
-        eager: bool = False,
     ) -> Work:
         """The op's channel (its digest recorded), its Work, and its launch."""
         ranks = self.ranks
@@ -276,7 +263,7 @@ class ProcessGroup:
         work = Work(op, desc, seq, outputs)
         if self.detail:  # compare the call across ranks before running it (aiodist.debug.desync)
             body = _checked_body(self, op, seq, described[0], body)
-        return self._launch(op, f"seq {seq}", seq, _Tracked(channel, ranks, self._rank), body, work, timeout_s, entry, eager)
+        return self._launch(op, f"seq {seq}", seq, _Tracked(channel, ranks, self._rank), body, work, timeout_s, entry)
 
     def issue_now(self, op: str, now: Callable[..., Any], a: Any, b: Any, outputs: list[Any], described: Described, asy: bool) -> Any:
         """Issue an op by its in-call path (``aiodist.backends.routes.Quick``): the next sequence
@@ -384,49 +371,19 @@ class ProcessGroup:
         work: Work,
         timeout_s: float | None = None,
         entry: Entry | None = None,
-        eager: bool = False,
     ) -> Work:
-        """Run the op under the runner, in a task the group owns (``pending``); ``eager``: its
-        first step runs here (module docstring of ``aiodist.c10d._runner``, ``EAGER_S``), and an
-        op that ends in it leaves no task to track (on 3.12+ a finished Task object, dropped).
-        A BaseException other than an Exception (KeyboardInterrupt) raised in that step leaves
-        the call, as from a task's step, and the Work pending."""
+        """Run the op under the runner, in a task the group owns (``pending``)."""
         limit = self.timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
-        cell: list[asyncio.Task[None]] = []  # the task, for the runner (its deadline cancels it)
-        coro = run(self, op, label, tracker, body, work, limit, entry, loop=loop, cell=cell, eager=eager)
-        name = f"aiodist {op} {self.group_desc} {label}"
+        coro = run(self, op, label, tracker, body, work, limit, entry, loop=loop)
         t0 = time.perf_counter() if self._op_stats is not None else 0.0
-        if not eager:
-            task = loop.create_task(coro, name=name)
-        elif _EAGER_TASKS:  # the first step runs here, in the Task's constructor
-            task = asyncio.Task(coro, loop=loop, name=name, eager_start=True)  # type: ignore[call-arg]
-            if task.done():
-                self._ended_in_call(op, t0, work)
-                return work
-        else:
-            try:
-                waits_on = coro.send(None)  # the first step, here: no other task can run meanwhile
-            except StopIteration:
-                self._ended_in_call(op, t0, work)
-                return work
-            # (a BaseException run lets through, KeyboardInterrupt say, leaves the Work pending,
-            # as it would in a task)
-            task = loop.create_task(Pending(op, coro, ("", 0), started=waits_on), name=name)
-        cell.append(task)
+        task = loop.create_task(coro, name=f"aiodist {op} {self.group_desc} {label}")
         self._pending[task] = work
         if self._op_stats is None:  # (the flight recorder's entry is closed by the runner itself)
             task.add_done_callback(self._pending.pop)
         else:  # INFO: one callback also counts the op (each callback is a loop callback per op)
             task.add_done_callback(functools.partial(self._task_done, op, work, t0))
         return work
-
-    def _ended_in_call(self, op: str, t0: float, work: Work) -> None:
-        """An eager op ended in its first step (completed or failed, as the runner leaves it):
-        no task to track; INFO counts it."""
-        self.eager += 1
-        if self._op_stats is not None:
-            self._tally(op, t0, work)
 
     def _task_done(self, op: str, work: Work, t0: float, task: asyncio.Task[None]) -> None:
         """INFO: an op's task ended (its Work is resolved by then, whichever way it ended):

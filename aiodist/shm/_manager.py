@@ -226,13 +226,6 @@ class Ticket:
             self._done = True
             self._turns.release(self._n)
 
-    def lane_now(self, nbytes: int) -> bool:
-        """Whether this op would run through the group's latency lane at once: its turn has come,
-        the group agreed on shared memory with a lane, and ``nbytes`` fit it (so its body's first
-        step goes straight to the lane, with no wait on anything but the peers' flags)."""
-        t = self._turns
-        return t.serving == self._n and t.known and t.state is not None and t.state.fits_lane(nbytes)
-
     async def acquire(self, link: OpLink) -> GroupShm | None:
         """Wait for this op's turn; the group's shared memory, or None for the socket path (then
         the turn is already passed on)."""
