@@ -333,17 +333,25 @@ async def test_collectives_over_tcp_on_a_subgroup() -> None:
         assert kinds == {"tcp"}
 
 
-def test_channel_maps_group_ranks() -> None:
+def test_channel_maps_group_ranks_checked_once_per_group() -> None:
     class Fake:
         rank = 7
+        member = Transport.member
 
-    ch = Channel(Fake(), 3, 9, [4, 7, 2])  # type: ignore[arg-type]
+        def __init__(self) -> None:
+            self._members: dict[tuple[int, ...], int] = {}
+
+    t = Fake()
+    ch = Channel(t, 3, 9, [4, 7, 2])  # type: ignore[arg-type]
     assert (ch.rank, ch.size, ch.group_id, ch.seq) == (1, 3, 3, 9)
     assert isinstance(ch, P2P)
+    assert t._members == {(4, 7, 2): 1}  # kept: the next op of the group reads it
+    t._members[(4, 7, 2)] = 2  # (a kept answer is used as it is: no check per op)
+    assert Channel(t, 3, 10, (4, 7, 2)).rank == 2  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not in the group"):
-        Channel(Fake(), 0, 0, [1, 2])  # type: ignore[arg-type]
+        Channel(t, 0, 0, [1, 2])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="repeat"):
-        Channel(Fake(), 0, 0, [7, 7])  # type: ignore[arg-type]
+        Channel(t, 0, 0, [7, 7])  # type: ignore[arg-type]
 
 
 async def test_channel_any_source_gives_group_rank() -> None:

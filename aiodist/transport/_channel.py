@@ -29,16 +29,12 @@ class Channel:
     __slots__ = ("transport", "group_id", "seq", "ranks", "_rank", "digest")
 
     def __init__(self, transport: Transport, group_id: int, seq: int, global_ranks: Sequence[int], digest: int = 0) -> None:
-        ranks = tuple(global_ranks)
-        if transport.rank not in ranks:
-            raise ValueError(f"rank {transport.rank} is not in the group's ranks {list(ranks)}")
-        if len(set(ranks)) != len(ranks):
-            raise ValueError(f"the group's ranks {list(ranks)} repeat a rank")
+        ranks = global_ranks if type(global_ranks) is tuple else tuple(global_ranks)
         self.transport = transport
         self.group_id = group_id
         self.seq = seq
         self.ranks = ranks
-        self._rank = ranks.index(transport.rank)
+        self._rank = transport.member(ranks)  # (the group's ranks are checked once, not per op)
         self.digest = digest  # the op's digest, sent with every frame (aiodist._digest)
 
     def __repr__(self) -> str:

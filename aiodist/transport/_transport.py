@@ -143,6 +143,8 @@ class Transport:
         self.address: PeerAddress | None = None
         self._conns: set[Connection] = set()  # every open connection, handshake done or not
         self._book = DigestBook(_DIGESTS_KEPT)  # this rank's collective ops' digests (always-on desync detection, aiodist._digest)
+        # a group's ranks, checked once (this rank among them, none twice) -> this rank's place in them
+        self._members: dict[tuple[int, ...], int] = {}
         self._standing = Standing(rank)  # closed or not, lost peers, broken groups and their errors
         #: the parts (the module docstring); ``lines`` and ``inbox`` are what the per-message
         #: callers (``Channel``, the socket backend's p2p) hold, with no hop through this façade
@@ -243,6 +245,20 @@ class Transport:
         keeps its last ``_DIGESTS_KEPT``, for late frames' desync checks). A frame of it that
         arrives later is held as any early one is (bounded), and never matched."""
         self._book.release(group_id)
+
+    def member(self, ranks: tuple[int, ...]) -> int:
+        """This rank's place in a group's ``ranks`` (global ranks), checked the first time a
+        group of them has an op (this rank among them, none twice: ValueError) and kept."""
+        got = self._members.get(ranks)
+        if got is None:
+            if self.rank not in ranks:
+                raise ValueError(f"rank {self.rank} is not in the group's ranks {list(ranks)}")
+            if len(set(ranks)) != len(ranks):
+                raise ValueError(f"the group's ranks {list(ranks)} repeat a rank")
+            got = ranks.index(self.rank)
+            if len(self._members) < 4096:
+                self._members[ranks] = got
+        return got
 
     def channel(self, group_id: int, seq: int, global_ranks: Sequence[int], digest: int = 0, call: Any = None) -> Channel:
         """The ``P2P`` of op ``seq`` of group ``group_id``, whose rank i is global rank
