@@ -42,10 +42,9 @@ from aiodist.shm import (
     all_to_all_rest,
     all_to_all_table,
     all_to_all_table_bytes,
-    gather_copy,
+    gather_even,
     gather_finish,
     gather_posts,
-    gather_sizes_agree,
     lane_now,
     op_link,
     run_all_gather,
@@ -57,10 +56,9 @@ from aiodist.shm import (
     run_reduce,
     run_reduce_scatter,
     run_scatter,
-    scatter_copy,
+    scatter_even,
     scatter_finish,
     scatter_posts,
-    scatter_sizes_agree,
     settle,
 )
 from aiodist.types import Fold
@@ -365,46 +363,57 @@ class Quick:
 
     def gather(self, seq: int, digest: int, mine: np.ndarray, outs_root: tuple[Sequence[np.ndarray] | None, int]) -> bool | Rest | None:
         """Every rank's ``mine`` into ``outs[that rank]`` of the root (``outs_root``: the
-        root's list, None elsewhere, and the root's group rank): ``aiodist.shm._lane.gather``'s
-        posts, checks and copies, here in the call. Sizes that do not agree park the op, whose
-        rest names them."""
+        root's list, None elsewhere, and the root's group rank; one size everywhere, as the
+        kept call's), in the call: ``aiodist.shm._lane.gather``'s posts (the root's table of
+        sizes, kept; the others' bytes), checks and copies. Sizes that do not agree park the
+        op, whose rest names them."""
         g = self._lane()
         if g is None:
             return None
         outs, root = outs_root
         me = self.me
-        sizes = self.any_sizes
-        s = lane_now(g, seq, digest, gather_posts(me, root, outs, mine), sizes)
-        if s >= 0 and gather_sizes_agree(g, s, me, root, outs, mine):
-            gather_copy(g, s, me, root, outs, mine)
+        if me == root:
+            posted = self._tmp
+            if posted is None:
+                posted = self._tmp = gather_posts(me, root, outs, mine)  # type: ignore[assignment]
+        else:
+            posted = mine.reshape(-1).view(np.uint8)
+        s = lane_now(g, seq, digest, posted, self.any_sizes)
+        if s >= 0 and gather_even(g, s, me, root, outs, mine):
             return True
 
         def finish(link: Any, g: GroupShm, s: int) -> None:
             gather_finish(link, g, s, root, outs, mine)
 
-        return self._park_checked(g, s if s >= 0 else s + 2, sizes, finish, "gather")
+        return self._park_checked(g, s if s >= 0 else s + 2, finish, "gather")
 
     def scatter(self, seq: int, digest: int, out: np.ndarray, ins_root: tuple[Sequence[np.ndarray] | None, int]) -> bool | Rest | None:
         """``ins[q]`` of the root into ``out`` of rank q (``ins_root``: the root's list, None
-        elsewhere, and the root's group rank): ``aiodist.shm._lane.scatter``'s posts, checks
-        and copies, here in the call."""
+        elsewhere, and the root's group rank; one size everywhere, as the kept call's), in the
+        call: ``aiodist.shm._lane.scatter``'s posts (the root's table, kept, and its parts; the
+        others' expected size, kept), checks and copies."""
         g = self._lane()
         if g is None:
             return None
         ins, root = ins_root
-        me, n = self.me, len(self.ranks)
-        sizes = self.any_sizes
-        s = lane_now(g, seq, digest, scatter_posts(me, root, ins, out), sizes)
-        if s >= 0 and scatter_sizes_agree(g, s, me, root, n, out):
-            scatter_copy(g, s, me, root, n, out)
+        me = self.me
+        head = self._tmp
+        if head is None:
+            head = self._tmp = scatter_posts(me, root, ins, out)[0]
+        pieces = [head]
+        if ins is not None:
+            for x in ins:
+                pieces.append(x.reshape(-1).view(np.uint8))
+        s = lane_now(g, seq, digest, pieces, self.any_sizes)
+        if s >= 0 and scatter_even(g, s, me, root, out):
             return True
 
         def finish(link: Any, g: GroupShm, s: int) -> None:
             scatter_finish(link, g, s, root, out)
 
-        return self._park_checked(g, s if s >= 0 else s + 2, sizes, finish, "scatter")
+        return self._park_checked(g, s if s >= 0 else s + 2, finish, "scatter")
 
-    def _park_checked(self, g: GroupShm, s: int, sizes: Sequence[int], finish: Callable[[Any, GroupShm, int], None], op: str) -> Rest:
+    def _park_checked(self, g: GroupShm, s: int, finish: Callable[[Any, GroupShm, int], None], op: str) -> Rest:
         """``_park`` for an op whose finish checks what it reads (and raises, naming it, under
         the op's runner): ``finish(link, g, s)``."""
         ticket = self.shm.ticket(self.group_id, self.ranks)
@@ -412,7 +421,7 @@ class Quick:
         async def rest(p2p: P2P) -> None:
             try:
                 link = op_link(p2p)
-                await settle(link, g, s, sizes, op, spin=False)
+                await settle(link, g, s, self.any_sizes, op, spin=False)
                 finish(link, g, s)
             finally:
                 ticket.release()

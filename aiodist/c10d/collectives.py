@@ -682,7 +682,9 @@ def _gather_now(
 ) -> Any:
     """gather's first step (``_now``): a kept call of one size everywhere by its in-call path."""
     arr = tensor if type(tensor) is np.ndarray else _host(tensor)
-    if arr is None or type(async_op) is not bool or not (_int_or_none(dst) and _int_or_none(group_dst)):
+    if arr is None or type(async_op) is not bool:
+        return LATER
+    if not ((dst is None or type(dst) is int) and (group_dst is None or type(group_dst) is int)):
         return LATER
     pg = _CURRENT.get().default_pg if group is None else _now_group(group)
     if pg is None or not arr.flags.c_contiguous:
@@ -691,7 +693,7 @@ def _gather_now(
     if hit is None or hit.quick is None:
         return LATER
     root = hit.root
-    if root == pg.rank():
+    if root == hit.quick.me:
         outs = _root_list_now(gather_list, arr, len(pg.ranks), True)
         if outs is None:
             return LATER
@@ -764,7 +766,9 @@ def _scatter_now(
 ) -> Any:
     """scatter's first step (``_now``): a kept call of one size everywhere by its in-call path."""
     arr = tensor if type(tensor) is np.ndarray else _host(tensor)
-    if arr is None or type(async_op) is not bool or not (_int_or_none(src) and _int_or_none(group_src)):
+    if arr is None or type(async_op) is not bool:
+        return LATER
+    if not ((src is None or type(src) is int) and (group_src is None or type(group_src) is int)):
         return LATER
     pg = _CURRENT.get().default_pg if group is None else _now_group(group)
     if pg is None:
@@ -776,7 +780,7 @@ def _scatter_now(
     if hit is None or hit.quick is None:
         return LATER
     root = hit.root
-    if root == pg.rank():
+    if root == hit.quick.me:
         ins = _root_list_now(scatter_list, arr, len(pg.ranks), False)
         if ins is None:
             return LATER

@@ -19,14 +19,12 @@ from aiodist.shm import _algorithms, _lane
 from aiodist.shm._algorithms import Into, all_to_all_copy, all_to_all_inline_agree, all_to_all_rest, all_to_all_table
 from aiodist.shm._algorithms import table_bytes as all_to_all_table_bytes
 from aiodist.shm._lane import (
-    gather_copy,
+    gather_even,
     gather_finish,
     gather_posts,
-    gather_sizes_agree,
-    scatter_copy,
+    scatter_even,
     scatter_finish,
     scatter_posts,
-    scatter_sizes_agree,
     settle,
 )
 from aiodist.shm._lane import now as lane_now
@@ -57,14 +55,12 @@ __all__ = [
     "all_to_all_rest",
     "all_to_all_table",
     "all_to_all_table_bytes",
-    "gather_copy",
+    "gather_even",
     "gather_finish",
     "gather_posts",
-    "gather_sizes_agree",
-    "scatter_copy",
+    "scatter_even",
     "scatter_finish",
     "scatter_posts",
-    "scatter_sizes_agree",
     "settle",
     "op_link",
 ]

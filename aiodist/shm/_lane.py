@@ -73,14 +73,12 @@ __all__ = [
     "all_gather",
     "gather",
     "gather_posts",
-    "gather_sizes_agree",
     "gather_finish",
-    "gather_copy",
+    "gather_even",
     "scatter",
     "scatter_posts",
-    "scatter_sizes_agree",
     "scatter_finish",
-    "scatter_copy",
+    "scatter_even",
     "fits",
 ]
 
@@ -307,12 +305,6 @@ def _gather_odd(
     return None if want == mine.nbytes else (me, mine.nbytes, want)
 
 
-def gather_sizes_agree(g: GroupShm, s: int, me: int, root: int, outs: Sequence[np.ndarray] | None, mine: np.ndarray) -> bool:
-    """Whether the sizes of a gather posted in slot ``s`` agree (``gather_finish`` names the
-    first that does not)."""
-    return _gather_odd(g, s, me, root, outs, mine) is None
-
-
 def gather_finish(link: OpLink, g: GroupShm, s: int, root: int, outs: Sequence[np.ndarray] | None, mine: np.ndarray) -> None:
     """A lane gather once every rank posted in slot ``s``: every rank checks the sizes it can
     see (the root each rank's against its list, the others their own against the root's table:
@@ -326,10 +318,10 @@ def gather_finish(link: OpLink, g: GroupShm, s: int, root: int, outs: Sequence[n
             f"gather of group {link.group_id}, seq {link.seq}: rank {ranks[q]} sends {sent} bytes to rank {ranks[root]}, "
             f"which expects {want} (the root's gather_list and every rank's tensor must agree)"
         )
-    gather_copy(g, s, me, root, outs, mine)
+    _gather_copy(g, s, me, root, outs, mine)
 
 
-def gather_copy(g: GroupShm, s: int, me: int, root: int, outs: Sequence[np.ndarray] | None, mine: np.ndarray) -> None:
+def _gather_copy(g: GroupShm, s: int, me: int, root: int, outs: Sequence[np.ndarray] | None, mine: np.ndarray) -> None:
     """A lane gather's copies once its sizes agree: the root's, every part into its list."""
     if me == root:
         assert outs is not None
@@ -361,12 +353,6 @@ def _scatter_odd(g: GroupShm, s: int, me: int, root: int, n: int, out: np.ndarra
     return None if sent == out.nbytes else (me, sent, out.nbytes)
 
 
-def scatter_sizes_agree(g: GroupShm, s: int, me: int, root: int, n: int, out: np.ndarray) -> bool:
-    """Whether the sizes of a scatter posted in slot ``s`` agree (``scatter_finish`` names the
-    first that does not)."""
-    return _scatter_odd(g, s, me, root, n, out) is None
-
-
 def scatter_finish(link: OpLink, g: GroupShm, s: int, root: int, out: np.ndarray) -> None:
     """A lane scatter once every rank posted in slot ``s``: every rank checks the sizes it can
     see (the root each rank's expectation against its table, the others their own part's
@@ -380,14 +366,50 @@ def scatter_finish(link: OpLink, g: GroupShm, s: int, root: int, out: np.ndarray
             f"scatter of group {link.group_id}, seq {link.seq}: rank {ranks[root]} sends {sent} bytes to rank {ranks[q]}, "
             f"which expects {want} (the root's scatter_list and every rank's tensor must agree)"
         )
-    scatter_copy(g, s, me, root, n, out)
+    _scatter_copy(g, s, me, root, n, out)
 
 
-def scatter_copy(g: GroupShm, s: int, me: int, root: int, n: int, out: np.ndarray) -> None:
+def _scatter_copy(g: GroupShm, s: int, me: int, root: int, n: int, out: np.ndarray) -> None:
     """A lane scatter's copy once its sizes agree: this rank's part, out of the root's slot."""
     table = g.bodies[root][s][: 8 * n].view(np.int64)
     start = 8 * n + int(table[:me].sum())
     out.reshape(-1).view(np.uint8)[...] = g.bodies[root][s][start : start + out.nbytes]
+
+
+def gather_even(g: GroupShm, s: int, me: int, root: int, outs: Sequence[np.ndarray] | None, mine: np.ndarray) -> bool:
+    """A gather of one size everywhere (``mine``'s) posted in slot ``s`` in its issuing call:
+    where every size is that one, the root's copies, and True; else False, nothing done (the
+    op's rest, ``gather_finish``, names what differs)."""
+    part = mine.nbytes
+    bodies = g.bodies
+    if me != root:
+        return bool(bodies[root][s][8 * me : 8 * me + 8].view(np.int64)[0] == part)
+    assert outs is not None
+    h = _HEAD[s] + 2
+    words = g.words
+    for q in g.others:
+        if words[q][h] != part:
+            return False
+    for q, o in enumerate(outs):
+        o.reshape(-1).view(np.uint8)[...] = bodies[q][s][:part] if q != me else mine.reshape(-1).view(np.uint8)
+    return True
+
+
+def scatter_even(g: GroupShm, s: int, me: int, root: int, out: np.ndarray) -> bool:
+    """A scatter of one size everywhere (``out``'s) posted in slot ``s`` in its issuing call:
+    where every size is that one, this rank's copy out of the root's slot, and True; else
+    False, nothing done (the op's rest, ``scatter_finish``, names what differs)."""
+    part = out.nbytes
+    bodies = g.bodies
+    if me == root:
+        for q in g.others:
+            if bodies[q][s][:_EXPECT].view(np.int64)[0] != part:
+                return False
+    elif bodies[root][s][8 * me : 8 * me + 8].view(np.int64)[0] != part:
+        return False
+    at = 8 * len(bodies) + me * part
+    out.reshape(-1).view(np.uint8)[...] = bodies[root][s][at : at + part]
+    return True
 
 
 async def gather(p2p: OpLink, g: GroupShm, outs: Sequence[np.ndarray] | None, mine: np.ndarray, root: int) -> None:

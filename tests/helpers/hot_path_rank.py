@@ -29,6 +29,7 @@ async def main(op: str) -> None:
     out = np.zeros(dist.get_world_size(), dtype=np.float32)
     parts = [np.zeros(1, dtype=np.float32) for _ in range(dist.get_world_size())]
     whole = np.zeros(dist.get_world_size(), dtype=np.float32)
+    root_list = parts if dist.get_rank() == 0 else None
     call = {
         "all_reduce": lambda: dist.all_reduce(x),
         "broadcast": lambda: dist.broadcast(x, src=0),
@@ -36,6 +37,9 @@ async def main(op: str) -> None:
         "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(out, x),
         "all_gather": lambda: dist.all_gather(parts, x),
         "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(x, whole),
+        "gather": lambda: dist.gather(x, root_list, dst=0),
+        "scatter": lambda: dist.scatter(x, root_list, src=0),
+        "all_to_all_single": lambda: dist.all_to_all_single(out, whole),
         "barrier": lambda: dist.barrier(),
     }[op]
     for _ in range(200):  # warm: the agreement, the kept calls, the recorder's slots
