@@ -244,9 +244,11 @@ class Quick:
 
     def _scratch(self, like: np.ndarray) -> np.ndarray | None:
         """A fold's second array, like ``like`` (the call's: one dtype and size), in a group of
-        more than 2 (where a fold has more than one step)."""
+        more than 2 (where a fold has more than one step), for a small array (up to 4 KiB: where
+        numpy's in-place step costs more than its elements; a bigger fold stays in place, in
+        one array's cache lines)."""
         tmp = self._tmp
-        if tmp is None and len(self.ranks) > 2:
+        if tmp is None and len(self.ranks) > 2 and like.nbytes <= 4096:
             tmp = self._tmp = np.empty(like.size, like.dtype)
         return tmp
 
