@@ -438,6 +438,27 @@ def test_control_frame_limits() -> None:
         dec.feed(abort_frame(3, 1, 2, "0123456789a")[:HEADER_SIZE])
 
 
+def test_an_abort_names_its_culprits_and_garbage_in_them_is_left_out() -> None:
+    """An ABORT carries the ranks the break names (every survivor learns whom to exclude): they
+    decode as they were sent; a reason with a NUL keeps its words; culprits that do not parse
+    (a hostile or broken peer) are left out, the reason still read; a reason of any length is
+    cut to fit the control-frame limit."""
+    dec = started()
+    (ev,) = dec.feed(abort_frame(3, 1, 2, "rank 2 died", culprits={2: "lost its connection", 5: "x" * 1000}))
+    assert isinstance(ev, AbortReceived) and ev.reason == "rank 2 died"
+    assert ev.culprits == {2: "lost its connection", 5: "x" * 400}
+    (ev,) = dec.feed(abort_frame(3, 1, 2, "a\0b"))
+    assert isinstance(ev, AbortReceived) and (ev.reason, ev.culprits) == ("a b", {})
+    for tail in (b"{not json", b'["list"]', b'{"x": "y", "7": 3, "4": "ok"}'):
+        (ev,) = dec.feed(encode_header(FrameKind.ABORT, 1, 2, 0, 3, 5 + len(tail)) + b"dead\0" + tail)
+        assert isinstance(ev, AbortReceived) and ev.reason == "dead"
+        assert ev.culprits == ({4: "ok"} if tail.startswith(b'{"x') else {}), (tail, ev.culprits)
+    big = abort_frame(3, 1, 2, "y" * (200 << 10), culprits={1: "z"})
+    assert len(big) - HEADER_SIZE <= FrameLimits().max_control_bytes
+    (ev,) = dec.feed(big)
+    assert isinstance(ev, AbortReceived) and ev.culprits == {1: "z"} and ev.reason.startswith("yyy")
+
+
 def test_limits_validated() -> None:
     with pytest.raises(ValueError):
         FrameLimits(max_payload_bytes=0)

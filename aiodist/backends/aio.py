@@ -79,8 +79,8 @@ class AioBackend(CommBackend):
     async def connect(self) -> None:
         await self.transport.connect()
 
-    async def abort_group(self, group_id: int, reason: str, ranks: Sequence[int] = ()) -> None:
-        await self.transport.abort(group_id, reason, ranks)
+    async def abort_group(self, group_id: int, reason: str, ranks: Sequence[int] = (), culprits: dict[int, str] | None = None) -> None:
+        await self.transport.abort(group_id, reason, ranks, culprits)
 
     async def release_group(self, group_id: int) -> None:
         self.transport.release_group(group_id)

@@ -127,10 +127,14 @@ class CommBackend(abc.ABC):
         """Make the connections to every peer now (``init_process_group(device_id=...)``'s eager
         mode); backends without connections do nothing."""
 
-    async def abort_group(self, group_id: int, reason: str, ranks: Sequence[int] = ()) -> None:  # noqa: B027 - optional
+    async def abort_group(  # noqa: B027 - optional
+        self, group_id: int, reason: str, ranks: Sequence[int] = (), culprits: dict[int, str] | None = None
+    ) -> None:
         """Tell the peers that ``group_id`` is broken, so their pending ops on it fail now rather
         than at their timeouts. Called once, when an op of the group fails on this rank.
-        ``ranks``: the group's global ranks, every one of which should hear of it."""
+        ``ranks``: the group's global ranks, every one of which should hear of it; ``culprits``:
+        the ranks the failure names (global rank -> what it did), which the peers' errors then
+        name too (every survivor agrees on whom to exclude)."""
 
     async def release_group(self, group_id: int) -> None:  # noqa: B027 - optional
         """``group_id`` is destroyed on this rank (its ops have all ended): release what the

@@ -50,17 +50,22 @@ class MemoryHub:
         self.mailboxes = [Mailbox() for _ in range(world_size)]
         self._by_group: dict[int, weakref.WeakSet[LocalWorld]] = {}
         self.aborted: dict[int, str] = {}
+        self.blamed: dict[int, dict[int, str]] = {}  # the ranks a group's break names (the first naming stays)
 
-    def abort(self, group_id: int, reason: str) -> None:
-        """Fail every pending and later send/receive of ``group_id`` on every rank."""
+    def abort(self, group_id: int, reason: str, culprits: dict[int, str] | None = None) -> None:
+        """Fail every pending and later send/receive of ``group_id`` on every rank, naming
+        ``culprits`` (global rank -> what it did) as the break's first naming did."""
         self.aborted.setdefault(group_id, reason)
+        if culprits:
+            self.blamed.setdefault(group_id, culprits)
+        named = self.blamed.get(group_id)
         for w in list(self._by_group.get(group_id, ())):
-            w.abort(DistBackendError(reason))
+            w.abort(DistBackendError(reason, culprits=named))
         for box in self.mailboxes:
             box.drop_staged(lambda k, m: k[0] == group_id)
             for r in box.remove_posted(lambda r: r.key[0] == group_id):
                 if not r.fut.done():
-                    r.fut.set_exception(DistBackendError(f"{reason} ({describe_key(r.key)})"))
+                    r.fut.set_exception(DistBackendError(f"{reason} ({describe_key(r.key)})", culprits=named))
 
     def channel(self, rank: int, group_id: int, seq: int, global_ranks: Sequence[int]) -> LocalP2P:
         ranks = tuple(global_ranks)
@@ -70,7 +75,7 @@ class MemoryHub:
             world = LocalWorld(len(ranks), self.capacity)
             self._by_group.setdefault(group_id, weakref.WeakSet()).add(world)
             if group_id in self.aborted:
-                world.abort(DistBackendError(self.aborted[group_id]))
+                world.abort(DistBackendError(self.aborted[group_id], culprits=self.blamed.get(group_id)))
         taken += 1
         if taken >= len(ranks):
             self._open.pop(key, None)  # every end is out: the LocalP2Ps keep the world alive
@@ -95,12 +100,12 @@ class MemoryBackend(CommBackend):
             raise ValueError(f"rank {self.rank} opened a channel of group {group_id} it is not a member of ({list(global_ranks)})")
         return self.hub.channel(self.rank, group_id, seq, global_ranks)
 
-    async def abort_group(self, group_id: int, reason: str, ranks: Sequence[int] = ()) -> None:
-        self.hub.abort(group_id, reason)
+    async def abort_group(self, group_id: int, reason: str, ranks: Sequence[int] = (), culprits: dict[int, str] | None = None) -> None:
+        self.hub.abort(group_id, reason, culprits)
 
     async def p2p_send(self, group_id: int, dst: int, buf: np.ndarray, tag: int) -> None:
         if group_id in self.hub.aborted:
-            raise DistBackendError(self.hub.aborted[group_id])
+            raise DistBackendError(self.hub.aborted[group_id], culprits=self.hub.blamed.get(group_id))
         view = byte_view(buf)
         key = (group_id, P2P_SEQ, tag)
         box = self.hub.mailboxes[dst]
@@ -112,7 +117,7 @@ class MemoryBackend(CommBackend):
 
     async def p2p_recv(self, group_id: int, src: int | None, buf: np.ndarray, tag: int) -> int:
         if group_id in self.hub.aborted:
-            raise DistBackendError(self.hub.aborted[group_id])
+            raise DistBackendError(self.hub.aborted[group_id], culprits=self.hub.blamed.get(group_id))
         dst = byte_view(buf, writable=True)
         key = (group_id, P2P_SEQ, tag)
         box = self.hub.mailboxes[self.rank]

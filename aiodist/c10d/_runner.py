@@ -721,7 +721,8 @@ def break_group(
             except Exception as exc:  # best effort, like telling the peers
                 log.warning("rank %d: aborting %s on %s: %s", pg.backend.rank, pg.describe(), getattr(dev, "name", dev), exc)
         if tell_peers:
-            t = asyncio.get_running_loop().create_task(_tell_peers(pg, reason), name=f"aiodist abort {pg.group_desc}")
+            named = getattr(cause, "culprits", None) or None
+            t = asyncio.get_running_loop().create_task(_tell_peers(pg, reason, named), name=f"aiodist abort {pg.group_desc}")
             pg._aborting.add(t)
             t.add_done_callback(pg._aborting.discard)
     current_task = asyncio.current_task()
@@ -743,9 +744,11 @@ def break_group(
             task.cancel()
 
 
-async def _tell_peers(pg: ProcessGroup, reason: str) -> None:
+async def _tell_peers(pg: ProcessGroup, reason: str, culprits: dict[int, str] | None = None) -> None:
+    """Tell the group's peers it broke, and whom the failure names (every survivor's errors
+    then name the same ranks)."""
     try:
-        await pg.backend.abort_group(pg.group_id, f"{pg.describe()} broke on rank {pg.backend.rank}: {reason}", pg.ranks)
+        await pg.backend.abort_group(pg.group_id, f"{pg.describe()} broke on rank {pg.backend.rank}: {reason}", pg.ranks, culprits)
     except Exception as exc:  # best effort: the peers still have their own timeouts
         log.warning("rank %d: could not tell peers that %s broke: %s", pg.backend.rank, pg.describe(), exc)
 

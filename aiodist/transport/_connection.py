@@ -93,8 +93,9 @@ class ConnectionOwner(Protocol):
         """A whole payload the decoder staged (or a zero-length one), now the owner's: it gives
         the bytes back with ``conn.release_staged`` once done with them."""
 
-    def on_abort(self, header: FrameHeader, reason: str) -> None:
-        """The peer aborted ``header.group``."""
+    def on_abort(self, header: FrameHeader, reason: str, culprits: dict[int, str]) -> None:
+        """The peer aborted ``header.group`` for ``reason``, naming ``culprits`` (global rank ->
+        what it did; may be empty)."""
 
     def on_unheard(self, conn: Connection, why: str | None) -> None:
         """Accepted ``conn`` is closed before its HELLO: it broke the protocol (``why``), or sent
@@ -332,7 +333,7 @@ class Connection(asyncio.BufferedProtocol):
         elif type(ev) is HelloReceived:
             self._hello(ev.hello, ev.header.tag)
         elif type(ev) is AbortReceived:
-            self.owner.on_abort(ev.header, ev.reason)
+            self.owner.on_abort(ev.header, ev.reason, ev.culprits)
         elif type(ev) is GoodbyeReceived:
             self.goodbye = True
 

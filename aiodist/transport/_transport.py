@@ -349,17 +349,20 @@ class Transport:
                 f"rank {self.rank}: connecting to ranks {todo} did not complete in {self.timeout:g} s{self.connection_report(todo)}"
             ) from None
 
-    async def abort(self, group_id: int, reason: str, ranks: Sequence[int] = ()) -> None:
+    async def abort(self, group_id: int, reason: str, ranks: Sequence[int] = (), culprits: dict[int, str] | None = None) -> None:
         """Tell every connected peer that ``group_id`` is dead, and fail its local pending and
-        later ops with ``DistBackendError(reason)``. Where this rank is the first to abort the
+        later ops with ``DistBackendError(reason)``; ``culprits`` (global rank -> what it did) are
+        the ranks the break names, told with it (the group's first naming stays: ``blame``). Where this rank is the first to abort the
         group, each of ``ranks`` (the group's) it has no connection to is dialed and told too,
         within ``_ABORT_DIAL_S`` (a group torn down first cancels that): ranks whose ops met
         only through shared memory never needed a socket (aiodist.shm's lane)."""
         first = group_id not in self._standing.aborted  # a peer's ABORT came first: that peer told everyone
+        if culprits:
+            self._standing.blame(group_id, culprits)
         self._abort_now(group_id, reason)
         todo = [r for r in ranks if first and r != self.rank and r not in self.dialer.send_conn and r not in self._standing.dead]
         if todo and not self._standing.closed:
-            frame = abort_frame(self.rank, group_id, 0, reason)
+            frame = abort_frame(self.rank, group_id, 0, reason, culprits=self._standing.blamed.get(group_id))
 
             async def tell(peer: int) -> None:
                 async with asyncio.timeout(_ABORT_DIAL_S):
@@ -371,8 +374,9 @@ class Transport:
                     log.debug("rank %d: could not tell rank %d that group %d was aborted: %s", self.rank, peer, group_id, res)
 
     def _abort_now(self, group_id: int, reason: str) -> None:
-        """``abort``'s work, which does not suspend (a frame's handler calls it too)."""
-        frame = abort_frame(self.rank, group_id, 0, reason)
+        """``abort``'s work, which does not suspend (a frame's handler calls it too): the ABORT
+        frame names the ranks the group's break names, where it names any (``blame``)."""
+        frame = abort_frame(self.rank, group_id, 0, reason, culprits=self._standing.blamed.get(group_id))
         for conn in list(self.dialer.send_conn.values()):
             conn.write_control(frame)
         self._abort_local(group_id, f"rank {self.rank} broke group {group_id}: {reason}")
@@ -476,7 +480,9 @@ class Transport:
         HELLO in time): counted and summed up (``aiodist.transport._handshake``)."""
         self.handshakes.unheard(conn, why)
 
-    def on_abort(self, header: FrameHeader, reason: str) -> None:
+    def on_abort(self, header: FrameHeader, reason: str, culprits: dict[int, str]) -> None:
+        if culprits:  # whom the break names, as its first rank named them: every survivor agrees
+            self._standing.blame(header.group, culprits)
         self._abort_local(header.group, f"the failure started on rank {header.source}, which broke group {header.group}: {reason}")
 
     def on_lost(self, conn: Connection, err: BaseException, current: PostedRecv | None) -> None:

@@ -27,10 +27,12 @@ transport passes to ``writelines`` / ``sendmsg`` without copying the payload.
 from __future__ import annotations
 
 import enum
+import json
 import pickle
 import struct
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeAlias
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "decode_hello",
     "hello_frame",
     "abort_frame",
+    "decode_abort",
     "goodbye_frame",
     "frame_parts",
     "DecoderState",
@@ -223,10 +226,39 @@ def hello_frame(hello: Hello, lane: int = 0) -> bytes:
     return encode_header(_HELLO_KIND, 0, 0, lane, hello.rank, len(payload)) + payload
 
 
-def abort_frame(source: int, group: int, seq: int, reason: str, tag: int = 0) -> bytes:
-    """A whole ABORT frame: rank ``source`` tells its peer that op ``seq`` of ``group`` is dead."""
-    payload = reason.encode("utf-8", "replace")
+#: an ABORT frame's payload: the reason (UTF-8), then, where the break names ranks, a NUL and
+#: ``{"<global rank>": "<what it did>", ...}`` as JSON (every survivor learns whom to exclude)
+_ABORT_CULPRITS = b"\0"
+_ABORT_MAX = 60 << 10  # under FrameLimits.max_control_bytes' default, whatever the reason's length
+
+
+def abort_frame(source: int, group: int, seq: int, reason: str, tag: int = 0, culprits: Mapping[int, str] | None = None) -> bytes:
+    """A whole ABORT frame: rank ``source`` tells its peer that op ``seq`` of ``group`` is dead,
+    why, and which ranks the break names (``culprits``: global rank -> what it did)."""
+    payload = reason.replace("\0", " ").encode("utf-8", "replace")
+    if culprits:
+        named = {str(int(r)): str(why)[:400] for r, why in list(culprits.items())[:256]}
+        payload = payload[: _ABORT_MAX - 2 - len(named) * 420] + _ABORT_CULPRITS + json.dumps(named).encode()
+    payload = payload[:_ABORT_MAX]
     return encode_header(_ABORT, group, seq, tag, source, len(payload)) + payload
+
+
+def decode_abort(payload: bytes) -> tuple[str, dict[int, str]]:
+    """An ABORT frame's reason and the ranks it names (``abort_frame``); named ranks that do not
+    parse are left out (the reason still stands)."""
+    text, _, tail = payload.partition(_ABORT_CULPRITS)
+    reason = text.decode("utf-8", "replace")
+    culprits: dict[int, str] = {}
+    if tail:
+        try:
+            named = json.loads(tail)
+        except ValueError:
+            return reason, culprits
+        if isinstance(named, dict):
+            for r, why in named.items():
+                if isinstance(r, str) and r.isdigit() and isinstance(why, str):
+                    culprits[int(r)] = why
+    return reason, culprits
 
 
 def goodbye_frame(source: int) -> bytes:
@@ -301,6 +333,7 @@ class HelloReceived:
 class AbortReceived:
     header: FrameHeader  # its group and seq name the dead op
     reason: str
+    culprits: dict[int, str] = field(default_factory=dict)  # the ranks the break names (global rank -> what it did)
 
 
 @dataclass(frozen=True, slots=True)
@@ -718,7 +751,7 @@ class FrameDecoder:
             self._hello, self._peer = hello, hello.rank
             events.append(HelloReceived(header, hello))
         elif kind is _ABORT:
-            events.append(AbortReceived(header, payload.tobytes().decode("utf-8", "replace")))
+            events.append(AbortReceived(header, *decode_abort(payload.tobytes())))
         else:
             self._state = _CLOSED
             events.append(GoodbyeReceived(header))

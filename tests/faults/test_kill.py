@@ -1,6 +1,7 @@
 """SIGKILL of one of 4 ranks in the middle of an all_reduce loop (4 B and 16 MiB): every survivor
 raises a DistError that names the dead rank, within 2 s of the kill, for every victim including
-rank 0 (which hosts the env:// store). The group timeout is 20 s, so a pass shows the death was
+rank 0 (which hosts the env:// store), and whose ``culprits`` are exactly the dead rank, also on
+a survivor that learned of it from a peer's ABORT: every survivor knows whom to exclude. The group timeout is 20 s, so a pass shows the death was
 detected, not timed out. The victim is killed by pid once every rank has printed "running";
 each survivor prints the wall-clock time of its error, which the test compares with the kill's."""
 
@@ -54,6 +55,8 @@ def test_sigkill_of_one_rank_fails_every_survivor_within_2s(victim: int, nbytes:
         _, t, msg = errors[0].split(" ", 2)
         took[rank] = float(t) - killed_at
         assert re.search(rf"\brank {victim}\b", msg), f"rank {rank}'s error does not name rank {victim}: {msg}"
+        named = [line for line in outs[rank] if line.startswith("CULPRITS ")]
+        assert named and named[0] == f"CULPRITS [{victim}]", f"rank {rank}'s error names {named} as its culprits, not [{victim}]: {msg}"
     print(f"victim {victim}, {nbytes} B: time to error by survivor: " + ", ".join(f"rank {r} {s:.3f} s" for r, s in took.items()))
     print(f"  e.g. {errors[0]}")
     assert all(s < DETECT_S for s in took.values()), took

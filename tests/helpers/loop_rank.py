@@ -6,8 +6,10 @@ until the group breaks (a peer killed or stopped by the test), then say when and
 
 env:// group with a TIMEOUT-second timeout; all_reduce of NBYTES of float32 ones, once, then
 ``running`` (every rank is connected and through one op), then the same all_reduce in a loop.
-The loop's DistError is printed as one line::
+The loop's DistError is printed as two lines, the ranks it names (its ``culprits``' global
+ranks) first::
 
+    CULPRITS <sorted list of ranks>
     ERROR <time.time() of the error, repr> <class name>: <message on one line>
 
 THEN says what follows: ``exit`` (``os._exit(0)``: a broken world's teardown is not what is
@@ -42,6 +44,7 @@ async def main(timeout: float, nbytes: int, then: str) -> None:
     except dist.DistError as exc:
         t = time.time()
         msg = " ".join(str(exc).split())
+        print(f"CULPRITS {sorted(exc.culprits)}", flush=True)
         print(f"ERROR {t!r} {type(exc).__name__}: {msg}", flush=True)
     if then == "exit":
         os._exit(0)  # a broken world's teardown is not what this test measures
