@@ -192,6 +192,14 @@ KNOBS: dict[str, Knob] = {
             positive=True,
         ),
         _K(
+            "AIODIST_LINK_TIMEOUT_S",
+            "seconds",
+            10.0,
+            "a connection whose peer's kernel acknowledges nothing for this long (keepalive probes while idle, TCP_USER_TIMEOUT while sending) is lost, naming the peer (0: the kernel's defaults, minutes)",
+            "aiodist.transport._connection",
+            minimum=0,
+        ),
+        _K(
             "AIODIST_STRIPE_MIN_BYTES",
             "bytes",
             256 << 10,

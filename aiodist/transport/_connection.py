@@ -32,12 +32,14 @@ Rules this module keeps:
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 from aiodist.errors import DistNetworkError
+from aiodist.knobs import knob
 from aiodist.transport._landing import GRACE, GRACE_MIN_BYTES, HOLD, LAND, STAGE, Landing
 from aiodist.transport._mailbox import PostedRecv
 from aiodist.wire.frame import (
@@ -122,6 +124,7 @@ class Connection(asyncio.BufferedProtocol):
         self.bytes_in = 0
         self.bytes_out = 0
         self.goodbye = False  # the peer said GOODBYE
+        self.timed_out = False  # the kernel gave up on the peer: nothing acknowledged (_watch_link)
         self.closed = asyncio.get_running_loop().create_future()  # set in connection_lost
         self._paused = False
         self._drain: list[tuple[int | None, asyncio.Future[None]]] = []
@@ -143,6 +146,7 @@ class Connection(asyncio.BufferedProtocol):
         transport = self.transport
         transport.set_write_buffer_limits(high=0, low=0)
         _grow_socket_buffers(transport)
+        _watch_link(transport, link_timeout())
         self.owner.attach(self)
         if self.dialed_peer is not None:
             transport.write(hello_frame(self.owner.hello, self.lane))
@@ -224,6 +228,12 @@ class Connection(asyncio.BufferedProtocol):
         if self._error is None:
             if self.goodbye:
                 why = f"{self._who()} closed its transport (GOODBYE)"
+            elif isinstance(exc, OSError) and exc.errno in _LINK_DOWN:
+                self.timed_out = True
+                why = (
+                    f"connection with {self._who()} lost: its link or host stopped answering (nothing acknowledged for "
+                    f"{link_timeout():g} s, {ENV_LINK_TIMEOUT}: {exc})"
+                )
             elif exc is not None:
                 why = f"connection with {self._who()} lost: {exc}"
             else:
@@ -439,6 +449,46 @@ class Connection(asyncio.BufferedProtocol):
 
 
 SOCKET_BUFFER_BYTES = 4 << 20  # kernel send/receive buffer asked for (the kernel may cap it)
+ENV_LINK_TIMEOUT = "AIODIST_LINK_TIMEOUT_S"
+#: how the kernel ends a connection whose peer stopped acknowledging (ETIMEDOUT; a route gone
+#: with the link reports its own error instead)
+_LINK_DOWN = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN})
+
+
+def link_timeout() -> float:
+    """``AIODIST_LINK_TIMEOUT_S`` (default 10 s; 0: the kernel's own timers)."""
+    return knob(ENV_LINK_TIMEOUT).number()
+
+
+def _watch_link(transport: asyncio.BaseTransport, seconds: float) -> None:
+    """A TCP connection whose peer's kernel stops acknowledging (a cut link, a host gone) is
+    closed by the kernel within about ``seconds``, with ETIMEDOUT: keepalive probes on an idle
+    connection (the first after ``seconds`` / 5 of silence, then every ``seconds`` / 10), and
+    ``TCP_USER_TIMEOUT`` for data sent and not acknowledged (which also bounds the probes). A
+    peer that is only slow or busy still acknowledges (its kernel does), so a long op on a slow
+    link is not cut; nor is a stopped process (SIGSTOP), which the group's timeout names.
+    Best effort: a platform without an option keeps its default."""
+    if seconds <= 0:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    idle = max(1, int(seconds / 5))
+    every = max(1, int(seconds / 10))
+    options = [
+        (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPIDLE", None), idle),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPINTVL", None), every),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPCNT", None), max(1, int((seconds - idle) / every))),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_USER_TIMEOUT", None), int(seconds * 1000)),
+    ]
+    for level, opt, value in options:
+        if opt is None:
+            continue
+        try:
+            sock.setsockopt(level, opt, value)
+        except OSError:  # pragma: no cover - best effort
+            pass
 
 
 def _grow_socket_buffers(transport: asyncio.BaseTransport) -> None:
