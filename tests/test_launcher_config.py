@@ -55,6 +55,7 @@ DEFAULTS = {
     "tee": "0",
     "local_ranks_filter": None,
     "stop_timeout": 5.0,
+    "keep_survivors": False,
 }
 
 # (argv, environment, the fields that differ from DEFAULTS)
@@ -84,6 +85,8 @@ TABLE: list[tuple[list[str], dict[str, str], dict[str, Any]]] = [
         {"min_nodes": 2, "max_nodes": 2, "rdzv_endpoint": "h:29500", "rdzv_configs": {"rank": 1}},
     ),
     (["--rdzv_backend=c10d"], {}, {"rdzv_backend": "c10d", "rdzv_configs": {}}),
+    (["--keep-survivors"], {}, {"keep_survivors": True}),
+    ([], {"PET_KEEP_SURVIVORS": "1"}, {"keep_survivors": True}),
     (
         ["--rdzv-conf", "join_timeout=5, last_call_timeout=1", "--rdzv-endpoint", "h:7"],
         {},

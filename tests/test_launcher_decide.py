@@ -83,6 +83,45 @@ ROWS = [
     ("failed round: only comm errors: the earliest", View(now=T, state=State.FAILED, failures=(B,), max_restarts=0), Report(B)),
     ("failed round: nothing known", View(now=T, state=State.FAILED, max_restarts=0), Report(None)),
     ("failed round, then a signal", View(now=T, state=State.FAILED, signal="SIGTERM", failures=(A,), max_restarts=3), Stop(Why.SIGNAL)),
+    # --keep-survivors: a worker's death stops no other; the round ends when every worker has
+    ("keep: one died, one runs: wait", View(now=T, workers=(Exit(0, -9), Exit(1)), keep_survivors=True), Wait(None)),
+    ("keep: one failed, the other ended 0", View(now=T, workers=(Exit(0, 0), Exit(1, 1)), keep_survivors=True), Stop(Why.WORKER_FAILED)),
+    ("keep: all exited 0", View(now=T, workers=(Exit(0, 0), Exit(1, 0)), keep_survivors=True), Stop(Why.SUCCEEDED)),
+    ("keep: a signal still stops", View(now=T, workers=(Exit(0, 1), Exit(1)), signal="SIGTERM", keep_survivors=True), Stop(Why.SIGNAL)),
+    (
+        "keep, multi: a remote failure stops no running worker",
+        View(now=T, workers=RUN2, remote={"rank": 3}, keep_survivors=True, **MULTI),
+        Wait(HB - 1 + 0.01),
+    ),
+    (
+        "keep, multi: this node's workers ended 0, another's failed",
+        View(now=T, workers=(Exit(0, 0),), remote={"rank": 3}, keep_survivors=True, **MULTI),
+        Stop(Why.REMOTE_FAILED),
+    ),
+    (
+        "keep, multi: a node that failed and went quiet is not judged silent",
+        View(
+            now=T,
+            workers=RUN2,
+            nnodes=3,
+            store_ok_at=T,
+            peers={1: T - HB - 5},
+            remote={"rank": 3},
+            heartbeat_timeout=HB,
+            keep_survivors=True,
+        ),
+        Wait(HB + 0.01),
+    ),
+    (
+        "keep, multi: a silent node before any failure is still named",
+        View(now=T, workers=RUN2, nnodes=3, store_ok_at=T, peers={1: T - HB - 5}, heartbeat_timeout=HB, keep_survivors=True),
+        Stop(Why.NODE_SILENT, node=1),
+    ),
+    (
+        "keep, multi: the store silent still ends the round",
+        View(now=T, workers=RUN2, nnodes=2, store_ok_at=T - HB - 1, heartbeat_timeout=HB, keep_survivors=True),
+        Stop(Why.STORE_LOST),
+    ),
 ]
 
 

@@ -293,6 +293,17 @@ class LaunchConfig:
         default=3,
         metadata=_cli(Flag("max-restarts", "restarts of the worker group before the job fails (default 0)", default=0, type=_nonneg_int)),
     )
+    keep_survivors: bool = field(
+        default=False,
+        metadata=_cli(
+            Flag(
+                "keep-survivors",
+                "aiodist's own: a worker's death stops no other worker; the job ends when every worker has ended "
+                "(the survivors may shrink their groups and go on), and fails, naming the dead, if one failed",
+                switch=True,
+            )
+        ),
+    )
     monitor_interval: float = field(
         default=0.1,
         metadata=_cli(Flag("monitor-interval", "accepted; unused (agents wait on the store for news)", default=0.1, type=_seconds)),

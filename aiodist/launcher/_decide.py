@@ -93,6 +93,7 @@ class View:
     failures: Sequence[_Failure] = ()  # State.FAILED: the round's failures (every node's known ones)
     restarts: int = 0  # restarts used so far (the round's number)
     max_restarts: int = 0
+    keep_survivors: bool = False  # aiodist-run --keep-survivors: a worker's death stops no other
 
 
 @dataclass(frozen=True)
@@ -145,13 +146,24 @@ def root_cause(failures: Sequence[F]) -> F | None:
 
 
 def next_action(v: View) -> Action:
-    """The one thing to do next (see ``View``; the module docstring)."""
+    """The one thing to do next (see ``View``; the module docstring). In order:
+
+    1. a signal: ``Stop(SIGNAL)``;
+    2. a failed round: ``Restart`` while restarts are left, else ``Report``;
+    3. ``keep_survivors`` (a worker's death stops no other): ``_keep_survivors``'s answer;
+    4. a worker of this node failed: ``Stop(WORKER_FAILED)``;
+    5. one node: ``Stop(SUCCEEDED)`` once every worker exited 0, else ``Wait``;
+    6. another node failed: ``Stop(REMOTE_FAILED)``; every node done: ``Stop(SUCCEEDED)``;
+    7. the store silent for the heartbeat timeout: ``Stop(STORE_LOST)``; a node's heartbeat
+       still for it: ``Stop(NODE_SILENT)``; else ``Wait`` until the store's deadline."""
     if v.signal is not None:
         return Stop(Why.SIGNAL)
     if v.state is State.FAILED:
         if v.restarts < v.max_restarts:
             return Restart(v.restarts + 1)
         return Report(root_cause(v.failures))
+    if v.keep_survivors:
+        return _keep_survivors(v)
     if any(w.rc not in (None, 0) for w in v.workers):
         return Stop(Why.WORKER_FAILED)
     local_done = bool(v.workers) and all(w.rc == 0 for w in v.workers)
@@ -167,6 +179,35 @@ def next_action(v: View) -> Action:
     if silent:
         return Stop(Why.NODE_SILENT, node=min(silent)[1])
     # Peers are judged when the store answers (which wakes the loop); the store, by the clock.
+    return Wait(max(0.0, v.store_ok_at + v.heartbeat_timeout - v.now) + 0.01)
+
+
+def _keep_survivors(v: View) -> Action:
+    """``next_action`` under ``--keep-survivors``: the round ends when every worker of this node
+    has ended, whatever each one's end. In order:
+
+    1. a worker still runs: one node, ``Wait``; several, the store's and the heartbeats'
+       deadlines as always (a node whose workers ended goes quiet once it said how: another
+       node's failure known, a silent node is not judged);
+    2. every worker ended, one failed: ``Stop(WORKER_FAILED)`` (the report names it, and says
+       the others went on);
+    3. every worker exited 0: one node, ``Stop(SUCCEEDED)``; several, another node's failure:
+       ``Stop(REMOTE_FAILED)``; every node done: ``Stop(SUCCEEDED)``; else the deadlines."""
+    if v.workers and all(w.rc is not None for w in v.workers):
+        if any(w.rc != 0 for w in v.workers):
+            return Stop(Why.WORKER_FAILED)
+        if v.nnodes == 1 or v.all_done:
+            return Stop(Why.SUCCEEDED)
+        if v.remote is not None:
+            return Stop(Why.REMOTE_FAILED)
+    elif v.nnodes == 1:
+        return Wait(None)
+    if v.now - v.store_ok_at > v.heartbeat_timeout:
+        return Stop(Why.STORE_LOST)
+    if v.remote is None:
+        silent = [(seen, node) for node, seen in v.peers.items() if v.store_ok_at - seen > v.heartbeat_timeout]
+        if silent:
+            return Stop(Why.NODE_SILENT, node=min(silent)[1])
     return Wait(max(0.0, v.store_ok_at + v.heartbeat_timeout - v.now) + 0.01)
 
 

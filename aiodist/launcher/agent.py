@@ -546,8 +546,9 @@ class LocalAgent:
         workers are all done (so it marks the node done and waits for the others)."""
         exits = tuple(Exit(w.rank, w.rc) for w in self.workers)
         sig = self._signal.name if self._signal is not None else None
+        keep = self.spec.config.keep_survivors
         if watch is None:
-            return View(now=time.monotonic(), workers=exits, signal=sig)
+            return View(now=time.monotonic(), workers=exits, signal=sig, keep_survivors=keep)
         if exits and all(e.rc == 0 for e in exits):
             watch.local_done()
         return View(
@@ -560,6 +561,7 @@ class LocalAgent:
             peers=dict(watch.peers),
             store_ok_at=watch.ok_at,
             heartbeat_timeout=self.rdzv.heartbeat_timeout,
+            keep_survivors=keep,
         )
 
     async def _sleep(self, seconds: float | None) -> None:
@@ -581,6 +583,13 @@ class LocalAgent:
         await self._settle(FAILURE_SETTLE_S)
         await self._stop_workers(signal.SIGTERM)
         failures = self._failures()
+        if self.spec.config.keep_survivors:
+            went_on = [f"rank {w.rank} exit {w.rc}" for w in self.workers if w.rank not in failures]
+            self.log.warning(
+                "worker(s) %s failed; the other workers went on (--keep-survivors) and ended: %s",
+                ", ".join(f"rank {r}" for r in sorted(failures)) or "none",
+                ", ".join(went_on) or "none on this node",
+            )
         if a.nnodes == 1:
             return _RoundResult(False, failures)
         cause = root_cause(list(failures.values()))
