@@ -200,8 +200,9 @@ class Deadline:
         if clock is not None:
             self._clock = None
             clock.ended()
+        cell, self._cell = self._cell, []  # (the task is not kept: a clock's heap may hold this a while)
         if self._fired_at is not None:
-            return self._cell[0].uncancel() <= self._cancelling and isinstance(exc, asyncio.CancelledError)
+            return cell[0].uncancel() <= self._cancelling and isinstance(exc, asyncio.CancelledError)
         return False
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
