@@ -6,7 +6,7 @@ pause between them (the connections are idle part of the time), or one big all_r
 MODE ``loop``: ``running`` once every rank is through one op, then all_reduces until one fails,
 then ``CULPRITS <sorted ranks>`` and ``ERROR <time.time()!r> <class>: <message on one line>``.
 MODE ``big NBYTES``: ``running``, one all_reduce of NBYTES, then ``DONE <seconds> <sum ok>``
-(or the ERROR lines). The group timeout is 120 s: an error before it is the link's detection.
+(or the ERROR lines), and a barrier before it exits. The group timeout is 120 s: an error before it is the link's detection.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ async def main(mode: str, nbytes: int) -> None:
         t = time.monotonic()
         await dist.all_reduce(big)
         print(f"DONE {time.monotonic() - t:.2f} {bool((big == 2).all())}", flush=True)
+        await dist.barrier()  # neither exits while the other still reads: an exit would cut its last bytes
+        await asyncio.sleep(0.5)
     except dist.DistError as exc:
         t = time.time()
         print(f"CULPRITS {sorted(exc.culprits)}", flush=True)
