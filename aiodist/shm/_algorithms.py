@@ -738,9 +738,11 @@ async def _read_failed(p2p: OpLink, q: int, pid: int, exc: OSError, op: str) -> 
             break
         await asyncio.sleep(0.01)
     ranks = p2p.ranks
+    gone = exc.errno == errno.ESRCH  # its process ended: whatever else failed, it is not a survivor
     raise DistBackendError(
         f"{op} on group {p2p.group_id}, seq {p2p.seq}: reading rank {ranks[q]}'s {'tensor' if op == 'broadcast' else 'input'} "
-        f"(process {pid}) failed on rank {ranks[p2p.rank]}: {os.strerror(exc.errno or 0)}"
+        f"(process {pid}) failed on rank {ranks[p2p.rank]}: {os.strerror(exc.errno or 0)}",
+        culprits={ranks[q]: f"its process ended (process {pid}: no such process)"} if gone else None,
     ) from exc
 
 
