@@ -495,6 +495,21 @@ async def test_ops_done_in_their_calls_change_nothing_but_where_they_run(monkeyp
     assert seen["eager"] == seen["never-eager"]
 
 
+def _count_in_call(pg: Any) -> list[int]:
+    """Count the ops of ``pg`` that its calls issued by the in-call path (``issue_now`` took
+    them: done in the call, or parked): the count is the returned list's one item."""
+    taken = [0]
+    issue_now = pg.issue_now
+
+    def counting(*args: Any) -> Any:
+        got = issue_now(*args)
+        taken[0] += got is not process_group.NOT_NOW
+        return got
+
+    pg.issue_now = counting
+    return taken
+
+
 async def test_torch_cpu_tensors_take_the_in_call_path_as_numpy_arrays_do(monkeypatch: pytest.MonkeyPatch) -> None:
     """A kept call on torch CPU tensors (a tensor that requires grad included, as torch's c10d
     takes it) posts and collects in its call as a numpy array's does: the same results, done
@@ -505,17 +520,7 @@ async def test_torch_cpu_tensors_take_the_in_call_path_as_numpy_arrays_do(monkey
     monkeypatch.setattr(process_group, "EAGER_S", 0.5)
 
     async def fn(rank: int) -> tuple[list[Any], int]:
-        pg = dist.group.WORLD
-        done_in_call = 0
-        issue_now = pg.issue_now
-
-        def counting(*args: Any) -> Any:
-            nonlocal done_in_call
-            got = issue_now(*args)
-            done_in_call += got is not process_group.NOT_NOW
-            return got
-
-        pg.issue_now = counting  # type: ignore[method-assign]
+        taken = _count_in_call(dist.group.WORLD)
         outs: list[Any] = []
         for _ in range(4):
             x = torch.full((2,), rank + 1.0)
@@ -543,7 +548,7 @@ async def test_torch_cpu_tensors_take_the_in_call_path_as_numpy_arrays_do(monkey
             with pytest.raises(ValueError, match="not contiguous"):  # refused as before, nothing issued
                 await dist.all_reduce(torch.ones(2, 2)[:, 0])
             outs.append([t.tolist() for t in (x, p.detach(), b, r, g, z, h.float())])
-        return outs, done_in_call
+        return outs, taken[0]
 
     res = await run_world(2, fn, "gloo", timeout=30)
     for rank, (outs, done_in_call) in enumerate(res):
@@ -566,17 +571,7 @@ async def test_small_gather_scatter_and_all_to_all_are_done_in_their_calls_and_o
     monkeypatch.setattr(process_group, "EAGER_S", 0.5)
 
     async def fn(rank: int) -> tuple[int, list[Any]]:
-        pg = dist.group.WORLD
-        done_in_call = 0
-        issue_now = pg.issue_now
-
-        def counting(*args: Any) -> Any:
-            nonlocal done_in_call
-            got = issue_now(*args)
-            done_in_call += got is not process_group.NOT_NOW
-            return got
-
-        pg.issue_now = counting  # type: ignore[method-assign]
+        taken = _count_in_call(dist.group.WORLD)
         seen: list[Any] = []
         for i in range(9):
             root = i % 3
@@ -597,7 +592,7 @@ async def test_small_gather_scatter_and_all_to_all_are_done_in_their_calls_and_o
         out: list[Any] = [None]
         await dist.scatter_object_list(out, [b"y" * (300_000 if q == 2 else 10) for q in range(3)] if rank == 0 else None, src=0)
         seen.append(len(out[0]))
-        return done_in_call, seen
+        return taken[0], seen
 
     res = await run_world(3, fn, "gloo", timeout=30)
     for rank, (done_in_call, seen) in enumerate(res):

@@ -252,13 +252,21 @@ class Quick:
             tmp = self._tmp = np.empty(like.size, like.dtype)
         return tmp
 
-    def _park(self, g: GroupShm, s: int, sizes: Sequence[int], finish: Callable[[GroupShm, int], None], op: str) -> Rest:
-        ticket = self.shm.ticket(self.group_id, self.ranks)  # the line was empty: its turn is now
+    def _park(self, g: GroupShm, s: int, sizes: Sequence[int], op: str, finish: Callable[[Any, GroupShm, int], Any]) -> Rest:
+        """The rest of an op posted in slot ``s`` whose peers were not all there, or did not all
+        agree: it takes its place in line (the line was empty: its turn is now), waits for every
+        peer's flag and checks digests and ``sizes`` (``settle``), then ``finish(link, g, s)``,
+        the op's last step (which may check what it reads and raise, naming it, under the op's
+        runner; a coroutine where it still waits: all_to_all's reads)."""
+        ticket = self.shm.ticket(self.group_id, self.ranks)
 
         async def rest(p2p: P2P) -> None:
             try:
-                await settle(op_link(p2p), g, s, sizes, op, spin=False)
-                finish(g, s)
+                link = op_link(p2p)
+                await settle(link, g, s, sizes, op, spin=False)
+                more = finish(link, g, s)
+                if more is not None:
+                    await more
             finally:
                 ticket.release()
 
@@ -280,7 +288,7 @@ class Quick:
         if s >= 0:
             finish(g, s)
             return True
-        return self._park(g, s + 2, sizes, finish, op)
+        return self._park(g, s + 2, sizes, op, lambda link, g, s: finish(g, s))
 
     # -- the ops: each True when done in the call, its Rest when parked, None when it is not for
     # -- the lane now (nothing done)
@@ -299,7 +307,7 @@ class Quick:
         if s >= 0:
             fold(flat, views, tmp)
             return True
-        return self._park(g, s + 2, self.sizes, lambda g, s: fold(flat, views, tmp), "all_reduce")
+        return self._park(g, s + 2, self.sizes, "all_reduce", lambda link, g, s: fold(flat, views, tmp))
 
     def broadcast(self, seq: int, digest: int, flat: np.ndarray, root: int) -> bool | Rest | None:
         """Broadcast ``flat`` from group rank ``root``."""
@@ -387,7 +395,7 @@ class Quick:
         def finish(link: Any, g: GroupShm, s: int) -> None:
             gather_finish(link, g, s, root, outs, mine)
 
-        return self._park_checked(g, s if s >= 0 else s + 2, finish, "gather")
+        return self._park(g, s if s >= 0 else s + 2, self.any_sizes, "gather", finish)
 
     def scatter(self, seq: int, digest: int, out: np.ndarray, ins_root: tuple[Sequence[np.ndarray] | None, int]) -> bool | Rest | None:
         """``ins[q]`` of the root into ``out`` of rank q (``ins_root``: the root's list, None
@@ -413,22 +421,7 @@ class Quick:
         def finish(link: Any, g: GroupShm, s: int) -> None:
             scatter_finish(link, g, s, root, out)
 
-        return self._park_checked(g, s if s >= 0 else s + 2, finish, "scatter")
-
-    def _park_checked(self, g: GroupShm, s: int, finish: Callable[[Any, GroupShm, int], None], op: str) -> Rest:
-        """``_park`` for an op whose finish checks what it reads (and raises, naming it, under
-        the op's runner): ``finish(link, g, s)``."""
-        ticket = self.shm.ticket(self.group_id, self.ranks)
-
-        async def rest(p2p: P2P) -> None:
-            try:
-                link = op_link(p2p)
-                await settle(link, g, s, self.any_sizes, op, spin=False)
-                finish(link, g, s)
-            finally:
-                ticket.release()
-
-        return Rest(rest, ticket.release)
+        return self._park(g, s if s >= 0 else s + 2, self.any_sizes, "scatter", finish)
 
     def all_to_all(self, seq: int, digest: int, out: np.ndarray, inp: np.ndarray) -> bool | Rest | None:
         """Part q of ``inp`` to rank q, part q of ``out`` from rank q (flat, the group's size
@@ -451,19 +444,10 @@ class Quick:
         if s >= 0 and all_to_all_inline_agree(g, s, me, n, part):
             all_to_all_copy(g, s, me, n, out.view(np.uint8), part)
             return True
-        at = s if s >= 0 else s + 2
-        ticket = self.shm.ticket(self.group_id, self.ranks)
         outs, ins = _chunks_of(out, n), _chunks_of(inp, n)
-
-        async def rest(p2p: P2P) -> None:
-            try:
-                link = op_link(p2p)
-                await settle(link, g, at, self.any_sizes, "all_to_all", spin=False)
-                await all_to_all_rest(link, g, at, outs, ins)
-            finally:
-                ticket.release()
-
-        return Rest(rest, ticket.release)
+        return self._park(
+            g, s if s >= 0 else s + 2, self.any_sizes, "all_to_all", lambda link, g, s: all_to_all_rest(link, g, s, outs, ins)
+        )
 
     def barrier(self, seq: int, digest: int, _a: Any = None, _b: Any = None) -> bool | Rest | None:
         """Every rank of the group has entered."""

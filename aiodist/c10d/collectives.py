@@ -671,6 +671,38 @@ def _not_root_list(items: object) -> bool:
     return items is None or (type(items) is list and not items)
 
 
+def _rooted_now(op: str, tensor: Any, items: Any, root_arg: Any, group: GroupArg, async_op: Any, group_root_arg: Any) -> Any:
+    """gather's and scatter's first step (``_now``; ``op`` says which): a kept call of one size
+    everywhere by its in-call path. gather's root list is written, scatter's tensor is."""
+    arr = tensor if type(tensor) is np.ndarray else _host(tensor)
+    if arr is None or type(async_op) is not bool:
+        return LATER
+    if not ((root_arg is None or type(root_arg) is int) and (group_root_arg is None or type(group_root_arg) is int)):
+        return LATER
+    pg = _CURRENT.get().default_pg if group is None else _now_group(group)
+    if pg is None:
+        return LATER
+    gather = op is _GATHER
+    flags = arr.flags
+    if not flags.c_contiguous or not (gather or flags.writeable):
+        return LATER
+    hit = pg.hot.get((op, arr.dtype, arr.shape, root_arg, group_root_arg))
+    if hit is None or hit.quick is None:
+        return LATER
+    root, q = hit.root, hit.quick
+    if root == q.me:
+        lst = _root_list_now(items, arr, len(pg.ranks), gather)
+        if lst is None:
+            return LATER
+    elif _not_root_list(items):
+        lst = None
+    else:
+        return LATER
+    if gather:
+        return _now(pg, op, q.gather, arr, (lst, root), list(items or ()), hit.described, async_op)
+    return _now(pg, op, q.scatter, arr, (lst, root), [tensor], hit.described, async_op)
+
+
 @_first_step_of("gather")
 def _gather_now(
     tensor: Any,
@@ -680,29 +712,7 @@ def _gather_now(
     async_op: bool = False,
     group_dst: int | None = None,
 ) -> Any:
-    """gather's first step (``_now``): a kept call of one size everywhere by its in-call path."""
-    arr = tensor if type(tensor) is np.ndarray else _host(tensor)
-    if arr is None or type(async_op) is not bool:
-        return LATER
-    if not ((dst is None or type(dst) is int) and (group_dst is None or type(group_dst) is int)):
-        return LATER
-    pg = _CURRENT.get().default_pg if group is None else _now_group(group)
-    if pg is None or not arr.flags.c_contiguous:
-        return LATER
-    hit = pg.hot.get((_GATHER, arr.dtype, arr.shape, dst, group_dst))
-    if hit is None or hit.quick is None:
-        return LATER
-    root = hit.root
-    if root == hit.quick.me:
-        outs = _root_list_now(gather_list, arr, len(pg.ranks), True)
-        if outs is None:
-            return LATER
-        outputs = list(gather_list)  # type: ignore[arg-type]  # (a list: _root_list_now)
-    elif _not_root_list(gather_list):
-        outs, outputs = None, []
-    else:
-        return LATER
-    return _now(pg, _GATHER, hit.quick.gather, arr, (outs, root), outputs, hit.described, async_op)
+    return _rooted_now(_GATHER, tensor, gather_list, dst, group, async_op, group_dst)
 
 
 @on_world_loop_now(_gather_now)
@@ -715,7 +725,7 @@ async def gather(
     group_dst: int | None = None,
 ) -> Work | None:
     """Every rank's ``tensor`` into ``gather_list`` of ``dst`` (default: global rank 0)."""
-    return await _gather(tensor, gather_list, dst, group, async_op, group_dst, uneven=False)
+    return await _rooted(_GATHER, tensor, gather_list, dst, group, async_op, group_dst, uneven=False)
 
 
 @on_world_loop
@@ -724,35 +734,7 @@ async def gather_uneven(
 ) -> Work | None:  # not in __all__: the object collectives' payloads
     """``gather`` whose parts differ in size per rank on purpose (pickled objects): every rank
     takes one path, whatever its own size (``plan``'s ``part``)."""
-    return await _gather(tensor, gather_list, None, group, async_op, group_dst, uneven=True)
-
-
-async def _gather(
-    tensor: Any, gather_list: Sequence[Any] | None, dst: int | None, group: GroupArg, async_op: bool, group_dst: int | None, *, uneven: bool
-) -> Work | None:
-    if not_member(group, "gather"):
-        return None
-    pg = resolve_group(group, what="gather")
-    asy = check_async_op(async_op)
-    root = group_root(pg, "gather", "dst", dst, group_dst, default_global=0 if group_dst is None else None)
-    if (dev := device_backend(pg, tensor, "gather tensor")) is not None:
-        return await issue_on_device(dev, pg, "gather", {"tensor": tensor, "gather_list": gather_list, "root": root}, asy)
-    inp = buf(tensor, "gather tensor", writable=False)
-    flats = _root_list(pg, root, gather_list, inp, "gather", "gather_list", "destination", writable=True)
-    mine = inp.flat
-    n = pg.size()
-    r = route(pg, "gather", mine.nbytes, part=1 if uneven else 0)
-    meta = _meta(dtype=inp.dtype_name, root=pg.ranks[root], local={"input": _t(inp)})
-    described = describe_call("gather", meta)
-    arr = _host(tensor) if not uneven else None
-    if arr is not None and arr.flags.c_contiguous and (key := (_GATHER, arr.dtype, arr.shape, dst, group_dst)) not in pg.hot:
-        if pg.rank() != root or _root_list_now(gather_list, arr, n, True) is not None:  # one size everywhere: kept for _gather_now
-            _keep(pg, key, Prepared(described, r.plan, quick(pg, r.plan, max(mine.nbytes, 8 * n)), root=root))
-
-    async def body(p2p: P2P) -> None:
-        await r.gather(p2p, flats, mine, root)
-
-    return await _finish(r.issue(pg, "gather", body, list(gather_list or []), described=described), asy)
+    return await _rooted(_GATHER, tensor, gather_list, None, group, async_op, group_dst, uneven=True)
 
 
 @_first_step_of("scatter")
@@ -764,31 +746,7 @@ def _scatter_now(
     async_op: bool = False,
     group_src: int | None = None,
 ) -> Any:
-    """scatter's first step (``_now``): a kept call of one size everywhere by its in-call path."""
-    arr = tensor if type(tensor) is np.ndarray else _host(tensor)
-    if arr is None or type(async_op) is not bool:
-        return LATER
-    if not ((src is None or type(src) is int) and (group_src is None or type(group_src) is int)):
-        return LATER
-    pg = _CURRENT.get().default_pg if group is None else _now_group(group)
-    if pg is None:
-        return LATER
-    flags = arr.flags
-    if not (flags.writeable and flags.c_contiguous):
-        return LATER
-    hit = pg.hot.get((_SCATTER, arr.dtype, arr.shape, src, group_src))
-    if hit is None or hit.quick is None:
-        return LATER
-    root = hit.root
-    if root == hit.quick.me:
-        ins = _root_list_now(scatter_list, arr, len(pg.ranks), False)
-        if ins is None:
-            return LATER
-    elif _not_root_list(scatter_list):
-        ins = None
-    else:
-        return LATER
-    return _now(pg, _SCATTER, hit.quick.scatter, arr, (ins, root), [tensor], hit.described, async_op)
+    return _rooted_now(_SCATTER, tensor, scatter_list, src, group, async_op, group_src)
 
 
 @on_world_loop_now(_scatter_now)
@@ -801,7 +759,7 @@ async def scatter(
     group_src: int | None = None,
 ) -> Work | None:
     """``scatter_list[i]`` of ``src`` (default: global rank 0) into ``tensor`` of group rank i."""
-    return await _scatter(tensor, scatter_list, src, group, async_op, group_src, uneven=False)
+    return await _rooted(_SCATTER, tensor, scatter_list, src, group, async_op, group_src, uneven=False)
 
 
 @on_world_loop
@@ -810,42 +768,54 @@ async def scatter_uneven(
 ) -> Work | None:  # not in __all__: the object collectives' payloads
     """``scatter`` whose parts differ in size per rank on purpose (pickled objects): every rank
     takes one path, whatever its own size (``plan``'s ``part``)."""
-    return await _scatter(tensor, scatter_list, None, group, async_op, group_src, uneven=True)
+    return await _rooted(_SCATTER, tensor, scatter_list, None, group, async_op, group_src, uneven=True)
 
 
-async def _scatter(
+async def _rooted(
+    op: str,
     tensor: Any,
-    scatter_list: Sequence[Any] | None,
-    src: int | None,
+    items: Sequence[Any] | None,
+    root_arg: int | None,
     group: GroupArg,
     async_op: bool,
-    group_src: int | None,
+    group_root_arg: int | None,
     *,
     uneven: bool,
 ) -> Work | None:
-    if not_member(group, "scatter"):
+    """gather (``op``: the root's ``items`` are written) or scatter (the root's ``items`` are
+    read, every rank's ``tensor`` written); ``uneven``: sizes differ per rank on purpose."""
+    gather = op is _GATHER
+    if not_member(group, op):
         return None
-    pg = resolve_group(group, what="scatter")
+    pg = resolve_group(group, what=op)
     asy = check_async_op(async_op)
-    root = group_root(pg, "scatter", "src", src, group_src, default_global=0 if group_src is None else None)
-    if (dev := device_backend(pg, tensor, "scatter tensor")) is not None:
-        return await issue_on_device(dev, pg, "scatter", {"tensor": tensor, "scatter_list": scatter_list, "root": root}, asy)
-    out = buf(tensor, "scatter tensor", writable=True)
-    flats = _root_list(pg, root, scatter_list, out, "scatter", "scatter_list", "source", writable=False)
-    mine = out.flat
+    names = ("dst", "gather_list", "destination", "input") if gather else ("src", "scatter_list", "source", "output")
+    root = group_root(pg, op, names[0], root_arg, group_root_arg, default_global=0 if group_root_arg is None else None)
+    if (dev := device_backend(pg, tensor, f"{op} tensor")) is not None:
+        return await issue_on_device(dev, pg, op, {"tensor": tensor, names[1]: items, "root": root}, asy)
+    b = buf(tensor, f"{op} tensor", writable=not gather)
+    flats = _root_list(pg, root, items, b, op, names[1], names[2], writable=gather)
+    mine = b.flat
     n = pg.size()
-    r = route(pg, "scatter", mine.nbytes, part=1 if uneven else 0)
-    meta = _meta(dtype=out.dtype_name, root=pg.ranks[root], local={"output": _t(out)})
-    described = describe_call("scatter", meta)
+    r = route(pg, op, mine.nbytes, part=1 if uneven else 0)
+    described = describe_call(op, _meta(dtype=b.dtype_name, root=pg.ranks[root], local={names[3]: _t(b)}))
     arr = _host(tensor) if not uneven else None
-    if arr is not None and arr.flags.c_contiguous and (key := (_SCATTER, arr.dtype, arr.shape, src, group_src)) not in pg.hot:
-        if pg.rank() != root or _root_list_now(scatter_list, arr, n, False) is not None:  # one size everywhere: kept for _scatter_now
-            _keep(pg, key, Prepared(described, r.plan, quick(pg, r.plan, n * (mine.nbytes + 8)), root=root))
+    if arr is not None and arr.flags.c_contiguous and (key := (op, arr.dtype, arr.shape, root_arg, group_root_arg)) not in pg.hot:
+        if pg.rank() != root or _root_list_now(items, arr, n, gather) is not None:  # one size everywhere: kept for _rooted_now
+            posted = max(mine.nbytes, 8 * n) if gather else n * (mine.nbytes + 8)  # the root's post: its table (and a scatter's parts)
+            _keep(pg, key, Prepared(described, r.plan, quick(pg, r.plan, posted), root=root))
 
-    async def body(p2p: P2P) -> None:
+    if gather:
+
+        async def body(p2p: P2P) -> None:
+            await r.gather(p2p, flats, mine, root)
+
+        return await _finish(r.issue(pg, op, body, list(items or []), described=described), asy)
+
+    async def spread(p2p: P2P) -> None:
         await r.scatter(p2p, mine, flats, root)
 
-    return await _finish(r.issue(pg, "scatter", body, [tensor], described=described), asy)
+    return await _finish(r.issue(pg, op, spread, [tensor], described=described), asy)
 
 
 # -- reduce_scatter / all_to_all / barrier -----------------------------------------------------

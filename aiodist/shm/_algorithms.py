@@ -489,10 +489,10 @@ async def _all_to_all_reads(
         theirs = posts[q]
         n = int(theirs[2 + 3 * me])
         if n != dsts[q].nbytes:
-            raise _size_mismatch(p2p, "all_to_all", q, n, me, dsts[q].nbytes)
+            raise _lane.size_mismatch(p2p, "all_to_all", q, n, me, dsts[q].nbytes)
         sent, want = int(mine[2 + 3 * q]), int(theirs[3 + 3 * me])
         if sent != want:
-            raise _size_mismatch(p2p, "all_to_all", me, sent, q, want)
+            raise _lane.size_mismatch(p2p, "all_to_all", me, sent, q, want)
     read = False
     for q in range(p):
         post = posts[q]
@@ -554,14 +554,6 @@ async def all_to_all_rest(p2p: OpLink, g: GroupShm, s: int, outs: Sequence[np.nd
     await _all_to_all_reads(p2p, g, got, [byte_view(o, writable=True) for o in outs], [byte_view(x) for x in ins], _Pacer())
 
 
-def _size_mismatch(p2p: OpLink, op: str, sender: int, n: int, reader: int, want: int) -> DistBackendError:
-    ranks = p2p.ranks
-    return DistBackendError(
-        f"{op} on group {p2p.group_id}, seq {p2p.seq}: rank {ranks[sender]} sends {n} bytes to rank {ranks[reader]}, "
-        f"which expects {want} from it (the sizes must match)"
-    )
-
-
 async def gather_single_copy(p2p: OpLink, g: GroupShm, outs: Sequence[np.ndarray] | None, mine: np.ndarray, root: int) -> None:
     """Every rank's ``mine`` into the root's ``outs[that rank]`` by single-copy reads (see the
     module docstring); only the root passes ``outs``."""
@@ -582,7 +574,7 @@ async def gather_single_copy(p2p: OpLink, g: GroupShm, outs: Sequence[np.ndarray
             if q != me:
                 addr, n = int(g.cma_words[q][0]), int(g.cma_words[q][1])
                 if n != dsts[q].nbytes:
-                    raise _size_mismatch(p2p, "gather", q, n, me, dsts[q].nbytes)
+                    raise _lane.size_mismatch(p2p, "gather", q, n, me, dsts[q].nbytes)
                 await _read(p2p, g, q, dsts[q], addr, pace, "gather")
     await _lane.phase(p2p, g, 1, 0)  # the root has read every input
 
@@ -620,7 +612,7 @@ async def scatter_single_copy(p2p: OpLink, g: GroupShm, out: np.ndarray, ins: Se
     if me != root:
         where, n = int(t[1 + 2 * me]), int(t[2 + 2 * me])
         if n != dst.nbytes:
-            raise _size_mismatch(p2p, "scatter", root, n, me, dst.nbytes)
+            raise _lane.size_mismatch(p2p, "scatter", root, n, me, dst.nbytes)
         if inline:
             np.copyto(dst, body[where : where + n])
         else:

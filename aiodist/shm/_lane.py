@@ -74,6 +74,7 @@ __all__ = [
     "gather",
     "gather_posts",
     "gather_finish",
+    "size_mismatch",
     "gather_even",
     "scatter",
     "scatter_posts",
@@ -305,6 +306,16 @@ def _gather_odd(
     return None if want == mine.nbytes else (me, mine.nbytes, want)
 
 
+def size_mismatch(p2p: OpLink, op: str, sender: int, n: int, reader: int, want: int) -> DistBackendError:
+    """The error of an op whose group rank ``sender`` sends ``n`` bytes to group rank
+    ``reader``, which expects ``want``: the op, group, seq and both ranks (global)."""
+    ranks = p2p.ranks
+    return DistBackendError(
+        f"{op} on group {p2p.group_id}, seq {p2p.seq}: rank {ranks[sender]} sends {n} bytes to rank {ranks[reader]}, "
+        f"which expects {want} from it (the sizes must match)"
+    )
+
+
 def gather_finish(link: OpLink, g: GroupShm, s: int, root: int, outs: Sequence[np.ndarray] | None, mine: np.ndarray) -> None:
     """A lane gather once every rank posted in slot ``s``: every rank checks the sizes it can
     see (the root each rank's against its list, the others their own against the root's table:
@@ -313,11 +324,7 @@ def gather_finish(link: OpLink, g: GroupShm, s: int, root: int, outs: Sequence[n
     odd = _gather_odd(g, s, me, root, outs, mine)
     if odd is not None:
         q, sent, want = odd
-        ranks = link.ranks
-        raise DistBackendError(
-            f"gather of group {link.group_id}, seq {link.seq}: rank {ranks[q]} sends {sent} bytes to rank {ranks[root]}, "
-            f"which expects {want} (the root's gather_list and every rank's tensor must agree)"
-        )
+        raise size_mismatch(link, "gather", q, sent, root, want)
     _gather_copy(g, s, me, root, outs, mine)
 
 
@@ -361,11 +368,7 @@ def scatter_finish(link: OpLink, g: GroupShm, s: int, root: int, out: np.ndarray
     odd = _scatter_odd(g, s, me, root, n, out)
     if odd is not None:
         q, sent, want = odd
-        ranks = link.ranks
-        raise DistBackendError(
-            f"scatter of group {link.group_id}, seq {link.seq}: rank {ranks[root]} sends {sent} bytes to rank {ranks[q]}, "
-            f"which expects {want} (the root's scatter_list and every rank's tensor must agree)"
-        )
+        raise size_mismatch(link, "scatter", root, sent, q, want)
     _scatter_copy(g, s, me, root, n, out)
 
 
@@ -390,8 +393,7 @@ def gather_even(g: GroupShm, s: int, me: int, root: int, outs: Sequence[np.ndarr
     for q in g.others:
         if words[q][h] != part:
             return False
-    for q, o in enumerate(outs):
-        o.reshape(-1).view(np.uint8)[...] = bodies[q][s][:part] if q != me else mine.reshape(-1).view(np.uint8)
+    _gather_copy(g, s, me, root, outs, mine)
     return True
 
 
