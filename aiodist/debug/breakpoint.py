@@ -23,13 +23,16 @@ from __future__ import annotations
 import os
 import pdb
 import sys
+import weakref
 from collections import Counter
 from typing import IO
 
 __all__ = ["breakpoint", "STDIN_ENV"]
 
 STDIN_ENV = "AIODIST_BREAKPOINT_STDIN"
-_calls: Counter[tuple[int, str, int]] = Counter()  # (World, call site) -> calls so far (``skip``)
+# World -> call site -> calls so far (``skip``). Keyed by the World itself, weakly: ranks may share
+# a process, and a World's id() is reused by the next World once it is gone.
+_calls: weakref.WeakKeyDictionary[object, Counter[tuple[str, int]]] = weakref.WeakKeyDictionary()
 
 
 class _DistributedPdb(pdb.Pdb):
@@ -87,9 +90,10 @@ async def breakpoint(
         raise ValueError(f"breakpoint: rank {rank} is out of range for world_size {world.world_size}")
     if skip:
         caller = sys._getframe(1)
-        site = (id(world), caller.f_code.co_filename, caller.f_lineno)  # per World: ranks may share a process
-        _calls[site] += 1
-        if _calls[site] <= skip:
+        site = (caller.f_code.co_filename, caller.f_lineno)
+        calls = _calls.setdefault(world, Counter())
+        calls[site] += 1
+        if calls[site] <= skip:
             return
     opened: list[IO[str]] = []
     if world.rank == rank:
