@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import aiodist as dist
+from aiodist.c10d.world import current_world
 from aiodist.testing import run_world
 
 BACKENDS = ["memory", "gloo"]
@@ -181,12 +182,78 @@ async def test_shrink_group_after_a_rank_dies(backend: str) -> None:
             await dist.shrink_group([0, 1, 2, 3], group=g)
         with pytest.raises(ValueError, match="empty"):
             await dist.shrink_group([], group=g)
-        with pytest.raises(dist.DistBackendError, match="default group"):
-            await dist.shrink_group([2])
         aborted = await dist.shrink_group([2], group=g, shrink_flags=dist.SHRINK_ABORT)
         assert g.broken is not None and aborted.broken is None
 
     await run_world(4, fn, backend=backend, timeout=20)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_shrink_the_default_group(backend: str) -> None:
+    """torch's rules: the survivors are renumbered in their old order, the result is the new
+    default group (get_rank, get_world_size, group=None follow), every other group is destroyed
+    (its use names the shrink); shrinking again works; a survivor with another list fails."""
+
+    async def fn(rank: int) -> tuple[int, int, float, str, str]:
+        old = dist.group.WORLD
+        g = await dist.new_group([0, 1, 3])
+        if rank == 2:
+            return (-1, -1, 0.0, "", "")  # "dies": never takes part again
+        new = await dist.shrink_group([2], shrink_flags=dist.SHRINK_ABORT)
+        assert dist.group.WORLD is new and dist.get_process_group_ranks(new) == [0, 1, 2]
+        x = np.array([dist.get_rank() + 1.0])
+        await dist.all_reduce(x)  # group=None: the new default group
+        with pytest.raises(dist.DistBackendError, match="destroyed by shrink_group of the default group, which excluded ranks") as e1:
+            await dist.all_reduce(x.copy(), group=g)
+        with pytest.raises(dist.DistBackendError, match="shrink_group"):
+            await dist.barrier(group=old)
+        sub = await dist.new_group([0, 2])  # new numbering: old ranks 0 and 3
+        if sub is not dist.GroupMember.NON_GROUP_MEMBER:
+            y = np.array([float(rank)])
+            await dist.all_reduce(y, group=sub)
+            assert y[0] == 0 + 3
+        if dist.get_rank() == 1:  # old rank 1 "dies" too: shrink again
+            return (dist.get_rank(), dist.get_world_size(), float(x[0]), str(e1.value), "")
+        again = await dist.shrink_group([1])
+        z = np.array([1.0])
+        await dist.all_reduce(z, group=again)
+        assert dist.get_world_size() == 2 and z[0] == 2
+        return (dist.get_rank(), dist.get_world_size(), float(x[0]), str(e1.value), "")
+
+    out = await run_world(4, fn, backend=backend, timeout=30)
+    assert [o[:3] for o in out] == [(0, 2, 6.0), (1, 3, 6.0), (-1, -1, 0.0), (1, 2, 6.0)]
+    assert "(this rank, rank 3, is now rank 2 of 3)" in out[3][3]
+
+
+async def test_shrink_with_different_lists_fails_on_every_survivor() -> None:
+    """Ranks 0 and 1 exclude rank 3, rank 2 excludes rank 1: each survivor reads the lists of
+    the ranks it keeps, so each sees a list unlike its own and fails naming both; nothing was
+    changed, and the default group still works."""
+
+    async def fn(rank: int) -> str:
+        if rank == 3:
+            return ""
+        with pytest.raises(dist.DistBackendError, match="disagree on whom to exclude") as e:
+            await dist.shrink_group([1] if rank == 2 else [3])
+        x = np.ones(1)
+        await dist.all_reduce(x, group=await dist.new_group([0, 1, 2]))
+        assert x[0] == 3
+        return str(e.value)
+
+    out = await run_world(4, fn, timeout=20)
+    assert "this rank (rank 0) excludes group ranks [3]; rank 2 excludes [1]" in out[0]
+    assert "this rank (rank 2) excludes group ranks [1]; rank 0 excludes [3]" in out[2]
+
+
+async def test_shrink_refused_without_the_store_host() -> None:
+    async def fn(rank: int) -> None:
+        current_world().store_host = 0  # as env:// without a launcher: rank 0's process serves the store
+        if rank == 0:
+            return
+        with pytest.raises(dist.DistBackendError, match="without rank 0: its process served the job's store"):
+            await dist.shrink_group([0])
+
+    await run_world(2, fn, timeout=20)
 
 
 async def test_backend_config_and_node_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:

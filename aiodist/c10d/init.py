@@ -105,6 +105,8 @@ def resolve_group(group: GroupArg, *, what: str = "this op") -> ProcessGroup:
             raise group.not_awaited(f"{what}: group")
         raise TypeError(f"group must be a ProcessGroup or None, not {type(group).__name__}")
     if world.groups.get(group.group_id) is not group:
+        if group.broken is not None and "shrink_group" in group.broken:
+            raise DistBackendError(f"{what}: {group.describe()} is unusable: {group.broken}")
         raise ValueError(f"{what}: {group.describe()} is not a live group of this World (destroyed, or made by another World)")
     return group
 
@@ -270,6 +272,7 @@ async def init_process_group(
     world.backend_config = config
     world.devices = devices
     world.host_refusal = None if "cpu" in config or not isinstance(comm, _Hostless) else comm.refusal
+    world.store_host = _store_host(owned)
     pg = _make_group(world, 0, range(world_size), td.total_seconds(), name=group_name or "0", desc="default_pg", pg_options=rules)
     world.groups[0] = pg
     world.default_pg = pg
@@ -299,6 +302,16 @@ async def init_process_group(
             f"rendezvous {init_method or 'env://'}" if owned is not None else f"store {type(store).__name__}",
             _transport_desc(comm),
         )
+
+
+def _store_host(owned: Store | None) -> int | None:
+    """The rank whose process serves the store a rendezvous made: rank 0 for a TCPStore that is
+    not the launcher agent's (``create_c10d_store``); None for any other store."""
+    from aiodist.store.tcp import TCPStore
+
+    if isinstance(owned, TCPStore) and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return 0
+    return None
 
 
 def _default_backend(device_id: Any) -> str:
@@ -676,9 +689,16 @@ async def shrink_group(
     ranks_to_exclude: Sequence[int], group: GroupArg = None, shrink_flags: int = SHRINK_DEFAULT, pg_options: Any = None
 ) -> ProcessGroup:
     """A new group of ``group``'s ranks minus ``ranks_to_exclude`` (group ranks of ``group``).
-    Only the remaining ranks call it (the excluded ones may be dead), in the same order.
-    ``SHRINK_ABORT`` first aborts the old group's pending ops on this rank. The old group stays
-    usable otherwise. Shrinking the *default* group is refused (see docs/c10d.md)."""
+    Only the remaining ranks call it (the excluded ones may be dead), with the same list: they
+    compare their lists through the store first, and a rank whose list differs fails on every
+    rank that sees it (``DistBackendError`` naming each rank's list). ``SHRINK_ABORT`` first
+    fails what is in flight on the old group on this rank; ``SHRINK_DEFAULT`` waits for it to end.
+
+    Shrinking the default group (``group=None``) renumbers the survivors 0..n-1 in their old
+    order and makes the result the new default group: the survivors meet again through the
+    store (a fresh backend under their own prefix, ``_shrink_default``), and every other group
+    is destroyed (using one names the shrink). Refused where the store's own server was in an
+    excluded rank's process (env:// without a launcher: rank 0 hosts it)."""
     world = current_world()
     pg = resolve_group(group, what="shrink_group")
     excl = _ranks_list(ranks_to_exclude, "ranks_to_exclude")
@@ -695,22 +715,129 @@ async def shrink_group(
         raise ValueError(f"shrink_group: shrink_flags must be SHRINK_DEFAULT (0) or SHRINK_ABORT (1), not {shrink_flags!r}")
     if pg.rank() in excl:
         raise RuntimeError(f"shrink_group: this rank (group rank {pg.rank()}) is excluded; excluded ranks must not call shrink_group")
-    if pg is world.default_pg:
+    out = sorted(excl)
+    default = pg is world.default_pg
+    if default and world.store_host is not None and world.store_host in out:
         raise DistBackendError(
-            "shrink_group: shrinking the default group is not supported by aiodist (it would renumber every rank); "
-            "make a group of all ranks with new_group() and shrink that"
+            f"shrink_group: cannot shrink the default group without rank {world.store_host}: its process served the job's "
+            "store (env:// or tcp:// rendezvous without a launcher), so the survivors have no store to meet through; "
+            "run the job under aiodist-run (its agent serves the store) or give init_process_group a store served elsewhere"
         )
     if shrink_flags == SHRINK_ABORT:
-        pg.abort(f"shrink_group excluded group ranks {sorted(excl)}")
-    count = pg.shrinks
+        for g in list(world.groups.values()) if default else [pg]:
+            g.abort(f"shrink_group excluded group ranks {out} of {pg.describe()} (SHRINK_ABORT)")
+    else:
+        pending = list(pg.pending())
+        if pending:
+            await asyncio.wait(pending)
+    count = world.shrinks if default else pg.shrinks
+    members = [g for i, g in enumerate(pg.ranks) if i not in set(out)]
+    await _agree_on_exclusion(world, pg, count, out, members)
+    if default:
+        world.shrinks += 1
+        return await _shrink_default(world, pg, out, members, pg_options)
     pg.shrinks += 1
-    members = [g for i, g in enumerate(pg.ranks) if i not in set(excl)]
     gid = _derived_id(world, "shrink", pg.group_id, count, tuple(members))
     new = _make_group(
         world, gid, members, pg.timeout_s, name=str(gid), desc=f"{pg.group_desc} shrunk", pg_options=pg_options or pg.thresholds
     )
     world.groups[gid] = new
     return new
+
+
+_AGREE_POLL_S = 0.02
+
+
+async def _agree_on_exclusion(world: World, pg: ProcessGroup, count: int, out: list[int], members: list[int]) -> None:
+    """Every survivor writes its exclusion list to the store and reads the others' (within the
+    group's timeout): the same list everywhere, or a ``DistBackendError`` naming who said what
+    on every survivor that sees the difference (each sees the lists of the ranks it keeps)."""
+    store = world.store
+    if store is None or len(members) == 1:
+        return
+    prefix = f"aiodist/shrink/{pg.group_id}/{count}/"
+    me = pg.backend.rank
+    mine = ",".join(map(str, out))
+    await store.set(prefix + str(me), mine)
+    others = [r for r in members if r != me]
+    keys = [prefix + str(r) for r in others]
+    loop = asyncio.get_running_loop()
+    end = loop.time() + pg.timeout_s
+    while True:
+        present = [(r, k) for r, k in zip(others, keys) if await store.check([k])]
+        if present:
+            values = await store.multi_get([k for _, k in present])
+            differ = {r: v.decode() for (r, _), v in zip(present, values) if v.decode() != mine}
+            if differ:
+                said = "; ".join(f"rank {r} excludes [{v}]" for r, v in sorted(differ.items()))
+                raise DistBackendError(
+                    f"shrink_group on {pg.describe()}: the survivors disagree on whom to exclude: this rank (rank {me}) "
+                    f"excludes group ranks [{mine}]; {said}. Every survivor must pass the same ranks_to_exclude"
+                )
+        if len(present) == len(others):
+            return
+        if loop.time() >= end:
+            missing = sorted(set(others) - {r for r, _ in present})
+            raise DistTimeoutError(
+                f"shrink_group on {pg.describe()}: ranks {missing} did not call shrink_group within {pg.timeout_s:g} s "
+                f"(this rank, rank {me}, excludes group ranks [{mine}]); a rank that is gone must be in ranks_to_exclude"
+            )
+        await asyncio.sleep(_AGREE_POLL_S)
+
+
+async def _shrink_default(world: World, old: ProcessGroup, out: list[int], members: list[int], pg_options: Any) -> ProcessGroup:
+    """The survivors of the default group become a World of their own: ranks 0..n-1 in their
+    old order, a fresh backend (the old one's connections and shared memory included its dead),
+    rendezvoused through the same store under this shrink's prefix; then the old World's groups
+    are torn down (their later use names the shrink) and the new default group takes over."""
+    rank = members.index(old.backend.rank)
+    size = len(members)
+    assert world.store is not None
+    store = PrefixStore(f"aiodist/shrunk{world.shrinks}", world.store)
+    td = to_timedelta(old.timeout_s)
+    made: list[CommBackend | DeviceBackend] = []
+    try:
+        comm, devices = await _create_backends(world.backend_config, store, rank, size, td, pg_options, made)
+    except BaseException:
+        for b in reversed(made):
+            await b.close()
+        raise
+    reason = (
+        f"it was destroyed by shrink_group of the default group, which excluded ranks {out} "
+        f"(this rank, rank {old.backend.rank}, is now rank {rank} of {size}); use the group shrink_group returned "
+        "(the new default group) or groups made from it"
+    )
+    unwatch_loop(world)
+    for g in list(world.groups.values()):
+        await g.shutdown(reason)
+        g.broken = reason  # its later use says so (check_usable, resolve_group)
+    backend, devs = world.backend, list(dict.fromkeys(world.devices.values()))
+    for dev in devs:
+        try:
+            await dev.close()
+        except Exception as exc:  # the old World's parts include the dead: best effort
+            log.warning("rank %d: closing %s after shrink_group: %s", rank, getattr(dev, "name", dev), exc)
+    if backend is not None:
+        try:
+            await backend.close()
+        except Exception as exc:
+            log.warning("rank %d: closing the old backend after shrink_group: %s", rank, exc)
+    world.groups.clear()
+    world.created.clear()
+    world.next_group_id = 1
+    world.rank, world.world_size = rank, size
+    world.backend, world.store, world.devices = comm, store, devices
+    if world.store_host is not None:
+        world.store_host = members.index(world.store_host)
+    pg = _make_group(
+        world, 0, range(size), old.timeout_s, name=old.group_name, desc="default_pg", pg_options=pg_options or old.thresholds
+    )
+    world.groups[0] = pg
+    world.default_pg = pg
+    watch_loop(world, pg.recorder, f"rank {rank}", publisher(world.store, rank))
+    if get_debug_level() >= DebugLevel.INFO:
+        log.info("rank %d (was %d): shrink_group made the default group of %d ranks, without ranks %s", rank, members[rank], size, out)
+    return pg
 
 
 # -- queries -----------------------------------------------------------------------------------

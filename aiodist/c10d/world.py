@@ -58,6 +58,12 @@ class World:
         #: the event loop init_process_group ran on: every op of the World's groups runs there
         #: (a call from another thread is handed to it: aiodist._threads)
         self.loop: asyncio.AbstractEventLoop | None = None
+        #: the rank whose process serves the job's store (env:// or tcp:// without a launcher:
+        #: rank 0), or None where it is served elsewhere (a launcher's agent, a file, a user's store)
+        self.store_host: int | None = None
+        #: how many times the default group was shrunk (``shrink_group``): each shrink's survivors
+        #: meet under their own store prefix
+        self.shrinks = 0
 
     def __repr__(self) -> str:
         state = f"rank {self.rank}/{self.world_size}, backend {self.backend_name!r}" if self.default_pg else "not initialized"
@@ -77,6 +83,8 @@ class World:
         self.created.clear()
         self.next_group_id = 1
         self.loop = None
+        self.store_host = None
+        self.shrinks = 0
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -54,6 +54,7 @@ import torch
 import torch._dynamo  # noqa: F401  # torch's optimizers import it on first use (1-2 s): here, before the event loop runs, not as a blocked loop
 
 from aiodist.c10d import ProcessGroup, all_gather_object, broadcast, get_backend, get_rank, get_world_size
+from aiodist.c10d.world import default_group
 from aiodist.debug import DebugLevel, get_debug_level, record_comm
 from aiodist.nn.parallel.reducer import Reducer
 
@@ -63,6 +64,8 @@ log = logging.getLogger("aiodist.ddp")
 
 #: iterations after which DETAIL logs the runtime statistics (then every 100th)
 _STATS_AT = (10, 20, 50)
+#: module -> the DDP serving it (the last one awaited; ``_take_over``)
+_SERVING: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[Any]] = weakref.WeakKeyDictionary()
 
 _UNUSED_HINT = (
     "Expected to have finished reduction in the prior iteration before starting a new one. This error indicates that "
@@ -218,7 +221,9 @@ class DistributedDataParallel(torch.nn.Module):
         self.dim = dim
         self.broadcast_buffers = bool(broadcast_buffers)
         self.init_sync = bool(init_sync)
-        self.process_group = process_group
+        # the group itself, as torch keeps it: after shrink_group of the default group this DDP
+        # still names the old one (its later steps fail saying so) until a new DDP takes over
+        process_group = self.process_group = default_group() if process_group is None else process_group
         self.find_unused_parameters = bool(find_unused_parameters)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.static_graph = bool(static_graph)
@@ -243,6 +248,7 @@ class DistributedDataParallel(torch.nn.Module):
             int(local) if local.isdigit() else get_world_size(process_group),  # unknown: every rank may be here
         )
         self._ready = False  # set when the awaited construction finished
+        self._retired: str | None = None  # why a newer DDP of the same module took it over
         self._hooks: list[Any] = []
         self._step_sync = False  # did the last forward ask for a synced backward
         self._in_backward = False
@@ -278,6 +284,7 @@ class DistributedDataParallel(torch.nn.Module):
 
             return hook
 
+        self._take_over()
         self._hooks = [p.register_post_accumulate_grad_hook(make_hook(i)) for i, p in enumerate(self._params)]
         self._ready = True
         if get_debug_level() >= DebugLevel.INFO:
@@ -287,6 +294,30 @@ class DistributedDataParallel(torch.nn.Module):
                 " ".join(f"{k}: {v}" for k, v in sorted(self._logging_data().items())),
             )
         return self
+
+    def _take_over(self) -> None:
+        """One DDP serves a module at a time: the last one awaited. An earlier DDP of the same
+        module (one whose group was shrunk away, typically) loses its gradient hooks, so they
+        cannot fire into its old group, and its later use says why (``_retired``)."""
+        old_ref = _SERVING.get(self.module)
+        old = old_ref() if old_ref is not None else None
+        if old is not None and old is not self:
+            old._retire(self)
+        _SERVING[self.module] = weakref.ref(self)
+
+    def _retire(self, by: DistributedDataParallel) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._reducer.active:
+            self._reducer.abandon()
+        pg = self.process_group
+        why = getattr(pg, "broken", None) if isinstance(pg, ProcessGroup) else None
+        self._retired = (
+            "this DistributedDataParallel no longer serves its module: a newer one was made for the same module "
+            f"(over {getattr(by.process_group, 'describe', lambda: 'its group')()}); use that one"
+            + (f". This one's group ({pg.describe()}) is unusable: {why}" if why and isinstance(pg, ProcessGroup) else "")
+        )
 
     async def _verify_model(self) -> None:
         """Every rank's parameters against rank 0's: names, shapes and dtypes, in order (torch's
@@ -331,6 +362,8 @@ class DistributedDataParallel(torch.nn.Module):
         return out
 
     def _check_last_step(self, grad_enabled: bool = True) -> None:
+        if self._retired is not None:
+            raise RuntimeError(self._retired)
         if not self._ready:
             raise RuntimeError(
                 "DistributedDataParallel(model) was not awaited: write `ddp = await DistributedDataParallel(model)` "
@@ -391,6 +424,9 @@ class DistributedDataParallel(torch.nn.Module):
         backward = inspect.markcoroutinefunction(backward)
 
     async def _backward(self, loss: torch.Tensor, gradient: Any, retain_graph: bool | None, create_graph: bool, inputs: Any) -> None:
+        if self._retired is not None:
+            self._backward_runs = self._backward_calls
+            raise RuntimeError(self._retired)
         try:
             self._raise_step_failure()
         except RuntimeError:
