@@ -712,3 +712,39 @@ async def test_big_buckets_are_reduced_straight_into_the_gradients(backward_mode
         else:  # autograd on another thread may round the local gradients otherwise (its kernels' state is per
             # thread, and a matmul's sum order with it): float32 rounding, on the scale of the whole array
             np.testing.assert_allclose(a, x + y, rtol=1e-5, atol=1e-5 * float(np.abs(x + y).max()))
+
+
+async def test_after_the_default_group_shrinks_a_new_ddp_takes_the_module_over() -> None:
+    """Rank 1 of 3 is gone: the survivors shrink the default group. The old DDP's next step fails
+    naming the shrink (its group is gone); a new ``await DistributedDataParallel(model)`` takes
+    the module over: the old one's hooks no longer fire, its use says why, and the new one
+    averages over the 2 survivors from the new rank 0's parameters."""
+
+    async def fn(rank: int) -> bytes:
+        torch.manual_seed(rank)
+        model = torch.nn.Linear(3, 1)
+        old = await DistributedDataParallel(model)
+        if rank == 1:
+            return b""
+        await dist.shrink_group([1], shrink_flags=dist.SHRINK_ABORT)
+        x = torch.full((2, 3), float(rank + 1))
+        with pytest.raises(dist.DistBackendError, match="destroyed by shrink_group of the default group"):
+            await old.backward(old(x).sum())
+        model.zero_grad()
+        if rank == 2:
+            with torch.no_grad():
+                model.weight.add_(1.0)  # the new rank 0's parameters win
+        new = await DistributedDataParallel(model)
+        assert not old._hooks  # removed: they cannot fire into the old group
+        with pytest.raises(RuntimeError, match="no longer serves its module.*destroyed by shrink_group"):
+            old(x)
+        with pytest.raises(RuntimeError, match="no longer serves its module"):
+            await old.backward(x.sum())
+        await new.backward(new(x).sum())
+        # x is 1s on new rank 0, 3s on new rank 1: the mean of d(sum)/dW is 2 * (1 + 3) / 2 per element
+        assert torch.equal(model.weight.grad, torch.full((1, 3), 4.0)), model.weight.grad
+        assert new.process_group is dist.group.WORLD and dist.get_world_size() == 2
+        return model.weight.detach().numpy().tobytes()
+
+    got = await run_world(3, fn, timeout=30)
+    assert got[0] == got[2]

@@ -16,6 +16,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 from helpers.env_job import ROOT, JobResult, run_env_job
+from helpers.survive import check_survived
 
 from aiodist.testing import run_world
 
@@ -151,6 +152,16 @@ def test_harness_kills_the_rest_when_a_rank_fails(tmp_path: os.PathLike[str]) ->
     r = run_env_job(script, 2, timeout=30, grace=0.5)
     assert time.monotonic() - t0 < 10
     assert r.returncodes[0] == 3 and r.returncodes[1] == -9 and r.killed == [1] and not r.timed_out
+
+
+@pytest.mark.subprocess
+def test_train_survive_rank_loss_without_a_launcher() -> None:
+    """examples/train_survive_rank_loss.py, 4 processes on env:// (rank 0 serves the store): rank 2
+    SIGKILLs itself at step 15; the other three shrink the default group, rebuild DDP and end the
+    40 steps with identical parameters, exit 0, within 10 s of the kill."""
+    r = run_env_job("examples/train_survive_rank_loss.py", 4, ["--kill-rank", "2"], timeout=60, grace=30)
+    assert r.returncodes == [0, 0, -9, 0], r.report()
+    check_survived("".join(r.stdouts), victim=2, size=4)
 
 
 # ---------------------------------------------------------------- through the launcher

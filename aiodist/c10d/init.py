@@ -829,9 +829,7 @@ async def _shrink_default(world: World, old: ProcessGroup, out: list[int], membe
     world.backend, world.store, world.devices = comm, store, devices
     if world.store_host is not None:
         world.store_host = members.index(world.store_host)
-    pg = _make_group(
-        world, 0, range(size), old.timeout_s, name=old.group_name, desc="default_pg", pg_options=pg_options or old.thresholds
-    )
+    pg = _make_group(world, 0, range(size), old.timeout_s, name=old.group_name, desc="default_pg", pg_options=pg_options or old.thresholds)
     world.groups[0] = pg
     world.default_pg = pg
     watch_loop(world, pg.recorder, f"rank {rank}", publisher(world.store, rank))
