@@ -301,3 +301,19 @@ async def test_device_id_connects_eagerly() -> None:
                 await dist.destroy_process_group()
 
     assert await asyncio.gather(*(rank_main(r) for r in range(3))) == [2, 2, 2]
+
+
+async def test_the_store_host_is_rank_0_only_for_a_rendezvous_store_it_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What shrink_group's refusal reads: a TCPStore that a rendezvous made is served by rank 0's
+    process, unless the launcher's agent serves it (TORCHELASTIC_USE_AGENT_STORE)."""
+    from aiodist.c10d.init import _store_host
+
+    store = await dist.TCPStore("127.0.0.1", 0, 1, True, timeout=5)
+    try:
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+        assert _store_host(store) == 0
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+        assert _store_host(store) is None
+        assert _store_host(dist.HashStore()) is None and _store_host(None) is None
+    finally:
+        await store.close()
