@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["byte_view", "TAG_LIMIT", "CHANNEL_TAG_LIMIT", "P2P_SEQ"]
+__all__ = ["byte_view", "TAG_LIMIT", "CHANNEL_TAG_LIMIT", "GO_TAG", "P2P_SEQ"]
 
 #: An algorithm's tags are below this (and a user's p2p tags: torch's int).
 TAG_LIMIT = 1 << 31
 #: What a P2P takes: the bits from 31 up number the sub-ops of one op (``SubP2P``); the
 #: transport's striping keeps the bits from 40 up for itself.
 CHANNEL_TAG_LIMIT = 1 << 36
+#: the last block of sub-op tags is kept for one message: a group's leader's "go" to the ranks
+#: that idle until it issues the op (``aiodist.c10d.idle_until_leader``)
+GO_TAG = CHANNEL_TAG_LIMIT - TAG_LIMIT
 #: the channel seq of every point-to-point message (collective seqs stay below 2**63)
 P2P_SEQ = 1 << 63
 

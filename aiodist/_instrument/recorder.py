@@ -248,6 +248,13 @@ class FlightRecorder:
             self._t_started[i] = t
         return t
 
+    def idle(self, n: Entry) -> None:
+        """The op waits for its group's leader to issue it (``idle_until_leader``): no deadline
+        runs, and the debug page calls it idle, not stuck; ``started`` follows the leader's go."""
+        i = n % self.size
+        if self._fixed[i][_ID] == n:
+            self._state[i] = "idle"
+
     def timed_out(self, n: Entry, msg: str) -> None:
         i = self._slot(n)
         if i is not None:

@@ -38,7 +38,7 @@ from aiodist._message import CHANNEL_TAG_LIMIT, TAG_LIMIT, byte_view  # re-expor
 
 __all__ = ["P2P", "TAG_LIMIT", "CHANNEL_TAG_LIMIT", "SubP2P", "LocalP2P", "LocalWorld", "local_world", "byte_view"]
 
-_SUB_OPS = CHANNEL_TAG_LIMIT // TAG_LIMIT - 1
+_SUB_OPS = CHANNEL_TAG_LIMIT // TAG_LIMIT - 2  # the last block is GO_TAG's (aiodist._message)
 
 
 class SubP2P:

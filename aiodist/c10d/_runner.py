@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from aiodist._instrument.recorder import Entry
+from aiodist._message import GO_TAG
 from aiodist._time import Clock, Deadline
 from aiodist.algorithms.p2p import P2P
 from aiodist.c10d._blocked import BLOCKED_KEY
@@ -541,6 +542,8 @@ def grace_for(limit: float) -> float:
     return min(max(limit * 0.1, 0.05), 5.0, limit / 2)
 
 
+_GO_OUT = np.zeros(1, np.uint8)  # the leader's go (idle_until_leader): one byte, never written
+_GO_IN = np.empty(1, np.uint8)  # where the others read it (its value is not looked at)
 _GRACE: dict[float, float] = {}  # limit -> grace_for(limit): a group's ops share one limit
 
 
@@ -555,9 +558,15 @@ async def run(
     entry: Entry | None = None,
     *,
     loop: asyncio.AbstractEventLoop | None = None,
+    idle: int | None = None,
 ) -> None:
     """Run one op of ``pg`` to its end, in the task ``_launch`` made for it (on ``loop``):
     complete ``work``, or fail it (and break the group).
+
+    ``idle`` (a collective of a group that idles until its leader, ``idle_until_leader``) is the
+    leader's group rank: the leader sends every other rank a go before the op's body; the others
+    wait for it first, with no deadline (the recorder says "idle"), and their deadline starts
+    when it arrives. A lost leader still fails the wait at once (its connection).
 
     The op's deadline is an ``aiodist._time.Deadline`` on the group's clock, armed without a
     block (its constructor, then ``end``): its cancellation is a timeout only when no other came
@@ -580,12 +589,25 @@ async def run(
     clock = pg.clock
     if clock is None or clock.loop is not loop:
         clock = pg.clock = Clock(loop)
-    deadline = Deadline(limit - grace, clock, cell, cancelling)
+    deadline: Deadline | None = None
     try:
         try:
+            if idle is not None and idle != pg.rank():  # idle until the leader's go: no deadline yet
+                assert isinstance(tracker, TrackedP2P)  # (a collective's)
+                if entry is not None:
+                    pg.recorder.idle(entry)
+                await tracker.recv(idle, _GO_IN, GO_TAG)  # (a P2P's peers are group ranks)
+                if entry is not None:
+                    pg.recorder.started(entry)
+            deadline = Deadline(limit - grace, clock, cell, cancelling)
+            if idle == pg.rank():
+                assert isinstance(tracker, TrackedP2P)
+                for q in range(len(pg.ranks)):
+                    if q != idle:
+                        await tracker.send(q, _GO_OUT, GO_TAG)
             await body(tracker)
         except BaseException as exc:
-            if deadline.end(exc):
+            if deadline is not None and deadline.end(exc):
                 raise TimeoutError from exc
             raise
         deadline.end(None)  # (it may have fired, and the body completed anyway)
@@ -602,7 +624,7 @@ async def run(
         raise
     except Exception as exc:
         what = f"{op} on {pg.describe()}, {label}"
-        if deadline.fired:
+        if deadline is not None and deadline.fired:
             # how late the timer ran, not how long the cancelled body then took to unwind
             await _timed_out(pg, op, label, what, tracker, work, limit, grace, entry, since, deadline.late, end=deadline.due + grace)
         else:  # the body's own failure, a TimeoutError of its own included

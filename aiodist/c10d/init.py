@@ -838,6 +838,25 @@ async def _shrink_default(world: World, old: ProcessGroup, out: list[int], membe
     return pg
 
 
+def idle_until_leader(leader: int = 0, group: GroupArg = None) -> None:
+    """aiodist's own (torch has none): make ``group``'s collectives (default: the default group)
+    wait without a deadline on every rank but ``leader`` (a global rank, as torch's ``src``) until
+    the leader issues them; the group's timeout then starts. For a service whose ranks wait in
+    a collective for the leader's next request: idle for as long as no request comes, while a
+    leader that is gone (its connections: at once; a cut link: ``AIODIST_LINK_TIMEOUT_S``), a
+    rank that calls another op (the desync check), and a rank that does not follow an op the
+    leader issued (the timeout, from the leader's go) still fail as in any group. The leader's
+    own ops keep their deadline from their issue. Call it on every rank of the group with the
+    same leader, before the ops it should apply to (the leader sends each op's go, the others
+    wait for it: ranks that disagree fail at the leader's timeout). Point-to-point ops and device
+    (NCCL) ops are not affected. Plain function: it does not communicate."""
+    pg = resolve_group(group, what="idle_until_leader")
+    leader = _int(leader, "leader")
+    if leader not in pg.ranks:
+        raise ValueError(f"idle_until_leader: leader {leader} is not a rank of {pg.describe()}")
+    pg.idle_until(pg.ranks.index(leader))
+
+
 # -- queries -----------------------------------------------------------------------------------
 
 

@@ -160,6 +160,8 @@ class ProcessGroup:
         # ops may take their in-call path (issue_now): not where DETAIL compares every call
         # first, nor where INFO tallies every op, nor where CPU arrays are refused
         self.quick = not self.detail and self._op_stats is None and host_refusal is None
+        # the group rank whose ops the others idle for (idle_until_leader), or None
+        self.idle_leader: int | None = None
 
     def __repr__(self) -> str:
         return f"<ProcessGroup {self.describe()} rank {self._rank}/{len(self.ranks)}>"
@@ -201,6 +203,12 @@ class ProcessGroup:
             "broken": self.broken,
             "timeout_s": self.timeout_s,
         }
+
+    def idle_until(self, leader: int) -> None:
+        """Make this group's collectives idle until ``leader`` (a group rank) issues them:
+        ``aiodist.c10d.idle_until_leader``. Its ops then take their task path (the go first)."""
+        self.idle_leader = leader
+        self.quick = False
 
     # -- issuing ops -----------------------------------------------------------------------------
 
@@ -263,7 +271,7 @@ class ProcessGroup:
         work = Work(op, desc, seq, outputs)
         if self.detail:  # compare the call across ranks before running it (aiodist.debug.desync)
             body = _checked_body(self, op, seq, described[0], body)
-        return self._launch(op, f"seq {seq}", seq, _Tracked(channel, ranks, self._rank), body, work, timeout_s, entry)
+        return self._launch(op, f"seq {seq}", seq, _Tracked(channel, ranks, self._rank), body, work, timeout_s, entry, self.idle_leader)
 
     def issue_now(self, op: str, now: Callable[..., Any], a: Any, b: Any, outputs: list[Any], described: Described, asy: bool) -> Any:
         """Issue an op by its in-call path (``aiodist.backends.routes.Quick``): the next sequence
@@ -371,11 +379,13 @@ class ProcessGroup:
         work: Work,
         timeout_s: float | None = None,
         entry: Entry | None = None,
+        idle: int | None = None,
     ) -> Work:
-        """Run the op under the runner, in a task the group owns (``pending``)."""
+        """Run the op under the runner, in a task the group owns (``pending``); ``idle``: a
+        collective of a group that idles until its leader (the runner's ``idle``)."""
         limit = self.timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
-        coro = run(self, op, label, tracker, body, work, limit, entry, loop=loop)
+        coro = run(self, op, label, tracker, body, work, limit, entry, loop=loop, idle=idle)
         t0 = time.perf_counter() if self._op_stats is not None else 0.0
         task = loop.create_task(coro, name=f"aiodist {op} {self.group_desc} {label}")
         self._pending[task] = work
