@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from aiohttp import ClientSession
-from test_debug_server import blocked_job, blocked_line, stuck_job
+from test_debug_server import blocked_job, blocked_line, idle_service_job, stuck_job
 
 CHROMIUM = next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)
 
@@ -74,6 +74,22 @@ async def test_page_in_chromium_names_the_stuck_rank() -> None:
     assert row0 is not None
     assert "all_reduce seq 1 of group 'default_pg' (started)" in text_of(row0.group(1))
     assert "rank 1 never issued seq 1 (all_reduce) of group 'default_pg'; rank 0 is waiting in it" in text
+
+
+async def test_page_in_chromium_says_idle_for_an_idle_service_and_stuck_for_a_hang() -> None:
+    """A service group (idle_until_leader): rank 1 waiting for the leader's next request is IDLE
+    on a green banner, not STUCK; an op the leader issued that rank 1 does not follow is STUCK
+    past the page's stated threshold."""
+
+    async def probe(url: str, s: ClientSession) -> Any:
+        return await chromium("--dump-dom", url + "/")
+
+    idle, stuck = await idle_service_job(probe)
+    assert '<div class="banner ok" id="summary">IDLE: rank 1: idle for' in idle, idle[:3000]
+    assert "STUCK" not in text_of(idle) and "No stuck rank" in text_of(idle)
+    assert "waiting for rank 0 to issue seq 1 (broadcast) of group 'default_pg'" in text_of(idle)
+    assert '<div class="banner bad" id="summary">STUCK: rank 1: never issued seq 2 (all_reduce)' in stuck, stuck[:3000]
+    assert "have not followed within 0.3 s" in text_of(stuck)
 
 
 async def test_page_in_chromium_names_the_blocked_loop() -> None:

@@ -31,7 +31,7 @@ async def stuck_job(probe: Probe, **server_kw: Any) -> Any:
     and the job ends cleanly. Returns what probe returned."""
     release = asyncio.Event()
     out: dict[str, Any] = {}
-    kw = {"port": 0, "fetch_timeout": 5.0, **server_kw}
+    kw = {"port": 0, "fetch_timeout": 5.0, "stuck_after": 0.0, **server_kw}  # STUCK as soon as rank 1 is behind
 
     async def fn(rank: int) -> None:
         t = np.ones(4, dtype=np.float32)
@@ -96,7 +96,8 @@ async def test_routes_name_the_stuck_rank() -> None:
     assert index["stuck_ranks"] == [1]
     # the banner says the worst state first: never a green OK above a stuck rank
     assert index["summary"].startswith("STUCK: rank 1: never issued seq 1 (all_reduce) of group 'default_pg'"), index["summary"]
-    assert index["summary"].endswith(". 2/2 ranks responded") and not index["partial"]
+    assert ". 2/2 ranks responded" in index["summary"] and not index["partial"]
+    assert index["summary"].endswith("(STUCK: an op some ranks issued that others have not followed within 0 s)")  # the rule, stated
     assert "<div class='banner bad' id='summary'>STUCK: rank 1" in html
     row0, row1 = index["rows"]
     assert row0["class"] == "waiting" and "all_reduce seq 1 of group 'default_pg'" in row0["where"]
@@ -274,7 +275,7 @@ async def test_page_when_rank_1_waits_in_another_group() -> None:
         t = np.ones(4, dtype=np.float32)
         await dist.all_reduce(t)
         side = await dist.new_group([0, 1], group_desc="side")
-        await start_debug_server(port=0, fetch_timeout=5)
+        await start_debug_server(port=0, fetch_timeout=5, stuck_after=0)
         if rank == 0:
             work = await dist.all_reduce(t, async_op=True)
         else:
@@ -329,7 +330,7 @@ async def blocked_job(probe: Probe) -> tuple[Any, float]:
         with use_world(World("rank 1")):
             store = await dist.TCPStore("127.0.0.1", master.port, 2, False, timeout=10)
             await dist.init_process_group("gloo", store=store, rank=1, world_size=2)
-            await start_debug_server(port=0, fetch_timeout=10)
+            await start_debug_server(port=0, fetch_timeout=10, stuck_after=0)
             await dist.all_reduce(np.ones(2, np.float32))
             ready.set()
             await asyncio.to_thread(go.wait, 10)
@@ -352,7 +353,7 @@ async def blocked_job(probe: Probe) -> tuple[Any, float]:
     try:
         with use_world(World("rank 0")):
             await dist.init_process_group("gloo", store=master, rank=0, world_size=2)
-            await start_debug_server(port=0, fetch_timeout=10)
+            await start_debug_server(port=0, fetch_timeout=10, stuck_after=0)
             await dist.all_reduce(np.ones(2, np.float32))
             assert await asyncio.to_thread(ready.wait, 10) and not failure, failure
             url = frontend_url()
@@ -444,7 +445,7 @@ async def test_the_front_page_names_the_line_a_waiting_rank_waits_at() -> None:
     async def fn(rank: int) -> None:
         t = np.ones(4, dtype=np.float32)
         await dist.all_reduce(t)
-        await start_debug_server(port=0, fetch_timeout=5.0)
+        await start_debug_server(port=0, fetch_timeout=5.0, stuck_after=0)
         try:
             if rank == 0:
 
@@ -493,3 +494,54 @@ async def test_health_shows_the_aiodist_variables_each_rank_has_set(monkeypatch:
         assert knobs["AIODIST_STORE_SPIN_US"]["set"] == "250" and knobs["AIODIST_STORE_SPIN_US"]["value"] == 250.0
         assert str(knobs["AIODIST_DDP_BACKWARD"]["value"]).startswith("invalid: AIODIST_DDP_BACKWARD='gpu'")
     assert "<table id='knobs'>" in html and "AIODIST_STORE_SPIN_US" in html
+
+
+async def idle_service_job(probe: Probe) -> tuple[Any, Any]:
+    """A 2-rank service group (``idle_until_leader(0)``): rank 1 waits in broadcast seq 1 for rank
+    0's next request, and ``probe`` (on rank 0) reads the page: IDLE. Rank 0 then serves that
+    request and issues an all_reduce (seq 2) that rank 1 does not follow (it waits on an event)
+    for longer than the page's threshold (0.3 s): ``probe`` reads STUCK. Then rank 1 follows and
+    the job ends cleanly. Returns both probes' results."""
+    release = asyncio.Event()
+    out: dict[str, Any] = {}
+
+    async def fn(rank: int) -> None:
+        dist.idle_until_leader(0)
+        t = np.ones(4, dtype=np.float32)
+        await dist.broadcast(t, src=0)  # seq 0: one request served
+        await start_debug_server(port=0, fetch_timeout=5.0, stuck_after=0.3)
+        try:
+            if rank == 0:
+                await asyncio.sleep(0.5)  # rank 1 idles in seq 1 meanwhile (for longer than the threshold)
+                url = frontend_url()
+                assert url is not None
+                async with ClientSession(timeout=ClientTimeout(total=20)) as s:
+                    out["idle"] = await probe(url, s)
+                    await dist.broadcast(t, src=0)  # seq 1: the request rank 1 waited for
+                    work = await dist.all_reduce(t, async_op=True)  # seq 2: rank 1 does not follow yet
+                    await asyncio.sleep(0.6)
+                    out["stuck"] = await probe(url, s)
+                release.set()
+                await work.wait()
+            else:
+                await dist.broadcast(t, src=0)
+                await release.wait()
+                await dist.all_reduce(t)
+        finally:
+            await stop_debug_server()
+
+    await run_world(2, fn, backend="gloo", pg_timeout=20, timeout=30)
+    return out["idle"], out["stuck"]
+
+
+async def test_the_page_says_idle_for_an_idle_service_and_stuck_for_a_hang_in_it() -> None:
+    async def probe(url: str, s: ClientSession) -> Any:
+        return await get_json(s, url + "/")
+
+    idle, stuck = await idle_service_job(probe)
+    assert idle["summary"].startswith("IDLE: rank 1: idle for "), idle["summary"]
+    assert "waiting for rank 0 to issue seq 1 (broadcast) of group 'default_pg'" in idle["summary"]
+    assert idle["stuck_ranks"] == [] and idle["rows"][1]["state"] == "idle"
+    assert not [a for row in idle["rows"] for a in row["at"] if "aiohttp" in a], idle["rows"]  # not the page's own request
+    assert stuck["summary"].startswith("STUCK: rank 1: never issued seq 2 (all_reduce)"), stuck["summary"]
+    assert "within 0.3 s" in stuck["summary"] and stuck["stuck_ranks"] == [1]

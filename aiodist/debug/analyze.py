@@ -128,10 +128,19 @@ def _group_analysis(gid: int, per_rank: dict[int, dict[str, Any]], now: dict[int
             waiting = sorted(r for r, e in have.items() if e.get("state") not in _DONE + _FAILED)
             failed = sorted(r for r, e in have.items() if e.get("state") in _FAILED)
             done = sorted(r for r, e in have.items() if e.get("state") in _DONE)
+            ages = [a for a in (_age(have[r], now[r]) for r in waiting) if a is not None]
+            if waiting and not failed and not done and all(have[r].get("state") == "idle" for r in waiting):
+                # a service idling for its leader's next op (idle_until_leader): not a problem
+                msg = (
+                    f"{_ranks_text(waiting)} {'is' if len(waiting) == 1 else 'are'} idle in seq {seq} ({op}) of group "
+                    f"'{desc}', waiting for {_ranks_text(never)} to issue it" + (f" (for up to {max(ages):.1f} s)" if ages else "")
+                )
+                idle = {"kind": "idle", "seq": seq, "op": op, "missing_ranks": never, "waiting_ranks": waiting}
+                out.update(status="idle", message=msg, problem={**idle, "waited_s": max(ages) if ages else None})
+                return out
             msg = f"{_ranks_text(never)} never issued seq {seq} ({op}) of group '{desc}'"
             if waiting:
                 msg += f"; {_ranks_text(waiting)} {'is' if len(waiting) == 1 else 'are'} waiting in it"
-                ages = [a for a in (_age(have[r], now[r]) for r in waiting) if a is not None]
                 if ages:
                     msg += f" (for up to {max(ages):.1f} s)"
             if failed:
@@ -166,6 +175,7 @@ def _group_analysis(gid: int, per_rank: dict[int, dict[str, Any]], now: dict[int
                     "failed_ranks": failed,
                     "completed_ranks": done,
                     "last_ops": last_ops,
+                    "waited_s": max(ages) if ages else None,
                 },
             )
             return out
@@ -240,7 +250,7 @@ def _rank_summary(d: dict[str, Any]) -> dict[str, Any]:
 
 def analyze(dumps: list[dict[str, Any]]) -> dict[str, Any]:
     """Compare the ranks' dumps (``dump_flight_recorder``'s dicts); a JSON-able result with
-    ``ok``, one entry per group (``status``: consistent / missing / diverged / failed, the
+    ``ok``, one entry per group (``status``: consistent / idle / missing / diverged / failed, the
     ``problem`` and a one-line ``message``), each rank's position, and ``problems`` (lines)."""
     if not dumps:
         raise BadDumpError("no dumps to analyze")
@@ -260,7 +270,7 @@ def analyze(dumps: list[dict[str, Any]]) -> dict[str, Any]:
             groups.setdefault(g["group_id"], {})[r] = g
     now = {r: by_rank[r].get("time") for r in ranks}
     results = [_group_analysis(gid, groups[gid], now, set(ranks)) for gid in sorted(groups)]
-    problems = [g["message"] for g in results if g["problem"] is not None]
+    problems = [g["message"] for g in results if g["problem"] is not None and g["problem"]["kind"] != "idle"]
     if missing_dumps:
         problems.append(f"no dump from {_ranks_text(missing_dumps)} of {world_size}: what they were doing is unknown")
     return {

@@ -197,6 +197,7 @@ def _task_world(task: asyncio.Task[Any]) -> Any:
 
 _AIODIST_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _ASYNCIO_DIR = os.path.dirname(os.path.abspath(asyncio.__file__)) + os.sep
+_DEBUG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep  # aiodist/debug/: serving a debug request
 
 
 def _rank_tasks(w: Any, loop: asyncio.AbstractEventLoop, me: asyncio.Task[Any] | None) -> tuple[list[asyncio.Task[Any]], bool]:
@@ -219,13 +220,16 @@ def _rank_tasks(w: Any, loop: asyncio.AbstractEventLoop, me: asyncio.Task[Any] |
 def waiting_at(w: Any, loop: asyncio.AbstractEventLoop, me: asyncio.Task[Any] | None) -> list[dict[str, Any]]:
     """Where the rank's code waits on aiodist: for each task suspended in an aiodist call, the
     innermost frame of its stack outside aiodist and asyncio (the user's line), and the call it
-    waits in. aiodist's own tasks (ops, servers) are left out: their outermost frame is aiodist's."""
+    waits in. aiodist's own tasks (ops, servers) are left out: their outermost frame is aiodist's;
+    so is a task serving a debug request (a frame in aiodist/debug: the page asking)."""
     out = []
     tasks, _ = _rank_tasks(w, loop, me)
     for t in tasks:
         stack = task_stack(t)
         if not stack or stack[0]["file"].startswith(_AIODIST_DIR):
             continue
+        if any(f["file"].startswith(_DEBUG_DIR) for f in stack):
+            continue  # the debug server's own request (aiohttp's handler task): not the rank's code
         k = next(
             (
                 i

@@ -115,8 +115,10 @@ class DebugServer:
         dump_dir: str | None,
         dump_interval: float,
         enabled_dumps: set[str],
+        stuck_after: float = STUCK_AFTER_S,
     ) -> None:
         self.world = world
+        self.stuck_after = stuck_after
         self.rank = world.rank
         self.world_size = world.world_size
         self.handlers = {h.name: h for h in handlers}
@@ -348,7 +350,7 @@ class DebugServer:
 
     async def _index(self, request: web.Request) -> web.Response:
         g = await self.gather("status")
-        view = index_view(g["per_rank"], g["missing"], self.world_size, blocked=g["blocked"])
+        view = index_view(g["per_rank"], g["missing"], self.world_size, self.stuck_after, blocked=g["blocked"])
         g = {**g, **worst_state(view, g["summary"])}
         view["summary"] = g["summary"]
         view["partial"] = g["partial"]
@@ -532,11 +534,22 @@ def index_view(
     analysis = analyze([per_rank[r] for r in sorted(per_rank)]) if per_rank else None
     blame: dict[int, list[str]] = {}
     waits: dict[int, list[str]] = {}
+    idles: dict[int, list[str]] = {}
     if analysis is not None:
         for g in analysis["groups"]:
             p = g["problem"]
             if p is None:
                 continue
+            waited = f" for {p['waited_s']:.1f} s" if p.get("waited_s") is not None else ""
+            if p["kind"] == "idle":  # idle_until_leader: waiting for the leader's next op is no fault
+                for r in p["waiting_ranks"]:
+                    idles.setdefault(r, []).append(
+                        f"idle{waited}: waiting for rank{'s' if len(p['missing_ranks']) > 1 else ''} "
+                        f"{', '.join(map(str, p['missing_ranks']))} to issue seq {p['seq']} ({p['op']}) of group '{g['desc']}'"
+                    )
+                continue
+            if p["kind"] == "missing" and (p.get("waited_s") is None or p["waited_s"] <= stuck_after):
+                continue  # not followed yet, but not for longer than the threshold: still in op
             if p["kind"] == "missing":
                 for r in p["missing_ranks"]:
                     blame.setdefault(r, []).append(
@@ -565,6 +578,7 @@ def index_view(
     for g in analysis["groups"] if analysis else []:
         for r, n in g["issued"].items():
             issued.setdefault(int(r), {})[g["desc"]] = n
+    idle_groups = {g["desc"] for g in (analysis["groups"] if analysis else []) if (g["problem"] or {}).get("kind") == "idle"}
     newest = {desc: max(by[desc] for by in issued.values() if desc in by) for by in issued.values() for desc in by}
     rows = []
     for r in range(world_size):
@@ -582,7 +596,9 @@ def index_view(
             if len(pos["pending"]) > 1:
                 where += f" +{len(pos['pending']) - 1} more"
             state = "in op"
-            if age is not None and age > stuck_after:
+            if e["state"] == "idle":
+                state, cls = "idle", "ok"
+            elif age is not None and age > stuck_after:
                 state, cls = "waiting", "waiting"
         elif pos and pos["last_finished"]:
             e = pos["last_finished"]
@@ -593,16 +609,20 @@ def index_view(
             why = blame[r] + why
         elif why:
             state, cls = "waiting", "waiting"
+        why += idles.get(r, [])
         if r in blocked:
             state, cls = "blocked", "stuck"
             why = [blocked[r]["sentence"], *why]
-        seqs = [{"group": desc, "issued": n, "behind": n < newest[desc]} for desc, n in sorted(issued.get(r, {}).items())]
+        seqs = [
+            {"group": desc, "issued": n, "behind": n < newest[desc] and desc not in idle_groups}
+            for desc, n in sorted(issued.get(r, {}).items())
+        ]
         at = [f"{a['file']}:{a['line']} in {a['function']}: {a['code']}" for a in (per_rank.get(r) or {}).get("waiting_at") or []]
         rows.append(
             {"rank": r, "state": state, "class": cls, "where": where, "age_s": age, "issued": seqs, "why": "; ".join(why), "at": at}
         )
     stuck = [row["rank"] for row in rows if row["class"] == "stuck"]
-    return {"rows": rows, "stuck_ranks": stuck, "blocked_ranks": sorted(blocked), "analysis": analysis}
+    return {"rows": rows, "stuck_ranks": stuck, "blocked_ranks": sorted(blocked), "analysis": analysis, "stuck_after": stuck_after}
 
 
 def worst_state(view: dict[str, Any], summary: str) -> dict[str, str]:
@@ -614,12 +634,18 @@ def worst_state(view: dict[str, Any], summary: str) -> dict[str, str]:
     rest = summary.removeprefix("OK: ")
     if summary.startswith(("BLOCKED", "PARTIAL")):
         return {"summary": summary, "banner": "bad"}
+    after = view.get("stuck_after", STUCK_AFTER_S)
     if stuck:
         who = "; ".join(f"rank {r['rank']}: {r['why'] or r['state']}" for r in stuck)
-        return {"summary": f"STUCK: {who}. {rest}", "banner": "bad"}
+        rule = f" (STUCK: an op some ranks issued that others have not followed within {after:g} s)"
+        return {"summary": f"STUCK: {who}. {rest}{rule}", "banner": "bad"}
     if waiting:
         who = ", ".join(str(r["rank"]) for r in waiting)
         return {"summary": f"WAITING: rank{'s' if len(waiting) > 1 else ''} {who} in an op for a while. {rest}", "banner": "warn"}
+    idle = [r for r in rows if r["state"] == "idle" and r["why"]]  # (a rank in no op is "idle" too: nothing to say)
+    if idle:
+        who = "; ".join(f"rank {r['rank']}: {r['why']}" for r in idle)
+        return {"summary": f"IDLE: {who}. {rest}", "banner": "ok"}
     return {"summary": summary, "banner": "ok"}
 
 
@@ -665,11 +691,15 @@ async def start_debug_server(
     handlers: Sequence[DebugHandler] | None = None,
     fetch_timeout: float = 60.0,
     host: str = "127.0.0.1",
+    stuck_after: float = STUCK_AFTER_S,
 ) -> DebugServer:
     """Start this rank's worker server (and on rank 0 the frontend on ``port``; 0 picks a free
     one). Call it on every rank, after ``init_process_group``. ``handlers`` replaces the default
     handlers (``default_handlers() + [mine]`` adds to them); ``enabled_dumps`` names the handlers
     whose dumps are written to ``dump_dir`` every ``dump_interval`` seconds (None: all).
+    ``stuck_after``: the page calls a rank STUCK when an op some ranks issued has not been
+    followed by it for longer than this (seconds; before that the op is just running); ranks
+    waiting in a group that idles for its leader (``idle_until_leader``) are IDLE, never STUCK.
     Returns the rank's ``DebugServer`` (``.frontend_url`` on rank 0, ``.worker_url``)."""
     world = current_world()
     if world.default_pg is None:
@@ -678,6 +708,8 @@ async def start_debug_server(
         raise RuntimeError(f"the debug server already runs on rank {world.rank}: {_SERVERS[world]!r}; stop_debug_server() first")
     if fetch_timeout <= 0 or dump_interval <= 0:
         raise ValueError(f"fetch_timeout and dump_interval must be > 0, got {fetch_timeout!r} and {dump_interval!r}")
+    if not stuck_after >= 0:
+        raise ValueError(f"stuck_after must be >= 0, got {stuck_after!r}")
     hs = list(default_handlers() if handlers is None else handlers)
     seen: set[str] = set()
     for h in hs:
@@ -696,7 +728,14 @@ async def start_debug_server(
     if directory is not None:
         os.makedirs(directory, exist_ok=True)
     server = DebugServer(
-        world, hs, host=host, fetch_timeout=fetch_timeout, dump_dir=directory, dump_interval=dump_interval, enabled_dumps=enabled
+        world,
+        hs,
+        host=host,
+        fetch_timeout=fetch_timeout,
+        dump_dir=directory,
+        dump_interval=dump_interval,
+        enabled_dumps=enabled,
+        stuck_after=stuck_after,
     )
     _SERVERS[world] = server
     try:
