@@ -53,8 +53,7 @@ from typing import Any, cast
 import torch
 import torch._dynamo  # noqa: F401  # torch's optimizers import it on first use (1-2 s): here, before the event loop runs, not as a blocked loop
 
-from aiodist.c10d import ProcessGroup, all_gather_object, broadcast, get_backend, get_rank, get_world_size
-from aiodist.c10d.world import default_group
+from aiodist.c10d import GroupMember, ProcessGroup, all_gather_object, broadcast, get_backend, get_rank, get_world_size
 from aiodist.debug import DebugLevel, get_debug_level, record_comm
 from aiodist.nn.parallel.reducer import Reducer
 
@@ -223,7 +222,10 @@ class DistributedDataParallel(torch.nn.Module):
         self.init_sync = bool(init_sync)
         # the group itself, as torch keeps it: after shrink_group of the default group this DDP
         # still names the old one (its later steps fail saying so) until a new DDP takes over
-        process_group = self.process_group = default_group() if process_group is None else process_group
+        if process_group is None:
+            get_world_size()  # (raises where the default group is not initialised)
+            process_group = GroupMember.WORLD
+        self.process_group = process_group
         self.find_unused_parameters = bool(find_unused_parameters)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.static_graph = bool(static_graph)
