@@ -13,6 +13,12 @@ Every rank runs an aiohttp web app on the same event loop as its collectives (no
   The other ranks sit in a serve loop: receive a request by broadcast, compute, all-gather, repeat,
   until rank 0 broadcasts the stop message.
 
+The other ranks wait in ``broadcast_object_list`` for rank 0's next request for as long as none
+comes: ``dist.idle_until_leader(0)`` makes that idle rather than a timeout. Their ops start the
+group's timeout (``--timeout``, 30 s) when rank 0 issues them, so a request that rank 0 sends
+and a rank does not follow, a rank that calls another op, and a lost rank 0 still fail as
+always.
+
 Collectives must be issued in the same order on every rank, and an object collective is two ops,
 so rank 0 runs one request's collectives at a time (an ``asyncio.Lock``); concurrent HTTP requests
 wait for it, while the web server keeps accepting connections and answering ``/stats``.
@@ -136,7 +142,7 @@ async def demo(service: Service, addrs: list[tuple[str, int]], requests: int, se
         await asyncio.sleep(serve_s)
     ok = True
     async with ClientSession() as http:
-        ns = [10_000 * (k + 1) + k for k in range(requests)]
+        ns = [1_000 * (k % 1_000 + 1) + k % 1_000 for k in range(requests)]  # all within the service's cap, for any --requests
 
         async def ask(n: int) -> dict[str, Any]:
             async with http.post(f"http://{host}:{port}/sum_squares", json={"n": n}) as resp:
@@ -163,7 +169,10 @@ async def demo(service: Service, addrs: list[tuple[str, int]], requests: int, se
 
 
 async def run(args: argparse.Namespace) -> int:
-    await dist.init_process_group("gloo")
+    await dist.init_process_group("gloo", timeout=args.timeout)
+    # The other ranks wait in a collective for rank 0's next request, for as long as none comes:
+    # that is idle, not stuck. Their collectives start their timeout when rank 0 issues them.
+    dist.idle_until_leader(0)
     runner: web.AppRunner | None = None
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -198,6 +207,9 @@ def main() -> int:
     p.add_argument("--port", type=int, default=0, help="the rank of local rank r listens on PORT + r (default: any free port)")
     p.add_argument("--requests", type=int, default=3, help="requests rank 0 sends to itself (default 3)")
     p.add_argument("--serve", type=float, default=0.0, metavar="SECONDS", help="serve this long before the demo requests")
+    p.add_argument(
+        "--timeout", type=float, default=30.0, help="the group's timeout (s); idle time between requests does not count (default 30)"
+    )
     return asyncio.run(run(p.parse_args()))
 
 

@@ -132,12 +132,15 @@ def test_device_mesh_2x2_refuses_another_world_size() -> None:
 
 @pytest.mark.subprocess
 def test_rpc_service() -> None:
-    out = ok(run_env_job("examples/rpc_service.py", 4, ["--requests", "4"], timeout=60)).out(0)
+    """200 requests after the service idled for longer than its group's timeout (1.5 s against 1 s:
+    the other ranks wait for rank 0's next request under idle_until_leader)."""
+    args = ["--requests", "200", "--serve", "1.5", "--timeout", "1"]
+    out = ok(run_env_job("examples/rpc_service.py", 4, args, timeout=60)).out(0)
     answers = re.findall(r"POST /sum_squares n=(\d+): (\d+) \(right;", out)
-    assert len(answers) == 4, out
+    assert len(answers) == 200, out
     assert all(int(s) == (int(n) - 1) * int(n) * (2 * int(n) - 1) // 6 for n, s in answers)
     assert "POST /sum_squares with a bad body: HTTP 400" in out
-    assert len(re.findall(r"/stats: \{'rank': \d, 'served': 4\}", out)) == 4, out
+    assert len(re.findall(r"/stats: \{'rank': \d, 'served': 200\}", out)) == 4, out
 
 
 # ---------------------------------------------------------------- the harness itself

@@ -635,3 +635,18 @@ async def test_enforce_type_in_a_subgroup_names_global_ranks() -> None:
             await all_gather_object_enforce_type(g, out, 3.0 if rank == 3 else rank)
 
     await run_world(4, fn)
+
+
+def test_the_lengths_hint_is_not_given_for_a_lost_peer() -> None:
+    """A sizes op that failed because a peer is gone gets no "the lists' lengths differ" note
+    (the hint misled: the cause was that rank 0 had exited)."""
+    from aiodist.c10d.objects import _hint_lengths
+
+    lost = dist.DistNetworkError("rank 0 closed the connection without GOODBYE (its process ended or crashed)")
+    relayed = dist.DistBackendError("the failure started on rank 2: rank 0 closed the connection without GOODBYE")
+    late = dist.DistTimeoutError("timed out")
+    other = dist.DistBackendError("desync detected: rank 0 and rank 1 both called broadcast with different arguments")
+    for e in (lost, relayed, late, other):
+        _hint_lengths(e, "broadcast_object_list", 1)
+    assert [getattr(e, "__notes__", []) for e in (lost, relayed, late)] == [[], [], []]
+    assert "the lists' lengths differ across ranks" in other.__notes__[0]

@@ -34,7 +34,7 @@ from aiodist.c10d.point_to_point import isend, recv
 from aiodist.c10d.process_group import ProcessGroup
 from aiodist.c10d.work import Work
 from aiodist.c10d.world import on_world_loop
-from aiodist.errors import DistError
+from aiodist.errors import DistError, DistNetworkError, DistTimeoutError
 
 __all__ = [
     "broadcast_object_list",
@@ -51,6 +51,13 @@ PICKLE_PROTOCOL = 5
 
 _EMPTY = np.empty(0, dtype=np.uint8)
 _LENGTHS = "{op}: this rank expected the sizes of {n} objects (len(object_list)); if the message did not fit, the lists' lengths differ across ranks"
+
+
+def _hint_lengths(exc: DistError, op: str, n: int) -> None:
+    """The lists' lengths may be why a sizes op failed, unless a peer was lost or timed out
+    (a peer that exited is not a length that differs)."""
+    if not isinstance(exc, (DistNetworkError, DistTimeoutError)) and "closed the connection" not in str(exc):
+        exc.add_note(_LENGTHS.format(op=op, n=n))
 
 
 T = TypeVar("T")
@@ -184,7 +191,7 @@ async def broadcast_object_list(
         sizes_op = broadcast(sizes, group=pg, group_src=root)
         await (_before_next(pg, "broadcast_object_list", sizes_op) if objs else sizes_op)
     except DistError as exc:
-        exc.add_note(_LENGTHS.format(op="broadcast_object_list", n=len(objs)))
+        _hint_lengths(exc, "broadcast_object_list", len(objs))
         raise
     payload = _alloc(sizes, "broadcast_object_list")
     if payload.size:
@@ -351,7 +358,7 @@ async def recv_object_list(
         sizes_op = recv(sizes, group=pg) if peer is None else recv(sizes, group=pg, group_src=peer)
         sender = await (_before_next(pg, "recv_object_list", sizes_op) if objs else sizes_op)
     except DistError as exc:
-        exc.add_note(_LENGTHS.format(op="recv_object_list", n=len(objs)))
+        _hint_lengths(exc, "recv_object_list", len(objs))
         raise
     payload = _alloc(sizes, "recv_object_list")
     if payload.size:
