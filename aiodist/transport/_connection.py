@@ -63,6 +63,9 @@ from aiodist.wire.frame import (
 
 __all__ = ["Connection", "ConnectionOwner", "GRACE_MIN_BYTES", "GRACE_SECONDS"]
 
+#: the handshake's refusal of a peer's HELLO once this rank's transport is closed (logged at
+#: DEBUG: the ordinary end of a job, a peer dialing while this rank leaves)
+CLOSED_REFUSAL = "this transport is closed"
 log = logging.getLogger("aiodist.transport")
 
 _HOLD = object()  # _target_for's answer: hold the header (reading paused)
@@ -353,7 +356,10 @@ class Connection(asyncio.BufferedProtocol):
         lane = self.lane if self.dialed_peer is not None else lane  # a dialer's HELLO names the lane; the answer does not
         why = owner.on_hello(self, hello, lane)
         if why is not None:
-            log.error("rank %d: refused a %s connection: %s", owner.rank, self.kind, why)
+            # a peer's HELLO after this rank closed is the ordinary end of a job (the peer dialed
+            # while this rank was leaving): DEBUG; every other refusal is a real error
+            level = logging.DEBUG if why == CLOSED_REFUSAL else logging.ERROR
+            log.log(level, "rank %d: refused a %s connection: %s", owner.rank, self.kind, why)
             self.fail(DistNetworkError(f"rank {owner.rank}: refused a {self.kind} connection: {why}"))
             return
         self.peer = hello.rank

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from aiodist.transport._connection import Connection
+from aiodist.transport._connection import CLOSED_REFUSAL, Connection
 from aiodist.transport._standing import Standing
 from aiodist.wire.frame import Hello
 
@@ -42,7 +42,7 @@ def refusal(mine: Hello, hello: Hello, dialed: int | None, closed: bool) -> str 
     if hello.rank == mine.rank:
         return f"a connection from this rank ({hello.rank}) itself"
     if closed:
-        return "this transport is closed"
+        return CLOSED_REFUSAL
     return None
 
 
