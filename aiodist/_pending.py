@@ -447,6 +447,22 @@ def _trim(exc: DistError) -> None:
     exc.__traceback__ = None
 
 
+#: what a call's first step raises to refuse it: its arguments (TypeError, ValueError), the
+#: World's state (no default group: ValueError) or a DistError; reached by the user without the
+#: frames inside aiodist that found it (``trim_refusal``)
+_REFUSALS = (TypeError, ValueError, DistError)
+
+
+def trim_refusal(exc: BaseException, what: str) -> None:
+    """A refusal as the calling line gets it: the frames inside aiodist that raised it go to the
+    DEBUG log (logger ``aiodist.c10d``) and leave the exception, which the caller then re-raises
+    with a bare ``raise`` (no frame added): the user's traceback is their own line and the
+    sentence, as an op's error is (``_trim``)."""
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("%s refused the call: where inside aiodist", what, exc_info=exc)
+    exc.__traceback__ = None
+
+
 def _plain(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 
@@ -523,19 +539,23 @@ def communicating(
 
     @functools.wraps(fn)
     def call(*args: P.args, **kwargs: P.kwargs) -> Pending:
-        f = sys._getframe(1)
-        running = _get_running_loop()
-        if home is not None and (h := home.loop()) is not None and h is not running:
-            done = home.forward(name, fn, args, kwargs, h, running, file_line((f.f_code, f.f_lasti)))
-            if done is not None:
-                return done
-        if now is not None and running is not None:
-            got = now(*args, **kwargs)
-            if got is not LATER:
-                if type(got) is types.CoroutineType:
-                    return Pending(name, got, (f.f_code, f.f_lasti))
-                return finished(name, got, (f.f_code, f.f_lasti))
-        return Pending(name, fn(*args, **kwargs), (f.f_code, f.f_lasti))
+        try:
+            f = sys._getframe(1)
+            running = _get_running_loop()
+            if home is not None and (h := home.loop()) is not None and h is not running:
+                done = home.forward(name, fn, args, kwargs, h, running, file_line((f.f_code, f.f_lasti)))
+                if done is not None:
+                    return done
+            if now is not None and running is not None:
+                got = now(*args, **kwargs)
+                if got is not LATER:
+                    if type(got) is types.CoroutineType:
+                        return Pending(name, got, (f.f_code, f.f_lasti))
+                    return finished(name, got, (f.f_code, f.f_lasti))
+            return Pending(name, fn(*args, **kwargs), (f.f_code, f.f_lasti))
+        except _REFUSALS as exc:  # a refused call (its arguments, no default group): one sentence
+            trim_refusal(exc, name)
+            raise  # (a bare raise adds no frame: the traceback starts at the caller's line)
 
     return mark_coroutine_function(call, fn)
 

@@ -6,6 +6,7 @@ started, and the launcher's root cause is one line. The bounds are on lines prin
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
@@ -126,3 +127,76 @@ async def test_an_ops_error_reaches_the_user_without_aiodists_frames() -> None:
         assert frames and not any("/aiodist/" in f for f in frames), text
         assert "The above exception" not in text and "During handling" not in text, text
         assert text.count("desync detected") == 1 and "seq 0" in text and "tag " not in text, text
+
+
+async def test_argument_errors_are_one_sentence() -> None:
+    """A refused call (a list for an array, a non-contiguous output, a call before init, a bad
+    rank) reaches the user as their own line and one sentence: no frame inside aiodist."""
+    import traceback
+
+    import numpy as np
+
+    import aiodist as dist
+    from aiodist.testing import run_world
+
+    def shown(exc: BaseException) -> str:
+        return "".join(traceback.format_exception(exc))
+
+    texts = []
+    try:
+        await dist.all_reduce(np.ones(2))
+    except ValueError as exc:
+        texts.append(shown(exc))
+
+    async def fn(rank: int) -> list[str]:
+        out = []
+        for call in (
+            lambda: dist.all_reduce([1.0, 2.0]),  # type: ignore[arg-type]
+            lambda: dist.all_reduce(np.ones((4, 4), np.float32)[:, 1]),
+            lambda: dist.broadcast(np.ones(2), src=7),
+        ):
+            try:
+                await call()
+            except (TypeError, ValueError) as exc:
+                out.append(shown(exc))
+        return out
+
+    texts += (await run_world(2, fn))[0]
+    assert len(texts) == 4
+    for text in texts:
+        assert "/aiodist/" not in text and len(text.splitlines()) <= 8, text  # (the lambda is a frame of its own)
+
+
+async def test_ddp_errors_are_one_sentence() -> None:
+    """DDP's mistakes named at the next forward, and a backward that fails, reach the user without
+    aiodist's frames (torch's own module-call frames may remain)."""
+    import traceback
+
+    torch = pytest.importorskip("torch")
+    import aiodist as dist
+    from aiodist.nn.parallel import DistributedDataParallel
+    from aiodist.testing import run_world
+
+    async def fn(rank: int) -> list[str]:
+        model = torch.nn.Linear(2, 1)
+        ddp = await DistributedDataParallel(model)
+        out = []
+        ddp.backward(ddp(torch.ones(1, 2)).sum()).close()  # never awaited: the next forward says so
+        try:
+            ddp(torch.ones(1, 2))
+        except RuntimeError as exc:
+            out.append("".join(traceback.format_exception(exc)))
+        if rank == 0:
+            await dist.destroy_process_group()  # rank 0 leaves: rank 1's backward fails
+            return out
+        await asyncio.sleep(0.2)
+        try:
+            await ddp.backward(ddp(torch.ones(1, 2)).sum())
+        except dist.DistError as exc:
+            out.append("".join(traceback.format_exception(exc)))
+        return out
+
+    got = await run_world(2, fn, backend="gloo", pg_timeout=5, timeout=30)
+    for text in got[0] + got[1]:
+        assert "/aiodist/" not in text, text
+    assert len(got[1]) == 2 and "not awaited" in got[1][0], got

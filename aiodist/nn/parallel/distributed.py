@@ -53,8 +53,10 @@ from typing import Any, cast
 import torch
 import torch._dynamo  # noqa: F401  # torch's optimizers import it on first use (1-2 s): here, before the event loop runs, not as a blocked loop
 
+from aiodist._pending import trim_refusal
 from aiodist.c10d import GroupMember, ProcessGroup, all_gather_object, broadcast, get_backend, get_rank, get_world_size
 from aiodist.debug import DebugLevel, get_debug_level, record_comm
+from aiodist.errors import DistError
 from aiodist.nn.parallel.reducer import Reducer
 
 __all__ = ["DDP", "DistributedDataParallel", "backward_on_thread", "ENV_BACKWARD"]
@@ -142,6 +144,18 @@ async def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: Pro
                 n = t.numel()
                 t.copy_(flat[off : off + n].view_as(t))
                 off += n
+
+
+def _from_autograd(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised outside aiodist (autograd, the user's model or hook): its frames
+    say where, so it keeps them."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and not tb.tb_frame.f_code.co_filename.startswith(_AIODIST_DIR)
+
+
+_AIODIST_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 
 
 def _call_now(callback: Any) -> None:
@@ -355,7 +369,11 @@ class DistributedDataParallel(torch.nn.Module):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         grad = torch.is_grad_enabled()
-        self._check_last_step(grad)
+        try:
+            self._check_last_step(grad)
+        except RuntimeError as exc:  # the sentence says it all: without the frames that found it
+            trim_refusal(exc, "DistributedDataParallel.forward")
+            raise
         if grad:  # torch: a no_grad forward neither starts nor cancels the expectation of a synced backward
             self._step_sync = self.require_backward_grad_sync
         t0 = time.perf_counter()
@@ -426,6 +444,18 @@ class DistributedDataParallel(torch.nn.Module):
         backward = inspect.markcoroutinefunction(backward)
 
     async def _backward(self, loss: torch.Tensor, gradient: Any, retain_graph: bool | None, create_graph: bool, inputs: Any) -> None:
+        try:
+            await self._backward_checked(loss, gradient, retain_graph, create_graph, inputs)
+        except (RuntimeError, ValueError, TypeError) as exc:  # DistError is a RuntimeError
+            # the step's error as the awaiting line gets it: one sentence, without aiodist's frames
+            # (autograd's own errors keep theirs: they come from the user's model)
+            if isinstance(exc, DistError) or not _from_autograd(exc):
+                trim_refusal(exc, "DistributedDataParallel.backward")
+            raise
+
+    async def _backward_checked(
+        self, loss: torch.Tensor, gradient: Any, retain_graph: bool | None, create_graph: bool, inputs: Any
+    ) -> None:
         if self._retired is not None:
             self._backward_runs = self._backward_calls
             raise RuntimeError(self._retired)
