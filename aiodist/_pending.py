@@ -184,7 +184,11 @@ class Pending(collections.abc.Coroutine[Any, Any, Any]):
                         _trim(exc)
                         raise
             else:
-                value = yield from _steps(coro, None, self._ctx.run, self._yielded)
+                try:
+                    value = yield from _steps(coro, None, self._ctx.run, self._yielded)
+                except DistError as exc:  # (init_process_group's: a port in use, a store that is not one)
+                    _trim(exc)
+                    raise
         except GeneratorExit:
             raise
         except BaseException as exc:

@@ -788,3 +788,43 @@ async def test_server_sending_unexpected_bytes_breaks_only_that_connection() -> 
         await c.close()
         srv.close()
         await srv.wait_closed()
+
+
+async def test_a_port_held_by_another_program_is_named(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another program on the port: a server that answers something else is refused at once, one
+    that accepts and says nothing is named after the handshake's bound (3 s; 0.5 s here), and a
+    master that cannot listen says so in one sentence (no chained traceback)."""
+    import aiodist.store.tcp as tcp
+
+    monkeypatch.setattr(tcp, "_HANDSHAKE_S", 0.5)
+
+    async def talker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"SSH-2.0-OpenSSH_9.2\r\n")
+        await writer.drain()
+        await reader.read()  # until the client hangs up
+        writer.close()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # (never answers)
+        writer.close()
+
+    for handler in (talker, silent):
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(DistNetworkError) as e:
+                await TCPStore("127.0.0.1", port, 2, False, timeout=1.2)
+            took = time.monotonic() - t0
+            if handler is talker:
+                assert "(first byte 0x53)" in str(e.value) and "is another program listening on port" in str(e.value), e.value
+                assert took < 2, took
+            else:
+                assert "did not answer the TCPStore handshake within 0.5 s: is another program listening on port" in str(e.value)
+                assert any("is another program listening" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+            with pytest.raises(DistNetworkError) as busy:
+                await TCPStore("127.0.0.1", port, 1, True, timeout=1)
+            assert "Address already in use" in str(busy.value) and busy.value.__cause__ is None and busy.value.__suppress_context__
+        finally:
+            server.close()
+            await server.wait_closed()

@@ -155,7 +155,7 @@ def bind_listener(host: str | None, port: int, backlog: int | None = None) -> so
         try:
             return _bound(socket.AF_INET, socket.SOCK_STREAM, 0, ("0.0.0.0", port), backlog, False)
         except OSError as exc:
-            raise _listen_error(host, port, False, exc) from exc
+            raise _listen_error(host, port, False, exc) from None
     family = socket.AF_INET
     try:
         family, type_, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]

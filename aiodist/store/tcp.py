@@ -91,6 +91,9 @@ _U32 = ((Reply.U32, 0),)
 _BYTES = ((Reply.BYTES, 0),)
 _MAX_IDLE_WAITERS = 8
 _CONNECT_ATTEMPT_S = 5.0  # one connect attempt's deadline
+#: how long one connection waits for the handshake's reply: a TCPStore answers in milliseconds;
+#: a program that accepted and says nothing (another server on the port) is named after this
+_HANDSHAKE_S = 3.0
 _DIAGNOSIS_S = 0.1  # how long a timed-out wait may take to learn which keys are missing
 
 
@@ -400,7 +403,9 @@ class TCPStore(Store):
         loop = asyncio.get_running_loop()
         delay, start = 0.01, time.monotonic()
         warned, every, unresolved, why = start, _startup.warn_interval(), False, ""
+        warned_silent = False
         while True:
+            shaking = False  # connected, waiting for the handshake's reply
             try:
                 conn = await self._open_local(loop)
                 if conn is None:
@@ -408,13 +413,24 @@ class TCPStore(Store):
                     connecting = loop.create_connection(lambda: _Connection(loop, self._counts), self._host, self._port)
                     _, tcp = await within(connecting, max(0.001, min(deadline - time.monotonic(), _CONNECT_ATTEMPT_S)))
                     conn = tcp
-                got, nonce = await self._handshake(conn, deadline)
+                shaking = True
+                got, nonce = await self._handshake(conn, min(deadline, time.monotonic() + _HANDSHAKE_S))
             except _BadPeer as exc:
-                raise DistNetworkError(f"{self._describe()}: handshake failed: {exc}; is this a TCPStore server?") from None
+                raise DistNetworkError(
+                    f"{self._describe()}: handshake failed: {exc}: not a TCPStore server; is another program listening on port {self._port}?"
+                ) from None
             except (OSError, TimeoutError, _Lost) as exc:
                 now = time.monotonic()
                 # an attempt cut short by the deadline says nothing new: keep the error before it
                 why = str(exc) or why or "no answer in time"
+                if shaking and isinstance(exc, (TimeoutError, _NoReply)):  # something accepted, and said nothing a TCPStore would
+                    why = (
+                        f"something accepted the connection at {self._describe_addr()} but did not answer the TCPStore "
+                        f"handshake within {_HANDSHAKE_S:g} s: is another program listening on port {self._port}?"
+                    )
+                    if not warned_silent:
+                        warned_silent, warned = True, now
+                        log.warning("%s", self._unreachable(why, now - start, deadline - start, starting))
                 if isinstance(exc, socket.gaierror) and not unresolved:  # a misspelt MASTER_ADDR: say so at once
                     unresolved, warned = True, now
                     log.warning("%s", self._unresolved(exc, deadline - start, starting))
@@ -433,7 +449,11 @@ class TCPStore(Store):
                 continue
             if got != nonce:
                 conn.close()
-                raise DistNetworkError(f"{self._describe()}: handshake failed (ping echo {got} != {nonce}); is this a TCPStore server?")
+                heard = int(got).to_bytes(4, "little")
+                raise DistNetworkError(
+                    f"{self._describe()}: handshake failed: the server at {self._describe_addr()} answered {heard!r} "
+                    f"(ping echo {got} != {nonce}): it is not a TCPStore server; is another program listening on port {self._port}?"
+                )
             return conn
 
     def _waiter(self, starting: bool) -> tuple[str, str]:
