@@ -61,6 +61,13 @@ def config_from_args(args: argparse.Namespace) -> tuple[LaunchConfig, Callable[.
     if args.module and args.no_python:
         raise ValueError("Don't use both the '--no-python' flag and the '--module' flag at the same time.")
     config = config_from_namespace(args)
+    if args.standalone and args.master_port is not None:  # torchrun ignores it without a word; aiodist says so
+        log.warning(
+            "--standalone ignores --master-port %d: the rendezvous store takes a free port of its own "
+            "(use --rdzv-backend static --master-port %d for that port)",
+            args.master_port,
+            args.master_port,
+        )
     if "OMP_NUM_THREADS" not in os.environ and config.nproc_per_node > 1:
         log.warning(
             "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, to avoid your system being overloaded"

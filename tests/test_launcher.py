@@ -155,6 +155,10 @@ def test_max_restarts_recovers_from_a_first_attempt_failure() -> None:
     assert {d["env"]["TORCHELASTIC_MAX_RESTARTS"] for d in res.values()} == {"2"}
     assert all(d["sum"] == 3.0 for d in res.values())
     assert "restarting (1/2)" in err
+    # the restart line names the first failure and its exit (both ranks exit 3: one of them)
+    assert re.search(r"worker group failed \(round 0\): rank [01] exited with 3 \(pid: \d+\) \(1 more failed\); restarting \(1/2\)", err), (
+        err
+    )
 
 
 def test_sigterm_to_launcher_stops_workers_no_orphans() -> None:
@@ -468,3 +472,9 @@ def test_long_lines_pass_whole_and_in_pieces() -> None:
     for lines in rank_lines(out).values():
         assert lines[-1] == "end" and "" not in lines
         assert sum(len(line) for line in lines[:-1]) == 200000
+
+
+def test_standalone_says_it_ignores_master_port() -> None:
+    rc, out, err = launch(["--standalone", "--master-port", "29999", "--nproc-per-node", "1", WORKER, "plain"])
+    assert rc == 0, err
+    assert "--standalone ignores --master-port 29999: the rendezvous store takes a free port of its own" in err, err

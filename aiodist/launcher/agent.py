@@ -399,7 +399,17 @@ class LocalAgent:
                 self._check_signal()
             if isinstance(act, Restart):
                 restarts = act.round
-                self.log.warning("worker group failed (round %d); restarting (%d/%d)", a.round, restarts, spec.config.max_restarts)
+                first = min(res.failures.values(), key=lambda f: (f.observed_ns, f.rank), default=None)
+                self.log.warning(
+                    "worker group failed (round %d)%s; restarting (%d/%d)",
+                    a.round,
+                    ""
+                    if first is None
+                    else f": rank {first.rank} exited with {first.exit_text()}"
+                    + (f" ({len(res.failures) - 1} more failed)" if len(res.failures) > 1 else ""),
+                    restarts,
+                    spec.config.max_restarts,
+                )
                 last = (a, res)
                 continue
             assert isinstance(act, Report), act

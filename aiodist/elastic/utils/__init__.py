@@ -1,8 +1,13 @@
-"""torch.distributed.elastic.utils' helpers: environment, free port, log level, logger."""
+"""torch.distributed.elastic.utils' helpers: environment, free port, log level, logger.
+
+One implementation here; torch's module paths re-export it, so a port that swaps
+``torch.distributed`` for ``aiodist`` in its imports keeps them: ``aiodist.elastic.utils.api``
+(``get_env_variable_or_raise``), ``.distributed`` (``get_free_port``), ``.log_level``
+(``get_log_level``), ``.logging`` (``get_logger``)."""
 
 from __future__ import annotations
 
-import logging
+import logging as _logging  # (the name `logging` is this package's submodule, torch's path)
 import os
 import socket
 import sys
@@ -36,18 +41,18 @@ def get_log_level() -> str:
     return "WARNING"
 
 
-def get_logger(name: str | None = None) -> logging.Logger:
+def get_logger(name: str | None = None) -> _logging.Logger:
     """A logger that writes to stderr at the level in ``LOGLEVEL`` (default WARNING).
 
     With no ``name``, the calling module's name is used.
     """
     if name is None:
         name = sys._getframe(1).f_globals.get("__name__", "aiodist")
-    logger = logging.getLogger(name)
+    logger = _logging.getLogger(name)
     logger.setLevel(os.environ.get("LOGLEVEL", get_log_level()).upper())
     if not any(getattr(h, _HANDLER_MARK, False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("[%(levelname)s] %(asctime)s %(name)s: %(message)s"))
+        handler = _logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_logging.Formatter("[%(levelname)s] %(asctime)s %(name)s: %(message)s"))
         setattr(handler, _HANDLER_MARK, True)
         logger.addHandler(handler)
         logger.propagate = False
