@@ -111,16 +111,17 @@ def launch_all(
     envs: Sequence[Mapping[str, str]] | None = None,
     job_args: Sequence[str] = (),
     deadline: float = DEADLINE,
+    job: str = JOB,
 ) -> list[Launch]:
-    """One launcher per host (``args[i]`` its flags, ``envs[i]`` its environment), started
-    together; waits for all of them, stops those past ``deadline``; their output."""
+    """One launcher per host (``args[i]`` its flags, ``envs[i]`` its environment) running ``job``,
+    started together; waits for all of them, stops those past ``deadline``; their output."""
     envs = envs if envs is not None else [job_env()] * hosts.n
     with tempfile.TemporaryDirectory(prefix="multihost_") as tmp:
         procs, files, argvs = [], [], []
         t0 = time.monotonic()
         try:
             for i in range(hosts.n):
-                argv = [sys.executable, "-m", "aiodist.run", *args[i], JOB, *job_args]
+                argv = [sys.executable, "-m", "aiodist.run", *args[i], job, *job_args]
                 out, err = open(Path(tmp, f"{i}.out"), "wb"), open(Path(tmp, f"{i}.err"), "wb")
                 files += [out, err]
                 argvs.append(argv)
@@ -318,3 +319,27 @@ def test_ipv6_only_hosts(rdzv: str) -> None:
         assert ":" in master
         args = [static_args(hosts, i, 1, master) if rdzv == "static" else c10d_args(hosts, i, False) for i in range(2)]
         assert_all_ok(launch_all(hosts, args), 2)
+
+
+HIER_JOB = str(ROOT / "tests" / "helpers" / "hier_job.py")
+
+
+@pytest.mark.parametrize("per_host", [2, 3])
+def test_several_ranks_per_host_cross_the_link_once_per_byte(per_host: int) -> None:
+    """2 hosts x k ranks: all_reduce goes by the hierarchy (aiodist.algorithms.hier): right on the
+    default group, on ranks not contiguous by host and on an uneven layout; and a 16 MiB
+    all_reduce sends about S over each host's link (the flat ring sent 2(n-1)/n S: 1.5 S at
+    2 per host, 1.67 S at 3), by the devices' counters."""
+    mib = 16
+    with netns.make_hosts(2, links=1, prefix="aiodist-mh") as hosts:
+        before = [hosts.counters(i) for i in range(2)]
+        args = [static_args(hosts, i, per_host, hosts.addr(0)) for i in range(2)]
+        env = job_env()
+        procs_out = launch_all(hosts, args, [env, env], [str(mib)], job=HIER_JOB)
+        assert all(x.rc == 0 for x in procs_out), report(procs_out)
+        seen = sorted(int(m) for x in procs_out for m in re.findall(r"HIER rank (\d+) of", x.out))
+        assert seen == list(range(2 * per_host)), report(procs_out)
+        sent = [hosts.counters(i)[1] - before[i][1] for i in range(2)]  # tx bytes
+    s = mib * 2**20
+    for i, b in enumerate(sent):  # two big ops, plus the checks and the start-up (a few MiB at most)
+        assert b <= 2 * 1.05 * s + 4 * 2**20, f"host {i} sent {b / s:.2f} S for two all_reduces of S\n" + report(procs_out)

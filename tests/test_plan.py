@@ -28,6 +28,7 @@ class Row(NamedTuple):
     want: Plan
     th: Thresholds = D
     part: int = 0
+    spread: bool = False  # the group is on several hosts, more than one rank on some
 
 
 ROWS = [
@@ -66,6 +67,11 @@ ROWS = [
     Row("empty: the socket", "all_reduce", 0, 2, Plan("socket", False)),
     Row("256 KiB: the halves", "all_reduce", 256 * K, 2, Plan("halves", True)),
     Row("4 MiB: single copy", "all_reduce", 4 * M, 2, Plan("single_copy", True)),
+    Row("spread over hosts, small: the hierarchy, out of line", "all_reduce", 4, 4, Plan("hier", False), spread=True),
+    Row("spread over hosts, 16 MiB: the hierarchy", "all_reduce", 16 * M, 4, Plan("hier", False), spread=True),
+    Row("spread, hierarchy off: the rules as on one host", "all_reduce", 4, 4, Plan("lane", True), Thresholds(hier_min=-1), spread=True),
+    Row("spread, under the hierarchy's size: on", "all_reduce", 4 * K, 4, Plan("lane", True), Thresholds(hier_min=64 * K), spread=True),
+    Row("spread: other ops keep their rules", "broadcast", 4, 4, Plan("lane", True), spread=True),
     Row(
         "shared memory off, lane off: the socket",
         "all_reduce",
@@ -145,7 +151,7 @@ ROWS = [
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.why for r in ROWS])
 def test_plan(row: Row) -> None:
-    assert plan(row.op, row.nbytes, row.ranks, row.th, part=row.part) == row.want
+    assert plan(row.op, row.nbytes, row.ranks, row.th, part=row.part, spread=row.spread) == row.want
 
 
 def test_every_op_has_a_row() -> None:

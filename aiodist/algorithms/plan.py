@@ -21,6 +21,8 @@ The paths:
 - ``halves``: shared memory's two segment halves, pipelined (``aiodist.shm._algorithms``).
 - ``single_copy``: single-copy reads of the peers' buffers (``aiodist.shm._cma``), where the
   group can read its peers' memory.
+- ``hier``: the hierarchy of a group spread over hosts (``aiodist.algorithms.hier``): within each
+  host, across once per byte, within; messages through the transport.
 
 An op on the socket path that still takes a place in line (``shm`` with path ``socket``) says
 there which op it is in, so a peer that took another path for a size that differs (a mistake)
@@ -38,9 +40,12 @@ broadcast
      lane on: ``socket`` in line.
   4. otherwise ``socket``.
 all_reduce
-  1. ``th.all_reduce_shm(nbytes)``: ``single_copy`` if ``th.all_reduce_cma(nbytes)``, else ``halves``.
-  2. ``th.all_reduce_lane(nbytes)``: ``lane``.
-  3. otherwise ``socket``.
+  1. ``spread`` (the group's ranks are on several hosts, more than one on some:
+     ``aiodist.algorithms.hier.layout_of``) and ``th.hier(nbytes)``: ``hier``, out of the
+     shared-memory line (a group across hosts has no shared memory of its own).
+  2. ``th.all_reduce_shm(nbytes)``: ``single_copy`` if ``th.all_reduce_cma(nbytes)``, else ``halves``.
+  3. ``th.all_reduce_lane(nbytes)``: ``lane``.
+  4. otherwise ``socket``.
 reduce
   1. ``nbytes > 0`` and ``th.lane(nbytes)``: ``lane`` (in a group of any size, as broadcast).
   2. ``th.reduce_cma(nbytes, ranks)``: ``single_copy``.
@@ -90,7 +95,7 @@ from aiodist.algorithms.thresholds import Thresholds
 
 __all__ = ["OPS", "Path", "Plan", "plan"]
 
-Path = Literal["socket", "lane", "halves", "single_copy"]
+Path = Literal["socket", "lane", "halves", "single_copy", "hier"]
 
 OPS = (
     "broadcast",
@@ -124,12 +129,16 @@ class Plan:
 
 _SOCKET = Plan("socket", False)
 _SOCKET_IN_LINE = Plan("socket", True)
+_HIER = Plan("hier", False)
 
 
-def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0) -> Plan:
+def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0, spread: bool = False) -> Plan:
     """The path of ``op`` (one of :data:`OPS`) for ``nbytes`` in a group of ``ranks``, by the
-    rules in the module docstring. An unknown op is a ValueError."""
+    rules in the module docstring (``spread``: the group is on several hosts, more than one
+    rank on some). An unknown op is a ValueError."""
     if op == "all_reduce":
+        if spread and th.hier(nbytes):
+            return _HIER
         if th.all_reduce_shm(nbytes):
             return Plan("single_copy" if th.all_reduce_cma(nbytes) else "halves", True)
         if th.all_reduce_lane(nbytes):

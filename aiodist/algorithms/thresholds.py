@@ -145,6 +145,11 @@ class Thresholds:
     #: 4 B-64 KiB by single copy: gather 68-102 us, scatter 54-94 (a task, the doorbells).
     gather_lane_max: int = 64 * KiB
     scatter_lane_max: int = 64 * KiB
+    #: all_reduce in a group spread over hosts with more than one rank on some host goes by the
+    #: hierarchy (aiodist.algorithms.hier: within each host, across once per byte, within) from
+    #: this many bytes; negative: never (the flat schedules). Measured on 2 netns hosts joined by
+    #: a 1 Gbit link, 2 ranks per host (docs/multi_host.md): every size gained, so 0.
+    hier_min: int = 0
 
     def __post_init__(self) -> None:
         if self.pipeline_piece < 1:
@@ -179,6 +184,7 @@ class Thresholds:
             alltoall_cma=-1,
             gather_cma_min=-1,
             scatter_cma_min=-1,
+            hier_min=-1,
         )
 
     @classmethod
@@ -231,6 +237,11 @@ class Thresholds:
     def reduce_scatter_cma(self, total_nbytes: int) -> bool:
         """reduce_scatter of ``total_nbytes`` of input goes by single-copy reads where the group can."""
         return 0 <= self.reduce_scatter_cma_min <= total_nbytes and total_nbytes > 0
+
+    def hier(self, nbytes: int) -> bool:
+        """all_reduce of ``nbytes`` in a group spread over hosts (more than one rank on some host)
+        goes by the hierarchy."""
+        return 0 <= self.hier_min <= nbytes
 
     def all_reduce_lane(self, nbytes: int) -> bool:
         """all_reduce of ``nbytes`` goes through shared memory's latency lane where the group has one."""

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from aiodist.algorithms.hier import layout_of
 from aiodist.algorithms.p2p import P2P
 from aiodist.backends.base import P2P_SEQ, CommBackend
 from aiodist.errors import DistBackendError
@@ -57,11 +58,25 @@ def transport_available() -> bool:
 class AioBackend(CommBackend):
     name = "aio"
 
-    def __init__(self, transport: Any, rank: int, world_size: int, shm: Any = None) -> None:
+    def __init__(self, transport: Any, rank: int, world_size: int, shm: Any = None, hosts: Sequence[str] = ()) -> None:
         super().__init__(rank, world_size)
         self.transport = transport
         #: same-host shared memory (aiodist.shm.SharedMemory); the collectives take its tickets
         self.shm = shm
+        #: each global rank's host identity (what it published at start), read once at init
+        self.hosts = tuple(hosts)
+        self._layouts: dict[tuple[int, ...], Any] = {}
+
+    def layout(self, ranks: Sequence[int]) -> Any:
+        key = ranks if type(ranks) is tuple else tuple(ranks)
+        try:
+            return self._layouts[key]
+        except KeyError:
+            pass
+        got = layout_of([self.hosts[r] for r in key]) if self.hosts else None
+        if len(self._layouts) < 256:  # a group's ranks: one entry per group in practice
+            self._layouts[key] = got
+        return got
 
     def channel(self, group_id: int, seq: int, global_ranks: Sequence[int], digest: int = 0, call: Any = None) -> P2P:
         ch: P2P = self.transport.channel(group_id, seq, global_ranks, digest, call)
@@ -140,6 +155,8 @@ async def create_aio_backend(store: Store, rank: int, world_size: int, timeout: 
         shm = await SharedMemory.start(store, rank, token.encode(), host_id())
         # every rank's address, and the same number of interfaces everywhere, before any op
         await transport.exchange(timeout.total_seconds())
+        # every rank's host (its shared-memory record is in the store by now): the groups' layouts
+        hosts = await shm.host_ids(world_size)
     except BaseException:
         if shm is not None:
             await shm.close()
@@ -148,4 +165,4 @@ async def create_aio_backend(store: Store, rank: int, world_size: int, timeout: 
     assert transport.address is not None
     lanes = f"; interfaces {', '.join(f'{n}={h}' for n, h in zip(advertise.ifnames, advertise.hosts))}" if advertise.ifnames else ""
     log.info("rank %d advertises %s (chosen by %s)%s", rank, transport.address.describe(), advertise.why, lanes)
-    return AioBackend(transport, rank, world_size, shm)
+    return AioBackend(transport, rank, world_size, shm, hosts)

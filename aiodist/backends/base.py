@@ -123,6 +123,12 @@ class CommBackend(abc.ABC):
         await self.channel(group_id, P2P_SEQ, ranks).recv(ranks.index(src), buf, tag)
         return src
 
+    def layout(self, ranks: Sequence[int]) -> Any:
+        """The ranks (global) by host, as ``aiodist.algorithms.hier.layout_of`` gives it (group
+        ranks per host), where they are spread over hosts with more than one on some; else None.
+        A backend that does not know its ranks' hosts (one process, one host) says None."""
+        return None
+
     async def connect(self) -> None:  # noqa: B027 - optional
         """Make the connections to every peer now (``init_process_group(device_id=...)``'s eager
         mode); backends without connections do nothing."""

@@ -30,6 +30,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from aiodist.algorithms import collectives as alg
+from aiodist.algorithms import hier
 from aiodist.algorithms.p2p import P2P
 from aiodist.algorithms.plan import Plan, plan
 from aiodist.backends.base import ProcessGroupLike
@@ -81,20 +82,22 @@ def route(pg: ProcessGroupLike, op: str, nbytes: int, *, part: int = 0, planned:
     earlier call of the same shape) and, where that plan uses shared memory and the backend has
     it, the op's place in the group's shared-memory line, taken now."""
     th = pg.thresholds
-    pl = plan(op, nbytes, len(pg.ranks), th, part=part) if planned is None else planned
+    layout = pg.backend.layout(pg.ranks)
+    pl = plan(op, nbytes, len(pg.ranks), th, part=part, spread=layout is not None) if planned is None else planned
     shm = getattr(pg.backend, "shm", None) if pl.shm else None
-    return Route(pl, th, None if shm is None else shm.ticket(pg.group_id, pg.ranks))
+    return Route(pl, th, None if shm is None else shm.ticket(pg.group_id, pg.ranks), layout)
 
 
 class Route:
     """One op's way through the backend (the module docstring)."""
 
-    __slots__ = ("plan", "th", "ticket")
+    __slots__ = ("plan", "th", "ticket", "layout")
 
-    def __init__(self, pl: Plan, th: Any, ticket: Ticket | None) -> None:
+    def __init__(self, pl: Plan, th: Any, ticket: Ticket | None, layout: hier.Layout | None = None) -> None:
         self.plan = pl
         self.th = th
         self.ticket = ticket
+        self.layout = layout  # the group's ranks by host, where it is spread over hosts (``hier``)
 
     def issue(self, pg: Issuer[W], *args: Any, **kwargs: Any) -> W:
         """``pg.issue(...)`` for the op: its place in line passes on when the Work completes,
@@ -121,7 +124,10 @@ class Route:
         """``flat`` reduced in place; with ``into``, the result is also in its arrays: read
         straight into them where the path can (``into.written``), else copied from ``flat``."""
         pl, ticket = self.plan, self.ticket
-        if ticket is None or not await run_all_reduce(ticket, p2p, flat, combine, pl.lane, pl.single_copy, into):
+        if pl.path == "hier":
+            assert self.layout is not None
+            await hier.all_reduce(p2p, flat, combine, self.layout, thresholds=self.th)
+        elif ticket is None or not await run_all_reduce(ticket, p2p, flat, combine, pl.lane, pl.single_copy, into):
             await alg.all_reduce(p2p, flat, combine, thresholds=self.th)
         if into is not None and not into.written:
             into.copy_from(flat)
@@ -129,6 +135,8 @@ class Route:
     def all_reduce_body(self, flat: np.ndarray, combine: Combine) -> Callable[[P2P], Any]:
         """The op's body for an all_reduce with nothing to do before or after the exchanges: on
         the socket path the schedule itself (one coroutine fewer per op)."""
+        if self.plan.path == "hier" and self.layout is not None:
+            return functools.partial(hier.all_reduce, buf=flat, combine=combine, layout=self.layout, thresholds=self.th)
         if self.ticket is None:
             return functools.partial(alg.all_reduce, buf=flat, combine=combine, thresholds=self.th)
         return functools.partial(self.all_reduce, flat=flat, combine=combine)

@@ -63,7 +63,7 @@ from aiodist.knobs import parse_size
 
 __all__ = ["main", "parse_rate", "IFACE_SETS"]
 
-WORLD = 2
+HOSTS = 2
 IFACE_SETS: tuple[tuple[str, ...], ...] = (("eth0",), ("eth0", "eth1"))
 IMPLS = ("aiodist", "torch")
 BASE_PORT = 29600
@@ -148,7 +148,8 @@ def _human(n: int) -> str:
 def _expected(count: int) -> Any:
     import numpy as np
 
-    return np.full(count, WORLD * (WORLD + 1) / 2, dtype=np.float32)
+    world = int(os.environ["WORLD_SIZE"])
+    return np.full(count, world * (world + 1) / 2, dtype=np.float32)
 
 
 async def _aiodist_worker(sizes: Sequence[int], warmup: int, iters: int, timeout: float) -> dict[str, Any]:
@@ -254,10 +255,11 @@ class Run:
     times: dict[int, list[float]] = field(default_factory=dict)
     cpu: dict[int, list[float]] = field(default_factory=dict)  # per rank: CPU time / wall time over the timed loop
     traffic: dict[str, int] = field(default_factory=dict)
+    sent: list[int] = field(default_factory=list)  # each host's tx bytes (every device) over the run
     wall_s: float = 0.0
 
 
-def _env(master: str, port: int, rank: int, ifaces: Sequence[str]) -> dict[str, str]:
+def _env(master: str, port: int, rank: int, ifaces: Sequence[str], per_host: int = 1) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUB_PREFIXES) and k not in SCRUB_EXACT}
     root = str(pathlib.Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -266,9 +268,9 @@ def _env(master: str, port: int, rank: int, ifaces: Sequence[str]) -> dict[str, 
         MASTER_ADDR=master,
         MASTER_PORT=str(port),
         RANK=str(rank),
-        LOCAL_RANK="0",
-        WORLD_SIZE=str(WORLD),
-        LOCAL_WORLD_SIZE="1",
+        LOCAL_RANK=str(rank % per_host),
+        WORLD_SIZE=str(HOSTS * per_host),
+        LOCAL_WORLD_SIZE=str(per_host),
         GLOO_SOCKET_IFNAME=",".join(ifaces),
     )
     return env
@@ -276,6 +278,11 @@ def _env(master: str, port: int, rank: int, ifaces: Sequence[str]) -> dict[str, 
 
 def _tail(text: str, lines: int = 40) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def _sent(hosts: Any, links: int) -> list[int]:
+    """Each host's tx bytes over every device."""
+    return [sum(hosts.counters(i, f"eth{j}")[1] for j in range(links)) for i in range(hosts.n)]
 
 
 def _traffic(hosts: Any, links: int) -> dict[str, int]:
@@ -302,15 +309,18 @@ def run_one(hosts: Any, impl: str, ifaces: tuple[str, ...], port: int, args: arg
         str(args.timeout),
     ]
     before = _traffic(hosts, hosts.links)
+    sent0 = _sent(hosts, hosts.links)
+    k = args.nproc_per_host
+    world = HOSTS * k
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="aiodist_bench_hosts_") as tmp:
         procs, files = [], []
         try:
-            for r in range(WORLD):
+            for r in range(world):  # ranks contiguous by host: host r // k
                 out = open(pathlib.Path(tmp, f"{r}.out"), "wb")
                 err = open(pathlib.Path(tmp, f"{r}.err"), "wb")
                 files += [out, err]
-                procs.append(hosts.popen(r, cmd, env=_env(master, port, r, ifaces), stdout=out, stderr=err))
+                procs.append(hosts.popen(r // k, cmd, env=_env(master, port, r, ifaces, k), stdout=out, stderr=err))
             deadline = t0 + args.timeout + 60.0  # start-up (imports, rendezvous) on top of the ops' timeout
             failed_at = None
             while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -329,7 +339,7 @@ def run_one(hosts: Any, impl: str, ifaces: tuple[str, ...], port: int, args: arg
         run.wall_s = time.monotonic() - t0
         texts = [
             (pathlib.Path(tmp, f"{r}.out").read_text(errors="replace"), pathlib.Path(tmp, f"{r}.err").read_text(errors="replace"))
-            for r in range(WORLD)
+            for r in range(world)
         ]
     results = []
     for r, (p, (out_s, _err)) in enumerate(zip(procs, texts)):
@@ -347,6 +357,7 @@ def run_one(hosts: Any, impl: str, ifaces: tuple[str, ...], port: int, args: arg
         run.cpu[nbytes] = [float(res["cpu"][str(nbytes)]) for res in results]
     after = _traffic(hosts, hosts.links)
     run.traffic = {dev: after[dev] - before[dev] for dev in after}
+    run.sent = [b - a for a, b in zip(sent0, _sent(hosts, hosts.links))]
     return run
 
 
@@ -363,12 +374,17 @@ def congestion_control(hosts: Any, name: str | None) -> str:
     return r.stdout.strip() or "?"
 
 
-def _busbw(nbytes: int, t: float) -> float:
-    return nbytes / t * 2 * (WORLD - 1) / WORLD if t > 0 else 0.0
+def _busbw(nbytes: int, t: float, world: int = HOSTS) -> float:
+    return nbytes / t * 2 * (world - 1) / world if t > 0 else 0.0
 
 
-def summarize(runs: Sequence[Run], sizes: Sequence[int], rate_bits: float | None) -> list[dict[str, Any]]:
-    """One row per (implementation, interface set, size), in bytes/s and seconds."""
+def summarize(
+    runs: Sequence[Run], sizes: Sequence[int], rate_bits: float | None, per_host: int = 1, ops_per_size: int = 0
+) -> list[dict[str, Any]]:
+    """One row per (implementation, interface set, size), in bytes/s and seconds. ``ops_per_size``
+    (the check, the warmups and the timed ops): with it, each host's bytes sent per op in units of
+    the op's size (over every size of the run: sent / sum of the ops' sizes), beside the time
+    over the link bound (size / one link's rate: what a host must send, at least, for 2 hosts)."""
     rows = []
     link_bytes = rate_bits / 8 if rate_bits else None
     one: dict[tuple[str, int], float] = {}
@@ -376,7 +392,7 @@ def summarize(runs: Sequence[Run], sizes: Sequence[int], rate_bits: float | None
         for nbytes in sizes:
             ts = run.times[nbytes]
             t = statistics.median(ts)
-            bus = _busbw(nbytes, t)
+            bus = _busbw(nbytes, t, HOSTS * per_host)
             if len(run.ifaces) == 1:
                 one[(run.impl, nbytes)] = bus
             base = one.get((run.impl, nbytes))
@@ -396,6 +412,9 @@ def summarize(runs: Sequence[Run], sizes: Sequence[int], rate_bits: float | None
                     "cpu_share": run.cpu[nbytes],
                     "traffic_bytes": dict(run.traffic),
                     "traffic_share": {d: (b / total if total else 0.0) for d, b in run.traffic.items()},
+                    "sent_per_host_S": (max(run.sent) / (ops_per_size * sum(sizes)) if run.sent and ops_per_size else None),
+                    "over_link_bound": t / (nbytes / link_bytes) if link_bytes else None,
+                    "nproc_per_host": per_host,
                     "wall_s": run.wall_s,
                 }
             )
@@ -428,7 +447,9 @@ def report(rows: Sequence[dict[str, Any]], tgts: Sequence[dict[str, Any]], links
         "busbw(GB/s)",
         "% link",
         "striped/one",
-        "cpu r0/r1",
+        "cpu per rank",
+        "sent/host (S)",
+        "time/link bound",
         *(f"{d} MB" for d in devs),
     ]
     table = []
@@ -444,6 +465,8 @@ def report(rows: Sequence[dict[str, Any]], tgts: Sequence[dict[str, Any]], links
                 "-" if r["pct_link"] is None else f"{r['pct_link']:.1f}",
                 "-" if r["striped_over_one"] is None else f"{r['striped_over_one']:.2f}x",
                 "/".join(f"{100 * c:.0f}%" for c in r["cpu_share"]),
+                "-" if r.get("sent_per_host_S") is None else f"{r['sent_per_host_S']:.2f}",
+                "-" if r.get("over_link_bound") is None else f"{r['over_link_bound']:.2f}x",
                 *(f"{r['traffic_bytes'].get(d, 0) / 1e6:.0f} ({100 * r['traffic_share'].get(d, 0.0):.0f}%)" for d in devs),
             ]
         )
@@ -474,8 +497,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="TCP congestion control in the hosts (sysctl net.ipv4.tcp_congestion_control in both namespaces; "
         "a namespace may pick only from net.ipv4.tcp_allowed_congestion_control). Default: inherited from this machine",
     )
+    p.add_argument(
+        "--nproc-per-host",
+        type=int,
+        default=1,
+        metavar="K",
+        help="rank processes on each host (default 1; more than 1: one interface only, and the bytes each host sends per op "
+        "show whether the link is crossed once per byte: aiodist.algorithms.hier)",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE ('-': stdout, instead of the table)")
     args = p.parse_args(argv)
+    if args.nproc_per_host < 1:
+        p.error("--nproc-per-host must be at least 1")
     args.rate_text = args.rate.strip()
     try:
         args.rate = parse_rate(args.rate_text)  # bits/s, or None: unshaped
@@ -516,7 +549,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     say("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
     say(
-        f"hosts: 2 network namespaces, 2 veth links (eth0, eth1), every host device {rate_desc}; 1 rank per host; "
+        f"hosts: 2 network namespaces, 2 veth links (eth0, eth1), every host device {rate_desc}; "
+        f"{args.nproc_per_host} rank{'s' if args.nproc_per_host > 1 else ''} per host; "
         f"all_reduce float32 {','.join(_human(s) for s in args.sizes)}; {args.warmup} warmup + {args.iters} timed; "
         f"time = median over iterations of the slower rank's time; busbw = algbw * 2(n-1)/n",
         flush=True,
@@ -524,12 +558,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: list[Run] = []
     cc = "?"
     try:
-        with netns.make_hosts(WORLD, links=2, rate=args.rate_text if args.rate else None) as hosts:
+        with netns.make_hosts(HOSTS, links=2, rate=args.rate_text if args.rate else None) as hosts:
             cc = congestion_control(hosts, args.cc)
             say(f"TCP congestion control in the hosts: {cc}{' (inherited from this machine)' if args.cc is None else ''}", flush=True)
             k = 0
             for impl in args.impl_list:
-                for ifaces in IFACE_SETS:
+                for ifaces in IFACE_SETS if args.nproc_per_host == 1 else IFACE_SETS[:1]:
                     run = run_one(hosts, impl, ifaces, BASE_PORT + k, args)
                     k += 1
                     say(f"  {impl} on {','.join(ifaces)}: {run.wall_s:.1f} s", flush=True)
@@ -540,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         say("\ninterrupted", flush=True)
         return 130
-    rows = summarize(runs, args.sizes, args.rate)
+    rows = summarize(runs, args.sizes, args.rate, args.nproc_per_host, 1 + args.warmup + args.iters)
     tgts = targets(rows, args.rate)
     wall = time.monotonic() - started
     text = report(rows, tgts, 2)
@@ -548,7 +582,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     say(text)
     say(
         "\n% link = busbw / one link's rate; striped/one = busbw on eth0,eth1 over busbw on eth0 (same impl, size); "
-        "cpu r0/r1 = each rank process's CPU time over the timed loop's wall time (user+sys, all threads); "
+        "cpu per rank = each rank process's CPU time over the timed loop's wall time (user+sys, all threads); "
+        "sent/host (S) = the most any host sent over its links per op, in op sizes (2 hosts need 1.00); "
+        "time/link bound = time over size / one link's rate; "
         "ethN MB = host 0's rx+tx bytes on ethN over the set-up's whole run (share of the total)",
         flush=True,
     )
@@ -557,7 +593,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc = json.dumps(
             {
                 "machine": info,
-                "world_size": WORLD,
+                "world_size": HOSTS * args.nproc_per_host,
+                "nproc_per_host": args.nproc_per_host,
                 "rate": args.rate_text if args.rate else None,
                 "rate_bits_per_s": args.rate,
                 "tcp_congestion_control": cc,

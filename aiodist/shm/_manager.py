@@ -397,6 +397,16 @@ class SharedMemory:
                 return None
         return self._own_segment(group_id) if self._usable(group_id) else None
 
+    async def host_ids(self, world_size: int) -> list[str]:
+        """Every rank's host identity, from the records every rank published at start (in the
+        store before the transport's exchange ends: read after it, one round trip)."""
+        missing = [r for r in range(world_size) if r not in self._records and r != self.rank]
+        if missing:
+            raw = await self.store.multi_get([f"{_KEY}{r}" for r in missing])
+            for r, v in zip(missing, raw, strict=True):
+                self._records[r] = json.loads(v)
+        return [self._host_id if r == self.rank else str(self._records[r].get("host_id", "")) for r in range(world_size)]
+
     async def _record(self, rank: int) -> dict[str, Any]:
         rec = self._records.get(rank)
         if rec is None:

@@ -1,0 +1,139 @@
+"""Hierarchical collectives: a group whose ranks sit on several hosts, some with more than one.
+
+A flat ring in rank order crosses every host link twice per lap, each crossing carrying
+``2(n-1)/n`` of the bytes, so a host sends more the more ranks it has (1.5 S at 2 ranks per host
+of 2 hosts, 1.75 S at 4). The schedules here cross each link with each byte once, as the
+minimum for 2 hosts is: ``S``. Pure functions of a ``P2P`` and a ``Layout``, as every schedule in
+``aiodist.algorithms`` is; ``aiodist.algorithms.plan`` says when (``hier``).
+
+``Layout``: the group's ranks by host, each host's ranks in group-rank order, hosts in the order
+of their lowest rank: the same on every rank (it is derived from what every rank published, its
+host identity). ``layout_of(host_ids)`` makes it.
+
+all_reduce, by rules in order:
+
+1. every host has the same number ``k > 1`` of ranks and the buffer has at least ``k`` elements:
+   **reduce-scatter within each host** (local rank ``i`` gets the host's sum of slice ``i``),
+   **all_reduce of slice i among the hosts' local ranks i** (``k`` exchanges across in parallel,
+   each of ``S/k``), **all-gather within each host**. Each host sends ``2(h-1)/h * S`` across.
+2. otherwise (uneven hosts: 3 + 1; or a buffer smaller than ``k``): **reduce to each host's first
+   rank, all_reduce among those leaders, broadcast within each host**. The same bytes across
+   (the leaders' ring), one rank per host doing it.
+
+Every rank ends with the same bits: each slice is reduced once (within the host, in local rank
+order, then across by the leaders' or the slice's ring) and copied everywhere after.
+
+Each phase runs on its own tag block (``SubP2P``) over ``Subset``, a view of the op's P2P on some
+of its ranks, so the phases' messages never meet, and the transport still matches them by op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from aiodist.algorithms import collectives as alg
+from aiodist.algorithms.p2p import P2P, SubP2P
+from aiodist.algorithms.thresholds import Thresholds
+
+__all__ = ["Layout", "layout_of", "Subset", "all_reduce", "crossing_bytes", "steps", "even"]
+
+#: the group's ranks by host (group ranks), hosts ordered by their lowest rank
+Layout = tuple[tuple[int, ...], ...]
+Combine = Callable[[np.ndarray, np.ndarray], None]
+
+# the phases' tag blocks (SubP2P indices; the last ones are the shm agreement's and GO_TAG's)
+_WITHIN_IN, _ACROSS, _WITHIN_OUT = 25, 26, 27
+
+
+def layout_of(host_ids: Sequence[str]) -> Layout | None:
+    """The layout of a group whose rank ``r`` is on host ``host_ids[r]``; None where a hierarchy
+    has nothing to save: one host, or one rank on every host."""
+    hosts: dict[str, list[int]] = {}
+    for r, h in enumerate(host_ids):
+        hosts.setdefault(h, []).append(r)
+    if len(hosts) < 2 or all(len(rs) == 1 for rs in hosts.values()):
+        return None
+    return tuple(tuple(rs) for rs in sorted(hosts.values(), key=lambda rs: rs[0]))
+
+
+def even(layout: Layout) -> int:
+    """The number of ranks on every host where all hosts have the same, else 0."""
+    k = len(layout[0])
+    return k if all(len(h) == k for h in layout) else 0
+
+
+class Subset:
+    """The op's P2P seen by some of its ranks: rank ``i`` here is ``members[i]`` there."""
+
+    __slots__ = ("_p2p", "_members", "rank", "size")
+
+    def __init__(self, p2p: P2P, members: Sequence[int]) -> None:
+        self._p2p = p2p
+        self._members = tuple(members)
+        self.rank = self._members.index(p2p.rank)
+        self.size = len(self._members)
+
+    async def send(self, peer: int, buf: np.ndarray, tag: int) -> None:
+        await self._p2p.send(self._members[peer], buf, tag)
+
+    async def recv(self, peer: int, buf: np.ndarray, tag: int) -> None:
+        await self._p2p.recv(self._members[peer], buf, tag)
+
+    def send_nowait(self, peer: int, buf: np.ndarray, tag: int) -> bool | asyncio.Future[None]:
+        return self._p2p.send_nowait(self._members[peer], buf, tag)
+
+
+def _host_of(layout: Layout, rank: int) -> tuple[int, ...]:
+    return next(h for h in layout if rank in h)
+
+
+async def all_reduce(p2p: P2P, buf: np.ndarray, combine: Combine, layout: Layout, *, thresholds: Thresholds | None = None) -> None:
+    """``buf`` reduced over every rank of the group, in place, by the module's rules."""
+    host = _host_of(layout, p2p.rank)
+    k = even(layout)
+    n = buf.size
+    if k > 1 and n >= k:
+        i = host.index(p2p.rank)
+        cuts = np.linspace(0, n, k + 1).astype(np.int64)  # the same on every rank
+        slices = [buf[cuts[j] : cuts[j + 1]] for j in range(k)]
+        mine = np.empty(slices[i].size, buf.dtype)
+        await alg.reduce_scatter(Subset(SubP2P(p2p, _WITHIN_IN), host), mine, slices, combine, thresholds=thresholds)
+        np.copyto(slices[i], mine)
+        peers = [h[i] for h in layout]
+        await alg.all_reduce(Subset(SubP2P(p2p, _ACROSS), peers), slices[i], combine, thresholds=thresholds)
+        await alg.all_gather(Subset(SubP2P(p2p, _WITHIN_OUT), host), slices, slices[i], thresholds=thresholds)
+        return
+    within_in = Subset(SubP2P(p2p, _WITHIN_IN), host)
+    if len(host) > 1:
+        await alg.reduce(within_in, buf, 0, combine, thresholds=thresholds)
+    if p2p.rank == host[0]:
+        await alg.all_reduce(Subset(SubP2P(p2p, _ACROSS), [h[0] for h in layout]), buf, combine, thresholds=thresholds)
+    if len(host) > 1:
+        await alg.broadcast(Subset(SubP2P(p2p, _WITHIN_OUT), host), buf, 0, thresholds=thresholds)
+
+
+def crossing_bytes(hosts: int, per_host: int, nbytes: int, *, flat: bool) -> float:
+    """What each host sends over its link for one all_reduce of ``nbytes`` (closed forms, for a
+    ring all_reduce): the flat ring in rank order (hosts' ranks contiguous) crosses out of each
+    host once per lap of each phase with ``(n-1)/n * S`` per lap, twice for all_reduce; the
+    hierarchy's rings among the hosts carry ``2(h-1)/h * S`` per host in all."""
+    if hosts < 2:
+        return 0.0
+    if flat:
+        n = hosts * per_host
+        return 2 * (n - 1) / n * nbytes
+    return 2 * (hosts - 1) / hosts * nbytes
+
+
+def steps(hosts: int, per_host: int, *, flat: bool) -> int:
+    """The messages each rank sends one after another in one all_reduce (ring schedules, one
+    piece each): the flat ring's ``2(n-1)``; the hierarchy's ``(k-1)`` within, ``2(h-1)`` across,
+    ``(k-1)`` within, where every host has ``k`` ranks. The steps that wait on the link are the
+    ``2(h-1)`` across: with many ranks per host the flat ring waits on it ``k`` times as often."""
+    n = hosts * per_host
+    if flat:
+        return 2 * (n - 1)
+    return 2 * (per_host - 1) + 2 * (hosts - 1)

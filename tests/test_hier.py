@@ -1,0 +1,125 @@
+"""aiodist.algorithms.hier: the layout as a table; the hierarchical all_reduce over in-process
+ranks (rendezvous sends, shuffled interleavings) for even, uneven and interleaved layouts, exact
+and with the same bits on every rank; and the bytes each host sends across, counted on the real
+schedules, against the closed forms that docs/multi_host.md tabulates past this machine."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiodist.algorithms import collectives as alg
+from aiodist.algorithms import hier
+from aiodist.algorithms.p2p import local_world
+from aiodist.algorithms.thresholds import Thresholds
+
+
+@pytest.mark.parametrize(
+    "hosts,want",
+    [
+        (["a", "a", "b", "b"], ((0, 1), (2, 3))),
+        (["a", "b", "a", "b"], ((0, 2), (1, 3))),
+        (["a", "a", "a", "b"], ((0, 1, 2), (3,))),
+        (["b", "a", "a", "b"], ((0, 3), (1, 2))),
+        (["a", "b", "c"], None),  # one rank per host: nothing to save
+        (["a", "a"], None),  # one host
+    ],
+)
+def test_layout_of(hosts: list[str], want: Any) -> None:
+    assert hier.layout_of(hosts) == want
+
+
+def _add(a: np.ndarray, b: np.ndarray) -> None:
+    np.add(a, b, out=a)
+
+
+LAYOUTS = [
+    ["a", "a", "b", "b"],
+    ["a", "b", "a", "b"],
+    ["a", "a", "a", "b"],
+    ["a", "a", "b", "b", "c", "c"],
+    ["x", "y", "x", "y", "x", "y", "x", "y"],
+    ["a", "b", "b", "b", "a"],
+]
+
+
+@pytest.mark.parametrize("hosts", LAYOUTS, ids=["".join(h) for h in LAYOUTS])
+@pytest.mark.parametrize("n", [1, 3, 1000, 70_000])
+async def test_all_reduce_is_exact_and_the_same_bits_everywhere(hosts: list[str], n: int) -> None:
+    layout = hier.layout_of(hosts)
+    assert layout is not None
+    size = len(hosts)
+    ps = local_world(size, capacity=0, seed=n)
+    rng = np.random.default_rng(n)
+    ints = [rng.integers(-9, 9, n).astype(np.float32) for _ in range(size)]
+    bufs = [x.copy() for x in ints]
+    await asyncio.gather(*(hier.all_reduce(ps[r], bufs[r], _add, layout) for r in range(size)))
+    assert all(np.array_equal(b, sum(ints)) for b in bufs)
+    floats = [rng.standard_normal(n).astype(np.float32) for _ in range(size)]  # rounding: the same bits everywhere
+    ps = local_world(size, capacity=2, seed=n + 1)
+    await asyncio.gather(*(hier.all_reduce(ps[r], floats[r], _add, layout) for r in range(size)))
+    assert all(f.tobytes() == floats[0].tobytes() for f in floats)
+
+
+class Counting:
+    """A rank's P2P that counts the bytes it sends to ranks on other hosts."""
+
+    def __init__(self, p2p: Any, hosts: list[int]) -> None:
+        self.p2p, self.hosts, self.rank, self.size, self.across, self.messages = p2p, hosts, p2p.rank, p2p.size, 0, 0
+
+    def _count(self, peer: int, buf: np.ndarray) -> None:
+        self.messages += 1
+        if self.hosts[peer] != self.hosts[self.rank]:
+            self.across += buf.nbytes
+
+    async def send(self, peer: int, buf: np.ndarray, tag: int) -> None:
+        self._count(peer, buf)
+        await self.p2p.send(peer, buf, tag)
+
+    async def recv(self, peer: int, buf: np.ndarray, tag: int) -> None:
+        await self.p2p.recv(peer, buf, tag)
+
+    def send_nowait(self, peer: int, buf: np.ndarray, tag: int) -> Any:
+        self._count(peer, buf)
+        return self.p2p.send_nowait(peer, buf, tag)
+
+
+# every schedule a ring, at every size, in one piece: the closed forms' schedules
+RING = Thresholds(allreduce_rd_max=-1, allreduce_ring_min=0, allgather_bruck_max=-1, reduce_scatter_direct_max=-1, pipeline_piece=1 << 40)
+
+
+@pytest.mark.parametrize("h,k", [(2, 1), (2, 2), (2, 4), (3, 2), (4, 2), (4, 3)])
+async def test_bytes_across_match_the_closed_forms(h: int, k: int) -> None:
+    """Each host's bytes across for one all_reduce of S, counted on the real schedules, are the
+    closed forms hier.crossing_bytes gives (the flat ring's 2(n-1)/n S, the hierarchy's
+    2(h-1)/h S), to within the rounding of the slices; and the messages each rank sends are
+    hier.steps."""
+    n_elems = 12 * 1024 * 5 * 7  # divides evenly by every size here
+    S = n_elems * 4
+    hosts = [r // k for r in range(h * k)]  # contiguous by host: the flat ring crosses once per host per lap
+    for flat in (True, False):
+        ps = [Counting(p, hosts) for p in local_world(h * k, capacity=4)]
+        bufs = [np.ones(n_elems, np.float32) for _ in range(h * k)]
+        if flat:
+            await asyncio.gather(*(alg.all_reduce(ps[r], bufs[r], _add, thresholds=RING) for r in range(h * k)))
+        else:
+            layout = hier.layout_of([str(x) for x in hosts]) or tuple((r,) for r in range(h))
+            await asyncio.gather(*(hier.all_reduce(ps[r], bufs[r], _add, layout, thresholds=RING) for r in range(h * k)))
+        assert all(np.all(b == h * k) for b in bufs)
+        per_host = [sum(p.across for p in ps if hosts[p.rank] == x) for x in range(h)]
+        want = hier.crossing_bytes(h, k, S, flat=flat)
+        assert all(abs(b - want) <= 0.01 * S for b in per_host), (flat, per_host, want / S)
+        assert {p.messages for p in ps} == {hier.steps(h, k, flat=flat)}, (flat, [p.messages for p in ps])
+
+
+def test_the_paper_table() -> None:
+    """docs/multi_host.md's table: what each host's link carries per all_reduce of S, flat
+    against the hierarchy, at 2-1,024 hosts x 1-8 ranks per host (closed forms)."""
+    assert hier.crossing_bytes(2, 2, 1, flat=True) == 1.5 and hier.crossing_bytes(2, 4, 1, flat=True) == 1.75
+    assert hier.crossing_bytes(2, 8, 1, flat=False) == 1.0
+    assert hier.crossing_bytes(128, 8, 1, flat=True) == pytest.approx(2 * 1023 / 1024)
+    assert hier.crossing_bytes(128, 8, 1, flat=False) == pytest.approx(2 * 127 / 128)
+    assert hier.crossing_bytes(1, 8, 1, flat=True) == 0.0
