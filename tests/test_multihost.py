@@ -334,7 +334,7 @@ def test_several_ranks_per_host_cross_the_link_once_per_byte(per_host: int) -> N
     with netns.make_hosts(2, links=1, prefix="aiodist-mh") as hosts:
         before = [hosts.counters(i) for i in range(2)]
         args = [static_args(hosts, i, per_host, hosts.addr(0)) for i in range(2)]
-        env = job_env()
+        env = job_env({"AIODIST_ALGO_HIER_MIN": "0"})  # the hierarchy at every size: the small checks too
         procs_out = launch_all(hosts, args, [env, env], [str(mib)], job=HIER_JOB)
         assert all(x.rc == 0 for x in procs_out), report(procs_out)
         seen = sorted(int(m) for x in procs_out for m in re.findall(r"HIER rank (\d+) of", x.out))
