@@ -343,3 +343,56 @@ def test_several_ranks_per_host_cross_the_link_once_per_byte(per_host: int) -> N
     s = mib * 2**20
     for i, b in enumerate(sent):  # two big ops, plus the checks and the start-up (a few MiB at most)
         assert b <= 2 * 1.05 * s + 4 * 2**20, f"host {i} sent {b / s:.2f} S for two all_reduces of S\n" + report(procs_out)
+
+
+CHAOS = ROOT / "tests" / "helpers" / "chaos_rank.py"
+STORE_PORT = 29510
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_rank_lost_on_either_host_mid_fuzz(how: str) -> None:
+    """The chaos fuzz (tests/helpers/chaos_rank.py) on 2 netns hosts x 2 ranks, every all_reduce by
+    the hierarchy (AIODIST_ALGO_HIER_MIN=0; groups in order, reversed and interleaved by host): a
+    rank on host 1 SIGKILLs or SIGSTOPs itself at a random op; every rank of both hosts names it,
+    the survivors shrink the default group (an uneven layout: 2 + 1) and finish the fuzz with 0
+    wrong results. The store is served by its own process on host 0, as a launcher's agent does."""
+    seed, victim, at = {"kill": (21, 3, 17), "stop": (22, 2, 11)}[how]
+    with netns.make_hosts(2, links=1, prefix="aiodist-mh") as hosts:
+        store = hosts.popen(0, [sys.executable, "-m", "aiodist.store", "--port", str(STORE_PORT)], env=job_env(), cwd=ROOT)
+        with tempfile.TemporaryDirectory(prefix="chaos_") as tmp:
+            procs, files = [], []
+            try:
+                for r in range(4):
+                    env = job_env(
+                        {
+                            "MASTER_ADDR": hosts.addr(0),
+                            "MASTER_PORT": str(STORE_PORT),
+                            "TORCHELASTIC_USE_AGENT_STORE": "True",
+                            "RANK": str(r),
+                            "WORLD_SIZE": "4",
+                            "AIODIST_ALGO_HIER_MIN": "0",
+                        }
+                    )
+                    out = open(Path(tmp, f"{r}.out"), "wb")
+                    files.append(out)
+                    argv = [sys.executable, str(CHAOS), str(seed), str(victim), how, str(at), "4", "30"]
+                    procs.append(hosts.popen(r // 2, argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT))
+                end = time.monotonic() + 60
+                survivors = [p for r, p in enumerate(procs) if r != victim]
+                while any(p.poll() is None for p in survivors) and time.monotonic() < end:
+                    time.sleep(0.05)
+            finally:
+                for p in [*procs, store]:
+                    if p.poll() is None:
+                        p.kill()
+                    p.wait()
+                for f in files:
+                    f.close()
+            outs = {r: Path(tmp, f"{r}.out").read_text(errors="replace") for r in range(4)}
+    everything = "\n".join(f"--- rank {r} ---\n{o}" for r, o in outs.items())
+    assert "DYING" in outs[victim], everything
+    for new, old in enumerate(r for r in range(4) if r != victim):
+        assert procs[old].returncode == 0, everything
+        err = re.search(r"^ERROR [\d.]+ (\[[\d, ]*\])", outs[old], re.M)
+        assert err and err[1] == f"[{victim}]", everything
+        assert f"DONE rank {new} of 3 wrong 0 ops " in outs[old] and "WRONG" not in outs[old], everything

@@ -5,7 +5,7 @@
 
 Every rank draws the same plan from SEED: ops (all_reduce SUM/MAX, broadcast, reduce, all_gather,
 reduce_scatter, all_to_all_single, gather, scatter, barrier) with sizes from 1 to 64Ki float32,
-on the default group or a group of every rank (in order, or reversed), a third of them left in flight
+on the default group or a group of every rank (in order, reversed, or evens then odds), a third of them left in flight
 (``async_op=True``, up to 3 at once) and waited later. Each rank's input is drawn from (SEED, op,
 rank) as small integers, so every rank computes every op's exact expected result itself and
 compares (a differential check: a wrong element is a wrong result).
@@ -41,17 +41,18 @@ SIZES = [1, 3, 64, 1000, 4096, 16384, 65536]
 
 
 def groups_for(world: int) -> list[list[int]]:
-    """The groups every rank makes, in order: every rank, then every rank in reverse order (group
-    rank 0 is the last global rank). Each has every rank: a survivor never waits in a group that
-    lacks the victim for a peer that has already left to shrink."""
-    return [list(range(world)), list(range(world - 1, -1, -1))]
+    """The groups every rank makes, in order: every rank, every rank in reverse order (group
+    rank 0 is the last global rank), and the even ranks then the odd ones (across hosts with
+    ranks contiguous by host: a layout interleaved by host). Each has every rank: a survivor
+    never waits in a group that lacks the victim for a peer that has already left to shrink."""
+    return [list(range(world)), list(range(world - 1, -1, -1)), list(range(0, world, 2)) + list(range(1, world, 2))]
 
 
 def plan(seed: int, world: int, n: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        g = rng.randrange(3)  # 0: the default group; 1, 2: groups_for(world)
+        g = rng.randrange(4)  # 0: the default group; 1..3: groups_for(world)
         members = list(range(world)) if g == 0 else groups_for(world)[g - 1]
         size = rng.choice(SIZES)
         out.append(
