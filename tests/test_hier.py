@@ -123,3 +123,57 @@ def test_the_paper_table() -> None:
     assert hier.crossing_bytes(128, 8, 1, flat=True) == pytest.approx(2 * 1023 / 1024)
     assert hier.crossing_bytes(128, 8, 1, flat=False) == pytest.approx(2 * 127 / 128)
     assert hier.crossing_bytes(1, 8, 1, flat=True) == 0.0
+
+
+@pytest.mark.parametrize("hosts", LAYOUTS, ids=["".join(h) for h in LAYOUTS])
+@pytest.mark.parametrize("n", [1, 5, 3000])
+async def test_all_gather_and_reduce_scatter_are_exact(hosts: list[str], n: int) -> None:
+    """Their contracts (outputs views of one buffer, as all_gather_into_tensor's), exact, for even
+    layouts by the hierarchy and for uneven ones by the flat schedules."""
+    layout = hier.layout_of(hosts)
+    assert layout is not None
+    size = len(hosts)
+    rng = np.random.default_rng(n)
+    mine = [rng.integers(-5, 5, n).astype(np.float32) for _ in range(size)]
+    big = [np.empty(n * size, np.float32) for _ in range(size)]
+    outs = [[b[q * n : (q + 1) * n] for q in range(size)] for b in big]
+    ps = local_world(size, capacity=0, seed=n)
+    await asyncio.gather(*(hier.all_gather(ps[r], outs[r], mine[r], layout) for r in range(size)))
+    assert all(np.array_equal(b, np.concatenate(mine)) for b in big)
+    ins = [rng.integers(-5, 5, n * size).astype(np.float32) for _ in range(size)]
+    got = [np.empty(n, np.float32) for _ in range(size)]
+    ps = local_world(size, capacity=0, seed=n + 1)
+    await asyncio.gather(
+        *(hier.reduce_scatter(ps[r], got[r], [ins[r][q * n : (q + 1) * n] for q in range(size)], _add, layout) for r in range(size))
+    )
+    total = sum(ins)
+    assert all(np.array_equal(got[r], total[r * n : (r + 1) * n]) for r in range(size))
+
+
+@pytest.mark.parametrize("h,k", [(2, 2), (2, 4), (3, 2)])
+async def test_all_gather_and_reduce_scatter_send_the_minimum_across(h: int, k: int) -> None:
+    """Each host sends across only what the others must get: all_gather its own parts to each
+    other host once ((h-1)/h of the output per host), reduce_scatter the other hosts' parts of
+    its host's sum ((h-1)/h of the input); the flat ring sends (n-1)/n."""
+    n = 4096
+    size = h * k
+    hosts = [r // k for r in range(size)]
+    layout = hier.layout_of([str(x) for x in hosts])
+    assert layout is not None
+    ps = [Counting(p, hosts) for p in local_world(size, capacity=4)]
+    big = [np.empty(n * size, np.float32) for _ in range(size)]
+    await asyncio.gather(
+        *(hier.all_gather(ps[r], [big[r][q * n : (q + 1) * n] for q in range(size)], np.ones(n, np.float32), layout) for r in range(size))
+    )
+    total = n * size * 4
+    per_host = [sum(p.across for p in ps if hosts[p.rank] == x) for x in range(h)]
+    assert all(b == pytest.approx((h - 1) / h * total, rel=0.01) for b in per_host), per_host
+    ps = [Counting(p, hosts) for p in local_world(size, capacity=4)]
+    ins = [np.ones(n * size, np.float32) for _ in range(size)]
+    outs = [np.empty(n, np.float32) for _ in range(size)]
+    await asyncio.gather(
+        *(hier.reduce_scatter(ps[r], outs[r], [ins[r][q * n : (q + 1) * n] for q in range(size)], _add, layout) for r in range(size))
+    )
+    assert all(np.all(o == size) for o in outs)
+    per_host = [sum(p.across for p in ps if hosts[p.rank] == x) for x in range(h)]
+    assert all(b == pytest.approx((h - 1) / h * total, rel=0.01) for b in per_host), per_host

@@ -332,17 +332,17 @@ def test_several_ranks_per_host_cross_the_link_once_per_byte(per_host: int) -> N
     2 per host, 1.67 S at 3), by the devices' counters."""
     mib = 16
     with netns.make_hosts(2, links=1, prefix="aiodist-mh") as hosts:
-        before = [hosts.counters(i) for i in range(2)]
         args = [static_args(hosts, i, per_host, hosts.addr(0)) for i in range(2)]
         env = job_env({"AIODIST_ALGO_HIER_MIN": "0"})  # the hierarchy at every size: the small checks too
         procs_out = launch_all(hosts, args, [env, env], [str(mib)], job=HIER_JOB)
         assert all(x.rc == 0 for x in procs_out), report(procs_out)
         seen = sorted(int(m) for x in procs_out for m in re.findall(r"HIER rank (\d+) of", x.out))
         assert seen == list(range(2 * per_host)), report(procs_out)
-        sent = [hosts.counters(i)[1] - before[i][1] for i in range(2)]  # tx bytes
+    sent = [int(b) for x in procs_out for b in re.findall(r"TX host of rank \d+ sent (\d+) bytes", x.out)]
+    assert len(sent) == 2, report(procs_out)
     s = mib * 2**20
-    for i, b in enumerate(sent):  # two big ops, plus the checks and the start-up (a few MiB at most)
-        assert b <= 2 * 1.05 * s + 4 * 2**20, f"host {i} sent {b / s:.2f} S for two all_reduces of S\n" + report(procs_out)
+    for b in sent:  # each host's eth0 bytes between barriers around the two ops (headers: a few %)
+        assert b <= 2 * 1.05 * s, f"a host sent {b / s:.2f} S for two all_reduces of S\n" + report(procs_out)
 
 
 CHAOS = ROOT / "tests" / "helpers" / "chaos_rank.py"

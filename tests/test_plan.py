@@ -72,7 +72,10 @@ ROWS = [
     Row("spread, under the hierarchy's size: as on one host", "all_reduce", 4 * K, 4, Plan("lane", True), spread=True),
     Row("spread, hierarchy at every size", "all_reduce", 4, 4, Plan("hier", False), Thresholds(hier_min=0), spread=True),
     Row("spread, hierarchy off", "all_reduce", 16 * M, 4, Plan("single_copy", True), Thresholds(hier_min=-1), spread=True),
-    Row("spread: other ops keep their rules", "broadcast", 4, 4, Plan("lane", True), spread=True),
+    Row("spread: broadcast keeps its rules", "broadcast", 4, 4, Plan("lane", True), spread=True),
+    Row("spread, all_gather of 1 MiB: the hierarchy", "all_gather", M, 4, Plan("hier", False), spread=True, part=256 * K),
+    Row("spread, reduce_scatter of 1 MiB: the hierarchy", "reduce_scatter", M, 4, Plan("hier", False), spread=True),
+    Row("spread, small reduce_scatter: its lane", "reduce_scatter", 4 * K, 4, Plan("lane", True), spread=True),
     Row(
         "shared memory off, lane off: the socket",
         "all_reduce",

@@ -23,6 +23,13 @@ all_reduce, by rules in order:
 Every rank ends with the same bits: each slice is reduced once (within the host, in local rank
 order, then across by the leaders' or the slice's ring) and copied everywhere after.
 
+all_gather and reduce_scatter, where every host has the same ``k > 1`` ranks (otherwise the flat
+schedules): all_gather exchanges each local rank's part among its counterparts on the other hosts
+first (each part crosses to each other host once: ``(h-1)/h`` of the output per host, the
+minimum), then gathers within the host, each local rank's ``h`` parts packed into one message;
+reduce_scatter is its mirror: within the host first (local rank ``i`` gets the host's sums of the
+parts of every host's local rank ``i``, packed), then across among counterparts.
+
 Each phase runs on its own tag block (``SubP2P``) over ``Subset``, a view of the op's P2P on some
 of its ranks, so the phases' messages never meet, and the transport still matches them by op.
 """
@@ -38,7 +45,7 @@ from aiodist.algorithms import collectives as alg
 from aiodist.algorithms.p2p import P2P, SubP2P
 from aiodist.algorithms.thresholds import Thresholds
 
-__all__ = ["Layout", "layout_of", "Subset", "all_reduce", "crossing_bytes", "steps", "even"]
+__all__ = ["Layout", "layout_of", "Subset", "all_reduce", "all_gather", "reduce_scatter", "crossing_bytes", "steps", "even"]
 
 #: the group's ranks by host (group ranks), hosts ordered by their lowest rank
 Layout = tuple[tuple[int, ...], ...]
@@ -113,6 +120,67 @@ async def all_reduce(p2p: P2P, buf: np.ndarray, combine: Combine, layout: Layout
         await alg.all_reduce(Subset(SubP2P(p2p, _ACROSS), [h[0] for h in layout]), buf, combine, thresholds=thresholds)
     if len(host) > 1:
         await alg.broadcast(Subset(SubP2P(p2p, _WITHIN_OUT), host), buf, 0, thresholds=thresholds)
+
+
+async def all_gather(
+    p2p: P2P, outs: Sequence[np.ndarray], mine: np.ndarray, layout: Layout, *, thresholds: Thresholds | None = None
+) -> None:
+    """``alg.all_gather``'s contract (``outs[r]`` gets rank ``r``'s ``mine``), by the hierarchy
+    where the layout is even (the module docstring), else the flat schedule."""
+    k = even(layout)
+    if k < 2:
+        await alg.all_gather(p2p, outs, mine, thresholds=thresholds)
+        return
+    host = _host_of(layout, p2p.rank)
+    i = host.index(p2p.rank)
+    mine_out = outs[p2p.rank]
+    if mine_out is not mine:
+        np.copyto(mine_out.reshape(-1), mine.reshape(-1))
+    column = [h[i] for h in layout]  # this rank's counterparts, one per host (itself included)
+    await alg.all_gather(Subset(SubP2P(p2p, _ACROSS), column), [outs[r] for r in column], mine_out, thresholds=thresholds)
+    # within the host: local rank i's h parts (column i of the layout) packed into one message
+    packs = [np.empty(sum(outs[h[j]].size for h in layout), mine.dtype) for j in range(k)]
+    at = 0
+    for r in column:
+        n = outs[r].size
+        packs[i][at : at + n] = outs[r].reshape(-1)
+        at += n
+    await alg.all_gather(Subset(SubP2P(p2p, _WITHIN_OUT), host), packs, packs[i], thresholds=thresholds)
+    for j in range(k):
+        if j == i:
+            continue
+        at = 0
+        for h in layout:
+            n = outs[h[j]].size
+            outs[h[j]].reshape(-1)[...] = packs[j][at : at + n]
+            at += n
+
+
+async def reduce_scatter(
+    p2p: P2P, out: np.ndarray, parts: Sequence[np.ndarray], combine: Combine, layout: Layout, *, thresholds: Thresholds | None = None
+) -> None:
+    """``alg.reduce_scatter``'s contract (``out`` on rank ``r`` = the reduction of every rank's
+    ``parts[r]``), by the hierarchy where the layout is even (the module docstring), else the
+    flat schedule."""
+    k = even(layout)
+    if k < 2:
+        await alg.reduce_scatter(p2p, out, parts, combine, thresholds=thresholds)
+        return
+    host = _host_of(layout, p2p.rank)
+    i = host.index(p2p.rank)
+    # within the host: local rank j's share is every host's local-rank-j part, packed in host order
+    packed = []
+    for j in range(k):
+        column = [h[j] for h in layout]
+        packed.append(np.concatenate([parts[r].reshape(-1) for r in column]) if column else np.empty(0, out.dtype))
+    mine = np.empty(packed[i].size, out.dtype)
+    await alg.reduce_scatter(Subset(SubP2P(p2p, _WITHIN_IN), host), mine, packed, combine, thresholds=thresholds)
+    # across: the counterparts reduce-scatter what they hold, host j's piece to host j's rank i
+    sizes = [parts[h[i]].size for h in layout]
+    cuts = np.cumsum([0, *sizes])
+    pieces = [mine[cuts[j] : cuts[j + 1]] for j in range(len(layout))]
+    column = [h[i] for h in layout]
+    await alg.reduce_scatter(Subset(SubP2P(p2p, _ACROSS), column), out.reshape(-1), pieces, combine, thresholds=thresholds)
 
 
 def crossing_bytes(hosts: int, per_host: int, nbytes: int, *, flat: bool) -> float:

@@ -52,6 +52,8 @@ reduce
   3. past the lane's sizes (``th.lane_max``; lane on) with single copy allowed: ``socket`` in line.
   4. otherwise ``socket``.
 all_gather, all_gather_into_tensor (``nbytes``: the output's total; ``part``: the largest part)
+  0. ``spread`` and ``th.hier(nbytes)``: ``hier`` (the hierarchy where every host has as many
+     ranks; the flat schedules otherwise), out of line.
   1. ``th.all_gather_shm(nbytes)``: ``single_copy`` in a group of 2, or from ``th.cma_wide_min``
      in a wider one (below it the reads of several peers cost more than the copies they save);
      else ``halves``. Where the group cannot read its peers, single copy is the halves.
@@ -68,6 +70,7 @@ payloads, which every rank must take by one path whatever its own size)
   3. ``nbytes >= th.gather_cma_min`` (``scatter_cma_min``): ``single_copy``.
   4. otherwise ``socket`` in line.
 reduce_scatter (``nbytes``: the input's total)
+  0. ``spread`` and ``th.hier(nbytes)``: ``hier``, as all_gather.
   1. ``th.reduce_scatter_lane(nbytes)``: ``lane`` (every rank posts its input and folds
      its own part of every slot).
   2. ``th.reduce_scatter_cma(nbytes)``: ``single_copy``.
@@ -160,6 +163,8 @@ def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0, spr
             return Plan("single_copy", True)
         return _SOCKET_IN_LINE if _past_lane(th, nbytes, th.lane_max, th.reduce_cma_min) else _SOCKET
     if op == "all_gather":
+        if spread and th.hier(nbytes):
+            return _HIER
         if th.all_gather_shm(nbytes):
             return Plan("single_copy" if th.cma_wide(nbytes, ranks) else "halves", True)
         if th.lane(part):
@@ -177,6 +182,8 @@ def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0, spr
             return Plan("single_copy", True)
         return _SOCKET_IN_LINE
     if op == "reduce_scatter":
+        if spread and th.hier(nbytes):
+            return _HIER
         if th.reduce_scatter_lane(nbytes):
             return Plan("lane", True)
         if th.reduce_scatter_cma(nbytes):

@@ -145,9 +145,10 @@ class Thresholds:
     #: 4 B-64 KiB by single copy: gather 68-102 us, scatter 54-94 (a task, the doorbells).
     gather_lane_max: int = 64 * KiB
     scatter_lane_max: int = 64 * KiB
-    #: all_reduce in a group spread over hosts with more than one rank on some host goes by the
-    #: hierarchy (aiodist.algorithms.hier: within each host, across once per byte, within) from
-    #: this many bytes; negative: never (the flat schedules). Measured on 2 netns hosts joined by
+    #: all_reduce, all_gather and reduce_scatter in a group spread over hosts with more than one
+    #: rank on some host go by the hierarchy (aiodist.algorithms.hier: within each host, across
+    #: once per byte, within) from this many bytes (the op's total); negative: never (the flat
+    #: schedules). Measured on 2 netns hosts joined by
     #: a 1 Gbit link, 2 ranks per host, on 2 cores (docs/multi_host.md), hierarchy against flat:
     #: 16 KiB 1.6 ms against 0.8 (three phases against recursive doubling's two steps), 1 MiB
     #: 9.8 against 17.6, 16 MiB 167 against 211 (1.00 S sent per host against 1.53).
@@ -241,8 +242,8 @@ class Thresholds:
         return 0 <= self.reduce_scatter_cma_min <= total_nbytes and total_nbytes > 0
 
     def hier(self, nbytes: int) -> bool:
-        """all_reduce of ``nbytes`` in a group spread over hosts (more than one rank on some host)
-        goes by the hierarchy."""
+        """An all_reduce, all_gather or reduce_scatter of ``nbytes`` (the op's total) in a group
+        spread over hosts (more than one rank on some host) goes by the hierarchy."""
         return 0 <= self.hier_min <= nbytes
 
     def all_reduce_lane(self, nbytes: int) -> bool:

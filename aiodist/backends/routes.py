@@ -149,7 +149,9 @@ class Route:
     async def all_gather(self, p2p: P2P, outs: Sequence[np.ndarray], mine: np.ndarray) -> None:
         ticket = self.ticket
         pl = self.plan
-        if ticket is None or not await run_all_gather(ticket, p2p, outs, mine, pl.lane, pl.single_copy):
+        if pl.path == "hier" and self.layout is not None:
+            await hier.all_gather(p2p, outs, mine, self.layout, thresholds=self.th)
+        elif ticket is None or not await run_all_gather(ticket, p2p, outs, mine, pl.lane, pl.single_copy):
             await alg.all_gather(p2p, outs, mine, thresholds=self.th)
 
     async def gather(self, p2p: P2P, outs: Sequence[np.ndarray] | None, mine: np.ndarray, root: int) -> None:
@@ -165,7 +167,9 @@ class Route:
     async def reduce_scatter(self, p2p: P2P, out: np.ndarray, parts: Sequence[np.ndarray], combine: Combine) -> None:
         ticket = self.ticket
         pl = self.plan
-        if ticket is None or not await run_reduce_scatter(ticket, p2p, out, parts, combine, pl.single_copy, pl.lane):
+        if pl.path == "hier" and self.layout is not None:
+            await hier.reduce_scatter(p2p, out, parts, combine, self.layout, thresholds=self.th)
+        elif ticket is None or not await run_reduce_scatter(ticket, p2p, out, parts, combine, pl.single_copy, pl.lane):
             await alg.reduce_scatter(p2p, out, parts, combine, thresholds=self.th)
 
     async def all_to_all(self, p2p: P2P, outs: Sequence[np.ndarray], ins: Sequence[np.ndarray]) -> None:
