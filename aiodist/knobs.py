@@ -273,6 +273,38 @@ KNOBS: dict[str, Knob] = {
             "aiodist.bench._before_rank",
         ),
         _K("AIODIST_BENCH_FAIL_RANK", "text", "", "benchmark tests: the rank that fails on purpose", "aiodist.bench.collectives"),
+        # aiodist_cuda (NCCL through CuPy: docs/cuda.md)
+        _K(
+            "AIODIST_CUDA_DISABLE",
+            "text",
+            "",
+            "1: aiodist_cuda reports itself unavailable (is_nccl_available() is False)",
+            "aiodist_cuda._cupy",
+        ),
+        _K(
+            "AIODIST_CUDA_LAUNCH",
+            "choice",
+            "thread",
+            "where NCCL calls are launched: on a launcher thread, or on the event loop",
+            "aiodist_cuda.backend",
+            choices=("thread", "loop"),
+        ),
+        _K(
+            "AIODIST_CUDA_COMPLETION",
+            "choice",
+            "thread",
+            "how the loop learns a GPU op ended: a completion thread, or a stream host function",
+            "aiodist_cuda.backend",
+            choices=("thread", "hostfunc"),
+        ),
+        _K("AIODIST_CUDA_SPIN", "text", "", "1: the completion thread spins (lowest latency, a core busy)", "aiodist_cuda.backend"),
+        _K(
+            "AIODIST_NCCL_SPLIT",
+            "text",
+            "1",
+            "0: a sub-group gets a communicator of its own instead of ncclCommSplit of its parent's",
+            "aiodist_cuda.backend",
+        ),
     )
 }
 

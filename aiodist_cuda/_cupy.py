@@ -6,10 +6,10 @@ with the reason; ``reason()`` is that reason, or "" where the backend can run.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from aiodist.errors import DistBackendError
+from aiodist.knobs import value
 
 __all__ = ["load", "reason", "nccl_version"]
 
@@ -19,7 +19,7 @@ _NCCL_PIP = "pip install nvidia-nccl-cu12 (nvidia-nccl-cu13 with cupy-cuda13x)"
 
 
 def _probe() -> tuple[Any, Any, str]:
-    if os.environ.get("AIODIST_CUDA_DISABLE") == "1":
+    if value("AIODIST_CUDA_DISABLE") == "1":
         return None, None, "AIODIST_CUDA_DISABLE=1 is set"
     try:
         import cupy

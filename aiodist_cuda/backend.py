@@ -43,6 +43,7 @@ from typing import Any
 from aiodist.backends.base import BackendOptions, ProcessGroupLike
 from aiodist.backends.device import DeviceBackend
 from aiodist.errors import DistBackendError
+from aiodist.knobs import value
 from aiodist_cuda import _cupy
 from aiodist_cuda._ops import BUILDERS, SUPPORTED_OPS, Checker, Plan
 from aiodist_cuda._tables import nccl_error_name, nccl_hint
@@ -440,9 +441,9 @@ class NcclBackend(DeviceBackend):
         self.check = Checker(self.cupy)
         self.high_priority = bool(options and options.is_high_priority_stream)
         self.device_id = device_id
-        self.launch_on_loop = os.environ.get("AIODIST_CUDA_LAUNCH", "thread") == "loop"
-        self.hostfunc = os.environ.get("AIODIST_CUDA_COMPLETION", "thread") == "hostfunc"
-        self.spin = os.environ.get("AIODIST_CUDA_SPIN") == "1"
+        self.launch_on_loop = value("AIODIST_CUDA_LAUNCH") == "loop"
+        self.hostfunc = value("AIODIST_CUDA_COMPLETION") == "hostfunc"
+        self.spin = value("AIODIST_CUDA_SPIN") == "1"
         self.comms: dict[int, _Comm] = {}
         self.ops = 0
 
@@ -488,7 +489,7 @@ class NcclBackend(DeviceBackend):
 
     def _can_split(self) -> bool:
         """ncclCommSplit through CuPy: CuPy 14 wraps it; NCCL has it from 2.18.1."""
-        if os.environ.get("AIODIST_NCCL_SPLIT", "1") == "0" or not hasattr(self.nccl.NcclCommunicator, "commSplit"):
+        if value("AIODIST_NCCL_SPLIT") == "0" or not hasattr(self.nccl.NcclCommunicator, "commSplit"):
             return False
         version = _cupy.nccl_version()
         return version is not None and version >= 21801

@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def test_every_aiodist_variable_in_the_source_is_declared() -> None:
     names: set[str] = set()
-    for path in (ROOT / "aiodist").rglob("*.py"):
+    for path in [*(ROOT / "aiodist").rglob("*.py"), *(ROOT / "aiodist_cuda").rglob("*.py")]:
         names |= set(re.findall(r"[\"'](AIODIST_[A-Z0-9_]+)[\"']", path.read_text()))
     assert names, "found no AIODIST_ name at all"
     undeclared = []
@@ -105,3 +105,17 @@ def test_effective_values_show_what_is_set() -> None:
     assert got["AIODIST_SHM_BYTES"]["value"] == 1 << 20 and got["AIODIST_ALGO_LANE_MAX"]["value"] == "0"
     assert str(got["AIODIST_HANDSHAKE_TIMEOUT"]["value"]).startswith("invalid: AIODIST_HANDSHAKE_TIMEOUT='soon'")
     assert len(got) == 3 and len(KNOBS) >= 20
+
+
+def test_no_module_reads_a_knob_past_the_registry() -> None:
+    """Every AIODIST_* variable is read through aiodist.knobs (value/knob), in aiodist and
+    aiodist_cuda alike; setting one for a child process is not a read."""
+    read = re.compile(r"os\.environ\.get\(\s*[\"']AIODIST_|os\.getenv\(\s*[\"']AIODIST_|os\.environ\[[\"']AIODIST_\w+[\"']\](?!\s*=[^=])")
+    bad = []
+    for path in [*(ROOT / "aiodist").rglob("*.py"), *(ROOT / "aiodist_cuda").rglob("*.py")]:
+        if path.name == "knobs.py":
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if read.search(line):
+                bad.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not bad, "read these through aiodist.knobs.value():\n" + "\n".join(bad)

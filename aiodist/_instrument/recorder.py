@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from types import FrameType
 from typing import Any, TypeAlias
 
-from aiodist.knobs import knob
+from aiodist.knobs import knob, value
 
 __all__ = [
     "FlightRecorder",
@@ -360,8 +360,8 @@ def dump_groups(rank: int, world_size: int, groups: Iterable[Any], path: str | o
 
 def dump_dir_on_timeout() -> str | None:
     """Where ``AIODIST_FR_DUMP_ON_TIMEOUT=1`` dumps (made if missing), or None when it is off."""
-    if os.environ.get("AIODIST_FR_DUMP_ON_TIMEOUT", "") not in ("1", "true", "True", "yes"):
+    if str(value("AIODIST_FR_DUMP_ON_TIMEOUT")) not in ("1", "true", "True", "yes"):
         return None
-    directory = os.environ.get("AIODIST_FR_DUMP_DIR") or os.getcwd()
+    directory = str(value("AIODIST_FR_DUMP_DIR")) or os.getcwd()
     os.makedirs(directory, exist_ok=True)
     return directory

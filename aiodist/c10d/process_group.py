@@ -22,7 +22,6 @@ import asyncio
 import contextvars
 import functools
 import logging
-import os
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
@@ -38,6 +37,7 @@ from aiodist.c10d._runner import DeviceTracker, PeerOps, Tracker, break_group, r
 from aiodist.c10d._runner import TrackedP2P as _Tracked
 from aiodist.c10d.work import Work
 from aiodist.errors import DistBackendError
+from aiodist.knobs import value
 from aiodist.store.base import Store
 
 #: ops done in their issuing calls (``issue_now``) let the loop run at least this often: where
@@ -131,7 +131,7 @@ class ProcessGroup:
         self.detail = level >= DebugLevel.DETAIL  # read once: a group keeps the level it was made at
         # always-on desync detection: each collective's frames carry its digest (DETAIL checks more)
         # (AIODIST_DESYNC_DIGESTS=0 turns it off, for measuring its cost: python -m aiodist.bench debug)
-        self._digests = backend.carries_digests and not self.detail and os.environ.get("AIODIST_DESYNC_DIGESTS", "1") != "0"
+        self._digests = backend.carries_digests and not self.detail and value("AIODIST_DESYNC_DIGESTS") != "0"
         # INFO: per-op-name tallies for the summary logged when the group ends (None at OFF: no cost)
         self._op_stats: dict[str, list[float]] | None = {} if level >= DebugLevel.INFO else None
         if level >= DebugLevel.INFO:

@@ -47,19 +47,19 @@ SPIN_LOOP_S = 0.001
 SPIN_BACKOFF_MAX = 8  # after k spins in a row that saw no reply, 2**k - 1 requests do not spin (k <= 8)
 
 
-def _spin_seconds(raw: str | None) -> float:
-    """``AIODIST_STORE_SPIN_US`` (its value ``raw``) in seconds: microseconds, default 100, 0
-    never spins. A malformed value is named in a WARNING and the default used (this runs at
-    import)."""
+def _spin_seconds(raw: str | None = None) -> float:
+    """``AIODIST_STORE_SPIN_US`` (through the registry; ``raw``: that value instead of the
+    environment's) in seconds: microseconds, default 100, 0 never spins. A malformed value is
+    named in a WARNING and the default used (this runs at import)."""
     k = knob("AIODIST_STORE_SPIN_US")
     try:
-        return k.number({} if raw is None else {k.name: raw}) * 1e-6
+        return k.number(None if raw is None else {k.name: raw}) * 1e-6
     except ValueError as exc:
         log.warning("%s (0: never spin); using %g", exc, k.default)
         return k.number({}) * 1e-6
 
 
-SPIN_S = _spin_seconds(os.environ.get("AIODIST_STORE_SPIN_US"))
+SPIN_S = _spin_seconds()
 T = TypeVar("T")
 _get_running_loop = asyncio._get_running_loop
 _monotonic = time.monotonic
