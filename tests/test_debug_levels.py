@@ -167,9 +167,9 @@ def _count_checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     seen: list[str] = []
     real = desync.check_fingerprint
 
-    async def counting(p2p: Any, pg: Any, op: str, seq: int, meta: Any) -> None:
+    async def counting(p2p: Any, pg: Any, op: str, seq: int, meta: Any, exchange: Any) -> None:
         seen.append(op)
-        await real(p2p, pg, op, seq, meta)
+        await real(p2p, pg, op, seq, meta, exchange)
 
     monkeypatch.setattr(desync, "check_fingerprint", counting)
     return seen

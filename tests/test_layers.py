@@ -60,7 +60,13 @@ def imported_names(path: pathlib.Path) -> set[str]:
 
 
 #: the debug tools, above c10d (they read Worlds and groups); c10d and the instrumentation never import them
-DEBUG_TOOLS = ("aiodist.debug.server", "aiodist.debug.handlers", "aiodist.debug.analyze", "aiodist.debug.breakpoint")
+DEBUG_TOOLS = (
+    "aiodist.debug.server",
+    "aiodist.debug.handlers",
+    "aiodist.debug.analyze",
+    "aiodist.debug.breakpoint",
+    "aiodist.debug.recorder",  # (c10d's timeout dump goes through the instrumentation's dump_groups)
+)
 
 
 def test_debug_instrumentation_is_below_c10d() -> None:
@@ -80,6 +86,14 @@ def test_debug_tools_are_above_c10d() -> None:
     for f in [*(ROOT / "c10d").glob("*.py"), *(ROOT / "_instrument").glob("*.py")]:
         bad = {n for n in imported_names(f) if n.startswith((*DEBUG_TOOLS, "aiohttp"))}
         assert not bad, f"{f.relative_to(ROOT.parent)} imports {sorted(bad)}: the debug tools sit above c10d"
+
+
+def test_the_instrumentation_imports_no_schedule() -> None:
+    """aiodist/_instrument sits below the schedules too: DETAIL's fingerprint exchange gets its
+    way of running sends and receives together passed in (c10d passes the schedules' together)."""
+    for f in (ROOT / "_instrument").glob("*.py"):
+        bad = {n for n in imported_names(f) if n.startswith(("aiodist.algorithms", "aiodist.backends", "aiodist.shm", "aiodist.transport"))}
+        assert not bad, f"{f.name} imports {sorted(bad)}: the instrumentation stays below the schedules"
 
 
 def test_import_aiodist_loads_no_aiohttp() -> None:

@@ -15,12 +15,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
-from aiodist.algorithms.p2p import P2P, TAG_LIMIT
+from aiodist._message import TAG_LIMIT
 from aiodist.errors import DistBackendError
 
 __all__ = ["check_fingerprint", "describe_mismatch", "DesyncError", "FINGERPRINT_BYTES", "FINGERPRINT_TAG"]
@@ -30,6 +30,22 @@ _TRACE = 5  # aiodist._instrument.logs.TRACE
 
 FINGERPRINT_BYTES = 2048
 FINGERPRINT_TAG = TAG_LIMIT - 1  # the schedules' tags stay far below
+
+
+class _P2P(Protocol):
+    """The op's point-to-point channel (aiodist.algorithms.p2p.P2P; this layer does not import it)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    async def send(self, peer: int, buf: np.ndarray, tag: int) -> None: ...
+    async def recv(self, peer: int, buf: np.ndarray, tag: int) -> None: ...
+
+
+#: ``await exchange(*awaitables)``: run the sends and receives together, failing as one (the
+#: schedules' own helper, passed in by c10d: this layer does not import the schedules)
+Exchange = Callable[..., Awaitable[None]]
 
 
 class _Group(Protocol):
@@ -116,18 +132,17 @@ def describe_mismatch(fps: list[dict[str, Any]], ranks: list[int], desc: str) ->
     return f"{op} seq {seq} on group '{desc}': " + _sides(ranks, shown_digests, "has")
 
 
-async def check_fingerprint(p2p: P2P, pg: _Group, op: str, seq: int, meta: dict[str, Any] | None) -> None:
-    """Exchange this call's fingerprint with every other rank of the op; raise ``DesyncError``
-    (on every rank: each sees all fingerprints) when they differ."""
-    from aiodist.algorithms.collectives import _all
-
+async def check_fingerprint(p2p: _P2P, pg: _Group, op: str, seq: int, meta: dict[str, Any] | None, exchange: Exchange) -> None:
+    """Exchange this call's fingerprint with every other rank of the op (``exchange``: how the
+    sends and receives run together, passed in); raise ``DesyncError`` (on every rank: each sees
+    all fingerprints) when they differ."""
     n, me = p2p.size, p2p.rank
     if n == 1:
         return
     mine = fingerprint(op, seq, (meta or {}).get("same", {}))
     out = _encode(mine)
     bufs = [out if r == me else np.empty(FINGERPRINT_BYTES, np.uint8) for r in range(n)]
-    await _all(
+    await exchange(
         *(p2p.send(r, out, FINGERPRINT_TAG) for r in range(n) if r != me),
         *(p2p.recv(r, bufs[r], FINGERPRINT_TAG) for r in range(n) if r != me),
     )

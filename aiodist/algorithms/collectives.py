@@ -54,6 +54,7 @@ __all__ = [
     "reduce",
     "reduce_scatter",
     "scatter",
+    "together",
 ]
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
@@ -213,6 +214,11 @@ async def _all(*aws: Coroutine[Any, Any, None]) -> None:
     except BaseExceptionGroup as eg:
         first = eg.exceptions[0]
         raise first from (eg if len(eg.exceptions) > 1 else None)
+
+
+#: ``await together(*coroutines)``: ``_all`` under its public name (c10d hands it to DETAIL's
+#: fingerprint exchange, in a layer below the schedules)
+together = _all
 
 
 def _exchange(p2p: P2P, to: int, out: np.ndarray, into: np.ndarray, tag: int, frm: int | None = None) -> Awaitable[None]:

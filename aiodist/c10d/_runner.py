@@ -29,13 +29,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from aiodist._instrument.recorder import Entry
+from aiodist._instrument.recorder import Entry, dump_dir_on_timeout, dump_groups
 from aiodist._message import GO_TAG
 from aiodist._time import Clock, Deadline
 from aiodist.algorithms.p2p import P2P
 from aiodist.c10d._blocked import BLOCKED_KEY
 from aiodist.c10d._blocked import describe as describe_block
-from aiodist.debug.recorder import dump_on_timeout  # it dumps the World's groups: a tool above c10d
 from aiodist.errors import DistBackendError, DistError, DistTimeoutError
 from aiodist.shm._link import OpLink, op_link
 from aiodist.store.base import Store
@@ -637,6 +636,17 @@ async def run(
     work._complete()
 
 
+def _dump_on_timeout() -> None:
+    """``AIODIST_FR_DUMP_ON_TIMEOUT=1``: this rank's flight recorders (every group of the op's
+    World) to the dump directory, through the instrumentation layer (c10d hands it the groups)."""
+    directory = dump_dir_on_timeout()
+    if directory is not None:
+        from aiodist.c10d.world import current_world  # (the World of the op's task)
+
+        world = current_world()
+        dump_groups(world.rank, world.world_size, list(world.groups.values()), directory)
+
+
 async def _timed_out(
     pg: ProcessGroup,
     op: str,
@@ -694,7 +704,7 @@ async def _timed_out(
     if entry is not None:
         pg.recorder.timed_out(entry, msg)
     try:
-        dump_on_timeout()  # AIODIST_FR_DUMP_ON_TIMEOUT=1
+        _dump_on_timeout()  # AIODIST_FR_DUMP_ON_TIMEOUT=1
     except OSError as dump_err:
         log.warning("rank %d: could not dump the flight recorder: %s", me, dump_err)
     # the peers are told first: the abort's task is queued before this Work's waiter wakes, so a

@@ -30,6 +30,7 @@ from aiodist._digest import op_digest
 from aiodist._instrument.levels import DebugLevel, get_debug_level
 from aiodist._instrument.recorder import Entry, FlightRecorder, _freeze
 from aiodist._time import Clock
+from aiodist.algorithms.collectives import together
 from aiodist.algorithms.p2p import P2P
 from aiodist.algorithms.thresholds import Thresholds, current
 from aiodist.backends.base import CommBackend, ProcessGroupLike
@@ -76,7 +77,7 @@ def _checked_body(pg: ProcessGroup, op: str, seq: int, meta: dict[str, Any] | No
     from aiodist._instrument.desync import check_fingerprint
 
     async def checked(p2p: P2P) -> None:
-        await check_fingerprint(p2p, pg, op, seq, meta)
+        await check_fingerprint(p2p, pg, op, seq, meta, together)
         await body(p2p)
 
     return checked
