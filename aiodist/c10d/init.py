@@ -763,21 +763,26 @@ async def _agree_on_exclusion(world: World, pg: ProcessGroup, count: int, out: l
     keys = [prefix + str(r) for r in others]
     loop = asyncio.get_running_loop()
     end = loop.time() + pg.timeout_s
+    seen: dict[int, str] = {}  # rank -> its list, once read
     while True:
-        present = [(r, k) for r, k in zip(others, keys) if await store.check([k])]
-        if present:
-            values = await store.multi_get([k for _, k in present])
-            differ = {r: v.decode() for (r, _), v in zip(present, values) if v.decode() != mine}
+        if await store.check([k for r, k in zip(others, keys) if r not in seen]):  # (one round trip when all are there)
+            fresh = [(r, k) for r, k in zip(others, keys) if r not in seen]
+        else:
+            fresh = [(r, k) for r, k in zip(others, keys) if r not in seen and await store.check([k])]
+        if fresh:
+            values = await store.multi_get([k for _, k in fresh])
+            seen.update((r, v.decode()) for (r, _), v in zip(fresh, values))
+            differ = {r: v for r, v in seen.items() if v != mine}
             if differ:
                 said = "; ".join(f"rank {r} excludes [{v}]" for r, v in sorted(differ.items()))
                 raise DistBackendError(
                     f"shrink_group on {pg.describe()}: the survivors disagree on whom to exclude: this rank (rank {me}) "
                     f"excludes group ranks [{mine}]; {said}. Every survivor must pass the same ranks_to_exclude"
                 )
-        if len(present) == len(others):
+        if len(seen) == len(others):
             return
         if loop.time() >= end:
-            missing = sorted(set(others) - {r for r, _ in present})
+            missing = sorted(set(others) - set(seen))
             raise DistTimeoutError(
                 f"shrink_group on {pg.describe()}: ranks {missing} did not call shrink_group within {pg.timeout_s:g} s "
                 f"(this rank, rank {me}, excludes group ranks [{mine}]); a rank that is gone must be in ranks_to_exclude"
