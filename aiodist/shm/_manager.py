@@ -399,13 +399,21 @@ class SharedMemory:
 
     async def host_ids(self, world_size: int) -> list[str]:
         """Every rank's host identity, from the records every rank published at start (in the
-        store before the transport's exchange ends: read after it, one round trip)."""
+        store before the transport's exchange ends: read after it, one round trip when all are
+        there). A rank with no record (a peer that is not an aio backend) is a host of its own
+        (``"?<rank>"``): never waited for, never taken for a neighbour."""
         missing = [r for r in range(world_size) if r not in self._records and r != self.rank]
+        keys = [f"{_KEY}{r}" for r in missing]
+        if missing and not await self.store.check(keys):
+            present = [(r, k) for r, k in zip(missing, keys, strict=True) if await self.store.check([k])]
+            missing, keys = [r for r, _ in present], [k for _, k in present]
         if missing:
-            raw = await self.store.multi_get([f"{_KEY}{r}" for r in missing])
-            for r, v in zip(missing, raw, strict=True):
+            for r, v in zip(missing, await self.store.multi_get(keys), strict=True):
                 self._records[r] = json.loads(v)
-        return [self._host_id if r == self.rank else str(self._records[r].get("host_id", "")) for r in range(world_size)]
+        return [
+            self._host_id if r == self.rank else str(self._records[r].get("host_id", "")) if r in self._records else f"?{r}"
+            for r in range(world_size)
+        ]
 
     async def _record(self, rank: int) -> dict[str, Any]:
         rec = self._records.get(rank)

@@ -106,7 +106,11 @@ def local_socket_name(port: int) -> str | None:
 class ListenError(DistNetworkError):
     """The server socket could not bind or listen (say, the port is in use). A subclass so that
     ``TCPStore`` can tell it from other start-up failures (torch's TCPStore catches its
-    ``SocketError`` there, for ``TORCHELASTIC_USE_AGENT_STORE``)."""
+    ``SocketError`` there, for ``TORCHELASTIC_USE_AGENT_STORE``). ``os_error``: the OSError
+    (its errno: a taken port is EADDRINUSE), kept as a field; the error is raised without the
+    chained traceback (its sentence names the OS error)."""
+
+    os_error: OSError | None = None
 
 
 def _listen_error(host: str | None, port: int, ipv6: bool, exc: OSError) -> ListenError:
@@ -119,11 +123,13 @@ def _listen_error(host: str | None, port: int, ipv6: bool, exc: OSError) -> List
     else:
         name = errno.errorcode.get(code, "UNKNOWN")
     text = exc.strerror or str(exc)
-    return ListenError(
+    err = ListenError(
         f"The server socket has failed to listen on any local network address. port: {port}, "
         f"useIpv6: {str(ipv6).lower()}, code: {-abs(code)}, name: {name}, message: {text[:1].lower() + text[1:]} "
         f"(could not start a TCPStore server on {host or '*'}:{port}: {exc})"
     )
+    err.os_error = exc
+    return err
 
 
 def _bound(family: socket.AddressFamily, type_: int, proto: int, addr: tuple[Any, ...], backlog: int, dual: bool) -> socket.socket:
@@ -161,7 +167,7 @@ def bind_listener(host: str | None, port: int, backlog: int | None = None) -> so
         family, type_, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
         return _bound(family, type_, proto, addr, backlog, False)
     except OSError as exc:
-        raise _listen_error(host, port, family == socket.AF_INET6, exc) from exc
+        raise _listen_error(host, port, family == socket.AF_INET6, exc) from None
 
 
 class _Conn(asyncio.Protocol):
