@@ -738,6 +738,7 @@ async def test_torch_filestore_file_is_refused(tmp_path: Path) -> None:
 # -- the conformance kit -----------------------------------------------------------------------
 
 
+@pytest.mark.one_loop(reason="(a store in this process; the kit's long run is the same on every loop, and the TCPStore kits run on both)")
 async def test_store_conformance_kit(tmp_path: Path) -> None:
     testing = pytest.importorskip("aiodist.testing")
     names = itertools.count()

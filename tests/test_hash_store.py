@@ -23,7 +23,8 @@ async def make_hash_store() -> HashStore:
     return HashStore()
 
 
-async def test_conformance_kit(any_loop: str) -> None:
+@pytest.mark.one_loop(reason="(a store in this process; the kit's long run is the same on every loop, and the TCPStore kits run on both)")
+async def test_conformance_kit() -> None:
     await check_store(make_hash_store)
 
 

@@ -15,10 +15,12 @@ async def make_prefix_store() -> PrefixStore:
     return PrefixStore("p", HashStore())
 
 
+@pytest.mark.one_loop(reason="(a store in this process; the kit's long run is the same on every loop, and the TCPStore kits run on both)")
 async def test_conformance_kit() -> None:
     await check_store(make_prefix_store)
 
 
+@pytest.mark.one_loop(reason="(a store in this process; the kit's long run is the same on every loop, and the TCPStore kits run on both)")
 async def test_conformance_kit_nested() -> None:
     async def make() -> Store:
         return PrefixStore("inner", PrefixStore("outer", HashStore()))
