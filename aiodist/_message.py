@@ -1,12 +1,16 @@
 """What a point-to-point message is, below both the transport and the collective algorithms:
-its bytes (``byte_view``), its tag range (``TAG_LIMIT``, ``CHANNEL_TAG_LIMIT``) and the channel
-seq of user p2p (``P2P_SEQ``). Imports nothing from aiodist, so every layer may import it."""
+the channel an op's messages go through (``P2P``), its bytes (``byte_view``), its tag range
+(``TAG_LIMIT``, ``CHANNEL_TAG_LIMIT``) and the channel seq of user p2p (``P2P_SEQ``). Imports
+nothing from aiodist, so every layer may import it."""
 
 from __future__ import annotations
 
+import asyncio
+from typing import Protocol, runtime_checkable
+
 import numpy as np
 
-__all__ = ["byte_view", "TAG_LIMIT", "CHANNEL_TAG_LIMIT", "GO_TAG", "P2P_SEQ"]
+__all__ = ["P2P", "byte_view", "TAG_LIMIT", "CHANNEL_TAG_LIMIT", "GO_TAG", "P2P_SEQ"]
 
 #: An algorithm's tags are below this (and a user's p2p tags: torch's int).
 TAG_LIMIT = 1 << 31
@@ -18,6 +22,27 @@ CHANNEL_TAG_LIMIT = 1 << 36
 GO_TAG = CHANNEL_TAG_LIMIT - TAG_LIMIT
 #: the channel seq of every point-to-point message (collective seqs stay below 2**63)
 P2P_SEQ = 1 << 63
+
+
+@runtime_checkable
+class P2P(Protocol):
+    """Send and receive raw bytes between the ranks of one op (aiodist.algorithms.p2p's module
+    docstring: peers are the op's ranks 0..size-1, tags below ``CHANNEL_TAG_LIMIT``)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    async def send(self, peer: int, buf: np.ndarray, tag: int) -> None: ...
+
+    async def recv(self, peer: int, buf: np.ndarray, tag: int) -> None: ...
+
+    def send_nowait(self, peer: int, buf: np.ndarray, tag: int) -> bool | asyncio.Future[None]:
+        """Send without waiting where possible: True, or a future to await before changing
+        ``buf``; False where this P2P cannot (nothing was sent: use ``send``)."""
+        ...
 
 
 def byte_view(buf: np.ndarray, *, writable: bool = False) -> np.ndarray:

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from aiodist._message import TAG_LIMIT
+from aiodist._message import P2P, TAG_LIMIT
 from aiodist.errors import DistBackendError
 
 __all__ = ["check_fingerprint", "describe_mismatch", "DesyncError", "FINGERPRINT_BYTES", "FINGERPRINT_TAG"]
@@ -30,17 +30,6 @@ _TRACE = 5  # aiodist._instrument.logs.TRACE
 
 FINGERPRINT_BYTES = 2048
 FINGERPRINT_TAG = TAG_LIMIT - 1  # the schedules' tags stay far below
-
-
-class _P2P(Protocol):
-    """The op's point-to-point channel (aiodist.algorithms.p2p.P2P; this layer does not import it)."""
-
-    @property
-    def rank(self) -> int: ...
-    @property
-    def size(self) -> int: ...
-    async def send(self, peer: int, buf: np.ndarray, tag: int) -> None: ...
-    async def recv(self, peer: int, buf: np.ndarray, tag: int) -> None: ...
 
 
 #: ``await exchange(*awaitables)``: run the sends and receives together, failing as one (the
@@ -132,7 +121,7 @@ def describe_mismatch(fps: list[dict[str, Any]], ranks: list[int], desc: str) ->
     return f"{op} seq {seq} on group '{desc}': " + _sides(ranks, shown_digests, "has")
 
 
-async def check_fingerprint(p2p: _P2P, pg: _Group, op: str, seq: int, meta: dict[str, Any] | None, exchange: Exchange) -> None:
+async def check_fingerprint(p2p: P2P, pg: _Group, op: str, seq: int, meta: dict[str, Any] | None, exchange: Exchange) -> None:
     """Exchange this call's fingerprint with every other rank of the op (``exchange``: how the
     sends and receives run together, passed in); raise ``DesyncError`` (on every rank: each sees
     all fingerprints) when they differ."""

@@ -30,11 +30,10 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import deque
-from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from aiodist._message import CHANNEL_TAG_LIMIT, TAG_LIMIT, byte_view  # re-exported: they live below the transport
+from aiodist._message import CHANNEL_TAG_LIMIT, P2P, TAG_LIMIT, byte_view  # re-exported: they live below the transport
 
 __all__ = ["P2P", "TAG_LIMIT", "CHANNEL_TAG_LIMIT", "SubP2P", "LocalP2P", "LocalWorld", "local_world", "byte_view"]
 
@@ -75,26 +74,6 @@ class SubP2P:
 
     def send_nowait(self, peer: int, buf: np.ndarray, tag: int) -> bool | asyncio.Future[None]:
         return self._p2p.send_nowait(peer, buf, self._tag(tag))
-
-
-@runtime_checkable
-class P2P(Protocol):
-    """Send and receive raw bytes between the ranks of one op (see the module docstring)."""
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def size(self) -> int: ...
-
-    async def send(self, peer: int, buf: np.ndarray, tag: int) -> None: ...
-
-    async def recv(self, peer: int, buf: np.ndarray, tag: int) -> None: ...
-
-    def send_nowait(self, peer: int, buf: np.ndarray, tag: int) -> bool | asyncio.Future[None]:
-        """Send without waiting where possible: True, or a future to await before changing
-        ``buf``; False where this P2P cannot (nothing was sent: use ``send``)."""
-        ...
 
 
 class _Channel:
