@@ -38,8 +38,9 @@ ROWS = [
     Row("small, 4 ranks: the lane too", "broadcast", 4, 4, Plan("lane", True)),
     Row("empty: the socket", "broadcast", 0, 2, Plan("socket", False)),
     Row("256 KiB, 2 ranks: still the lane", "broadcast", 256 * K, 2, Plan("lane", True)),
-    Row("past the lane, under single copy, 4 ranks: socket, in line", "broadcast", M, 4, Plan("socket", True)),
-    Row("1 MiB, 2 ranks: single copy", "broadcast", M, 2, Plan("single_copy", True)),
+    Row("1 MiB, 4 ranks: still the lane", "broadcast", M, 4, Plan("lane", True)),
+    Row("past the lane, under single copy, 4 ranks: socket, in line", "broadcast", M + 4, 4, Plan("socket", True)),
+    Row("past the lane, 2 ranks: single copy", "broadcast", M + 4, 2, Plan("single_copy", True)),
     Row("256 KiB, 4 ranks: still the lane", "broadcast", 256 * K, 4, Plan("lane", True)),
     Row("2 MiB, 4 ranks: single copy", "broadcast", 2 * M, 4, Plan("single_copy", True)),
     Row("single copy off: the socket, out of line", "broadcast", 4 * M, 2, Plan("socket", False), NO_CMA),
@@ -65,7 +66,8 @@ ROWS = [
     Row("small: the lane", "all_reduce", 4, 2, Plan("lane", True)),
     Row("small, 4 ranks: the lane too (where the group has one)", "all_reduce", 4, 4, Plan("lane", True)),
     Row("empty: the socket", "all_reduce", 0, 2, Plan("socket", False)),
-    Row("256 KiB: the halves", "all_reduce", 256 * K, 2, Plan("halves", True)),
+    Row("256 KiB: still the lane", "all_reduce", 256 * K, 2, Plan("lane", True)),
+    Row("512 KiB: the halves", "all_reduce", 512 * K, 2, Plan("halves", True)),
     Row("4 MiB: single copy", "all_reduce", 4 * M, 2, Plan("single_copy", True)),
     Row("spread over hosts, 64 KiB: the hierarchy, out of line", "all_reduce", 64 * K, 4, Plan("hier", False), spread=True),
     Row("spread over hosts, 16 MiB: the hierarchy", "all_reduce", 16 * M, 4, Plan("hier", False), spread=True),
@@ -88,14 +90,22 @@ ROWS = [
     Row("small, 2 ranks: the lane", "reduce", 64, 2, Plan("lane", True)),
     Row("small, 4 ranks: the lane too", "reduce", 64, 4, Plan("lane", True)),
     Row("256 KiB, 2 ranks: still the lane (it comes first)", "reduce", 256 * K, 2, Plan("lane", True)),
-    Row("1 MiB, 2 ranks: single copy", "reduce", M, 2, Plan("single_copy", True)),
-    Row("1 MiB, 4 ranks: socket, in line", "reduce", M, 4, Plan("socket", True)),
+    Row("1 MiB, 4 ranks: still the lane", "reduce", M, 4, Plan("lane", True)),
+    Row("past the lane, 2 ranks: single copy", "reduce", M + 4, 2, Plan("single_copy", True)),
+    Row("past the lane, 4 ranks: socket, in line", "reduce", M + 4, 4, Plan("socket", True)),
     Row("2 MiB, 4 ranks: single copy", "reduce", 2 * M, 4, Plan("single_copy", True)),
-    Row("single copy off: socket, out of line", "reduce", M, 2, Plan("socket", False), NO_CMA),
+    Row("single copy off: socket, out of line", "reduce", M + 4, 2, Plan("socket", False), NO_CMA),
     # all_gather (nbytes: the total; part: the largest part)
     Row("small parts: the lane", "all_gather", 8, 2, Plan("lane", True), part=4),
-    Row("256 KiB in all, 4 ranks: the halves", "all_gather", 256 * K, 4, Plan("halves", True), part=64 * K),
-    Row("256 KiB in all, 2 ranks: single copy", "all_gather", 256 * K, 2, Plan("single_copy", True), part=128 * K),
+    Row("256 KiB in all, 4 ranks: the lane", "all_gather", 256 * K, 4, Plan("lane", True), part=64 * K),
+    Row("2 MiB in all, 2 ranks: the lane", "all_gather", 2 * M, 2, Plan("lane", True), part=M),
+    Row("3 MiB in all, 3 ranks: the lane", "all_gather", 3 * M, 3, Plan("lane", True), part=M),
+    Row("4 MiB in all, 2 ranks: single copy", "all_gather", 4 * M, 2, Plan("single_copy", True), part=2 * M),
+    Row("a part past the lane, 2 ranks: single copy", "all_gather", 3 * M, 2, Plan("single_copy", True), part=2 * M),
+    Row("a part past the lane, 3 ranks (past cma_wide_min): single copy", "all_gather", 3 * M, 3, Plan("single_copy", True), part=2 * M),
+    Row("a part past a smaller lane, 4 ranks: the halves", "all_gather", M, 4, Plan("halves", True), Thresholds(lane_max=128 * K), part=256 * K),
+    Row("a part past the lane, shared memory off: the socket", "all_gather", 3 * M, 2, Plan("socket", False), Thresholds(allgather_shm_min=-1), part=2 * M),
+    Row("halves from 256 KiB, 4 ranks: the halves", "all_gather", 256 * K, 4, Plan("halves", True), Thresholds(allgather_shm_min=256 * K), part=64 * K),
     Row("4 MiB in all, 4 ranks (from cma_wide_min): single copy", "all_gather", 4 * M, 4, Plan("single_copy", True), part=M),
     Row("lane off, small: the socket", "all_gather", 8, 2, Plan("socket", False), NO_LANE, part=4),
     # gather / scatter
@@ -117,22 +127,24 @@ ROWS = [
     ),
     Row("gather, lane and single copy off: the socket", "gather", 64, 2, Plan("socket", False), Thresholds(lane_max=0, gather_cma_min=-1)),
     Row("scatter, small: the lane", "scatter", 64, 4, Plan("lane", True)),
-    Row("scatter, 4 ranks of 64 KiB: the table does not fit the lane, the socket", "scatter", 64 * K, 4, Plan("socket", False)),
+    Row("scatter, 4 ranks of 64 KiB: the table and parts fit the lane", "scatter", 64 * K, 4, Plan("lane", True)),
+    Row("scatter, 16 ranks of 64 KiB: the table and parts do not fit the lane, the socket", "scatter", 64 * K, 16, Plan("socket", False)),
     Row("scatter, 2 ranks of 64 KiB: the lane", "scatter", 64 * K, 2, Plan("lane", True)),
     Row("scatter, part 1: single copy", "scatter", 64, 2, Plan("single_copy", True), part=1),
     # reduce_scatter
     Row("reduce_scatter, small: the lane", "reduce_scatter", 64, 2, Plan("lane", True)),
-    Row("reduce_scatter, past the lane: single copy", "reduce_scatter", 128 * K, 2, Plan("single_copy", True)),
+    Row("reduce_scatter, 1 MiB: still the lane", "reduce_scatter", M, 2, Plan("lane", True)),
+    Row("reduce_scatter, past the lane: single copy", "reduce_scatter", M + 8, 2, Plan("single_copy", True)),
     Row("reduce_scatter, lane off: single copy", "reduce_scatter", 64, 2, Plan("single_copy", True), NO_LANE),
     Row("reduce_scatter, big: single copy", "reduce_scatter", 4 * M, 4, Plan("single_copy", True)),
     Row("reduce_scatter, empty: the socket", "reduce_scatter", 0, 2, Plan("socket", False)),
     Row(
-        "reduce_scatter, single copy from 1 MiB, 512 KiB: socket, in line",
+        "reduce_scatter, single copy from 2 MiB, 1.5 MiB: socket, in line",
         "reduce_scatter",
-        512 * K,
+        M + 512 * K,
         2,
         Plan("socket", True),
-        Thresholds(reduce_scatter_cma_min=M),
+        Thresholds(reduce_scatter_cma_min=2 * M),
     ),
     Row(
         "reduce_scatter, single copy from 1 MiB, 128 KiB (past its lane, within the others'): socket, in line",
@@ -140,9 +152,9 @@ ROWS = [
         128 * K,
         2,
         Plan("socket", True),
-        Thresholds(reduce_scatter_cma_min=M),
+        Thresholds(reduce_scatter_cma_min=M, reduce_scatter_lane_max=64 * K),
     ),
-    Row("reduce_scatter, single copy off: the socket", "reduce_scatter", 128 * K, 2, Plan("socket", False), NO_CMA),
+    Row("reduce_scatter, single copy off: the socket", "reduce_scatter", 2 * M, 2, Plan("socket", False), NO_CMA),
     # all_to_all (nbytes: this rank's own; part: the number of parts)
     Row("all_to_all: single copy (inline where the parts fit the lane)", "all_to_all", 64, 4, Plan("single_copy", True), part=4),
     Row("all_to_all, big: single copy", "all_to_all", M, 4, Plan("single_copy", True), part=4),
@@ -247,7 +259,7 @@ async def test_a_group_takes_its_rules_from_pg_options() -> None:
         return by_map.thresholds.lane_max, by_map.thresholds.allreduce_shm_min, plain.thresholds.lane_max, float(x[0])
 
     for lane_max, shm_min, plain_lane, value in await run_world(2, fn):
-        assert (lane_max, shm_min, plain_lane) == (0, 1024, 256 * K)
+        assert (lane_max, shm_min, plain_lane) == (0, 1024, M)
         assert value == 6.0  # (1 + 2), then (3 + 3)
 
 

@@ -196,14 +196,14 @@ async def test_big_all_reduce_reads_the_peers_slices(monkeypatch: pytest.MonkeyP
     the others' in rank order) on every rank, for floats, ints, MAX, AVG, a 2-D tensor and odd
     lengths. (``single`` off: the halves, the same bits at 2 ranks.)"""
     monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
-    rules = {"allreduce_cma_min": "64K" if single else -1}
+    rules = {"allreduce_cma_min": "64K" if single else -1, "allreduce_shm_min": "256K"}
 
     def data(rank: int, m: int) -> np.ndarray:
         return np.random.default_rng(1000 * rank + m).standard_normal(m).astype(np.float32)
 
     async def fn(rank: int) -> tuple[list[np.ndarray], int]:
         got = []
-        for m in (300_001, 70_001, 1_000_000):  # 1.2 MB, over a segment's half; 280 KB, just over the lane; 4 MB
+        for m in (300_001, 70_001, 1_000_000):  # 1.2 MB, over a segment's half; 280 KB, just over allreduce_shm_min here; 4 MB
             x = data(rank, m)
             await dist.all_reduce(x)
             got.append(x)
@@ -494,7 +494,7 @@ async def test_gather_and_scatter_read_straight_from_the_other_side(monkeypatch:
     assert await run_world(n, fn, backend="gloo", timeout=60, pg_options=rules) == [want] * n
 
 
-@pytest.mark.parametrize("op,m", [("gather", 10), ("scatter", 10), ("scatter", 100_000)], ids=["gather", "scatter-inline", "scatter-read"])
+@pytest.mark.parametrize("op,m", [("gather", 10), ("scatter", 10), ("scatter", 300_000)], ids=["gather", "scatter-inline", "scatter-read"])
 async def test_a_gather_or_scatter_whose_sizes_do_not_match_fails_the_reader(monkeypatch: pytest.MonkeyPatch, op: str, m: int) -> None:
     """A mistake: rank 1 passes m + 2 elements where the root's list holds m for it. The rank
     that reads says which ranks and sizes, well within the timeout; the other fails too (the
@@ -552,23 +552,23 @@ async def test_a_failed_read_names_the_op_group_seq_and_rank_and_fails_the_peer(
         t = asyncio.get_running_loop().time()
         try:
             if op == "all_gather":
-                await dist.all_gather_into_tensor(np.empty(2 * 100_000, np.float32), np.ones(100_000, np.float32))
+                await dist.all_gather_into_tensor(np.empty(2 * 300_000, np.float32), np.ones(300_000, np.float32))
             elif op == "all_reduce":
-                await dist.all_reduce(np.ones(100_000, np.float32))
+                await dist.all_reduce(np.ones(300_000, np.float32))
             elif op == "reduce":
                 try:
-                    await dist.reduce(np.ones(100_000, np.float32), dst=1)
+                    await dist.reduce(np.ones(300_000, np.float32), dst=1)
                 finally:  # a failed op's scratch that the peer reads by address stays alive until the group goes
                     (turns,) = dist.group.WORLD.backend.shm._turns.values()
-                    assert [a.size for a in turns.state.parked] == ([50_000] if rank == 0 else []), rank
+                    assert [a.size for a in turns.state.parked] == ([150_000] if rank == 0 else []), rank
             elif op == "reduce_scatter":
-                await dist.reduce_scatter_tensor(np.empty(50_000, np.float32), np.ones(100_000, np.float32))
+                await dist.reduce_scatter_tensor(np.empty(150_000, np.float32), np.ones(300_000, np.float32))
             elif op == "all_to_all":
-                await dist.all_to_all_single(np.empty(100_000, np.float32), np.ones(100_000, np.float32))
+                await dist.all_to_all_single(np.empty(600_000, np.float32), np.ones(600_000, np.float32))  # (parts past the lane slot: read)
             elif op == "gather":
-                await dist.gather(np.ones(100_000, np.float32), [np.empty(100_000, np.float32) for _ in range(2)] if rank == 0 else None)
+                await dist.gather(np.ones(300_000, np.float32), [np.empty(300_000, np.float32) for _ in range(2)] if rank == 0 else None)
             else:
-                await dist.scatter(np.empty(100_000, np.float32), [np.ones(100_000, np.float32)] * 2 if rank == 0 else None)
+                await dist.scatter(np.empty(300_000, np.float32), [np.ones(300_000, np.float32)] * 2 if rank == 0 else None)
         except DistBackendError as exc:
             return str(exc), asyncio.get_running_loop().time() - t
         return "ok", 0.0

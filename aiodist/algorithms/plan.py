@@ -57,8 +57,11 @@ all_gather, all_gather_into_tensor (``nbytes``: the output's total; ``part``: th
   1. ``th.all_gather_shm(nbytes)``: ``single_copy`` in a group of 2, or from ``th.cma_wide_min``
      in a wider one (below it the reads of several peers cost more than the copies they save);
      else ``halves``. Where the group cannot read its peers, single copy is the halves.
-  2. ``th.lane(part)``: ``lane``.
-  3. otherwise ``socket``.
+  2. ``th.lane(part)``: ``lane`` (by default below 4 MiB of output with every part within the
+     lane's 1 MiB: done in its call, it beat the halves and single copy there).
+  3. a part past the lane's sizes (the lane on) and shared memory allowed
+     (``allgather_shm_min >= 0``): as 1.
+  4. otherwise ``socket``.
 gather, scatter (``nbytes``: a rank's own part, the same on every rank as torch requires;
 ``part``: 1 where the call's sizes may differ per rank on purpose, the object collectives'
 payloads, which every rank must take by one path whatever its own size)
@@ -169,6 +172,8 @@ def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0, spr
             return Plan("single_copy" if th.cma_wide(nbytes, ranks) else "halves", True)
         if th.lane(part):
             return Plan("lane", True)
+        if 0 < th.lane_max < part and th.allgather_shm_min >= 0:
+            return Plan("single_copy" if th.cma_wide(nbytes, ranks) else "halves", True)
         return _SOCKET
     if op in ("gather", "scatter"):
         gather = op == "gather"

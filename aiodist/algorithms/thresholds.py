@@ -73,24 +73,33 @@ class Thresholds:
     #: against 25 ms with 4). Across hosts, where the NIC moves the bytes, smaller pieces may pay:
     #: tune with AIODIST_ALGO_PIPELINE_PIECE.
     pipeline_piece: int = 4 * MiB
-    #: all_reduce through shared memory (aiodist.shm: every rank of the group on one host) from
-    #: this many bytes; negative: never.
-    allreduce_shm_min: int = 256 * KiB
-    #: all_gather through shared memory from this many bytes in total (the output); negative: never.
-    allgather_shm_min: int = 256 * KiB
-    #: all_reduce, broadcast and all_gather through shared memory's latency lane (aiodist.shm._lane:
-    #: no socket message when the ranks arrive together) up to this many bytes per rank (at most
-    #: the lane's 256 KiB slots; all_reduce and all_gather from their ``_shm_min`` up take the
-    #: halves); 0: never (barrier too). Measured at 2 ranks here: all_reduce 64-128 KiB 120-230 us
-    #: through the lane against 340-1560 us on the socket.
-    lane_max: int = 256 * KiB
+    #: all_reduce through shared memory's halves or single copy (aiodist.shm: every rank of the
+    #: group on one host) from this many bytes; negative: never. Below it, the latency lane
+    #: (done in the call where the ranks arrive together). Measured back to back here, the lane
+    #: against the halves: 2 ranks 256 KiB 45 us against 68, 512 KiB 76 against 82, 1 MiB 140
+    #: against 113; 4 ranks on 2 cores 256 KiB 124-327 against 286-443, 512 KiB 682 against 644.
+    allreduce_shm_min: int = 512 * KiB
+    #: all_gather through shared memory's halves or single copy from this many bytes in total
+    #: (the output), or where a rank's part does not fit the lane; negative: never. Below it the
+    #: lane. Measured back to back here (per rank's part; the lane against the halves or single
+    #: copy): 2 ranks 128 KiB 30 us against 93, 256 KiB 49 against 113, 1 MiB 154 against 205;
+    #: 4 ranks on 2 cores 64 KiB 64 against 302, 256 KiB 409 against 675, 512 KiB 751 against
+    #: 793, 1 MiB 1497 against 1387.
+    allgather_shm_min: int = 4 * MiB
+    #: all_reduce, reduce and all_gather through shared memory's latency lane (aiodist.shm._lane:
+    #: no socket message when the ranks arrive together, done in the issuing call) up to this
+    #: many bytes per rank (at most the lane's 1 MiB slots; all_reduce and all_gather from their
+    #: ``_shm_min`` up take the halves or single copy); 0: never (barrier too). Measured back to
+    #: back here, reduce through the lane against single copy: 4 ranks on 2 cores 512 KiB 162 us
+    #: against 916, 1 MiB 294 against 942; 2 ranks 512 KiB 191 against 252, 1 MiB alike.
+    lane_max: int = 1 * MiB
     #: ... broadcast up to this many bytes, in a group of any size (a lane op waits for every
     #: rank's flag, where the socket's root only sends: it paid while a lane op cost tens of
     #: microseconds of Python; done in its call, it does not). Measured here, back to back, the
     #: lane against the socket (and single copy from 256 KiB): 2 ranks 64 KiB 13 us against 154,
-    #: 256 KiB 24 against 175; 4 ranks on 2 cores 4 KiB 55 against 86, 64 KiB 37 against 396,
-    #: 256 KiB 85 against 534.
-    broadcast_lane_max: int = 256 * KiB
+    #: 256 KiB 24 against 175, 1 MiB 32 against 140 (single copy); 4 ranks on 2 cores 4 KiB 55
+    #: against 86, 64 KiB 37 against 396, 256 KiB 85 against 534, 1 MiB 178 against 771.
+    broadcast_lane_max: int = 1 * MiB
     #: broadcast by single-copy reads of the root's tensor (aiodist.shm._cma: every rank of the
     #: group on one host, and allowed to read the others' memory) from this many bytes; negative:
     #: never. At 2 ranks here the socket's broadcast took 2.4-4.6x Open MPI's time from 1 MiB up.
@@ -135,9 +144,11 @@ class Thresholds:
     #: reduce_scatter through the latency lane up to this many bytes of input (the whole input,
     #: the same on every rank), where the group has a lane: every rank posts its input, and
     #: folds its own part of every slot in rank order, done in its call when the ranks are
-    #: there; 0: never. Measured here at 2 ranks, 16 B-64 KiB: 113-165 us an op by single copy
-    #: (a task, the lane's table, the reads).
-    reduce_scatter_lane_max: int = 64 * KiB
+    #: there; 0: never. Measured here back to back, the lane against single copy (a task, the
+    #: lane's table, the reads): 2 ranks 16 B-64 KiB 8 us against 113-165, 256 KiB 27 against
+    #: 118, 1 MiB 56 against 192; 4 ranks on 2 cores 256 KiB 189 against 465, 512 KiB 327
+    #: against 523, 1 MiB 655 against 642.
+    reduce_scatter_lane_max: int = 1 * MiB
     #: gather and scatter through the latency lane up to this many bytes per rank (a rank judges
     #: by its own part: torch's gather and scatter take one size everywhere), in a group of any
     #: size, where the group has a lane: the root posts its table of sizes (and a scatter's

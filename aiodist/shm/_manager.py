@@ -89,7 +89,7 @@ def segment_bytes(env: dict[str, str] | None = None) -> int:
 
 #: the latency lane (aiodist.shm._lane) at the start of every segment: a rank's "sleeping" word,
 #: then two slots of a 64-byte header (flag, digest, nbytes) and ``LANE_MAX`` payload bytes
-LANE_MAX = 256 << 10
+LANE_MAX = 1 << 20
 LANE_SLOT = 64 + LANE_MAX
 #: ... then a rank's single-copy words (``GroupShm.cma_words``: the address and size of its
 #: input in a single-copy op, and a reduce's address of its reduced slice), in the lane's last page
