@@ -564,7 +564,9 @@ async def test_a_failed_read_names_the_op_group_seq_and_rank_and_fails_the_peer(
             elif op == "reduce_scatter":
                 await dist.reduce_scatter_tensor(np.empty(150_000, np.float32), np.ones(300_000, np.float32))
             elif op == "all_to_all":
-                await dist.all_to_all_single(np.empty(600_000, np.float32), np.ones(600_000, np.float32))  # (parts past the lane slot: read)
+                await dist.all_to_all_single(
+                    np.empty(600_000, np.float32), np.ones(600_000, np.float32)
+                )  # (parts past the lane slot: read)
             elif op == "gather":
                 await dist.gather(np.ones(300_000, np.float32), [np.empty(300_000, np.float32) for _ in range(2)] if rank == 0 else None)
             else:
