@@ -672,3 +672,42 @@ async def test_send_nowait_only_sends_what_needs_no_wait() -> None:
         await a.abort(5, "test")
         with pytest.raises(DistBackendError):
             a.send_nowait(1, x, group=5, tag=1)
+
+
+async def test_a_closing_rank_says_goodbye_on_a_dial_not_yet_answered() -> None:
+    """A rank that closes while a connection it dialed waits for the peer's HELLO still says
+    GOODBYE on it, after its own HELLO: the peer, which may answer that HELLO after this rank
+    has gone (and find the socket reset), knows the rank left and does not report a lost
+    connection (a clean job's end was once a WARNING this way). The peer here is a socket that
+    reads and never answers."""
+    from aiodist.wire.frame import FrameDecoder, GoodbyeReceived, HelloReceived
+
+    got = bytearray()
+    accepted = asyncio.Event()
+    done = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.set()
+        got.extend(await reader.read())  # to EOF
+        writer.close()
+        done.set()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    store = HashStore()
+    t = await Transport.start(store, 0, 2, token="job", timeout=5, unix=False)
+    await store.set(address_key(1), PeerAddress(1, "127.0.0.1", port, None, "elsewhere").encode())
+    dial = asyncio.ensure_future(t.connect())
+    try:
+        async with asyncio.timeout(5):
+            await accepted.wait()
+            await until(lambda: len(t.stats()["connections"]) == 1, "the dial connected")
+        await t.close()
+        async with asyncio.timeout(5):
+            await done.wait()
+    finally:
+        dial.cancel()
+        server.close()
+        await t.close()
+    events = FrameDecoder().feed(bytes(got))
+    assert [type(e) for e in events] == [HelloReceived, GoodbyeReceived], events

@@ -435,7 +435,12 @@ class Connection(asyncio.BufferedProtocol):
             self.transport.write(frame)
 
     def say_goodbye(self) -> None:
-        if self.handshake.done() and not self.handshake.cancelled() and not self.handshake.exception():
+        """GOODBYE on this connection where this rank said HELLO on it: every dialed one (its
+        HELLO went out when it connected, answered or not: a peer that answers after this rank
+        has gone must still read that it left, not a lost connection) and every accepted one
+        whose handshake is done."""
+        hs = self.handshake
+        if self.dialed_peer is not None or (hs.done() and not hs.cancelled() and not hs.exception()):
             self.write_control(goodbye_frame(self.owner.rank))
 
     def fail(self, err: BaseException) -> None:
