@@ -115,9 +115,25 @@ def test_small_ops_end_in_their_call_and_still_let_the_loop_run(op: str) -> None
         assert out["ticks"] >= out["s"] * 1000 * 0.75, f"rank {r}: the ticker ran {out['ticks']} times in {out['s']:.3f} s"
 
 
-def test_a_killed_peer_fails_the_lane_wait_within_seconds() -> None:
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_lanes_mid_sizes_give_the_other_paths_results(n: int) -> None:
+    """256 KiB to 1 MiB a rank, where the lane's slots now hold them (done in the call where
+    the ranks arrive together): every op, in place and uneven, on the default group and a
+    subgroup, the same results as the halves, single copy or socket of a group without it."""
+    res = _run(["mid"], n)
+    for r, out in enumerate(res):
+        assert out["same"] and all(out["same"].values()), f"rank {r}: {out['same']}"
+        # default group: all_reduce, n broadcasts, reduce, 3 all_gathers, reduce_scatter
+        # (the subgroup's on its two ranks)
+        assert out["lane_ops"] >= n + 6 + (8 if r in (0, n - 1) else 0), out
+
+
+@pytest.mark.parametrize("count", [4, 100_000], ids=["4B", "400KB"])
+def test_a_killed_peer_fails_the_lane_wait_within_seconds(count: int) -> None:
     procs = [
-        subprocess.Popen([sys.executable, str(WORKER), "killed"], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, str(WORKER), "killed", str(count)], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for e in _envs(2)
     ]
     try:

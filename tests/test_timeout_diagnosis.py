@@ -265,3 +265,34 @@ async def test_deadline_late_is_the_timers_delay_not_the_unwinding() -> None:
             await asyncio.sleep(10)
     assert not d.fired and d.late == 0.0
     task.uncancel()
+
+
+async def test_a_rank_whose_report_lands_between_two_looks_is_read_not_blamed() -> None:
+    """Rank 1 writes its report, then its note of the same op, just after rank 0 looked for the
+    report and just before it looks for the note (a race seen in the chaos tier, where every
+    rank times out together; rank 1's last note may be of another op it had in flight): rank 0
+    reads the report the note says is there, follows rank 1's wait to rank 2 and names rank 2
+    alone, not rank 1 as 'never issued' the op it is in."""
+    from aiodist import HashStore
+    from aiodist.c10d._runner import NOTES, consult, culprits_of
+
+    class LateReport(HashStore):
+        """Rank 1's report and note appear right after the first look for its report."""
+
+        looked = False
+
+        async def check(self, keys: Any) -> bool:
+            got = await super().check(keys)
+            if not self.looked and list(keys) == ["aiodist/hang/3/4/1"]:
+                self.looked = True
+                await self.set("aiodist/hang/3/4/1", Report("reduce", (2,)).encode())
+                await self.append(NOTES + "1", Note(3, "seq 4", "reduce", time.time(), 4).encode() + "\n")
+                # and another op of rank 1 in flight that timed out too, noted after this one
+                await self.append(NOTES + "1", Note(0, "seq 5", "reduce_scatter_tensor", time.time(), 5).encode() + "\n")
+            return got
+
+    store = LateReport()
+    since = time.time() - 1
+    found = await consult(store, 3, 4, 0, Report("reduce", (1, 2)), Note(3, "seq 4", "reduce", time.time(), 4), 0.5, since=since)
+    assert 1 in found.reports and 1 not in found.notes, found
+    assert set(culprits_of(0, "reduce", 4, found)) == {2}

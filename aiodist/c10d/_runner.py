@@ -447,15 +447,16 @@ def culprits_of(me: int, op: str, seq: int, found: Findings) -> dict[int, str]:
 async def consult(store: Store, group_id: int, seq: int, me: int, mine: Report, note: Note, grace: float, *, since: float) -> Findings:
     """Write this rank's report and note, then read the reports of the ranks it waits on (and
     theirs) for most of ``grace`` seconds; a rank with no report here is looked for in the notes
-    of ops it timed out in since ``since``. ``answered`` is False when some store call did not
-    return within ``grace``, or failed."""
+    of ops it timed out in since ``since``, and its report still waited for until the polling
+    ends (its note of another op it had in flight may come first). ``answered`` is False when
+    some store call did not return within ``grace``, or failed."""
     prefix = f"aiodist/hang/{group_id}/{seq}/"
     found = Findings({me: mine}, store_host=_served_by(store))
     loop = asyncio.get_running_loop()
     stop = loop.time() + grace * 0.75  # the rest is the margin a slow answer may take
 
     def unknown() -> list[int]:
-        return [r for r in _walk(me, mine.op, found.reports).missing if r not in found.notes]
+        return _walk(me, mine.op, found.reports).missing
 
     passes = 0
     try:
@@ -470,9 +471,20 @@ async def consult(store: Store, group_id: int, seq: int, me: int, mine: Report, 
                             found.blocked[r] = said
                     if await store.check([prefix + str(r)]):
                         found.reports[r] = Report.decode(await store.get(prefix + str(r)))
+                        found.notes.pop(r, None)  # (its notes of other ops: it is in this one too)
+                        found.beyond.pop(r, None)
                     elif await store.check([NOTES + str(r)]):
                         fresh = [n for n in Note.decode_lines(await store.get(NOTES + str(r))) if n.t >= since]
-                        if fresh:
+                        if any(n.group == group_id and n.seq == seq for n in fresh):
+                            # a note of this very op: it wrote its report just before (after this
+                            # pass looked for it), so the report is there, with its waits
+                            found.reports[r] = Report.decode(await store.get(prefix + str(r)))
+                            found.notes.pop(r, None)
+                            found.beyond.pop(r, None)
+                        elif fresh and r not in found.notes:
+                            # timed out elsewhere: where it is, unless its report of this op
+                            # comes before the polling ends (a rank with several ops in flight
+                            # notes each, in the order their deadlines fired)
                             found.notes[r] = fresh
                             last = fresh[-1]
                             there = f"aiodist/hang/{group_id}/{last.seq}/{r}"

@@ -27,9 +27,17 @@ env:// groups. Each scenario prints one JSON line on stdout at its end (``killed
     reduce_scatter_tensor) back to back with a ticker task on the loop; prints ``{"eager": ops
     that ended in their issuing call, "ticks": the ticker's turns, "s": seconds, "got": the
     result}``.
-``killed``
+``mid``
+    The lane's mid sizes (256 KiB to 1 MiB a rank: all_reduce, broadcast from every root,
+    reduce, all_gather_into_tensor also in place, the uneven all_gather list, reduce_scatter)
+    on the default group and on a subgroup of ranks 0 and n - 1, each against the same call on
+    a group of the same ranks without the lane (``lane_max`` 0: the halves, single copy or the
+    socket); integer-valued floats, so every order of folding gives the same bits. Prints
+    ``{"same": {case: both agree and the result is the expected one}, "lane_ops": lane ops
+    this rank took}``.
+``killed COUNT``
     One all_reduce, then ``running``; rank 1 sleeps (the test SIGKILLs it) while rank 0 waits in
-    the next all_reduce and prints ``ERROR <time.time()!r> <class>: <message>`` (or ``no
+    the next all_reduce (of COUNT float32) and prints ``ERROR <time.time()!r> <class>: <message>`` (or ``no
     error``); exits without teardown.
 ``barrier``
     Three barriers, rank i the last to enter barrier i (0.4 s late); prints ``{"t": the times
@@ -202,7 +210,60 @@ async def eager(op: str) -> None:
     await dist.destroy_process_group()
 
 
-async def killed() -> None:
+async def mid() -> None:
+    await dist.init_process_group("gloo", timeout=30)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    pairs = [(dist.group.WORLD, await dist.new_group(list(range(n)), pg_options={"lane_max": 0}))]
+    sub, sub_off = await dist.new_group([0, n - 1]), await dist.new_group([0, n - 1], pg_options={"lane_max": 0})
+    if rank in (0, n - 1):
+        pairs.append((sub, sub_off))
+    same: dict[str, bool] = {}
+    before = dist.group.WORLD.backend.stats()["shm"]["lane_ops"]
+
+    def ints(count: int, salt: int) -> np.ndarray:
+        return np.random.default_rng(1000 * salt + count).integers(-1000, 1000, count).astype(np.float32)
+
+    for k, (lane, off) in enumerate(pairs):
+        g_rank, g_n = dist.get_group_rank(lane, rank), dist.get_world_size(lane)
+        mine = [ints(100_000, q) for q in range(g_n)]  # 400 KB: all_reduce's lane ends at 512 KiB
+        for name, group in (("lane", lane), ("off", off)):
+            x = mine[g_rank].copy()
+            await dist.all_reduce(x, group=group)
+            same[f"{k}_all_reduce_{name}"] = bool(np.array_equal(x, np.sum(mine, axis=0)))
+        for root in range(g_n):  # 1 MB: the slot's size
+            want = ints(250_000, 7 + root)
+            for name, group in (("lane", lane), ("off", off)):
+                b = want.copy() if g_rank == root else np.zeros(250_000, np.float32)
+                await dist.broadcast(b, group_src=root, group=group)
+                same[f"{k}_broadcast_{root}_{name}"] = bool(np.array_equal(b, want))
+        parts = [ints(250_000, 20 + q) for q in range(g_n)]
+        for name, group in (("lane", lane), ("off", off)):
+            r = parts[g_rank].copy()
+            await dist.reduce(r, group_dst=g_n - 1, group=group)
+            same[f"{k}_reduce_{name}"] = g_rank != g_n - 1 or bool(np.array_equal(r, np.sum(parts, axis=0)))
+        pieces = [ints(200_000, 30 + q) for q in range(g_n)]  # 800 KB a rank
+        for name, group in (("lane", lane), ("off", off)):
+            out = np.zeros(200_000 * g_n, np.float32)
+            await dist.all_gather_into_tensor(out, pieces[g_rank], group=group)
+            same[f"{k}_all_gather_{name}"] = bool(np.array_equal(out, np.concatenate(pieces)))
+            out = np.zeros(200_000 * g_n, np.float32)
+            out[200_000 * g_rank : 200_000 * (g_rank + 1)] = pieces[g_rank]
+            await dist.all_gather_into_tensor(out, out[200_000 * g_rank : 200_000 * (g_rank + 1)], group=group)  # in place
+            same[f"{k}_all_gather_in_place_{name}"] = bool(np.array_equal(out, np.concatenate(pieces)))
+            uneven = [np.zeros(100_000 + 50_000 * q, np.float32) for q in range(g_n)]
+            await dist.all_gather(uneven, ints(100_000 + 50_000 * g_rank, 40 + g_rank), group=group)
+            same[f"{k}_all_gather_uneven_{name}"] = all(np.array_equal(u, ints(100_000 + 50_000 * q, 40 + q)) for q, u in enumerate(uneven))
+        inputs = [ints(80_000 * g_n, 50 + q) for q in range(g_n)]  # up to 960 KB of input
+        for name, group in (("lane", lane), ("off", off)):
+            o = np.zeros(80_000, np.float32)
+            await dist.reduce_scatter_tensor(o, inputs[g_rank], group=group)
+            same[f"{k}_reduce_scatter_{name}"] = bool(np.array_equal(o, np.sum(inputs, axis=0)[80_000 * g_rank : 80_000 * (g_rank + 1)]))
+    lane_ops = dist.group.WORLD.backend.stats()["shm"]["lane_ops"] - before
+    await dist.destroy_process_group()
+    print(json.dumps({"same": same, "lane_ops": lane_ops}))
+
+
+async def killed(count: int) -> None:
     await dist.init_process_group("gloo", timeout=30)
     rank = dist.get_rank()
     await dist.all_reduce(np.ones(4, np.float32))
@@ -210,7 +271,7 @@ async def killed() -> None:
     if rank == 1:
         await asyncio.sleep(60)  # killed here, while rank 0 waits in the lane
     try:
-        await dist.all_reduce(np.ones(4, np.float32))
+        await dist.all_reduce(np.ones(count, np.float32))
         print("no error", flush=True)
     except dist.DistError as exc:
         print(f"ERROR {time.time()!r} {type(exc).__name__}: {exc}", flush=True)
@@ -240,7 +301,8 @@ SCENARIOS: dict[str, tuple[Callable[..., Awaitable[None]], tuple[type, ...]]] = 
     "desync": (desync, (int, int)),
     "missing": (missing, (str,)),
     "eager": (eager, (str,)),
-    "killed": (killed, ()),
+    "mid": (mid, ()),
+    "killed": (killed, (int,)),
     "barrier": (barrier, ()),
 }
 
