@@ -140,7 +140,7 @@ async def test_two_concurrent_inits_refuse_the_second_and_leak_nothing() -> None
 
 def test_a_tiny_group_timeout_still_gives_the_op_its_time() -> None:
     """A 50 ms timeout kept all 50 ms as the diagnosis grace: the op timed out at once."""
-    from aiodist.c10d._runner import grace_for
+    from aiodist.c10d._diagnosis import grace_for
 
     # the op's own deadline is its time less the grace: 25 ms of 50 (it was 0); no op is run
     # here, since a real 25 ms deadline would make the test depend on the machine's load

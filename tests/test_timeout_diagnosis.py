@@ -20,7 +20,7 @@ import pytest
 
 import aiodist as dist
 from aiodist._time import Deadline
-from aiodist.c10d._runner import DETAIL_HINT, Findings, Note, Report, explain
+from aiodist.c10d._diagnosis import DETAIL_HINT, Findings, Note, Report, explain
 from aiodist.testing import run_world
 from aiodist.testing.ports import free_port
 
@@ -274,7 +274,7 @@ async def test_a_rank_whose_report_lands_between_two_looks_is_read_not_blamed() 
     reads the report the note says is there, follows rank 1's wait to rank 2 and names rank 2
     alone, not rank 1 as 'never issued' the op it is in."""
     from aiodist import HashStore
-    from aiodist.c10d._runner import NOTES, consult, culprits_of
+    from aiodist.c10d._diagnosis import NOTES, consult, culprits_of
 
     class LateReport(HashStore):
         """Rank 1's report and note appear right after the first look for its report."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from _procs import kill_all, read_lines_until, start_ranks  # this folder's helpers (pytest puts it on sys.path)
 
-from aiodist.c10d._runner import Findings, Note, Report, _chase, explain
+from aiodist.c10d._diagnosis import Findings, Note, Report, _chase, explain
 from aiodist.store import HashStore
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(60)]
