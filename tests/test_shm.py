@@ -480,7 +480,9 @@ async def test_ops_done_in_their_calls_change_nothing_but_where_they_run(monkeyp
             await dist.scatter(sc, [np.full(3, q + i + 0.5) for q in range(2)] if rank == 1 - i % 2 else None, src=1 - i % 2)
             aa = np.empty(4, np.float32)
             await dist.all_to_all_single(aa, np.arange(4, dtype=np.float32) + 10 * rank + i)
-            got = (x, y, z, a, v, sc, aa) if gl is None else (x, y, z, a, v, sc, aa, *gl)
+            big = np.arange(131_072 + i, dtype=np.float32) * (rank + 1) + i  # 512 KB: folded by slices
+            await dist.all_reduce(big)
+            got = (x, y, z, a, v, sc, aa, big[[0, 65_536, -1]]) if gl is None else (x, y, z, a, v, sc, aa, big[[0, 65_536, -1]], *gl)
             outs.append((*(t.tolist() for t in got), w.is_completed(), w.is_success()))
         entries = [(e["op"], e["seq"], e["kind"], e["state"], e["error"]) for e in pg.recorder.to_json()]
         return outs, entries, int(pg.stats()["eager"])

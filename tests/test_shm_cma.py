@@ -681,7 +681,7 @@ async def test_all_reduce_into_writes_the_sum_into_the_outputs(monkeypatch: pyte
     monkeypatch.setattr(Into, "copy_from", counted)
     for k, v in ENV.items():
         monkeypatch.setenv(k, v)
-    rules = {"allreduce_cma_min": "64K" if single else -1, "lane_max": 0}
+    rules = {"allreduce_cma_min": "64K" if single else -1, "allreduce_shm_min": "256K", "lane_max": 0}
     m = 150_001
     sizes = [40_000, 0, 60_000, m - 100_000]
 

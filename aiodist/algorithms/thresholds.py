@@ -75,10 +75,12 @@ class Thresholds:
     pipeline_piece: int = 4 * MiB
     #: all_reduce through shared memory's halves or single copy (aiodist.shm: every rank of the
     #: group on one host) from this many bytes; negative: never. Below it, the latency lane
-    #: (done in the call where the ranks arrive together). Measured back to back here, the lane
-    #: against the halves: 2 ranks 256 KiB 45 us against 68, 512 KiB 76 against 82, 1 MiB 140
-    #: against 113; 4 ranks on 2 cores 256 KiB 124-327 against 286-443, 512 KiB 682 against 644.
-    allreduce_shm_min: int = 512 * KiB
+    #: (done in the call where the ranks arrive together; from 1 MiB in all slots it folds by
+    #: slices, aiodist.shm._lane.sliced): by default past the lane's 1 MiB slot. Measured back to
+    #: back here, the lane against the halves: 2 ranks 256 KiB 45 us against 68, 512 KiB 62
+    #: against 82, 1 MiB 90 against 113-123; 4 ranks on 2 cores 256 KiB 356 against 506 (one
+    #: lane op) and 286-443 (halves), 512 KiB 588 against 644-751, 1 MiB 1131 against 1056.
+    allreduce_shm_min: int = 1 * MiB + 1
     #: all_gather through shared memory's halves or single copy from this many bytes in total
     #: (the output), or where a rank's part does not fit the lane; negative: never. Below it the
     #: lane. Measured back to back here (per rank's part; the lane against the halves or single

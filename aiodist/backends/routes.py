@@ -46,7 +46,12 @@ from aiodist.shm import (
     gather_even,
     gather_finish,
     gather_posts,
+    lane_all_reduce_gather,
+    lane_gather_slices,
     lane_now,
+    lane_parts,
+    lane_slice_sizes,
+    lane_sliced,
     op_link,
     run_all_gather,
     run_all_reduce,
@@ -314,12 +319,40 @@ class Quick:
             return None
         views = g.typed_slots(g.lane_ops & 1, flat.dtype, flat.size)  # (the slot post takes)
         views[g.me][...] = flat
+        b = lane_sliced(flat.nbytes, flat.size, len(self.ranks))
+        if b is not None:
+            return self._sliced(g, seq, digest, flat, fold, views, b)
         tmp = self._scratch(flat)
         s = lane_now(g, seq, digest, None, self.sizes, flat.nbytes)
         if s >= 0:
             fold(flat, views, tmp)
             return True
         return self._park(g, s + 2, self.sizes, "all_reduce", lambda link, g, s: fold(flat, views, tmp))
+
+    def _sliced(
+        self, g: GroupShm, seq: int, digest: int, flat: np.ndarray, fold: Fold, views: list[np.ndarray], b: list[int]
+    ) -> bool | Rest:
+        """An all_reduce folded by slices (``aiodist.shm._lane.sliced``), its input already in
+        this rank's slot: the first lane op, this rank's slice folded, the second lane op with
+        it, the others' slices copied; parked at whichever lane op a peer is not there for."""
+        me = self.me
+        lo, hi = b[me], b[me + 1]
+        out = flat[lo:hi]
+        s = lane_now(g, seq, digest, None, self.sizes, flat.nbytes)
+        if s < 0:
+
+            def rest(link: Any, g: GroupShm, s: int) -> Any:
+                fold(out, [v[lo:hi] for v in views], None)
+                return lane_all_reduce_gather(link, g, flat, b)
+
+            return self._park(g, s + 2, self.sizes, "all_reduce", rest)
+        fold(out, [v[lo:hi] for v in views], None)
+        sizes = lane_slice_sizes(b, flat.itemsize)
+        s = lane_now(g, seq, digest, out.view(np.uint8), sizes)
+        if s >= 0:
+            lane_gather_slices(flat, lane_parts(g, s, sizes), b, me)
+            return True
+        return self._park(g, s + 2, sizes, "all_reduce", lambda link, g, s: lane_gather_slices(flat, lane_parts(g, s, sizes), b, me))
 
     def broadcast(self, seq: int, digest: int, flat: np.ndarray, root: int) -> bool | Rest | None:
         """Broadcast ``flat`` from group rank ``root``."""

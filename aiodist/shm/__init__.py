@@ -18,6 +18,7 @@ from aiodist.algorithms.p2p import P2P
 from aiodist.shm import _algorithms, _lane
 from aiodist.shm._algorithms import Into, all_to_all_copy, all_to_all_inline_agree, all_to_all_rest, all_to_all_table
 from aiodist.shm._algorithms import table_bytes as all_to_all_table_bytes
+from aiodist.shm._lane import all_reduce_gather as lane_all_reduce_gather
 from aiodist.shm._lane import (
     gather_even,
     gather_finish,
@@ -27,7 +28,11 @@ from aiodist.shm._lane import (
     scatter_posts,
     settle,
 )
+from aiodist.shm._lane import gather_slices as lane_gather_slices
 from aiodist.shm._lane import now as lane_now
+from aiodist.shm._lane import parts as lane_parts
+from aiodist.shm._lane import slice_sizes as lane_slice_sizes
+from aiodist.shm._lane import sliced as lane_sliced
 from aiodist.shm._link import OpLink, op_link
 from aiodist.shm._manager import DEFAULT_BYTES, ENV_BYTES, GroupShm, SharedMemory, Ticket, segment_bytes
 
@@ -50,6 +55,11 @@ __all__ = [
     "run_gather",
     "run_scatter",
     "lane_now",
+    "lane_parts",
+    "lane_sliced",
+    "lane_slice_sizes",
+    "lane_all_reduce_gather",
+    "lane_gather_slices",
     "all_to_all_copy",
     "all_to_all_inline_agree",
     "all_to_all_rest",

@@ -58,6 +58,11 @@ from aiodist.shm._link import OpLink
 from aiodist.shm._manager import LANE_SLOT, GroupShm
 
 __all__ = [
+    "SLICED_TOTAL",
+    "sliced",
+    "slice_sizes",
+    "all_reduce_gather",
+    "gather_slices",
     "post",
     "collect",
     "parts",
@@ -210,15 +215,68 @@ async def exchange(
     return await settle(p2p, g, s, sizes, op)
 
 
+#: an all_reduce whose slots hold at least this many bytes in all (its size times the group's)
+#: folds by slices: a first lane op posts every rank's input, each rank folds its own slice of
+#: every slot (``sliced``: ``chunk_bounds``), a second posts the folded slices and each rank
+#: copies the others' (a rank's memory traffic about 2.5 bytes a byte at 2 ranks, 2.75 at 4,
+#: against 3 and 5 where every rank folds every slot). Below it one lane op, every rank folding
+#: every slot. Measured back to back here, sliced against one lane op: 2 ranks 128 KiB 34 us
+#: against 28, 256 KiB 50 against 45, 512 KiB 62 against 80, 1 MiB 90 against 137; 4 ranks on
+#: 2 cores 128 KiB 256 against 195, 256 KiB 356 against 506, 1 MiB 1131 against 1397.
+SLICED_TOTAL = 1 << 20
+
+
+def sliced(n: int, items: int, p: int) -> list[int] | None:
+    """The slice bounds (items, ``chunk_bounds``) of an all_reduce of ``n`` bytes (``items``
+    elements) in a group of ``p``, where it folds by slices; None where it folds every slot."""
+    if p < 2 or n * p < SLICED_TOTAL:
+        return None
+    q, r = divmod(items, p)
+    return [i * q + min(i, r) for i in range(p + 1)]
+
+
+def slice_sizes(b: Sequence[int], itemsize: int) -> list[int]:
+    """What each rank posts in a sliced all_reduce's second lane op: its slice, in bytes."""
+    return [(b[q + 1] - b[q]) * itemsize for q in range(len(b) - 1)]
+
+
 async def all_reduce(p2p: OpLink, g: GroupShm, flat: np.ndarray, combine: Combine) -> None:
-    """``flat`` reduced across the group in place, in rank order (the same bits everywhere)."""
+    """``flat`` reduced across the group in place, in rank order (the same bits everywhere);
+    by slices (two lane ops, ``sliced``) from ``SLICED_TOTAL`` bytes in all slots."""
     n = flat.nbytes
     mine = byte_view(flat)
-    parts = await exchange(p2p, g, mine, [n] * p2p.size, "all_reduce")
-    np.copyto(mine, parts[0])
+    p = p2p.size
+    parts = await exchange(p2p, g, mine, [n] * p, "all_reduce")
+    b = sliced(n, flat.size, p)
     dt = flat.dtype
+    if b is None:
+        np.copyto(mine, parts[0])
+        for part in parts[1:]:
+            combine(flat, part.view(dt))
+        return
+    me, k = p2p.rank, dt.itemsize
+    lo, hi = b[me], b[me + 1]
+    out = flat[lo:hi]
+    np.copyto(out, parts[0][lo * k : hi * k].view(dt))
     for part in parts[1:]:
-        combine(flat, part.view(dt))
+        combine(out, part[lo * k : hi * k].view(dt))
+    await all_reduce_gather(p2p, g, flat, b)
+
+
+async def all_reduce_gather(p2p: OpLink, g: GroupShm, flat: np.ndarray, b: Sequence[int]) -> None:
+    """A sliced all_reduce's second lane op: post this rank's folded slice of ``flat``, copy
+    every other rank's into ``flat``."""
+    me, k = p2p.rank, flat.itemsize
+    parts = await exchange(p2p, g, byte_view(flat[b[me] : b[me + 1]]), slice_sizes(b, k), "all_reduce")
+    gather_slices(flat, parts, b, me)
+
+
+def gather_slices(flat: np.ndarray, parts: Sequence[np.ndarray], b: Sequence[int], me: int) -> None:
+    """Every other rank's folded slice (``parts[q]``, bytes) into its place in ``flat``."""
+    dt = flat.dtype
+    for q, part in enumerate(parts):
+        if q != me:
+            flat[b[q] : b[q + 1]] = part.view(dt)
 
 
 async def reduce(p2p: OpLink, g: GroupShm, flat: np.ndarray, root: int, combine: Combine) -> None:

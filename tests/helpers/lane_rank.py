@@ -28,7 +28,7 @@ env:// groups. Each scenario prints one JSON line on stdout at its end (``killed
     that ended in their issuing call, "ticks": the ticker's turns, "s": seconds, "got": the
     result}``.
 ``mid``
-    The lane's mid sizes (256 KiB to 1 MiB a rank: all_reduce, broadcast from every root,
+    The lane's mid sizes (256 KiB to 1 MiB a rank: all_reduce, also folded by slices, broadcast from every root,
     reduce, all_gather_into_tensor also in place, the uneven all_gather list, reduce_scatter)
     on the default group and on a subgroup of ranks 0 and n - 1, each against the same call on
     a group of the same ranks without the lane (``lane_max`` 0: the halves, single copy or the
@@ -225,11 +225,12 @@ async def mid() -> None:
 
     for k, (lane, off) in enumerate(pairs):
         g_rank, g_n = dist.get_group_rank(lane, rank), dist.get_world_size(lane)
-        mine = [ints(100_000, q) for q in range(g_n)]  # 400 KB: all_reduce's lane ends at 512 KiB
-        for name, group in (("lane", lane), ("off", off)):
-            x = mine[g_rank].copy()
-            await dist.all_reduce(x, group=group)
-            same[f"{k}_all_reduce_{name}"] = bool(np.array_equal(x, np.sum(mine, axis=0)))
+        for count in (100_000, 262_144, 70_001):  # 400 KB; 1 MiB, the slot (folded by slices); odd slices
+            mine = [ints(count, q) for q in range(g_n)]
+            for name, group in (("lane", lane), ("off", off)):
+                x = mine[g_rank].copy()
+                await dist.all_reduce(x, group=group)
+                same[f"{k}_all_reduce_{count}_{name}"] = bool(np.array_equal(x, np.sum(mine, axis=0)))
         for root in range(g_n):  # 1 MB: the slot's size
             want = ints(250_000, 7 + root)
             for name, group in (("lane", lane), ("off", off)):
