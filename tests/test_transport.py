@@ -711,3 +711,24 @@ async def test_a_closing_rank_says_goodbye_on_a_dial_not_yet_answered() -> None:
         await t.close()
     events = FrameDecoder().feed(bytes(got))
     assert [type(e) for e in events] == [HelloReceived, GoodbyeReceived], events
+
+
+async def test_a_send_between_a_peers_eof_and_the_loss_names_the_peer() -> None:
+    """A peer's process ends (EOF, no GOODBYE): a send issued before the transport reports the
+    loss (between the EOF and ``connection_lost``, where the connection is closing) fails with
+    the peer in its ``culprits``, as every later op's error does, also through the send line's
+    wrapping, so every survivor names it (a send in that window once failed naming nobody, and
+    the survivors disagreed on whom to shrink away: the chaos fuzz across hosts)."""
+    from aiodist.wire.frame import FrameHeader, FrameKind
+
+    async with world(2) as ts:
+        await ts[0].connect()
+        (conn,) = [c for c in ts[0]._conns if c.peer == 1]
+        assert conn.eof_received() is False  # the event as the loop delivers it
+        header = FrameHeader(FrameKind.DATA, 1, 2, 3, 0, 8)
+        with pytest.raises(DistNetworkError, match="without GOODBYE") as info:
+            conn.write_frame(header, np.zeros(1), 1)
+        assert list(info.value.culprits) == [1]
+        with pytest.raises(DistNetworkError, match="during a send to rank 1") as info:  # through the send line
+            await ts[0].send(1, np.zeros(1), tag=0)
+        assert list(info.value.culprits) == [1]

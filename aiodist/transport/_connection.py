@@ -127,6 +127,7 @@ class Connection(asyncio.BufferedProtocol):
         self.bytes_in = 0
         self.bytes_out = 0
         self.goodbye = False  # the peer said GOODBYE
+        self._closed_here = False  # this rank closed it (``close``)
         self.timed_out = False  # the kernel gave up on the peer: nothing acknowledged (_watch_link)
         self.closed = asyncio.get_running_loop().create_future()  # set in connection_lost
         self._paused = False
@@ -201,7 +202,23 @@ class Connection(asyncio.BufferedProtocol):
         except RemoteProtocolError as exc:
             self._unheard_broke(exc)
             self.fail(DistNetworkError(f"rank {self.owner.rank}: {self._who()} closed the connection mid-frame: {exc}"))
+            return False
+        if self._error is None and not self.goodbye and self.peer is not None:
+            # the peer's process ended: said now, with the peer named, for a send that comes
+            # before the transport reports the loss (it would find the connection closing)
+            self._error = DistNetworkError(
+                f"rank {self.owner.rank}: {self._who()} closed the connection without GOODBYE (its process ended or crashed)",
+                culprits=self._lost_peer(),
+            )
         return False  # close our side too
+
+    def _lost_peer(self) -> dict[int, str]:
+        """The ``culprits`` of an error on this connection that its peer ended (as the
+        transport's loss names it), or none where this rank closed it or the peer is unknown."""
+        if self.peer is None or self._closed_here:
+            return {}
+        how = "it left" if self.goodbye else "closed it without GOODBYE (its process ended or crashed)"
+        return {self.peer: "lost its connection: " + how}
 
     def _handshake_expired(self) -> None:
         # After a long block of the loop a HELLO that came meanwhile is read first: both loops
@@ -407,9 +424,11 @@ class Connection(asyncio.BufferedProtocol):
         tr = self.transport
         assert tr is not None
         if tr.is_closing():
-            # write() on a closing transport is silently dropped: refuse rather than report success
+            # write() on a closing transport is silently dropped: refuse rather than report
+            # success; closing and not by this rank, the peer ended it (the loss is on its way)
             raise DistNetworkError(
-                f"connection to rank {self.peer} is closed; cannot send (group {header.group}, seq {header.seq}, tag {header.tag})"
+                f"connection to rank {self.peer} is closed; cannot send (group {header.group}, seq {header.seq}, tag {header.tag})",
+                culprits=self._lost_peer(),
             )
         for part in frame_parts(header, payload):
             tr.write(part)
@@ -451,6 +470,7 @@ class Connection(asyncio.BufferedProtocol):
             self.transport.abort()
 
     def close(self) -> None:
+        self._closed_here = True
         if self.transport is not None:
             self.transport.close()
 

@@ -150,7 +150,7 @@ class Lines:
                 f"rank {self.rank}: send to rank {dst} ({describe_key(key)}{on}, {view.nbytes} bytes) did not complete in {self.timeout:g} s{self._dialer.never(dst)}"
             ) from None
         except DistNetworkError as exc:
-            raise DistNetworkError(f"{exc} (during a send to rank {dst}, {describe_key(key)}{on})") from exc
+            raise DistNetworkError(f"{exc} (during a send to rank {dst}, {describe_key(key)}{on})", culprits=exc.culprits) from exc
         if group in self._standing.aborted:
             raise self._standing.abort_error(group)
 
@@ -158,7 +158,7 @@ class Lines:
         try:
             drained = conn.write_frame(header, view, key[0])
         except DistNetworkError as exc:
-            raise DistNetworkError(f"{exc} (during a send to rank {dst}, {describe_key(key)})") from exc
+            raise DistNetworkError(f"{exc} (during a send to rank {dst}, {describe_key(key)})", culprits=exc.culprits) from exc
         if drained is None and key[0] in self._standing.aborted:
             raise self._standing.abort_error(key[0])
         return drained
