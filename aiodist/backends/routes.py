@@ -225,7 +225,7 @@ class Quick:
     ``Rest`` waits in a task. Elsewhere (an op ahead in line, no agreement yet, the socket
     path) it answers None having done nothing, and the op takes its route."""
 
-    __slots__ = ("shm", "group_id", "ranks", "me", "nbytes", "line", "g", "sizes", "any_sizes", "_by_root", "_tmp")
+    __slots__ = ("shm", "group_id", "ranks", "me", "nbytes", "line", "g", "sizes", "any_sizes", "_by_root", "_tmp", "_sliced")
 
     def __init__(self, shm: Any, group_id: int, ranks: Sequence[int], nbytes: int) -> None:
         self.shm = shm
@@ -239,6 +239,7 @@ class Quick:
         self.me = list(ranks).index(shm.rank)
         self._by_root: dict[int, list[int]] = {}  # a broadcast's sizes, by its root
         self._tmp: np.ndarray | None = None  # a fold's second array (``aiodist.types.folder``)
+        self._sliced = lane_sliced(nbytes, 1, len(ranks)) is not None  # an all_reduce of this size folds by slices
 
     def _lane(self) -> GroupShm | None:
         """The group's lane where this op may take it now (its line empty), else None."""
@@ -319,9 +320,10 @@ class Quick:
             return None
         views = g.typed_slots(g.lane_ops & 1, flat.dtype, flat.size)  # (the slot post takes)
         views[g.me][...] = flat
-        b = lane_sliced(flat.nbytes, flat.size, len(self.ranks))
-        if b is not None:
-            return self._sliced(g, seq, digest, flat, fold, views, b)
+        if self._sliced:
+            b = lane_sliced(flat.nbytes, flat.size, len(self.ranks))
+            assert b is not None
+            return self._fold_sliced(g, seq, digest, flat, fold, views, b)
         tmp = self._scratch(flat)
         s = lane_now(g, seq, digest, None, self.sizes, flat.nbytes)
         if s >= 0:
@@ -329,7 +331,7 @@ class Quick:
             return True
         return self._park(g, s + 2, self.sizes, "all_reduce", lambda link, g, s: fold(flat, views, tmp))
 
-    def _sliced(
+    def _fold_sliced(
         self, g: GroupShm, seq: int, digest: int, flat: np.ndarray, fold: Fold, views: list[np.ndarray], b: list[int]
     ) -> bool | Rest:
         """An all_reduce folded by slices (``aiodist.shm._lane.sliced``), its input already in
