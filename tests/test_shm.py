@@ -326,8 +326,10 @@ async def test_an_error_in_the_agreement_sends_the_group_to_the_socket_path(shm_
             logs.append(r.getMessage())
 
     handler = Keep()
-    logging.getLogger("aiodist.shm").addHandler(handler)
-    monkeypatch.setattr(logging.getLogger("aiodist.shm"), "level", logging.INFO)
+    shm_log = logging.getLogger("aiodist.shm")
+    shm_log.addHandler(handler)
+    old_level = shm_log.level
+    shm_log.setLevel(logging.INFO)  # (setLevel, not the attribute: it clears the loggers' cached levels)
 
     async def fn(rank: int) -> tuple[np.ndarray, dict[str, Any]]:
         x = np.full(BIG, rank + 1.0, np.float32)
@@ -338,7 +340,8 @@ async def test_an_error_in_the_agreement_sends_the_group_to_the_socket_path(shm_
     try:
         res = await run_world(2, fn, "gloo", timeout=30, pg_options=RULES)
     finally:
-        logging.getLogger("aiodist.shm").removeHandler(handler)
+        shm_log.removeHandler(handler)
+        shm_log.setLevel(old_level)
     for x, st in res:
         assert np.array_equal(x, np.full(BIG, 6.0, np.float32))
         assert (st["groups"], st["own_segments"], st["mapped_segments"]) == ([], 0, 0), st

@@ -294,7 +294,8 @@ async def consult(store: Store, group_id: int, seq: int, me: int, mine: Report, 
                         found.reports[r] = Report.decode(await store.get(prefix + str(r)))
                         found.notes.pop(r, None)  # (its notes of other ops: it is in this one too)
                         found.beyond.pop(r, None)
-                    elif await store.check([NOTES + str(r)]):
+                    elif r not in found.notes and await store.check([NOTES + str(r)]):
+                        # (read once: a later timeout of this op writes its report first)
                         fresh = [n for n in Note.decode_lines(await store.get(NOTES + str(r))) if n.t >= since]
                         if any(n.group == group_id and n.seq == seq for n in fresh):
                             # a note of this very op: it wrote its report just before (after this
@@ -302,7 +303,7 @@ async def consult(store: Store, group_id: int, seq: int, me: int, mine: Report, 
                             found.reports[r] = Report.decode(await store.get(prefix + str(r)))
                             found.notes.pop(r, None)
                             found.beyond.pop(r, None)
-                        elif fresh and r not in found.notes:
+                        elif fresh:
                             # timed out elsewhere: where it is, unless its report of this op
                             # comes before the polling ends (a rank with several ops in flight
                             # notes each, in the order their deadlines fired)

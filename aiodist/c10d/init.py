@@ -45,7 +45,7 @@ from aiodist.c10d.world import NON_GROUP_MEMBER, World, current_world, default_g
 from aiodist.constants import default_pg_timeout
 from aiodist.errors import DistBackendError, DistTimeoutError
 from aiodist.rendezvous import rendezvous, warn_if_launcher_disagrees
-from aiodist.store.base import Store
+from aiodist.store.base import Store, present
 from aiodist.store.prefix import PrefixStore
 
 log = logging.getLogger("aiodist.c10d.init")
@@ -764,14 +764,12 @@ async def _agree_on_exclusion(world: World, pg: ProcessGroup, count: int, out: l
     loop = asyncio.get_running_loop()
     end = loop.time() + pg.timeout_s
     seen: dict[int, str] = {}  # rank -> its list, once read
+    rank_of = dict(zip(keys, others))
     while True:
-        if await store.check([k for r, k in zip(others, keys) if r not in seen]):  # (one round trip when all are there)
-            fresh = [(r, k) for r, k in zip(others, keys) if r not in seen]
-        else:
-            fresh = [(r, k) for r, k in zip(others, keys) if r not in seen and await store.check([k])]
+        fresh = await present(store, [k for r, k in zip(others, keys) if r not in seen])
         if fresh:
-            values = await store.multi_get([k for _, k in fresh])
-            seen.update((r, v.decode()) for (r, _), v in zip(fresh, values))
+            values = await store.multi_get(fresh)
+            seen.update((rank_of[k], v.decode()) for k, v in zip(fresh, values))
             differ = {r: v for r, v in seen.items() if v != mine}
             if differ:
                 said = "; ".join(f"rank {r} excludes [{v}]" for r, v in sorted(differ.items()))

@@ -53,6 +53,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from aiodist._message import byte_view
+from aiodist.algorithms.schedule import chunk_bounds
 from aiodist.errors import DistBackendError
 from aiodist.shm._link import OpLink
 from aiodist.shm._manager import LANE_SLOT, GroupShm
@@ -229,10 +230,7 @@ SLICED_TOTAL = 1 << 20
 def sliced(n: int, items: int, p: int) -> list[int] | None:
     """The slice bounds (items, ``chunk_bounds``) of an all_reduce of ``n`` bytes (``items``
     elements) in a group of ``p``, where it folds by slices; None where it folds every slot."""
-    if p < 2 or n * p < SLICED_TOTAL:
-        return None
-    q, r = divmod(items, p)
-    return [i * q + min(i, r) for i in range(p + 1)]
+    return None if p < 2 or n * p < SLICED_TOTAL else chunk_bounds(items, p)
 
 
 def slice_sizes(b: Sequence[int], itemsize: int) -> list[int]:

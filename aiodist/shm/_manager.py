@@ -47,7 +47,7 @@ from aiodist.knobs import knob
 from aiodist.shm import _cma
 from aiodist.shm._link import OpLink
 from aiodist.shm._segment import FdServer, Segment, fetch
-from aiodist.store.base import Store
+from aiodist.store.base import Store, present
 
 __all__ = ["SharedMemory", "GroupShm", "Ticket", "ENV_BYTES", "DEFAULT_BYTES", "segment_bytes"]
 
@@ -402,14 +402,11 @@ class SharedMemory:
         store before the transport's exchange ends: read after it, one round trip when all are
         there). A rank with no record (a peer that is not an aio backend) is a host of its own
         (``"?<rank>"``): never waited for, never taken for a neighbour."""
-        missing = [r for r in range(world_size) if r not in self._records and r != self.rank]
-        keys = [f"{_KEY}{r}" for r in missing]
-        if missing and not await self.store.check(keys):
-            present = [(r, k) for r, k in zip(missing, keys, strict=True) if await self.store.check([k])]
-            missing, keys = [r for r, _ in present], [k for _, k in present]
-        if missing:
-            for r, v in zip(missing, await self.store.multi_get(keys), strict=True):
-                self._records[r] = json.loads(v)
+        wanted = {f"{_KEY}{r}": r for r in range(world_size) if r not in self._records and r != self.rank}
+        keys = await present(self.store, list(wanted))
+        if keys:
+            for k, v in zip(keys, await self.store.multi_get(keys), strict=True):
+                self._records[wanted[k]] = json.loads(v)
         return [
             self._host_id if r == self.rank else str(self._records[r].get("host_id", "")) if r in self._records else f"?{r}"
             for r in range(world_size)

@@ -23,7 +23,7 @@ from aiodist._pending import communicating
 from aiodist._time import TimeoutLike, to_seconds
 from aiodist.errors import StoreTimeoutError
 
-__all__ = ["Store", "DEFAULT_STORE_TIMEOUT", "ValueLike"]
+__all__ = ["Store", "DEFAULT_STORE_TIMEOUT", "ValueLike", "present"]
 
 DEFAULT_STORE_TIMEOUT = timedelta(seconds=300)
 
@@ -249,3 +249,11 @@ class Store(abc.ABC):
 
     def _describe(self) -> str:
         return type(self).__name__
+
+
+async def present(store: Store, keys: Sequence[str]) -> list[str]:
+    """The keys of ``keys`` that ``store`` holds now, in order: one round trip where all are
+    there (the common case of a poll that is about to end), else one ``check`` a key."""
+    if not keys or await store.check(keys):
+        return list(keys)
+    return [k for k in keys if await store.check([k])]

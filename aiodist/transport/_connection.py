@@ -111,6 +111,9 @@ class ConnectionOwner(Protocol):
         landing in, if one was."""
 
 
+_NO_GOODBYE = "closed the connection without GOODBYE (its process ended or crashed)"
+
+
 class Connection(asyncio.BufferedProtocol):
     """A connection to one peer rank (``peer`` is None until its HELLO is in)."""
 
@@ -207,18 +210,25 @@ class Connection(asyncio.BufferedProtocol):
             # the peer's process ended: said now, with the peer named, for a send that comes
             # before the transport reports the loss (it would find the connection closing)
             self._error = DistNetworkError(
-                f"rank {self.owner.rank}: {self._who()} closed the connection without GOODBYE (its process ended or crashed)",
+                f"rank {self.owner.rank}: {self._who()} {_NO_GOODBYE}",
                 culprits=self._lost_peer(),
             )
         return False  # close our side too
+
+    def lost_how(self) -> str:
+        """How the peer ended this connection, as a lost peer's ``culprits`` say it."""
+        if self.goodbye:
+            return "lost its connection: it left"
+        if self.timed_out:
+            return "lost its connection: it stopped answering (its link or host is down)"
+        return "lost its connection: closed it without GOODBYE (its process ended or crashed)"
 
     def _lost_peer(self) -> dict[int, str]:
         """The ``culprits`` of an error on this connection that its peer ended (as the
         transport's loss names it), or none where this rank closed it or the peer is unknown."""
         if self.peer is None or self._closed_here:
             return {}
-        how = "it left" if self.goodbye else "closed it without GOODBYE (its process ended or crashed)"
-        return {self.peer: "lost its connection: " + how}
+        return {self.peer: self.lost_how()}
 
     def _handshake_expired(self) -> None:
         # After a long block of the loop a HELLO that came meanwhile is read first: both loops
@@ -257,7 +267,7 @@ class Connection(asyncio.BufferedProtocol):
             elif exc is not None:
                 why = f"connection with {self._who()} lost: {exc}"
             else:
-                why = f"{self._who()} closed the connection without GOODBYE (its process ended or crashed)"
+                why = f"{self._who()} {_NO_GOODBYE}"
             self._error = DistNetworkError(f"rank {self.owner.rank}: {why}")
         err = self._error
         for _, fut in self._drain:

@@ -498,13 +498,7 @@ class Transport:
         self.dialer.dropped(conn, peer)
         dead = err if isinstance(err, DistNetworkError) else DistNetworkError(str(err))
         if not dead.culprits:
-            if conn.goodbye:
-                how = "it left"
-            elif conn.timed_out:
-                how = "it stopped answering (its link or host is down)"
-            else:
-                how = "closed it without GOODBYE (its process ended or crashed)"
-            dead.culprits = {peer: "lost its connection: " + how}
+            dead.culprits = {peer: conn.lost_how()}
         if self._standing.lose(peer, dead):  # said once per peer, not once per connection to it
             log.log(logging.INFO if conn.goodbye else logging.WARNING, "%s", dead)
         # the receives' errors are the peer's sentence: the op that reads one names itself
