@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -45,7 +46,19 @@ from aiodist.algorithms import collectives as alg
 from aiodist.algorithms.p2p import P2P, SubP2P
 from aiodist.algorithms.thresholds import Thresholds
 
-__all__ = ["Layout", "layout_of", "Subset", "all_reduce", "all_gather", "reduce_scatter", "crossing_bytes", "steps", "even"]
+__all__ = [
+    "Layout",
+    "layout_of",
+    "Subset",
+    "Within",
+    "within_phases",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "crossing_bytes",
+    "steps",
+    "even",
+]
 
 #: the group's ranks by host (group ranks), hosts ordered by their lowest rank
 Layout = tuple[tuple[int, ...], ...]
@@ -93,37 +106,79 @@ class Subset:
         return self._p2p.send_nowait(self._members[peer], buf, tag)
 
 
+class Within(Protocol):
+    """A faster way among the ranks of one host than the op's messages (the backend's shared
+    memory for the host's part of the group), for the in-host phases. Each call runs one phase of
+    the op ``p2p`` among its group ranks ``host`` on the phase's tag block ``phase`` (every rank
+    of the host calls the same phases in the same order: ``within_phases``) and answers
+    True, or False where it cannot (nothing done: the phase goes by messages). The contracts are
+    ``aiodist.algorithms.collectives``' on the host's ranks."""
+
+    async def reduce_scatter(
+        self, p2p: P2P, host: Sequence[int], phase: int, out: np.ndarray, parts: Sequence[np.ndarray], combine: Combine
+    ) -> bool: ...
+
+    async def all_gather(self, p2p: P2P, host: Sequence[int], phase: int, outs: Sequence[np.ndarray], mine: np.ndarray) -> bool: ...
+
+    async def reduce(self, p2p: P2P, host: Sequence[int], phase: int, buf: np.ndarray, root: int, combine: Combine) -> bool: ...
+
+    async def broadcast(self, p2p: P2P, host: Sequence[int], phase: int, buf: np.ndarray, root: int) -> bool: ...
+
+
+def within_phases(op: str, layout: Layout, rank: int) -> int:
+    """How many in-host phases ``op`` runs on group rank ``rank``'s host (what a ``Within`` for
+    it takes places in line for, at issue): none on a host of one rank; all_reduce's two (in and
+    out, by either rule); all_gather's one (out) and reduce_scatter's one (in) where the layout
+    is even (else they are the flat schedules: none)."""
+    if len(_host_of(layout, rank)) < 2:
+        return 0
+    if op == "all_reduce":
+        return 2
+    return 1 if op in ("all_gather", "reduce_scatter") and even(layout) > 1 else 0
+
+
 def _host_of(layout: Layout, rank: int) -> tuple[int, ...]:
     return next(h for h in layout if rank in h)
 
 
-async def all_reduce(p2p: P2P, buf: np.ndarray, combine: Combine, layout: Layout, *, thresholds: Thresholds | None = None) -> None:
-    """``buf`` reduced over every rank of the group, in place, by the module's rules."""
+async def all_reduce(
+    p2p: P2P, buf: np.ndarray, combine: Combine, layout: Layout, *, thresholds: Thresholds | None = None, within: Within | None = None
+) -> None:
+    """``buf`` reduced over every rank of the group, in place, by the module's rules; the
+    in-host phases through ``within`` where it can."""
     host = _host_of(layout, p2p.rank)
     k = even(layout)
     n = buf.size
+    alone = len(host) == 1
     if k > 1 and n >= k:
         i = host.index(p2p.rank)
         cuts = np.linspace(0, n, k + 1).astype(np.int64)  # the same on every rank
         slices = [buf[cuts[j] : cuts[j + 1]] for j in range(k)]
         mine = np.empty(slices[i].size, buf.dtype)
-        await alg.reduce_scatter(Subset(SubP2P(p2p, _WITHIN_IN), host), mine, slices, combine, thresholds=thresholds)
+        if within is None or not await within.reduce_scatter(p2p, host, _WITHIN_IN, mine, slices, combine):
+            await alg.reduce_scatter(Subset(SubP2P(p2p, _WITHIN_IN), host), mine, slices, combine, thresholds=thresholds)
         np.copyto(slices[i], mine)
         peers = [h[i] for h in layout]
         await alg.all_reduce(Subset(SubP2P(p2p, _ACROSS), peers), slices[i], combine, thresholds=thresholds)
-        await alg.all_gather(Subset(SubP2P(p2p, _WITHIN_OUT), host), slices, slices[i], thresholds=thresholds)
+        if within is None or not await within.all_gather(p2p, host, _WITHIN_OUT, slices, slices[i]):
+            await alg.all_gather(Subset(SubP2P(p2p, _WITHIN_OUT), host), slices, slices[i], thresholds=thresholds)
         return
-    within_in = Subset(SubP2P(p2p, _WITHIN_IN), host)
-    if len(host) > 1:
-        await alg.reduce(within_in, buf, 0, combine, thresholds=thresholds)
+    if not alone and (within is None or not await within.reduce(p2p, host, _WITHIN_IN, buf, 0, combine)):
+        await alg.reduce(Subset(SubP2P(p2p, _WITHIN_IN), host), buf, 0, combine, thresholds=thresholds)
     if p2p.rank == host[0]:
         await alg.all_reduce(Subset(SubP2P(p2p, _ACROSS), [h[0] for h in layout]), buf, combine, thresholds=thresholds)
-    if len(host) > 1:
+    if not alone and (within is None or not await within.broadcast(p2p, host, _WITHIN_OUT, buf, 0)):
         await alg.broadcast(Subset(SubP2P(p2p, _WITHIN_OUT), host), buf, 0, thresholds=thresholds)
 
 
 async def all_gather(
-    p2p: P2P, outs: Sequence[np.ndarray], mine: np.ndarray, layout: Layout, *, thresholds: Thresholds | None = None
+    p2p: P2P,
+    outs: Sequence[np.ndarray],
+    mine: np.ndarray,
+    layout: Layout,
+    *,
+    thresholds: Thresholds | None = None,
+    within: Within | None = None,
 ) -> None:
     """``alg.all_gather``'s contract (``outs[r]`` gets rank ``r``'s ``mine``), by the hierarchy
     where the layout is even (the module docstring), else the flat schedule."""
@@ -145,7 +200,8 @@ async def all_gather(
         n = outs[r].size
         packs[i][at : at + n] = outs[r].reshape(-1)
         at += n
-    await alg.all_gather(Subset(SubP2P(p2p, _WITHIN_OUT), host), packs, packs[i], thresholds=thresholds)
+    if within is None or not await within.all_gather(p2p, host, _WITHIN_OUT, packs, packs[i]):
+        await alg.all_gather(Subset(SubP2P(p2p, _WITHIN_OUT), host), packs, packs[i], thresholds=thresholds)
     for j in range(k):
         if j == i:
             continue
@@ -157,7 +213,14 @@ async def all_gather(
 
 
 async def reduce_scatter(
-    p2p: P2P, out: np.ndarray, parts: Sequence[np.ndarray], combine: Combine, layout: Layout, *, thresholds: Thresholds | None = None
+    p2p: P2P,
+    out: np.ndarray,
+    parts: Sequence[np.ndarray],
+    combine: Combine,
+    layout: Layout,
+    *,
+    thresholds: Thresholds | None = None,
+    within: Within | None = None,
 ) -> None:
     """``alg.reduce_scatter``'s contract (``out`` on rank ``r`` = the reduction of every rank's
     ``parts[r]``), by the hierarchy where the layout is even (the module docstring), else the
@@ -174,7 +237,8 @@ async def reduce_scatter(
         column = [h[j] for h in layout]
         packed.append(np.concatenate([parts[r].reshape(-1) for r in column]) if column else np.empty(0, out.dtype))
     mine = np.empty(packed[i].size, out.dtype)
-    await alg.reduce_scatter(Subset(SubP2P(p2p, _WITHIN_IN), host), mine, packed, combine, thresholds=thresholds)
+    if within is None or not await within.reduce_scatter(p2p, host, _WITHIN_IN, mine, packed, combine):
+        await alg.reduce_scatter(Subset(SubP2P(p2p, _WITHIN_IN), host), mine, packed, combine, thresholds=thresholds)
     # across: the counterparts reduce-scatter what they hold, host j's piece to host j's rank i
     sizes = [parts[h[i]].size for h in layout]
     cuts = np.cumsum([0, *sizes])

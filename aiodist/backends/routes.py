@@ -35,7 +35,9 @@ from aiodist.algorithms.p2p import P2P
 from aiodist.algorithms.plan import Plan, plan
 from aiodist.backends.base import ProcessGroupLike
 from aiodist.shm import (
+    HOST_PART,
     GroupShm,
+    HostLink,
     Into,
     Ticket,
     all_to_all_copy,
@@ -69,7 +71,7 @@ from aiodist.shm import (
 )
 from aiodist.types import Fold
 
-__all__ = ["Into", "Route", "route", "Quick", "Rest", "quick"]
+__all__ = ["Into", "Route", "route", "HostShm", "Quick", "Rest", "quick"]
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
 W = TypeVar("W", covariant=True)
@@ -89,33 +91,125 @@ def route(pg: ProcessGroupLike, op: str, nbytes: int, *, part: int = 0, planned:
     th = pg.thresholds
     layout = pg.backend.layout(pg.ranks)
     pl = plan(op, nbytes, len(pg.ranks), th, part=part, spread=layout is not None) if planned is None else planned
+    if pl.path == "hier":
+        assert layout is not None
+        return Route(pl, th, None, layout, HostShm.take(pg, op, layout))
     shm = getattr(pg.backend, "shm", None) if pl.shm else None
     return Route(pl, th, None if shm is None else shm.ticket(pg.group_id, pg.ranks), layout)
+
+
+class HostShm:
+    """``hier.Within`` by shared memory: a hierarchical op's in-host phases through the shared
+    memory of its group's ranks on this host (a line and segments of their own: the group's id
+    with ``HOST_PART`` set, agreed among those ranks as any group's is), each phase by the path
+    the rules give an op of its size in a group of the host's ranks (``plan``: the lane, single
+    copy, the halves), over a ``HostLink`` of the op. Its places in that line are taken at issue
+    (one per phase, ``hier.within_phases``) and used in order; each passes on when its phase
+    ends or, at the latest, when the op's Work completes (``release``)."""
+
+    __slots__ = ("_tickets", "_used", "_th")
+
+    def __init__(self, tickets: list[Ticket], th: Any) -> None:
+        self._tickets = tickets
+        self._used = 0
+        self._th = th
+
+    @classmethod
+    def take(cls, pg: ProcessGroupLike, op: str, layout: hier.Layout) -> HostShm | None:
+        """The op's places in line (taken now, in its issuing step), or None where this rank's
+        host has one rank of the group, the op has no in-host phase, the backend has no shared
+        memory or the host's ranks agreed on messages."""
+        shm = getattr(pg.backend, "shm", None)
+        if shm is None:
+            return None
+        me = pg.rank()
+        n = hier.within_phases(op, layout, me)
+        if not n:
+            return None
+        host = next(h for h in layout if me in h)
+        ranks = tuple(pg.ranks[r] for r in host)
+        first = shm.ticket(pg.group_id | HOST_PART, ranks)
+        if first is None:
+            return None
+        return cls([first, *(shm.ticket(pg.group_id | HOST_PART, ranks) for _ in range(n - 1))], pg.thresholds)
+
+    def release(self, *_: Any) -> None:
+        """Pass every place on (the Work's done callback; idempotent)."""
+        for t in self._tickets:
+            if t is not None:
+                t.release()
+
+    def _next(self) -> Ticket | None:
+        i = self._used
+        self._used = i + 1
+        return self._tickets[i] if i < len(self._tickets) else None
+
+    def _plan(self, op: str, nbytes: int, host: Sequence[int], part: int = 0) -> tuple[Ticket | None, Plan]:
+        """The phase's place in line and its plan in a group of the host's ranks; the place is
+        passed on at once where the plan takes no shared memory."""
+        t = self._next()
+        pl = plan(op, nbytes, len(host), self._th, part=part)
+        if t is not None and not pl.shm:
+            t.release()
+            t = None
+        return t, pl
+
+    async def reduce_scatter(
+        self, p2p: P2P, host: Sequence[int], phase: int, out: np.ndarray, parts: Sequence[np.ndarray], combine: Combine
+    ) -> bool:
+        t, pl = self._plan("reduce_scatter", sum(p.nbytes for p in parts), host)
+        if t is None:
+            return False
+        return await run_reduce_scatter(t, HostLink(op_link(p2p), host, phase), out, parts, combine, pl.single_copy, pl.lane)
+
+    async def all_gather(self, p2p: P2P, host: Sequence[int], phase: int, outs: Sequence[np.ndarray], mine: np.ndarray) -> bool:
+        t, pl = self._plan("all_gather", sum(o.nbytes for o in outs), host, max(o.nbytes for o in outs))
+        if t is None:
+            return False
+        return await run_all_gather(t, HostLink(op_link(p2p), host, phase), outs, mine, pl.lane, pl.single_copy)
+
+    async def reduce(self, p2p: P2P, host: Sequence[int], phase: int, buf: np.ndarray, root: int, combine: Combine) -> bool:
+        t, pl = self._plan("reduce", buf.nbytes, host)
+        if t is None:
+            return False
+        return await run_reduce(t, HostLink(op_link(p2p), host, phase), buf, root, combine, pl.single_copy, pl.lane)
+
+    async def broadcast(self, p2p: P2P, host: Sequence[int], phase: int, buf: np.ndarray, root: int) -> bool:
+        t, pl = self._plan("broadcast", buf.nbytes, host)
+        if t is None:
+            return False
+        return await run_broadcast(t, HostLink(op_link(p2p), host, phase), buf, root, pl.single_copy, pl.lane)
 
 
 class Route:
     """One op's way through the backend (the module docstring)."""
 
-    __slots__ = ("plan", "th", "ticket", "layout")
+    __slots__ = ("plan", "th", "ticket", "layout", "within")
 
-    def __init__(self, pl: Plan, th: Any, ticket: Ticket | None, layout: hier.Layout | None = None) -> None:
+    def __init__(self, pl: Plan, th: Any, ticket: Ticket | None, layout: hier.Layout | None = None, within: HostShm | None = None) -> None:
         self.plan = pl
         self.th = th
         self.ticket = ticket
         self.layout = layout  # the group's ranks by host, where it is spread over hosts (``hier``)
+        self.within = within  # a hierarchical op's in-host phases by shared memory, where it has them
 
     def issue(self, pg: Issuer[W], *args: Any, **kwargs: Any) -> W:
         """``pg.issue(...)`` for the op: its place in line passes on when the Work completes,
         even where the body never ran."""
         ticket = self.ticket
+        within = self.within
         try:
             work = pg.issue(*args, **kwargs)
         except BaseException:
             if ticket is not None:
                 ticket.release()
+            if within is not None:
+                within.release()
             raise
         if ticket is not None:
             work.add_done_callback(ticket.release)  # type: ignore[attr-defined]  # (a Work: an asyncio.Future)
+        if within is not None:
+            work.add_done_callback(within.release)  # type: ignore[attr-defined]
         return work
 
     # -- the ops -------------------------------------------------------------------------------
@@ -131,7 +225,7 @@ class Route:
         pl, ticket = self.plan, self.ticket
         if pl.path == "hier":
             assert self.layout is not None
-            await hier.all_reduce(p2p, flat, combine, self.layout, thresholds=self.th)
+            await hier.all_reduce(p2p, flat, combine, self.layout, thresholds=self.th, within=self.within)
         elif ticket is None or not await run_all_reduce(ticket, p2p, flat, combine, pl.lane, pl.single_copy, into):
             await alg.all_reduce(p2p, flat, combine, thresholds=self.th)
         if into is not None and not into.written:
@@ -141,7 +235,7 @@ class Route:
         """The op's body for an all_reduce with nothing to do before or after the exchanges: on
         the socket path the schedule itself (one coroutine fewer per op)."""
         if self.plan.path == "hier" and self.layout is not None:
-            return functools.partial(hier.all_reduce, buf=flat, combine=combine, layout=self.layout, thresholds=self.th)
+            return functools.partial(hier.all_reduce, buf=flat, combine=combine, layout=self.layout, thresholds=self.th, within=self.within)
         if self.ticket is None:
             return functools.partial(alg.all_reduce, buf=flat, combine=combine, thresholds=self.th)
         return functools.partial(self.all_reduce, flat=flat, combine=combine)
@@ -155,7 +249,7 @@ class Route:
         ticket = self.ticket
         pl = self.plan
         if pl.path == "hier" and self.layout is not None:
-            await hier.all_gather(p2p, outs, mine, self.layout, thresholds=self.th)
+            await hier.all_gather(p2p, outs, mine, self.layout, thresholds=self.th, within=self.within)
         elif ticket is None or not await run_all_gather(ticket, p2p, outs, mine, pl.lane, pl.single_copy):
             await alg.all_gather(p2p, outs, mine, thresholds=self.th)
 
@@ -173,7 +267,7 @@ class Route:
         ticket = self.ticket
         pl = self.plan
         if pl.path == "hier" and self.layout is not None:
-            await hier.reduce_scatter(p2p, out, parts, combine, self.layout, thresholds=self.th)
+            await hier.reduce_scatter(p2p, out, parts, combine, self.layout, thresholds=self.th, within=self.within)
         elif ticket is None or not await run_reduce_scatter(ticket, p2p, out, parts, combine, pl.single_copy, pl.lane):
             await alg.reduce_scatter(p2p, out, parts, combine, thresholds=self.th)
 

@@ -33,13 +33,15 @@ from aiodist.shm._lane import now as lane_now
 from aiodist.shm._lane import parts as lane_parts
 from aiodist.shm._lane import slice_sizes as lane_slice_sizes
 from aiodist.shm._lane import sliced as lane_sliced
-from aiodist.shm._link import OpLink, op_link
-from aiodist.shm._manager import DEFAULT_BYTES, ENV_BYTES, GroupShm, SharedMemory, Ticket, segment_bytes
+from aiodist.shm._link import HostLink, OpLink, op_link
+from aiodist.shm._manager import DEFAULT_BYTES, ENV_BYTES, HOST_PART, GroupShm, SharedMemory, Ticket, segment_bytes
 
 __all__ = [
     "Into",
     "SharedMemory",
     "OpLink",
+    "HostLink",
+    "HOST_PART",
     "Ticket",
     "GroupShm",
     "ENV_BYTES",

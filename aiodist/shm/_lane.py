@@ -38,8 +38,10 @@ Rules this module keeps:
   parity (a peer writes that set again only after this rank's first phase of the next big op);
   a sleeping wait reads its peers' ``current`` words, so a peer in another kind of op at the
   same seq (which writes other words) is a desync, not a wait until the timeout.
-- Flags and phase words only grow (seq + 1, and ``(seq + 1) << 26`` plus the step), so a wait is
-  for a value at least its target.
+- Flags and phase words only grow (seq + 1, and the group's count of big ops ``<< 26`` plus the
+  step), so a wait is for a value at least its target. A group's op may run two lane ops or two
+  big ops of one seq (a hierarchical op's in-host phases): the slots alternate, and the count
+  moves on.
 """
 
 from __future__ import annotations
@@ -588,7 +590,9 @@ async def phase(p2p: OpLink, g: GroupShm, step: int, nbytes: int = -1) -> None:
         mine = g.checks[me][k]
         mine[0] = digest
         mine[1] = nbytes
-    target = ((seq + 1) << 26) + 1 + step
+    # the group's count of big ops, not the seq: a hierarchical op runs two big ops of one seq
+    # in its host's line (aiodist.algorithms.hier), whose step 0 must not find the first's words
+    target = (g.big_ops << 26) + 1 + step
     g.phases[me][0] = target
     _fence()
     sleeping = g.sleeping

@@ -13,20 +13,25 @@ Who implements it:
 - the transport's ``Channel`` (aiodist.transport._channel): the op's identity and the
   transport's calls; a bare channel has no tracker, so it counts no wait;
 - the runner's ``TrackedP2P`` (aiodist.c10d._runner), the P2P an op's body gets: it counts the
-  waits with its receives' (its timeout message reads them) and hands the rest to its channel.
+  waits with its receives' (its timeout message reads them) and hands the rest to its channel;
+- ``HostLink`` (below): an op's link seen by the ranks of one host, for the in-host phases of a
+  hierarchical op; every call goes to the op's own link, its peers mapped.
 
 ``op_link`` turns the ``P2P`` that a collective hands to shared memory into its ``OpLink``.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Sequence
 from typing import Protocol, TypeGuard, runtime_checkable
 
-from aiodist.algorithms.p2p import P2P
+import numpy as np
+
+from aiodist.algorithms.p2p import P2P, TAG_LIMIT
 from aiodist.errors import DistBackendError
 
-__all__ = ["OpLink", "op_link"]
+__all__ = ["OpLink", "op_link", "HostLink"]
 
 
 @runtime_checkable
@@ -102,3 +107,72 @@ def op_link(p2p: P2P) -> OpLink:
     if _is_link(p2p):
         return p2p
     raise TypeError(f"shared memory runs an op over its OpLink (aiodist.shm._link); {type(p2p).__name__} is not one")
+
+
+class HostLink:
+    """An op's ``OpLink`` seen by some of its ranks (``members``, group ranks of the op): the ranks
+    of one host in a hierarchical op over hosts (``aiodist.algorithms.hier``), whose in-host phases
+    run through the host's own shared memory. Group rank ``i`` here is ``members[i]`` there.
+
+    Tags below ``TAG_LIMIT`` move to sub-op block ``index`` of the op (as ``SubP2P``'s), so two
+    phases of one op never meet; higher tags (a ``SubP2P`` of this link: shared memory's agreement)
+    go as they are. The op's identity (group id, seq, digest, name) is the op's own: errors name
+    the group the user called, and the peers' digests are the op's."""
+
+    __slots__ = ("_link", "_members", "_base", "rank", "size", "ranks")
+
+    def __init__(self, link: OpLink, members: Sequence[int], index: int) -> None:
+        self._link = link
+        self._members = tuple(members)
+        self._base = (index + 1) * TAG_LIMIT
+        self.rank = self._members.index(link.rank)
+        self.size = len(self._members)
+        whole = link.ranks
+        self.ranks = tuple(whole[m] for m in self._members)
+
+    def _tag(self, tag: int) -> int:
+        return self._base + tag if 0 <= tag < TAG_LIMIT else tag
+
+    @property
+    def digest(self) -> int:
+        return self._link.digest
+
+    @digest.setter
+    def digest(self, value: int) -> None:
+        self._link.digest = value
+
+    @property
+    def group_id(self) -> int:
+        return self._link.group_id
+
+    @property
+    def seq(self) -> int:
+        return self._link.seq
+
+    @property
+    def op_name(self) -> str | None:
+        return self._link.op_name
+
+    async def send(self, peer: int, buf: np.ndarray, tag: int) -> None:
+        await self._link.send(self._members[peer], buf, self._tag(tag))
+
+    async def recv(self, peer: int, buf: np.ndarray, tag: int) -> None:
+        await self._link.recv(self._members[peer], buf, self._tag(tag))
+
+    def send_nowait(self, peer: int, buf: np.ndarray, tag: int) -> bool | asyncio.Future[None]:
+        return self._link.send_nowait(self._members[peer], buf, self._tag(tag))
+
+    def check_peer(self, peer: int) -> None:
+        self._link.check_peer(self._members[peer])
+
+    def abort_group(self, reason: str) -> DistBackendError:
+        return self._link.abort_group(reason)
+
+    def desync(self, peer: int, theirs: int, nbytes: int = -1) -> DistBackendError | None:
+        return self._link.desync(self._members[peer], theirs, nbytes)
+
+    def wait_on(self, peers: Iterable[int]) -> None:
+        self._link.wait_on([self._members[p] for p in peers])
+
+    def waited_on(self, peers: Iterable[int], heard: bool) -> None:
+        self._link.waited_on([self._members[p] for p in peers], heard)

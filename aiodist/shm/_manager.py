@@ -18,6 +18,10 @@ Rules this module keeps:
 - Within a group, shared-memory ops run one at a time in issue order: each takes a ticket at
   issue (its sequence number's step) and waits for its turn; the turn passes when its body ends
   or, at the latest, when its Work completes (a body that never ran still passes it on).
+- A group spread over hosts has no shared memory as a whole (its agreement fails: a peer on
+  another host); its ranks on each host have a line and segments of their own, under the
+  group's id with ``HOST_PART`` set, for the in-host phases of aiodist.algorithms.hier (the
+  route takes that line's tickets at issue, as for any group).
 - Each rank publishes ``aiodist/shm/<rank>`` in the store (its fd server's socket name and host
   id, or why it is off) before the transport's address exchange, so every record is there by
   the time any op runs.
@@ -49,7 +53,7 @@ from aiodist.shm._link import OpLink
 from aiodist.shm._segment import FdServer, Segment, fetch
 from aiodist.store.base import Store, present
 
-__all__ = ["SharedMemory", "GroupShm", "Ticket", "ENV_BYTES", "DEFAULT_BYTES", "segment_bytes"]
+__all__ = ["SharedMemory", "GroupShm", "Ticket", "ENV_BYTES", "DEFAULT_BYTES", "HOST_PART", "segment_bytes"]
 
 log = logging.getLogger("aiodist.shm")
 
@@ -60,6 +64,10 @@ _KEY = "aiodist/shm/"
 _SETUP_S = 10.0  # fetching the peers' segments; past it this rank votes for the socket path
 _AGREE_SUB = 29  # the agreement's sub-op index on the op's channel (SubP2P): the last one (GO_TAG has the block above)
 _ALIGN = 64
+#: a group spread over hosts keeps the shared memory of its ranks on this host (the in-host phases
+#: of aiodist.algorithms.hier) as a line and segments of their own, under the group's id with
+#: this bit set (group ids count up from 0; the fd server's requests carry 32 bits)
+HOST_PART = 1 << 31
 _RELEASED_KEPT = 1024  # destroyed groups whose ids are still refused (release_group)
 _LATENCY = Thresholds.latency_bound()
 ENV_SPIN = "AIODIST_SHM_SPIN_US"
@@ -512,7 +520,9 @@ class SharedMemory:
 
     def release_group(self, group_id: int) -> None:
         """The group is destroyed: its line goes (ops still waiting for their turn are
-        cancelled) and its segments are closed here."""
+        cancelled) and its segments are closed here; its host part's too (``HOST_PART``)."""
+        if not group_id & HOST_PART:
+            self.release_group(group_id | HOST_PART)
         for key in [k for k in self._turns if k[0] == group_id]:
             _cancel(self._turns.pop(key))
         self._drop(group_id)
