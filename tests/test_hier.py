@@ -11,10 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+import aiodist as dist
 from aiodist.algorithms import collectives as alg
 from aiodist.algorithms import hier
 from aiodist.algorithms.p2p import local_world
 from aiodist.algorithms.thresholds import Thresholds
+from aiodist.shm import HOST_PART
+from aiodist.testing import run_world
 
 
 @pytest.mark.parametrize(
@@ -177,3 +180,46 @@ async def test_all_gather_and_reduce_scatter_send_the_minimum_across(h: int, k: 
     assert all(np.all(o == size) for o in outs)
     per_host = [sum(p.across for p in ps if hosts[p.rank] == x) for x in range(h)]
     assert all(b == pytest.approx((h - 1) / h * total, rel=0.01) for b in per_host), per_host
+
+
+# -- the in-host phases through shared memory (real backends, in one process) ----------------------
+
+
+def _data(rank: int, n: int) -> np.ndarray:
+    return ((np.arange(n) + 7 * rank) % 13).astype(np.float32)  # integer sums: exact in float32
+
+
+@pytest.mark.parametrize("n", [1, 3, 1000, 100_000, 1 << 20])
+async def test_in_host_phases_go_through_the_hosts_shared_memory(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """4 ranks told they sit on 2 hosts (0, 1 | 2, 3; ``AioBackend.hosts``, which init reads
+    from what every rank published): all_reduce, all_gather_into_tensor and reduce_scatter_tensor
+    go by the hierarchy, and its in-host phases through the shared memory of each host's ranks
+    (a line of their own: ``HOST_PART``), by the lane at small sizes and single copy at big ones
+    (4 MiB: two single-copy ops of one seq in a host's line, whose phase words must not meet);
+    exact, on the default group and on an uneven layout (3 + 1)."""
+    monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
+
+    async def fn(rank: int) -> dict[str, Any]:
+        backend = dist.group.WORLD.backend  # type: ignore[union-attr]
+        backend.hosts = ("h0", "h0", "h1", "h1")
+        uneven = await dist.new_group([0, 1, 3], pg_options={"hier_min": 0})  # hosts h0: 0, 1; h1: 3
+        for _ in range(2):
+            x = _data(rank, n)
+            await dist.all_reduce(x)
+            assert np.array_equal(x, sum(_data(r, n) for r in range(4))), f"rank {rank}: all_reduce of {n}"
+            out = np.empty(4 * n, np.float32)
+            await dist.all_gather_into_tensor(out, _data(rank, n))
+            assert np.array_equal(out, np.concatenate([_data(r, n) for r in range(4)])), f"rank {rank}: all_gather of {n}"
+            part = np.empty(n, np.float32)
+            await dist.reduce_scatter_tensor(part, _data(rank, 4 * n))
+            assert np.array_equal(part, sum(_data(r, 4 * n) for r in range(4))[rank * n : (rank + 1) * n]), f"rank {rank}: reduce_scatter"
+            if rank != 2:
+                y = _data(rank, n)
+                await dist.all_reduce(y, group=uneven)
+                assert np.array_equal(y, sum(_data(r, n) for r in (0, 1, 3))), f"rank {rank}: uneven all_reduce of {n}"
+        return dict(backend.shm.stats())
+
+    stats = await run_world(4, fn, "gloo", pg_options={"hier_min": 0})
+    for rank, st in enumerate(stats):
+        assert HOST_PART in st["groups"], (rank, st)  # the default group's part on this rank's host
+        assert (st["cma_ops"] if n == 1 << 20 else st["lane_ops"]) > 0, (rank, st)
