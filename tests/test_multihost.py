@@ -327,7 +327,8 @@ HIER_JOB = str(ROOT / "tests" / "helpers" / "hier_job.py")
 @pytest.mark.parametrize("per_host", [3])  # (2 per host: tests/test_bench_hosts.py, and by hand in docs/multi_host.md)
 def test_several_ranks_per_host_cross_the_link_once_per_byte(per_host: int) -> None:
     """2 hosts x k ranks: all_reduce goes by the hierarchy (aiodist.algorithms.hier): right on the
-    default group, on ranks not contiguous by host and on an uneven layout; and a 16 MiB
+    default group, on ranks not contiguous by host and on an uneven layout, its in-host phases
+    through each host's shared memory; and a 16 MiB
     all_reduce sends about S over each host's link (the flat ring sent 2(n-1)/n S: 1.5 S at
     2 per host, 1.67 S at 3), by the devices' counters."""
     mib = 16
@@ -338,6 +339,8 @@ def test_several_ranks_per_host_cross_the_link_once_per_byte(per_host: int) -> N
         assert all(x.rc == 0 for x in procs_out), report(procs_out)
         seen = sorted(int(m) for x in procs_out for m in re.findall(r"HIER rank (\d+) of", x.out))
         assert seen == list(range(2 * per_host)), report(procs_out)
+        shm = [m for x in procs_out for m in re.findall(r"HIER rank \d+ of \d+ \S+ host_shm=(\w+)", x.out)]
+        assert shm == ["True"] * (2 * per_host), "the in-host phases did not use the host's shared memory\n" + report(procs_out)
     sent = [int(b) for x in procs_out for b in re.findall(r"TX host of rank \d+ sent (\d+) bytes", x.out)]
     assert len(sent) == 2, report(procs_out)
     s = mib * 2**20

@@ -2,10 +2,10 @@
 
 Three things: the shm modules reach the transport and the op's tracker only through the
 contract (a check over their syntax, itself tested on the reach-arounds it must catch and the
-code it must let through); both implementations keep it (the transport's ``Channel`` and the
-runner's ``TrackedP2P``: every member there, with the Protocol's parameters, and doing what it
-says on a real transport); and a lane wait is counted by the op's tracker through it (the
-timeout names the peer).
+code it must let through); every implementation keeps it (the transport's ``Channel``, the
+runner's ``TrackedP2P`` and a hierarchical op's ``HostLink``: every member there, with the
+Protocol's parameters, and doing what it says, on a real transport or mapped onto the op's
+link); and a lane wait is counted by the op's tracker through it (the timeout names the peer).
 """
 
 from __future__ import annotations
@@ -16,17 +16,18 @@ import importlib
 import inspect
 import types
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import aiodist as dist
 from aiodist._digest import op_digest
-from aiodist.algorithms.p2p import local_world
+from aiodist.algorithms.p2p import TAG_LIMIT, local_world
 from aiodist.c10d._runner import TrackedP2P
 from aiodist.errors import DistBackendError, DistTimeoutError
 from aiodist.shm import OpLink
-from aiodist.shm._link import op_link
+from aiodist.shm._link import HostLink, op_link
 from aiodist.testing import run_world
 from aiodist.transport._channel import Channel
 
@@ -136,7 +137,7 @@ def test_the_check_lets_the_contract_through(code: str) -> None:
     assert not reach_arounds(code), reach_arounds(code)
 
 
-@pytest.mark.parametrize("impl", [Channel, TrackedP2P])
+@pytest.mark.parametrize("impl", [Channel, TrackedP2P, HostLink])
 def test_every_member_is_there_with_the_protocols_parameters(impl: type) -> None:
     for name in sorted({n for n in dir(OpLink) if not n.startswith("_")}):
         want = getattr(OpLink, name)
@@ -217,6 +218,75 @@ async def test_the_channel_and_the_tracker_keep_the_contract_on_a_real_transport
             done.set()
 
     await run_world(2, fn, "gloo", timeout=30)
+
+
+class _Recorder:
+    """An OpLink of 4 ranks (global ranks 10-13) that records what reaches it."""
+
+    def __init__(self) -> None:
+        self.rank, self.size, self.ranks = 2, 4, (10, 11, 12, 13)
+        self.digest, self.group_id, self.seq, self.op_name = 7, 3, 5, "all_reduce"
+        self.calls: list[tuple[Any, ...]] = []
+
+    async def send(self, peer: int, buf: np.ndarray, tag: int) -> None:
+        self.calls.append(("send", peer, tag))
+
+    async def recv(self, peer: int, buf: np.ndarray, tag: int) -> None:
+        self.calls.append(("recv", peer, tag))
+
+    def send_nowait(self, peer: int, buf: np.ndarray, tag: int) -> bool:
+        self.calls.append(("send_nowait", peer, tag))
+        return True
+
+    def check_peer(self, peer: int) -> None:
+        self.calls.append(("check_peer", peer))
+
+    def abort_group(self, reason: str) -> DistBackendError:
+        self.calls.append(("abort_group", reason))
+        return DistBackendError(reason)
+
+    def desync(self, peer: int, theirs: int, nbytes: int = -1) -> DistBackendError | None:
+        self.calls.append(("desync", peer, theirs, nbytes))
+        return None
+
+    def wait_on(self, peers: Any) -> None:
+        self.calls.append(("wait_on", list(peers)))
+
+    def waited_on(self, peers: Any, heard: bool) -> None:
+        self.calls.append(("waited_on", list(peers), heard))
+
+
+async def test_a_host_link_maps_peers_and_tags_onto_the_ops_link() -> None:
+    """``HostLink``: a host's ranks 0 and 2 of the op (here rank 2 is its rank 1), the op's identity
+    its own, peers mapped to the op's group ranks, algorithm tags moved to the phase's block and
+    a sub-op's (the agreement's) left as they are."""
+    op = _Recorder()
+    assert isinstance(op, OpLink)
+    link = HostLink(op, (0, 2), 4)
+    assert isinstance(link, OpLink) and op_link(link) is link
+    assert (link.rank, link.size, link.ranks) == (1, 2, (10, 12))
+    assert (link.group_id, link.seq, link.op_name, link.digest) == (3, 5, "all_reduce", 7)
+    link.digest = 0  # the agreement clears the op's digest for its vote
+    assert op.digest == 0
+    buf = np.zeros(1, np.uint8)
+    await link.send(0, buf, 3)
+    await link.recv(0, buf, 3)
+    assert link.send_nowait(0, buf, 30 * TAG_LIMIT + 1) is True
+    link.check_peer(0)
+    link.desync(0, 99, 4)
+    link.wait_on([0])
+    link.waited_on([0], heard=True)
+    assert isinstance(link.abort_group("why"), DistBackendError)
+    assert op.calls == [
+        ("send", 0, 5 * TAG_LIMIT + 3),
+        ("recv", 0, 5 * TAG_LIMIT + 3),
+        ("send_nowait", 0, 30 * TAG_LIMIT + 1),
+        ("check_peer", 0),
+        ("desync", 0, 99, 4),
+        ("wait_on", [0]),
+        ("waited_on", [0], True),
+        ("abort_group", "why"),
+    ]
 
 
 def test_a_p2p_without_a_link_is_refused() -> None:

@@ -7,7 +7,8 @@ reduce_scatter_tensor over the default group, over a group whose ranks are not c
 host (``new_group(sort_ranks=False)``, rank order 0, 2, 1, 3, ...), and over a group with an
 uneven layout (every rank but the last), small and large; the sums are integers in float32, so
 every element is exact. Then it all-reduces MIB MiB of float32
-twice on the default group, checks them, and prints ``HIER rank R of W <seconds per op>``; each
+twice on the default group, checks them, and prints ``HIER rank R of W <seconds per op>
+host_shm=<whether the in-host phases went through the host's shared memory>``; each
 host's local rank 0 also prints ``TX ... sent B bytes for 2 all_reduces``: its host's eth0 bytes
 sent between barriers around those two ops (the bytes the test compares with S).
 """
@@ -22,6 +23,7 @@ import time
 import numpy as np
 
 import aiodist as dist
+from aiodist.shm import HOST_PART
 
 
 def _tx() -> int | None:
@@ -93,7 +95,10 @@ async def main(mib: float) -> None:
         print(f"TX host of rank {rank} sent {_tx() - tx0} bytes for 2 all_reduces", flush=True)
     if not np.array_equal(x, sum(data(r, n) for r in range(world))):
         raise AssertionError(f"rank {rank}: the big all_reduce is wrong")
-    print(f"HIER rank {rank} of {world} {took:.4f}", flush=True)
+    # the in-host phases went through this host's shared memory (the default group's part here)
+    shm = dist.group.WORLD.backend.stats()["shm"]  # type: ignore[union-attr]
+    host_shm = HOST_PART in shm["groups"] and shm["cma_ops"] > 0
+    print(f"HIER rank {rank} of {world} {took:.4f} host_shm={host_shm}", flush=True)
     await dist.destroy_process_group()
 
 
