@@ -51,7 +51,11 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("hosts", LAYOUTS, ids=["".join(h) for h in LAYOUTS])
 @pytest.mark.parametrize("n", [1, 3, 1000, 70_000])
-async def test_all_reduce_is_exact_and_the_same_bits_everywhere(hosts: list[str], n: int) -> None:
+@pytest.mark.parametrize("piece", [0, 4096], ids=["one-piece", "pieces"])
+async def test_all_reduce_is_exact_and_the_same_bits_everywhere(hosts: list[str], n: int, piece: int) -> None:
+    """Exact (integers) and the same bits on every rank (floats), in one piece and pipelined in
+    pieces (70,000 float32 in 4 KiB pieces: ``MAX_PIECES`` of them)."""
+    th = Thresholds(hier_piece=piece)
     layout = hier.layout_of(hosts)
     assert layout is not None
     size = len(hosts)
@@ -59,11 +63,11 @@ async def test_all_reduce_is_exact_and_the_same_bits_everywhere(hosts: list[str]
     rng = np.random.default_rng(n)
     ints = [rng.integers(-9, 9, n).astype(np.float32) for _ in range(size)]
     bufs = [x.copy() for x in ints]
-    await asyncio.gather(*(hier.all_reduce(ps[r], bufs[r], _add, layout) for r in range(size)))
+    await asyncio.gather(*(hier.all_reduce(ps[r], bufs[r], _add, layout, thresholds=th) for r in range(size)))
     assert all(np.array_equal(b, sum(ints)) for b in bufs)
     floats = [rng.standard_normal(n).astype(np.float32) for _ in range(size)]  # rounding: the same bits everywhere
     ps = local_world(size, capacity=2, seed=n + 1)
-    await asyncio.gather(*(hier.all_reduce(ps[r], floats[r], _add, layout) for r in range(size)))
+    await asyncio.gather(*(hier.all_reduce(ps[r], floats[r], _add, layout, thresholds=th) for r in range(size)))
     assert all(f.tobytes() == floats[0].tobytes() for f in floats)
 
 
@@ -195,8 +199,8 @@ async def test_in_host_phases_go_through_the_hosts_shared_memory(monkeypatch: py
     from what every rank published): all_reduce, all_gather_into_tensor and reduce_scatter_tensor
     go by the hierarchy, and its in-host phases through the shared memory of each host's ranks
     (a line of their own: ``HOST_PART``), by the lane at small sizes and single copy at big ones
-    (4 MiB: two single-copy ops of one seq in a host's line, whose phase words must not meet);
-    exact, on the default group and on an uneven layout (3 + 1)."""
+    (4 MiB: single-copy ops of one seq in a host's line, whose phase words must not meet; in 8
+    pipelined pieces); exact, on the default group and on an uneven layout (3 + 1)."""
     monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
 
     async def fn(rank: int) -> dict[str, Any]:
@@ -219,7 +223,7 @@ async def test_in_host_phases_go_through_the_hosts_shared_memory(monkeypatch: py
                 assert np.array_equal(y, sum(_data(r, n) for r in (0, 1, 3))), f"rank {rank}: uneven all_reduce of {n}"
         return dict(backend.shm.stats())
 
-    stats = await run_world(4, fn, "gloo", pg_options={"hier_min": 0})
+    stats = await run_world(4, fn, "gloo", pg_options={"hier_min": 0, "hier_piece": 256 * 1024})  # 4 MiB: 8 pieces
     for rank, st in enumerate(stats):
         assert HOST_PART in st["groups"], (rank, st)  # the default group's part on this rank's host
         assert (st["cma_ops"] if n == 1 << 20 else st["lane_ops"]) > 0, (rank, st)

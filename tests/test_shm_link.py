@@ -225,7 +225,7 @@ class _Recorder:
 
     def __init__(self) -> None:
         self.rank, self.size, self.ranks = 2, 4, (10, 11, 12, 13)
-        self.digest, self.group_id, self.seq, self.op_name = 7, 3, 5, "all_reduce"
+        self.digest, self.group_id, self.seq, self.line_seq, self.op_name = 7, 3, 5, 5, "all_reduce"
         self.calls: list[tuple[Any, ...]] = []
 
     async def send(self, peer: int, buf: np.ndarray, tag: int) -> None:
@@ -258,7 +258,7 @@ class _Recorder:
 
 async def test_a_host_link_maps_peers_and_tags_onto_the_ops_link() -> None:
     """``HostLink``: a host's ranks 0 and 2 of the op (here rank 2 is its rank 1), the op's identity
-    its own, peers mapped to the op's group ranks, algorithm tags moved to the phase's block and
+    its own (but its number in the host's line: one per phase, growing), peers mapped to the op's group ranks, algorithm tags moved to the phase's block and
     a sub-op's (the agreement's) left as they are."""
     op = _Recorder()
     assert isinstance(op, OpLink)
@@ -266,6 +266,8 @@ async def test_a_host_link_maps_peers_and_tags_onto_the_ops_link() -> None:
     assert isinstance(link, OpLink) and op_link(link) is link
     assert (link.rank, link.size, link.ranks) == (1, 2, (10, 12))
     assert (link.group_id, link.seq, link.op_name, link.digest) == (3, 5, "all_reduce", 7)
+    assert link.line_seq == 5 * 32 + 4  # each in-host phase of the op has lane flags of its own
+    assert HostLink(op, (0, 2), 5).line_seq > link.line_seq and HostLink(op, (0, 2), 29).line_seq < 6 * 32
     link.digest = 0  # the agreement clears the op's digest for its vote
     assert op.digest == 0
     buf = np.zeros(1, np.uint8)

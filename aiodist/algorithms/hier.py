@@ -52,6 +52,8 @@ __all__ = [
     "Subset",
     "Within",
     "within_phases",
+    "pieces",
+    "MAX_PIECES",
     "all_reduce",
     "all_gather",
     "reduce_scatter",
@@ -64,8 +66,11 @@ __all__ = [
 Layout = tuple[tuple[int, ...], ...]
 Combine = Callable[[np.ndarray, np.ndarray], None]
 
-# the phases' tag blocks (SubP2P indices; the last ones are the shm agreement's and GO_TAG's)
+# the phases' tag blocks (SubP2P indices; the last ones are the shm agreement's and GO_TAG's);
+# rule 1's pieces take blocks 0 to 3 * MAX_PIECES - 1 (``_all_reduce_pieces``)
 _WITHIN_IN, _ACROSS, _WITHIN_OUT = 25, 26, 27
+#: the most pieces rule 1 pipelines an all_reduce in (their tag blocks must stay below _WITHIN_IN)
+MAX_PIECES = 8
 
 
 def layout_of(host_ids: Sequence[str]) -> Layout | None:
@@ -125,20 +130,28 @@ class Within(Protocol):
     async def broadcast(self, p2p: P2P, host: Sequence[int], phase: int, buf: np.ndarray, root: int) -> bool: ...
 
 
-def within_phases(op: str, layout: Layout, rank: int) -> int:
-    """How many in-host phases ``op`` runs on group rank ``rank``'s host (what a ``Within`` for
-    it takes places in line for, at issue): none on a host of one rank; all_reduce's two (in and
-    out, by either rule); all_gather's one (out) and reduce_scatter's one (in) where the layout
-    is even (else they are the flat schedules: none)."""
+def within_phases(op: str, layout: Layout, rank: int, nbytes: int = 0, th: Thresholds | None = None) -> int:
+    """How many in-host phases ``op`` of ``nbytes`` runs on group rank ``rank``'s host (what a
+    ``Within`` for it takes places in line for, at issue): none on a host of one rank;
+    all_reduce's two per piece (in and out: ``pieces``; rule 2 has one piece); all_gather's one
+    (out) and reduce_scatter's one (in) where the layout is even (else they are the flat
+    schedules: none)."""
     if len(_host_of(layout, rank)) < 2:
         return 0
     if op == "all_reduce":
-        return 2
+        return 2 * pieces(nbytes, th) if even(layout) > 1 else 2
     return 1 if op in ("all_gather", "reduce_scatter") and even(layout) > 1 else 0
 
 
 def _host_of(layout: Layout, rank: int) -> tuple[int, ...]:
     return next(h for h in layout if rank in h)
+
+
+def pieces(nbytes: int, th: Thresholds | None) -> int:
+    """How many pieces an all_reduce of ``nbytes`` goes in by rule 1 (``th.hier_piece`` each, at
+    most ``MAX_PIECES``; one where the rules give no piece size): the same on every rank."""
+    piece = th.hier_piece if th is not None else 0
+    return max(1, min(MAX_PIECES, nbytes // piece)) if piece > 0 else 1
 
 
 async def all_reduce(
@@ -149,26 +162,67 @@ async def all_reduce(
     host = _host_of(layout, p2p.rank)
     k = even(layout)
     n = buf.size
-    alone = len(host) == 1
     if k > 1 and n >= k:
-        i = host.index(p2p.rank)
-        cuts = np.linspace(0, n, k + 1).astype(np.int64)  # the same on every rank
-        slices = [buf[cuts[j] : cuts[j + 1]] for j in range(k)]
-        mine = np.empty(slices[i].size, buf.dtype)
-        if within is None or not await within.reduce_scatter(p2p, host, _WITHIN_IN, mine, slices, combine):
-            await alg.reduce_scatter(Subset(SubP2P(p2p, _WITHIN_IN), host), mine, slices, combine, thresholds=thresholds)
-        np.copyto(slices[i], mine)
-        peers = [h[i] for h in layout]
-        await alg.all_reduce(Subset(SubP2P(p2p, _ACROSS), peers), slices[i], combine, thresholds=thresholds)
-        if within is None or not await within.all_gather(p2p, host, _WITHIN_OUT, slices, slices[i]):
-            await alg.all_gather(Subset(SubP2P(p2p, _WITHIN_OUT), host), slices, slices[i], thresholds=thresholds)
+        await _all_reduce_pieces(p2p, buf, combine, layout, host, pieces(buf.nbytes, thresholds), thresholds, within)
         return
+    alone = len(host) == 1
     if not alone and (within is None or not await within.reduce(p2p, host, _WITHIN_IN, buf, 0, combine)):
         await alg.reduce(Subset(SubP2P(p2p, _WITHIN_IN), host), buf, 0, combine, thresholds=thresholds)
     if p2p.rank == host[0]:
         await alg.all_reduce(Subset(SubP2P(p2p, _ACROSS), [h[0] for h in layout]), buf, combine, thresholds=thresholds)
     if not alone and (within is None or not await within.broadcast(p2p, host, _WITHIN_OUT, buf, 0)):
         await alg.broadcast(Subset(SubP2P(p2p, _WITHIN_OUT), host), buf, 0, thresholds=thresholds)
+
+
+async def _all_reduce_pieces(
+    p2p: P2P,
+    buf: np.ndarray,
+    combine: Combine,
+    layout: Layout,
+    host: tuple[int, ...],
+    count: int,
+    thresholds: Thresholds | None,
+    within: Within | None,
+) -> None:
+    """Rule 1 in ``count`` pieces, pipelined: each piece's reduce-scatter within the host, then
+    its exchange across starts (a task) while the next piece's reduce-scatter runs; then each
+    piece's all-gather within once its exchange is done, while the later pieces' still cross.
+    The in-host phases run one after another in the host's line (every piece's reduce-scatter,
+    then every piece's all-gather: the same order on every rank); piece ``c``'s phases use tag
+    blocks ``c`` (across), ``MAX_PIECES + c`` (in) and ``2 * MAX_PIECES + c`` (out)."""
+    k = len(host)
+    i = host.index(p2p.rank)
+    peers = [h[i] for h in layout]
+    bounds = np.linspace(0, buf.size, count + 1).astype(np.int64)  # the same on every rank
+    sliced = []
+    for c in range(count):
+        piece = buf[bounds[c] : bounds[c + 1]]
+        cuts = np.linspace(0, piece.size, k + 1).astype(np.int64)
+        sliced.append([piece[cuts[j] : cuts[j + 1]] for j in range(k)])
+    across: list[asyncio.Future[None]] = []
+    try:
+        for c, slices in enumerate(sliced):
+            mine = np.empty(slices[i].size, buf.dtype)
+            block = MAX_PIECES + c
+            if within is None or not await within.reduce_scatter(p2p, host, block, mine, slices, combine):
+                await alg.reduce_scatter(Subset(SubP2P(p2p, block), host), mine, slices, combine, thresholds=thresholds)
+            np.copyto(slices[i], mine)
+            across.append(asyncio.ensure_future(alg.all_reduce(Subset(SubP2P(p2p, c), peers), slices[i], combine, thresholds=thresholds)))
+        for c, slices in enumerate(sliced):
+            await across[c]
+            block = 2 * MAX_PIECES + c
+            if within is None or not await within.all_gather(p2p, host, block, slices, slices[i]):
+                await alg.all_gather(Subset(SubP2P(p2p, block), host), slices, slices[i], thresholds=thresholds)
+    finally:
+        for f in across:
+            if not f.done():
+                f.cancel()
+            f.add_done_callback(_retrieve)
+
+
+def _retrieve(f: asyncio.Future[None]) -> None:
+    if not f.cancelled():
+        f.exception()
 
 
 async def all_gather(

@@ -166,6 +166,11 @@ class Thresholds:
     #: 16 KiB 1.6 ms against 0.8 (three phases against recursive doubling's two steps), 1 MiB
     #: 9.8 against 17.6, 16 MiB 167 against 211 (1.00 S sent per host against 1.53).
     hier_min: int = 64 * KiB
+    #: the hierarchy's all_reduce (where every host has as many ranks) goes in pieces of this
+    #: many bytes (at most aiodist.algorithms.hier.MAX_PIECES), pipelined: a piece's exchange
+    #: across runs while the next piece's reduce-scatter and the last one's all-gather run within
+    #: the host; 0: one piece.
+    hier_piece: int = 4 * MiB
 
     def __post_init__(self) -> None:
         if self.pipeline_piece < 1:

@@ -93,7 +93,7 @@ def route(pg: ProcessGroupLike, op: str, nbytes: int, *, part: int = 0, planned:
     pl = plan(op, nbytes, len(pg.ranks), th, part=part, spread=layout is not None) if planned is None else planned
     if pl.path == "hier":
         assert layout is not None
-        return Route(pl, th, None, layout, HostShm.take(pg, op, layout))
+        return Route(pl, th, None, layout, HostShm.take(pg, op, layout, nbytes))
     shm = getattr(pg.backend, "shm", None) if pl.shm else None
     return Route(pl, th, None if shm is None else shm.ticket(pg.group_id, pg.ranks), layout)
 
@@ -115,7 +115,7 @@ class HostShm:
         self._th = th
 
     @classmethod
-    def take(cls, pg: ProcessGroupLike, op: str, layout: hier.Layout) -> HostShm | None:
+    def take(cls, pg: ProcessGroupLike, op: str, layout: hier.Layout, nbytes: int) -> HostShm | None:
         """The op's places in line (taken now, in its issuing step), or None where this rank's
         host has one rank of the group, the op has no in-host phase, the backend has no shared
         memory or the host's ranks agreed on messages."""
@@ -123,7 +123,7 @@ class HostShm:
         if shm is None:
             return None
         me = pg.rank()
-        n = hier.within_phases(op, layout, me)
+        n = hier.within_phases(op, layout, me, nbytes, pg.thresholds)
         if not n:
             return None
         host = next(h for h in layout if me in h)

@@ -163,6 +163,10 @@ class TrackedP2P:
         return self._channel().seq
 
     @property
+    def line_seq(self) -> int:
+        return self._channel().line_seq
+
+    @property
     def digest(self) -> int:
         return self._channel().digest
 

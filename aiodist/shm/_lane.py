@@ -185,7 +185,7 @@ async def settle(p2p: OpLink, g: GroupShm, s: int, sizes: Sequence[int], op: str
     desync, a size error: raised), and every member's bytes (``parts``)."""
     me = p2p.rank
     seq, digest = p2p.seq, p2p.digest
-    target = seq + 1
+    target = p2p.line_seq + 1
     heads = [h[s] for h in g.heads]
     missing = [q for q in g.others if heads[q][0] < target]
     if missing:
@@ -211,7 +211,7 @@ async def exchange(
     bytes (a negative size: any); every member's bytes (views of the slots, valid until this
     rank's next lane op of the group). ``post``, then ``collect``, then ``settle`` where a peer
     is not there yet or did not agree: the in-call path's steps, in one coroutine."""
-    seq, digest = p2p.seq, p2p.digest
+    seq, digest = p2p.line_seq, p2p.digest
     s = post(g, seq, digest, mine)
     if collect(g, s, seq, digest, sizes) is True:
         return parts(g, s, sizes)
@@ -476,7 +476,7 @@ async def gather(p2p: OpLink, g: GroupShm, outs: Sequence[np.ndarray] | None, mi
     """Every rank's ``mine`` into ``outs[that rank]`` of the root (sizes may differ per rank,
     as the root's list says)."""
     me = p2p.rank
-    seq, digest = p2p.seq, p2p.digest
+    seq, digest = p2p.line_seq, p2p.digest
     sizes = [-1] * p2p.size
     s = post(g, seq, digest, gather_posts(me, root, outs, mine))
     if collect(g, s, seq, digest, sizes) is not True:
@@ -488,13 +488,13 @@ async def scatter(p2p: OpLink, g: GroupShm, out: np.ndarray, ins: Sequence[np.nd
     """``ins[q]`` of the root into ``out`` of rank q (sizes may differ per rank, as the root's
     list says); the root's table and parts must fit its slot."""
     me, n = p2p.rank, p2p.size
-    seq, digest = p2p.seq, p2p.digest
+    seq, digest = p2p.line_seq, p2p.digest
     pieces = scatter_posts(me, root, ins, out)
     total = sum(x.nbytes for x in pieces)
     if not g.fits_lane(total):  # (only where sizes differ per rank: a rank judges by its own part)
         ranks = p2p.ranks
         raise DistBackendError(
-            f"scatter of group {p2p.group_id}, seq {seq}: rank {ranks[me]}'s parts take {total} bytes in all, more than the "
+            f"scatter of group {p2p.group_id}, seq {p2p.seq}: rank {ranks[me]}'s parts take {total} bytes in all, more than the "
             f"lane holds; the other ranks judged by their own parts and take the lane (pass parts of one size, as torch requires)"
         )
     sizes = [-1] * n
@@ -551,7 +551,7 @@ def announce(link: OpLink, g: GroupShm, me: int, socket: bool = False) -> None:
     cur = g.current[me]
     cur[1] = 0
     cur[0] = digest ^ SOCKET_MARK if socket and digest else digest
-    cur[1] = link.seq + 1
+    cur[1] = link.line_seq + 1
 
 
 def _check_current(link: OpLink, g: GroupShm, q: int) -> None:
@@ -560,7 +560,7 @@ def _check_current(link: OpLink, g: GroupShm, q: int) -> None:
     cur = g.current[q]
     seq, digest, again = int(cur[1]), int(cur[0]), int(cur[1])  # x86-TSO: loads in this order
     mine = link.digest
-    if seq == again == link.seq + 1 and mine and digest and digest != mine:
+    if seq == again == link.line_seq + 1 and mine and digest and digest != mine:
         if digest == mine ^ SOCKET_MARK:  # the same call, on the other path: sizes across a threshold
             name = link.op_name
             what = "this op" if name is None else name

@@ -28,7 +28,7 @@ from typing import Protocol, TypeGuard, runtime_checkable
 
 import numpy as np
 
-from aiodist.algorithms.p2p import P2P, TAG_LIMIT
+from aiodist.algorithms.p2p import CHANNEL_TAG_LIMIT, P2P, TAG_LIMIT
 from aiodist.errors import DistBackendError
 
 __all__ = ["OpLink", "op_link", "HostLink"]
@@ -48,6 +48,13 @@ class OpLink(P2P, Protocol):
 
     @property
     def seq(self) -> int: ...
+
+    @property
+    def line_seq(self) -> int:
+        """The op's number in its group's shared-memory line, which the lane's flags and the
+        ``current`` words carry (they only grow along the line): its ``seq``; a hierarchical
+        op's in-host phase (``HostLink``) has one of its own for each phase."""
+        ...
 
     @property
     def ranks(self) -> Sequence[int]:
@@ -90,6 +97,7 @@ class OpLink(P2P, Protocol):
         ...
 
 
+_PHASES = CHANNEL_TAG_LIMIT // TAG_LIMIT  # sub-op blocks of an op: a HostLink's line_seq steps
 _LINKS: dict[type, bool] = {}  # the structural check costs microseconds: it is made once per class
 
 
@@ -119,12 +127,13 @@ class HostLink:
     go as they are. The op's identity (group id, seq, digest, name) is the op's own: errors name
     the group the user called, and the peers' digests are the op's."""
 
-    __slots__ = ("_link", "_members", "_base", "rank", "size", "ranks")
+    __slots__ = ("_link", "_members", "_base", "_index", "rank", "size", "ranks")
 
     def __init__(self, link: OpLink, members: Sequence[int], index: int) -> None:
         self._link = link
         self._members = tuple(members)
         self._base = (index + 1) * TAG_LIMIT
+        self._index = index
         self.rank = self._members.index(link.rank)
         self.size = len(self._members)
         whole = link.ranks
@@ -148,6 +157,12 @@ class HostLink:
     @property
     def seq(self) -> int:
         return self._link.seq
+
+    @property
+    def line_seq(self) -> int:
+        """``seq * 32 + index``: every in-host phase of the op (several run in one host's line,
+        in the order of their tag blocks) has flags of its own, above the last op's."""
+        return self._link.line_seq * _PHASES + self._index
 
     @property
     def op_name(self) -> str | None:

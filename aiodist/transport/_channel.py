@@ -41,6 +41,11 @@ class Channel:
         return f"Channel(group={self.group_id}, seq={self.seq}, rank={self._rank}, size={len(self.ranks)})"
 
     @property
+    def line_seq(self) -> int:
+        """The op's number in its group's shared-memory line: its seq (aiodist.shm._link)."""
+        return self.seq
+
+    @property
     def rank(self) -> int:
         return self._rank
 
