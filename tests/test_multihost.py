@@ -355,7 +355,8 @@ STORE_PORT = 29510
 @pytest.mark.parametrize("how", ["kill"])  # (SIGSTOP on one host: tests/faults/test_chaos.py)
 def test_a_rank_lost_on_either_host_mid_fuzz(how: str) -> None:
     """The chaos fuzz (tests/helpers/chaos_rank.py) on 2 netns hosts x 2 ranks, every all_reduce by
-    the hierarchy (AIODIST_ALGO_HIER_MIN=0; groups in order, reversed and interleaved by host): a
+    the hierarchy (AIODIST_ALGO_HIER_MIN=0, in 64 KiB pieces from 128 KiB; groups in order,
+    reversed and interleaved by host; in-host phases through each host's shared memory): a
     rank on host 1 SIGKILLs itself at a random op (SIGSTOP too, run by hand: the same); every rank of both hosts names it,
     the survivors shrink the default group (an uneven layout: 2 + 1) and finish the fuzz with 0
     wrong results. The store is served by its own process on host 0, as a launcher's agent does."""
@@ -374,6 +375,7 @@ def test_a_rank_lost_on_either_host_mid_fuzz(how: str) -> None:
                             "RANK": str(r),
                             "WORLD_SIZE": "4",
                             "AIODIST_ALGO_HIER_MIN": "0",
+                            "AIODIST_ALGO_HIER_PIECE": "64K",  # the bigger all_reduces in pipelined pieces
                         }
                     )
                     out = open(Path(tmp, f"{r}.out"), "wb")

@@ -20,7 +20,7 @@ import pytest
 
 import aiodist as dist
 from aiodist._time import Deadline
-from aiodist.c10d._diagnosis import DETAIL_HINT, Findings, Note, Report, explain
+from aiodist.c10d._diagnosis import DETAIL_HINT, Findings, Note, Report, culprits_of, explain
 from aiodist.testing import run_world
 from aiodist.testing.ports import free_port
 
@@ -228,6 +228,17 @@ def test_explain_names_a_silent_rank_in_the_op_and_what_it_did() -> None:
     found = Findings({0: Report("all_reduce", (3,))}, notes={3: [Note(1, "seq 4", "barrier", 0.5)]})
     head, _, _ = explain(0, "all_reduce", 0, 7, found, since=0.0, now=1.0, grace=0.1)
     assert head == "rank 3 never issued all_reduce seq 0 of group 7: it is in barrier seq 4 of group 1"
+
+    # rank 3 waits at seq 4 of this group on rank 1, whose chain there ends at rank 2 (stopped
+    # mid-loop): rank 2 is blamed, not the waiting rank 3 (every survivor must name the same)
+    found = Findings({0: Report("all_reduce", (3,))}, notes={3: [Note(7, "seq 4", "barrier", 0.5, 4)]}, beyond={3: ([1], [2])})
+    head, _, _ = explain(0, "all_reduce", 5, 7, found, since=0.0, now=1.0, grace=0.1)
+    assert head.endswith("waiting on rank 1 there (and through them on rank 2)"), head
+    assert set(culprits_of(0, "all_reduce", 5, found)) == {2}
+    found.beyond = {3: ([1], [1])}
+    assert set(culprits_of(0, "all_reduce", 5, found)) == {1}
+    found.beyond = {3: ([0], [0])}  # back to this rank: the waiting rank is named
+    assert set(culprits_of(0, "all_reduce", 5, found)) == {3}
 
     found = Findings({0: Report("all_reduce", (1, 2)), 1: Report("broadcast", ()), 2: Report("broadcast", ())})
     head, _, hint = explain(0, "all_reduce", 2, 0, found, since=0.0, now=1.0, grace=0.1)

@@ -115,8 +115,8 @@ class Findings:
     notes: dict[int, list[Note]] = field(default_factory=dict)  # ranks without a report here, seen timing out elsewhere
     answered: bool = True  # False: the store did not answer every request in time
     blocked: dict[int, str] = field(default_factory=dict)  # ranks whose loop watchdog says their loop is blocked
-    #: ranks found at another seq of this group: whom they wait on there, and where those waits end
-    #: (the ranks at that seq with no report, or waiting on nobody)
+    #: ranks found in another op (another seq of this group, or an op of another group): whom they
+    #: wait on there, and where those waits end (the ranks there with no report, or waiting on nobody)
     beyond: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
     store_host: str | None = None  # whose process serves the store ("rank 0"), if known: named when it does not answer
 
@@ -244,7 +244,8 @@ def explain(
 
 def culprits_of(me: int, op: str, seq: int, found: Findings) -> dict[int, str]:
     """The ranks ``explain`` blames, each with what it did (an error's ``culprits`` field):
-    another op at this seq, a blocked loop, never issued this op, in it but silent."""
+    another op at this seq, a blocked loop, never issued this op (or, for a rank found waiting
+    in another op, the ranks where that wait's chain ends), in it but silent."""
     walk = _walk(me, op, found.reports)
     out: dict[int, str] = {}
     for other, rs in walk.mismatched.items():
@@ -255,7 +256,16 @@ def culprits_of(me: int, op: str, seq: int, found: Findings) -> dict[int, str]:
         if r in found.blocked:
             out[r] = "its event loop is blocked"
         elif r in found.notes:
-            out[r] = f"never issued {op} seq {seq}: it is in {found.notes[r][-1].where()}"
+            where = found.notes[r][-1].where()
+            # where the chain that rank waits on there ends (a rank stopped mid-loop leaves its
+            # next peer one op behind, waiting on it, in this group or another): those are
+            # blamed, not the waiting rank
+            waits, ends = found.beyond.get(r, ([], []))
+            further = [q for q in (ends or waits) if q not in (me, r)]
+            for q in further:
+                out.setdefault(q, f"holds up {where}: rank {r} waits on it there, so never issued {op} seq {seq}")
+            if not further:
+                out[r] = f"never issued {op} seq {seq}: it is in {where}"
         elif r in heard:
             out[r] = f"in {op} seq {seq} but sent nothing"
         elif found.answered:
@@ -309,9 +319,9 @@ async def consult(store: Store, group_id: int, seq: int, me: int, mine: Report, 
                             # notes each, in the order their deadlines fired)
                             found.notes[r] = fresh
                             last = fresh[-1]
-                            there = f"aiodist/hang/{group_id}/{last.seq}/{r}"
-                            if last.group == group_id and last.seq not in (None, seq) and await store.check([there]):
-                                found.beyond[r] = await _chase(store, group_id, last.seq, r, Report.decode(await store.get(there)))
+                            there = f"aiodist/hang/{last.group}/{last.seq}/{r}"
+                            if last.seq is not None and (last.group, last.seq) != (group_id, seq) and await store.check([there]):
+                                found.beyond[r] = await _chase(store, last.group, last.seq, r, Report.decode(await store.get(there)))
                 passes += 1
                 if not unknown() or loop.time() + _POLL_S >= stop:
                     break
