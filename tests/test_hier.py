@@ -196,8 +196,8 @@ def _data(rank: int, n: int) -> np.ndarray:
 @pytest.mark.parametrize("n", [1, 3, 1000, 100_000, 1 << 20])
 async def test_in_host_phases_go_through_the_hosts_shared_memory(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
     """4 ranks told they sit on 2 hosts (0, 1 | 2, 3; ``AioBackend.hosts``, which init reads
-    from what every rank published): all_reduce, all_gather_into_tensor and reduce_scatter_tensor
-    go by the hierarchy, and its in-host phases through the shared memory of each host's ranks
+    from what every rank published): all_reduce, broadcast, reduce (roots that lead their host
+    and not), all_gather_into_tensor and reduce_scatter_tensor go by the hierarchy, and its in-host phases through the shared memory of each host's ranks
     (a line of their own: ``HOST_PART``), by the lane at small sizes and single copy at big ones
     (4 MiB: single-copy ops of one seq in a host's line, whose phase words must not meet; in 8
     pipelined pieces); exact, on the default group and on an uneven layout (3 + 1)."""
@@ -217,10 +217,20 @@ async def test_in_host_phases_go_through_the_hosts_shared_memory(monkeypatch: py
             part = np.empty(n, np.float32)
             await dist.reduce_scatter_tensor(part, _data(rank, 4 * n))
             assert np.array_equal(part, sum(_data(r, 4 * n) for r in range(4))[rank * n : (rank + 1) * n]), f"rank {rank}: reduce_scatter"
+            for root in (0, 3):  # a host's first rank, and not
+                b = _data(rank, n)
+                await dist.broadcast(b, src=root)
+                assert np.array_equal(b, _data(root, n)), f"rank {rank}: broadcast from {root}, {n}"
+                z = _data(rank, n)
+                await dist.reduce(z, dst=root)
+                if rank == root:
+                    assert np.array_equal(z, sum(_data(r, n) for r in range(4))), f"rank {rank}: reduce to {root}, {n}"
             if rank != 2:
                 y = _data(rank, n)
                 await dist.all_reduce(y, group=uneven)
                 assert np.array_equal(y, sum(_data(r, n) for r in (0, 1, 3))), f"rank {rank}: uneven all_reduce of {n}"
+                await dist.broadcast(y, src=3, group=uneven)
+                assert np.array_equal(y, sum(_data(r, n) for r in (0, 1, 3))), f"rank {rank}: uneven broadcast of {n}"
         return dict(backend.shm.stats())
 
     stats = await run_world(4, fn, "gloo", pg_options={"hier_min": 0, "hier_piece": 256 * 1024})  # 4 MiB: 8 pieces

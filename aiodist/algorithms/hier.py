@@ -23,6 +23,14 @@ all_reduce, by rules in order:
 Every rank ends with the same bits: each slice is reduced once (within the host, in local rank
 order, then across by the leaders' or the slice's ring) and copied everywhere after.
 
+broadcast and reduce: each host has a leader (the root on its host, its first rank elsewhere);
+broadcast goes from the root to the leaders (each remote host's link crossed once), then within
+each host from its leader; reduce is its mirror (within each host to its leader, then among the
+leaders to the root).
+
+The in-host phases go through a ``Within`` where the backend gives one (its shared memory for
+the group's ranks on this host), else by messages on the host's ranks.
+
 all_gather and reduce_scatter, where every host has the same ``k > 1`` ranks (otherwise the flat
 schedules): all_gather exchanges each local rank's part among its counterparts on the other hosts
 first (each part crosses to each other host once: ``(h-1)/h`` of the output per host, the
@@ -55,6 +63,8 @@ __all__ = [
     "pieces",
     "MAX_PIECES",
     "all_reduce",
+    "broadcast",
+    "reduce",
     "all_gather",
     "reduce_scatter",
     "crossing_bytes",
@@ -133,13 +143,15 @@ class Within(Protocol):
 def within_phases(op: str, layout: Layout, rank: int, nbytes: int = 0, th: Thresholds | None = None) -> int:
     """How many in-host phases ``op`` of ``nbytes`` runs on group rank ``rank``'s host (what a
     ``Within`` for it takes places in line for, at issue): none on a host of one rank;
-    all_reduce's two per piece (in and out: ``pieces``; rule 2 has one piece); all_gather's one
-    (out) and reduce_scatter's one (in) where the layout is even (else they are the flat
-    schedules: none)."""
+    all_reduce's two per piece (in and out: ``pieces``; rule 2 has one piece); broadcast's one
+    (out) and reduce's one (in); all_gather's one (out) and reduce_scatter's one (in) where the
+    layout is even (else they are the flat schedules: none)."""
     if len(_host_of(layout, rank)) < 2:
         return 0
     if op == "all_reduce":
         return 2 * pieces(nbytes, th) if even(layout) > 1 else 2
+    if op in ("broadcast", "reduce"):
+        return 1
     return 1 if op in ("all_gather", "reduce_scatter") and even(layout) > 1 else 0
 
 
@@ -223,6 +235,47 @@ async def _all_reduce_pieces(
 def _retrieve(f: asyncio.Future[None]) -> None:
     if not f.cancelled():
         f.exception()
+
+
+def _leaders(layout: Layout, root: int) -> list[int]:
+    """Each host's leader for a rooted op: the root on its host, the first rank elsewhere."""
+    return [root if root in h else h[0] for h in layout]
+
+
+async def broadcast(
+    p2p: P2P, buf: np.ndarray, root: int, layout: Layout, *, thresholds: Thresholds | None = None, within: Within | None = None
+) -> None:
+    """``alg.broadcast``'s contract: from the root to one leader on every other host (one
+    crossing per remote host: ``_leaders``), then within each host from its leader."""
+    host = _host_of(layout, p2p.rank)
+    leaders = _leaders(layout, root)
+    lead = leaders[layout.index(host)]
+    if p2p.rank == lead:
+        await alg.broadcast(Subset(SubP2P(p2p, _ACROSS), leaders), buf, leaders.index(root), thresholds=thresholds)
+    if len(host) > 1 and (within is None or not await within.broadcast(p2p, host, _WITHIN_OUT, buf, host.index(lead))):
+        await alg.broadcast(Subset(SubP2P(p2p, _WITHIN_OUT), host), buf, host.index(lead), thresholds=thresholds)
+
+
+async def reduce(
+    p2p: P2P,
+    buf: np.ndarray,
+    root: int,
+    combine: Combine,
+    layout: Layout,
+    *,
+    thresholds: Thresholds | None = None,
+    within: Within | None = None,
+) -> None:
+    """``alg.reduce``'s contract (the result on the root): within each host to its leader
+    (``_leaders``: the root on its host), then among the leaders to the root (one crossing per
+    remote host)."""
+    host = _host_of(layout, p2p.rank)
+    leaders = _leaders(layout, root)
+    lead = leaders[layout.index(host)]
+    if len(host) > 1 and (within is None or not await within.reduce(p2p, host, _WITHIN_IN, buf, host.index(lead), combine)):
+        await alg.reduce(Subset(SubP2P(p2p, _WITHIN_IN), host), buf, host.index(lead), combine, thresholds=thresholds)
+    if p2p.rank == lead:
+        await alg.reduce(Subset(SubP2P(p2p, _ACROSS), leaders), buf, leaders.index(root), combine, thresholds=thresholds)
 
 
 async def all_gather(

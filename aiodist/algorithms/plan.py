@@ -31,6 +31,8 @@ finds the desync at once instead of a timeout.
 The rules per op, in order (the first that applies decides; ``th`` is the Thresholds):
 
 broadcast
+  0. ``spread`` and ``th.hier(nbytes)``: ``hier`` (the root to one leader on each other host,
+     then within each host), out of the group's line.
   1. ``0 < nbytes <= th.broadcast_lane_max`` and the lane on: ``lane`` (before single copy,
      where thresholds would allow both), in a group of any size: every lane op waits for every
      rank, yet done in its call it beat the socket's tree, where a rank waits only for its
@@ -42,11 +44,14 @@ broadcast
 all_reduce
   1. ``spread`` (the group's ranks are on several hosts, more than one on some:
      ``aiodist.algorithms.hier.layout_of``) and ``th.hier(nbytes)``: ``hier``, out of the
-     shared-memory line (a group across hosts has no shared memory of its own).
+     group's shared-memory line (a group across hosts has no shared memory as a whole; its
+     in-host phases take places in the line of its ranks on this host).
   2. ``th.all_reduce_shm(nbytes)``: ``single_copy`` if ``th.all_reduce_cma(nbytes)``, else ``halves``.
   3. ``th.all_reduce_lane(nbytes)``: ``lane``.
   4. otherwise ``socket``.
 reduce
+  0. ``spread`` and ``th.hier(nbytes)``: ``hier`` (within each host to a leader, then among the
+     leaders to the root), out of line.
   1. ``nbytes > 0`` and ``th.lane(nbytes)``: ``lane`` (in a group of any size, as broadcast).
   2. ``th.reduce_cma(nbytes, ranks)``: ``single_copy``.
   3. past the lane's sizes (``th.lane_max``; lane on) with single copy allowed: ``socket`` in line.
@@ -151,6 +156,8 @@ def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0, spr
             return Plan("lane", True)
         return _SOCKET
     if op == "broadcast":
+        if spread and th.hier(nbytes):
+            return _HIER
         if 0 < nbytes <= th.broadcast_lane_max and th.lane(nbytes):
             return Plan("lane", True)
         if nbytes > th.broadcast_lane_max and th.broadcast_shm_min >= 0:
@@ -160,6 +167,8 @@ def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0, spr
                 return _SOCKET_IN_LINE
         return _SOCKET
     if op == "reduce":
+        if spread and th.hier(nbytes):
+            return _HIER
         if nbytes > 0 and th.lane(nbytes):
             return Plan("lane", True)
         if th.reduce_cma(nbytes, ranks):

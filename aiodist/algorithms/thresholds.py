@@ -158,7 +158,7 @@ class Thresholds:
     #: 4 B-64 KiB by single copy: gather 68-102 us, scatter 54-94 (a task, the doorbells).
     gather_lane_max: int = 64 * KiB
     scatter_lane_max: int = 64 * KiB
-    #: all_reduce, all_gather and reduce_scatter in a group spread over hosts with more than one
+    #: all_reduce, broadcast, reduce, all_gather and reduce_scatter in a group spread over hosts with more than one
     #: rank on some host go by the hierarchy (aiodist.algorithms.hier: within each host, across
     #: once per byte, within) from this many bytes (the op's total); negative: never (the flat
     #: schedules). Measured on 2 netns hosts joined by
@@ -260,8 +260,8 @@ class Thresholds:
         return 0 <= self.reduce_scatter_cma_min <= total_nbytes and total_nbytes > 0
 
     def hier(self, nbytes: int) -> bool:
-        """An all_reduce, all_gather or reduce_scatter of ``nbytes`` (the op's total) in a group
-        spread over hosts (more than one rank on some host) goes by the hierarchy."""
+        """An all_reduce, broadcast, reduce, all_gather or reduce_scatter of ``nbytes`` (the op's
+        total) in a group spread over hosts (more than one rank on some host) goes by the hierarchy."""
         return 0 <= self.hier_min <= nbytes
 
     def all_reduce_lane(self, nbytes: int) -> bool:

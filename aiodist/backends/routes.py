@@ -216,7 +216,9 @@ class Route:
 
     async def broadcast(self, p2p: P2P, flat: np.ndarray, root: int) -> None:
         pl, ticket = self.plan, self.ticket
-        if ticket is None or not await run_broadcast(ticket, p2p, flat, root, pl.single_copy, pl.lane):
+        if pl.path == "hier" and self.layout is not None:
+            await hier.broadcast(p2p, flat, root, self.layout, thresholds=self.th, within=self.within)
+        elif ticket is None or not await run_broadcast(ticket, p2p, flat, root, pl.single_copy, pl.lane):
             await alg.broadcast(p2p, flat, root, thresholds=self.th)
 
     async def all_reduce(self, p2p: P2P, flat: np.ndarray, combine: Combine, into: Into | None = None) -> None:
@@ -242,7 +244,9 @@ class Route:
 
     async def reduce(self, p2p: P2P, mine: np.ndarray, root: int, combine: Combine) -> None:
         pl, ticket = self.plan, self.ticket
-        if ticket is None or not await run_reduce(ticket, p2p, mine, root, combine, pl.single_copy, pl.lane):
+        if pl.path == "hier" and self.layout is not None:
+            await hier.reduce(p2p, mine, root, combine, self.layout, thresholds=self.th, within=self.within)
+        elif ticket is None or not await run_reduce(ticket, p2p, mine, root, combine, pl.single_copy, pl.lane):
             await alg.reduce(p2p, mine, root, combine, thresholds=self.th)
 
     async def all_gather(self, p2p: P2P, outs: Sequence[np.ndarray], mine: np.ndarray) -> None:

@@ -2,10 +2,10 @@
 
     aiodist-run --nnodes 2 --nproc-per-node 2 ... tests/helpers/hier_job.py MIB
 
-Every rank checks, against values it computes itself, all_reduce, all_gather_into_tensor and
-reduce_scatter_tensor over the default group, over a group whose ranks are not contiguous by
-host (``new_group(sort_ranks=False)``, rank order 0, 2, 1, 3, ...), and over a group with an
-uneven layout (every rank but the last), small and large; the sums are integers in float32, so
+Every rank checks, against values it computes itself, all_reduce, all_gather_into_tensor,
+reduce_scatter_tensor, broadcast and reduce over the default group, over a group whose ranks are
+not contiguous by host (``new_group(sort_ranks=False)``, rank order 0, 2, 1, 3, ...), and over a
+group with an uneven layout (every rank but the last), small and large; the sums are integers in float32, so
 every element is exact. Then it all-reduces MIB MiB of float32
 twice on the default group, checks them, and prints ``HIER rank R of W <seconds per op>
 host_shm=<whether the in-host phases went through the host's shared memory>``; each
@@ -67,6 +67,23 @@ async def check_gather_scatter(group: object, members: list[int], n: int, what: 
         raise AssertionError(f"rank {me}: reduce_scatter, {what}, {n} elements per rank: wrong")
 
 
+async def check_rooted(group: object, members: list[int], n: int, what: str) -> None:
+    """broadcast from the group's last rank and reduce to its second (roots that lead their host
+    or not, as the layout has it), exact."""
+    me = dist.get_rank()
+    if me not in members:
+        return
+    src, dst = members[-1], members[1]
+    x = data(me, n)
+    await dist.broadcast(x, src=src, group=group)
+    if not np.array_equal(x, data(src, n)):
+        raise AssertionError(f"rank {me}: broadcast from {src}, {what}, {n} elements: wrong")
+    y = data(me, n)
+    await dist.reduce(y, dst=dst, group=group)
+    if me == dst and not np.array_equal(y, sum(data(r, n) for r in members)):
+        raise AssertionError(f"rank {me}: reduce to {dst}, {what}, {n} elements: wrong")
+
+
 async def main(mib: float) -> None:
     await dist.init_process_group("gloo", timeout=30)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -80,6 +97,9 @@ async def main(mib: float) -> None:
         await check_gather_scatter(None, list(range(world)), n, "default group")
         await check_gather_scatter(mixed, order, n, "ranks not contiguous by host")
         await check_gather_scatter(uneven, list(range(world - 1)), n, "uneven layout")
+        await check_rooted(None, list(range(world)), n, "default group")
+        await check_rooted(mixed, order, n, "ranks not contiguous by host")
+        await check_rooted(uneven, list(range(world - 1)), n, "uneven layout")
     n = int(mib * 2**20) // 4
     x = data(rank, n)
     await dist.barrier()
