@@ -101,6 +101,16 @@ def test_rates_read_as_tc_reads_them() -> None:
             parse_rate(bad)
 
 
+def test_ranks_per_host_take_one_count_or_one_per_host() -> None:
+    from aiodist.bench.hosts import _host_ranks, _per_host
+
+    assert _per_host("2") == (2, 2) and _per_host("3,1") == (3, 1)
+    assert _host_ranks((3, 1)) == [(0, 0), (0, 1), (0, 2), (1, 0)]
+    for bad in ("0", "2,0", "1,2,3", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _per_host(bad)
+
+
 def test_bad_arguments_exit_2() -> None:
     r = subprocess.run(
         [sys.executable, "-m", "aiodist.bench", "hosts", "--rate", "fast"], capture_output=True, text=True, timeout=60, cwd=ROOT
@@ -111,12 +121,14 @@ def test_bad_arguments_exit_2() -> None:
 @needs_netns
 @pytest.mark.subprocess
 @pytest.mark.timeout(90)
-def test_two_ranks_per_host_report_the_bytes_each_host_sends(tmp_path: pathlib.Path) -> None:
-    """``--nproc-per-host 2``: 4 ranks, one interface; each host sends about one op's size per
-    all_reduce (the hierarchy crosses the link once per byte), reported beside the link bound."""
-    doc = run_bench(tmp_path, "--impls", "aiodist", "--rate", "20gbit", "--nproc-per-host", "2", timeout=80)
-    assert doc["world_size"] == 4 and doc["nproc_per_host"] == 2
+def test_an_uneven_layout_reports_the_bytes_each_host_sends(tmp_path: pathlib.Path) -> None:
+    """``--nproc-per-host 2,1``: 3 ranks (2 on host 0, 1 on host 1), one interface; each host
+    sends about one op's size per all_reduce (the hierarchy's leaders cross the link once per
+    byte; a flat ring of 3 sends 1.33 S from each host), reported beside the link bound. (An
+    even layout's bytes: tests/test_multihost.py, on the devices' counters.)"""
+    doc = run_bench(tmp_path, "--impls", "aiodist", "--rate", "20gbit", "--nproc-per-host", "2,1", timeout=80)
+    assert doc["world_size"] == 3 and doc["nproc_per_host"] == [2, 1]
     (row,) = doc["results"]
-    assert row["ifaces"] == ["eth0"] and row["nproc_per_host"] == 2
+    assert row["ifaces"] == ["eth0"] and row["nproc_per_host"] == [2, 1]
     assert 0.95 <= row["sent_per_host_S"] <= 1.2, row  # (start-up and the barrier on top: a few KB)
     assert row["over_link_bound"] == pytest.approx(row["time_s"] / (SIZE / (20e9 / 8)))

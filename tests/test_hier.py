@@ -186,6 +186,30 @@ async def test_all_gather_and_reduce_scatter_send_the_minimum_across(h: int, k: 
     assert all(b == pytest.approx((h - 1) / h * total, rel=0.01) for b in per_host), per_host
 
 
+@pytest.mark.parametrize("h,k", [(2, 2), (2, 4), (3, 2), (4, 3)])
+@pytest.mark.parametrize("root", [0, 1, -1])
+async def test_broadcast_and_reduce_cross_to_each_remote_host_once(h: int, k: int, root: int) -> None:
+    """A broadcast's bytes reach each other host once (h-1 crossings of S in all), as do a
+    reduce's partial sums toward the root; right on every rank (roots that lead their host,
+    and not: rank 1, the last rank)."""
+    n = 4096
+    size = h * k
+    root %= size
+    hosts = [r // k for r in range(size)]
+    layout = hier.layout_of([str(x) for x in hosts])
+    assert layout is not None
+    ps = [Counting(p, hosts) for p in local_world(size, capacity=0, seed=root)]
+    bufs = [np.full(n, r, np.float32) for r in range(size)]
+    await asyncio.gather(*(hier.broadcast(ps[r], bufs[r], root, layout) for r in range(size)))
+    assert all(np.all(b == root) for b in bufs)
+    assert sum(p.across for p in ps) == (h - 1) * n * 4
+    ps = [Counting(p, hosts) for p in local_world(size, capacity=0, seed=root + 1)]
+    bufs = [np.full(n, r, np.float32) for r in range(size)]
+    await asyncio.gather(*(hier.reduce(ps[r], bufs[r], root, _add, layout) for r in range(size)))
+    assert np.all(bufs[root] == sum(range(size)))
+    assert sum(p.across for p in ps) == (h - 1) * n * 4
+
+
 # -- the in-host phases through shared memory (real backends, in one process) ----------------------
 
 

@@ -259,7 +259,25 @@ class Run:
     wall_s: float = 0.0
 
 
-def _env(master: str, port: int, rank: int, ifaces: Sequence[str], per_host: int = 1) -> dict[str, str]:
+def _per_host(text: str) -> tuple[int, ...]:
+    """``--nproc-per-host``: ``K`` (K ranks on every host) or one count per host (``3,1``)."""
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of ranks, or one per host (3,1)") from None
+    if len(counts) == 1:
+        counts *= HOSTS
+    if len(counts) != HOSTS or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least 1 rank on each of the {HOSTS} hosts")
+    return counts
+
+
+def _host_ranks(counts: Sequence[int]) -> list[tuple[int, int]]:
+    """(host, local rank) of every rank, ranks contiguous by host."""
+    return [(h, i) for h, c in enumerate(counts) for i in range(c)]
+
+
+def _env(master: str, port: int, rank: int, ifaces: Sequence[str], counts: Sequence[int] = (1, 1)) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUB_PREFIXES) and k not in SCRUB_EXACT}
     root = str(pathlib.Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -268,12 +286,22 @@ def _env(master: str, port: int, rank: int, ifaces: Sequence[str], per_host: int
         MASTER_ADDR=master,
         MASTER_PORT=str(port),
         RANK=str(rank),
-        LOCAL_RANK=str(rank % per_host),
-        WORLD_SIZE=str(HOSTS * per_host),
-        LOCAL_WORLD_SIZE=str(per_host),
+        LOCAL_RANK=str(_host_ranks(counts)[rank][1]),
+        WORLD_SIZE=str(sum(counts)),
+        LOCAL_WORLD_SIZE=str(counts[_host_ranks(counts)[rank][0]]),
         GLOO_SOCKET_IFNAME=",".join(ifaces),
     )
     return env
+
+
+def _counts_json(counts: Sequence[int]) -> int | list[int]:
+    """The ranks per host as the JSON gives them: one number where every host has as many."""
+    return counts[0] if len(set(counts)) == 1 else list(counts)
+
+
+def _counts_text(counts: Sequence[int]) -> str:
+    k = _counts_json(counts)
+    return f"{k} rank{'s' if k != 1 else ''}" if isinstance(k, int) else f"{' + '.join(map(str, counts))} ranks"
 
 
 def _tail(text: str, lines: int = 40) -> str:
@@ -310,17 +338,18 @@ def run_one(hosts: Any, impl: str, ifaces: tuple[str, ...], port: int, args: arg
     ]
     before = _traffic(hosts, hosts.links)
     sent0 = _sent(hosts, hosts.links)
-    k = args.nproc_per_host
-    world = HOSTS * k
+    counts = args.nproc_per_host
+    world = sum(counts)
+    where = _host_ranks(counts)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="aiodist_bench_hosts_") as tmp:
         procs, files = [], []
         try:
-            for r in range(world):  # ranks contiguous by host: host r // k
+            for r in range(world):  # ranks contiguous by host
                 out = open(pathlib.Path(tmp, f"{r}.out"), "wb")
                 err = open(pathlib.Path(tmp, f"{r}.err"), "wb")
                 files += [out, err]
-                procs.append(hosts.popen(r // k, cmd, env=_env(master, port, r, ifaces, k), stdout=out, stderr=err))
+                procs.append(hosts.popen(where[r][0], cmd, env=_env(master, port, r, ifaces, counts), stdout=out, stderr=err))
             deadline = t0 + args.timeout + 60.0  # start-up (imports, rendezvous) on top of the ops' timeout
             failed_at = None
             while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -379,7 +408,7 @@ def _busbw(nbytes: int, t: float, world: int = HOSTS) -> float:
 
 
 def summarize(
-    runs: Sequence[Run], sizes: Sequence[int], rate_bits: float | None, per_host: int = 1, ops_per_size: int = 0
+    runs: Sequence[Run], sizes: Sequence[int], rate_bits: float | None, per_host: Sequence[int] = (1, 1), ops_per_size: int = 0
 ) -> list[dict[str, Any]]:
     """One row per (implementation, interface set, size), in bytes/s and seconds. ``ops_per_size``
     (the check, the warmups and the timed ops): with it, each host's bytes sent per op in units of
@@ -392,7 +421,7 @@ def summarize(
         for nbytes in sizes:
             ts = run.times[nbytes]
             t = statistics.median(ts)
-            bus = _busbw(nbytes, t, HOSTS * per_host)
+            bus = _busbw(nbytes, t, sum(per_host))
             if len(run.ifaces) == 1:
                 one[(run.impl, nbytes)] = bus
             base = one.get((run.impl, nbytes))
@@ -414,7 +443,7 @@ def summarize(
                     "traffic_share": {d: (b / total if total else 0.0) for d, b in run.traffic.items()},
                     "sent_per_host_S": (max(run.sent) / (ops_per_size * sum(sizes)) if run.sent and ops_per_size else None),
                     "over_link_bound": t / (nbytes / link_bytes) if link_bytes else None,
-                    "nproc_per_host": per_host,
+                    "nproc_per_host": _counts_json(per_host),
                     "wall_s": run.wall_s,
                 }
             )
@@ -499,16 +528,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--nproc-per-host",
-        type=int,
-        default=1,
+        type=_per_host,
+        default=(1, 1),
         metavar="K",
-        help="rank processes on each host (default 1; more than 1: one interface only, and the bytes each host sends per op "
-        "show whether the link is crossed once per byte: aiodist.algorithms.hier)",
+        help="rank processes on each host: K on every host, or one count per host for an uneven layout (3,1); default 1. "
+        "More than 1 on a host: one interface only, and the bytes each host sends per op show whether the link is crossed "
+        "once per byte: aiodist.algorithms.hier",
     )
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE ('-': stdout, instead of the table)")
     args = p.parse_args(argv)
-    if args.nproc_per_host < 1:
-        p.error("--nproc-per-host must be at least 1")
     args.rate_text = args.rate.strip()
     try:
         args.rate = parse_rate(args.rate_text)  # bits/s, or None: unshaped
@@ -550,7 +578,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     say("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
     say(
         f"hosts: 2 network namespaces, 2 veth links (eth0, eth1), every host device {rate_desc}; "
-        f"{args.nproc_per_host} rank{'s' if args.nproc_per_host > 1 else ''} per host; "
+        f"{_counts_text(args.nproc_per_host)} per host; "
         f"all_reduce float32 {','.join(_human(s) for s in args.sizes)}; {args.warmup} warmup + {args.iters} timed; "
         f"time = median over iterations of the slower rank's time; busbw = algbw * 2(n-1)/n",
         flush=True,
@@ -563,7 +591,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             say(f"TCP congestion control in the hosts: {cc}{' (inherited from this machine)' if args.cc is None else ''}", flush=True)
             k = 0
             for impl in args.impl_list:
-                for ifaces in IFACE_SETS if args.nproc_per_host == 1 else IFACE_SETS[:1]:
+                for ifaces in IFACE_SETS if sum(args.nproc_per_host) == HOSTS else IFACE_SETS[:1]:
                     run = run_one(hosts, impl, ifaces, BASE_PORT + k, args)
                     k += 1
                     say(f"  {impl} on {','.join(ifaces)}: {run.wall_s:.1f} s", flush=True)
@@ -593,8 +621,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc = json.dumps(
             {
                 "machine": info,
-                "world_size": HOSTS * args.nproc_per_host,
-                "nproc_per_host": args.nproc_per_host,
+                "world_size": sum(args.nproc_per_host),
+                "nproc_per_host": _counts_json(args.nproc_per_host),
                 "rate": args.rate_text if args.rate else None,
                 "rate_bits_per_s": args.rate,
                 "tcp_congestion_control": cc,
