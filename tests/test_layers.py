@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import aiodist
 import aiodist_cuda
@@ -208,26 +208,29 @@ def test_c10d_chooses_no_path() -> None:
         assert not chosen, f"{f.relative_to(ROOT.parent)} reads {sorted(chosen)}: path policy belongs to aiodist.backends.routes"
 
 
-def _module_graph() -> dict[str, set[str]]:
-    """Each aiodist module -> the aiodist modules it imports anywhere in it (function bodies
-    too; ``if TYPE_CHECKING:`` blocks aside, as they never run)."""
+PACKAGES = (ROOT, pathlib.Path(aiodist_cuda.__file__).parent)
+ARCHITECTURE = ROOT.parent / "docs" / "architecture.md"
+
+
+def _modules() -> dict[str, pathlib.Path]:
     mods: dict[str, pathlib.Path] = {}
-    for path in ROOT.rglob("*.py"):
-        name = ".".join(path.relative_to(ROOT.parent).with_suffix("").parts)
-        mods[name.removesuffix(".__init__")] = path
+    for pkg in PACKAGES:
+        for path in pkg.rglob("*.py"):
+            name = ".".join(path.relative_to(pkg.parent).with_suffix("").parts)
+            mods[name.removesuffix(".__init__")] = path
+    return mods
 
-    def nodes(node: ast.AST) -> Iterator[ast.AST]:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                continue
-            yield child
-            yield from nodes(child)
 
+def _module_graph() -> dict[str, set[str]]:
+    """Each module of aiodist and aiodist_cuda -> the modules of both it imports anywhere in it:
+    top-level, in function bodies (lazy), and under ``if TYPE_CHECKING:`` (a type-only edge is a
+    coupling all the same)."""
+    mods = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
         found: set[str] = set()
-        for node in nodes(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 found.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom):
@@ -247,10 +250,49 @@ def _module_graph() -> dict[str, set[str]]:
     return graph
 
 
-def test_no_import_cycles_anywhere_lazy_imports_included() -> None:
-    """The whole graph, not pairs: no aiodist module reaches itself through imports, function-level
-    imports included (a lazy import only hides a cycle). Strongly connected components, Tarjan's."""
-    graph = _module_graph()
+def layer_table(text: str | None = None) -> list[tuple[str, list[str]]]:
+    """docs/architecture.md's layer table, top layer first: (layer, the paths it holds)."""
+    text = ARCHITECTURE.read_text() if text is None else text
+    section = text[text.index("## Layers") :]
+    rows: list[tuple[str, list[str]]] = []
+    for line in section.splitlines():
+        if line.startswith("|") and "`aiodist" in line:
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows.append((cells[0], re.findall(r"`(aiodist[^`]*)`", cells[1])))
+        elif rows and not line.startswith("|"):
+            break
+    return rows
+
+
+def layer_of(module: str, table: list[tuple[str, list[str]]]) -> int | None:
+    """The index (0: top) of the layer whose longest path holds ``module``, or None."""
+    path = module.replace(".", "/")
+    best: tuple[int, int] | None = None
+    for i, (_, paths) in enumerate(table):
+        for p in paths:
+            stem = p.removesuffix(".py").removesuffix("/__init__")
+            # a file holds itself (a package's __init__.py: the package module), a folder its tree
+            if path == stem or (not p.endswith(".py") and path.startswith(stem + "/")):
+                if best is None or len(stem) > best[1]:
+                    best = (i, len(stem))
+    return None if best is None else best[0]
+
+
+def upward_edges(graph: dict[str, set[str]], table: list[tuple[str, list[str]]]) -> list[str]:
+    """Every edge from a module to one of a higher layer (a lower index), and every module the
+    table does not place."""
+    out = [f"{m}: in no layer of the table" for m in sorted(graph) if layer_of(m, table) is None]
+    for m in sorted(graph):
+        src = layer_of(m, table)
+        for d in sorted(graph[m]):
+            dst = layer_of(d, table)
+            if src is not None and dst is not None and dst < src:
+                out.append(f"{m} ({table[src][0]}) imports {d} ({table[dst][0]})")
+    return out
+
+
+def cycles_in(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -261,7 +303,7 @@ def test_no_import_cycles_anywhere_lazy_imports_included() -> None:
         index[v] = low[v] = len(index)
         stack.append(v)
         on.add(v)
-        for w in graph[v]:
+        for w in graph.get(v, ()):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -281,5 +323,37 @@ def test_no_import_cycles_anywhere_lazy_imports_included() -> None:
     for v in sorted(graph):
         if v not in index:
             visit(v)
+    return cycles
+
+
+def test_every_import_edge_goes_down_the_layer_table() -> None:
+    """docs/architecture.md's layer table places every module of aiodist and aiodist_cuda, and
+    every import edge (top-level, lazy, TYPE_CHECKING) goes to the same layer or a lower one."""
+    table = layer_table()
+    assert [name for name, _ in table][:1] and len(table) >= 6, table
+    graph = _module_graph()
+    bad = upward_edges(graph, table)
+    assert not bad, "edges against docs/architecture.md's layer table:\n" + "\n".join(bad)
+
+
+def test_the_layer_check_catches_an_upward_edge_and_a_cycle() -> None:
+    """Tried by adding one: the real graph with one upward edge (the wire codecs importing c10d),
+    with a type-only cycle, and a table that misses a package."""
+    table = layer_table()
+    graph = _module_graph()
+    graph["aiodist.wire.frame"] = {*graph["aiodist.wire.frame"], "aiodist.c10d.process_group"}
+    assert upward_edges(graph, table) == ["aiodist.wire.frame (below everything) imports aiodist.c10d.process_group (torch API)"]
+    graph = _module_graph()
+    graph["aiodist.transport._inbox"] = {*graph["aiodist.transport._inbox"], "aiodist.transport._channel"}
+    assert ["aiodist.transport._channel", "aiodist.transport._inbox"] in cycles_in(graph)
+    assert any("in no layer" in b for b in upward_edges(_module_graph(), [row for row in table if "aiodist/shm" not in row[1]]))
+
+
+def test_no_import_cycles_anywhere() -> None:
+    """The whole graph, not pairs: no module reaches itself through imports of any kind
+    (function-level and TYPE_CHECKING ones included: a lazy or type-only import only hides a
+    cycle)."""
+    graph = _module_graph()
     assert len(graph) > 100
+    cycles = cycles_in(graph)
     assert not cycles, f"import cycles: {cycles}"

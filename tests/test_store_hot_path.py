@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import aiodist.store
 import aiodist.wire
-from aiodist.store._connection import _CHECK_GET, _Connection
+from aiodist.store._connection import CHECK_GET, Connection
 from aiodist.store.server import TCPStoreServer, _Conn
 from aiodist.store.tcp import TCPStore
 from aiodist.wire.store import (
@@ -247,7 +247,7 @@ def test_next_group_gives_what_next_reply_gives(
 def _like_the_client(
     shapes: list[tuple[Reply, int]], sizes: list[int], chunks: list[bytes], limits: Limits
 ) -> tuple[list[object], str | None]:
-    """As ``_Connection.data_received`` reads: each chunk through ``feed_group`` for the group
+    """As ``Connection.data_received`` reads: each chunk through ``feed_group`` for the group
     in front (with its ``QUICK`` decoder when it has one), then ``next_group`` for the rest."""
     p = ReplyParser(limits)
     p.expect_each(shapes)
@@ -302,17 +302,17 @@ def test_feed_group_and_its_quick_decoders_give_what_next_group_gives(
 
 def test_quick_decoders_read_only_a_chunk_that_is_exactly_their_group() -> None:
     get = encode_u8(0) + encode_bytes(b"v" * 20)
-    assert QUICK[_CHECK_GET](get) == (0, b"v" * 20)
-    assert QUICK[_CHECK_GET](encode_u8(1) + encode_bytes(b"")) == (1, b"")
+    assert QUICK[CHECK_GET](get) == (0, b"v" * 20)
+    assert QUICK[CHECK_GET](encode_u8(1) + encode_bytes(b"")) == (1, b"")
     assert QUICK[((Reply.I64, 0),)](encode_i64(-5)) == (-5,)
     for other in (get[:-1], get + encode_u8(0), encode_u8(0), encode_i64(3)):
-        assert QUICK[_CHECK_GET](other) is None
+        assert QUICK[CHECK_GET](other) is None
     for other in (encode_i64(3)[:7], encode_i64(3) + encode_i64(4)):
         assert QUICK[((Reply.I64, 0),)](other) is None
     p = ReplyParser(TINY)  # a value over the parser's limit is the parser's to refuse
-    p.expect_each(_CHECK_GET)
+    p.expect_each(CHECK_GET)
     with pytest.raises(ProtocolError, match="over the limit"):
-        p.feed_group(get, 2, QUICK[_CHECK_GET])
+        p.feed_group(get, 2, QUICK[CHECK_GET])
 
 
 # -- calls per op, counted ------------------------------------------------------------------------
@@ -324,7 +324,7 @@ class _Pipe:
     """The client's transport: hands each write to a server connection and its reply back on
     the next loop turn, as a socket would, with no syscalls to count."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, client: _Connection, server: _Conn) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, client: Connection, server: _Conn) -> None:
         self.loop, self.client, self.server = loop, client, server
 
     def write(self, data: bytes) -> None:
@@ -374,13 +374,13 @@ def test_calls_per_op_stay_counted() -> None:
         sconn = _Conn(server)
         sconn.connection_made(_Sink())  # type: ignore[arg-type]
         sconn.data_received(encode(Op.VALIDATE, number=MAGIC))
-        conn = _Connection(loop)
+        conn = Connection(loop)
         conn.connection_made(_Pipe(loop, conn, sconn))  # type: ignore[arg-type]
         store = TCPStore("127.0.0.1", 1)
         store._loop, store._main, store._started = loop, conn, True
         loop.run_until_complete(store.set("k", b"v" * 16))
         assert loop.run_until_complete(store.get("k")) == b"v" * 16
-        assert loop.run_until_complete(conn.send(encode_check_get(b"/k"), _CHECK_GET, None)) == [0, b"v" * 16]
+        assert loop.run_until_complete(conn.send(encode_check_get(b"/k"), CHECK_GET, None)) == [0, b"v" * 16]
         counts = {
             "get": _count_calls(loop, lambda: store.get("k"), 50),
             "add": _count_calls(loop, lambda: store.add("n", 1), 50),

@@ -1,4 +1,4 @@
-"""TCPStore calls that read their reply by spinning (``aiodist.store._connection._Connection.spin``).
+"""TCPStore calls that read their reply by spinning (``aiodist.store._connection.Connection.spin``).
 
 A call made one at a time on a connection to a same-host server polls the socket for up to
 ``SPIN_S`` before it is awaited, so the reply is read without a pass of the event loop. Checked
@@ -253,16 +253,16 @@ async def test_a_spin_ends_at_the_end_of_the_stream(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(tcp, "SPIN_S", 0.5)
     loop = asyncio.get_running_loop()
     ours, theirs = socket.socketpair()
-    _, conn = await loop.create_unix_connection(lambda: tcp._Connection(loop), sock=ours)
+    _, conn = await loop.create_unix_connection(lambda: tcp.Connection(loop), sock=ours)
     try:
         conn._last_task = asyncio.current_task()  # as if this task had made the last call
-        fut = conn.send(encode_add(b"/k", 1), tcp._I64, 5.0, "add", ("k", 1))
+        fut = conn.send(encode_add(b"/k", 1), tcp.I64, 5.0, "add", ("k", 1))
         assert theirs.recv(64) == encode_add(b"/k", 1)
         theirs.shutdown(socket.SHUT_WR)
         start = time.monotonic()
         conn.spin(fut)
         assert time.monotonic() - start < 0.4
-        with pytest.raises(tcp._Lost, match="closed by the server"):
+        with pytest.raises(tcp.Lost, match="closed by the server"):
             await asyncio.wait_for(fut, 5)
     finally:
         conn.close()

@@ -33,7 +33,7 @@ from aiodist.transport import PeerAddress, Transport, address_key
 from aiodist.transport import _dialer as dialer_mod
 from aiodist.transport import _transport as transport_mod
 from aiodist.transport._ifaces import Advertised, choose, interfaces, parse_ifnames, route_source
-from aiodist.transport._lines import stripe_parts
+from aiodist.transport._striping import stripe_parts
 from aiodist.wire.frame import FrameDecoder, FrameLimits, Hello, HelloReceived, hello_frame
 
 pytestmark = pytest.mark.timeout(60)

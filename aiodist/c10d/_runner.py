@@ -11,8 +11,10 @@ Rules:
   names the culprit and what it did). The error itself comes at the op's timeout, not before:
   what the consultation left of the grace is waited out (torch's tests check that a timeout is
   not raised early).
-- Any failure of an op breaks its group (``break_group``): the group's other pending ops fail,
-  later ops are refused, and the peers are told.
+- Any failure of an op breaks its group (``ProcessGroup.break_group``): the group's other
+  pending ops fail, later ops are refused, and the peers are told.
+- The runner reaches the group only through ``OpGroup`` (below), a Protocol c10d's
+  ``ProcessGroup`` keeps: this module imports nothing of c10d's groups or World.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from aiodist._instrument.recorder import Entry, dump_dir_on_timeout, dump_groups
+from aiodist._instrument.recorder import Entry, FlightRecorder, dump_dir_on_timeout
 from aiodist._message import GO_TAG
 from aiodist._time import Clock, Deadline
 from aiodist.algorithms.p2p import P2P
@@ -47,12 +49,39 @@ from aiodist.shm._link import OpLink, op_link
 
 if TYPE_CHECKING:
     from aiodist.backends.base import CommBackend
-    from aiodist.c10d.process_group import ProcessGroup
     from aiodist.c10d.work import Work
+    from aiodist.store.base import Store
 
-__all__ = ["Tracker", "TrackedP2P", "DeviceTracker", "PeerOps", "run", "break_group"]
+__all__ = ["Tracker", "TrackedP2P", "DeviceTracker", "PeerOps", "OpGroup", "run"]
 
 log = logging.getLogger("aiodist.c10d")
+
+
+class OpGroup(Protocol):
+    """What the runner asks of the group whose op it runs: c10d's ``ProcessGroup`` keeps it
+    (mypy checks that where the group calls ``run``). It reads the group's identity, rules and
+    recorder, keeps its clock and counters (``clock``, ``ran``, ``completed``), and breaks it
+    (``break_group``) or dumps its World's recorders through it."""
+
+    backend: CommBackend
+    ranks: tuple[int, ...]
+    group_id: int
+    group_desc: str
+    timeout_s: float
+    store: Store | None
+    detail: bool
+    recorder: FlightRecorder
+    broken: str | None
+    clock: Clock | None
+    ran: float
+    completed: int
+
+    def rank(self) -> int: ...
+    def describe(self) -> str: ...
+    def break_group(
+        self, reason: str, cause: BaseException | None = None, *, tell_peers: bool = True, abort_devices: bool = True
+    ) -> None: ...
+    def dump_recorders(self, directory: str) -> None: ...
 
 
 class Tracker(Protocol):
@@ -218,7 +247,7 @@ class DeviceTracker:
     timed-out collective reports waiting on every other rank and lets the store find the ranks
     that never reached the op."""
 
-    def __init__(self, pg: ProcessGroup, waiting: Callable[[], str] | None, *, diagnose: bool) -> None:
+    def __init__(self, pg: OpGroup, waiting: Callable[[], str] | None, *, diagnose: bool) -> None:
         self._pg = pg
         self._waiting = waiting
         self.diagnose = diagnose
@@ -246,7 +275,7 @@ _GRACE: dict[float, float] = {}  # limit -> grace_for(limit): a group's ops shar
 
 
 async def run(
-    pg: ProcessGroup,
+    pg: OpGroup,
     op: str,
     label: str,
     tracker: Tracker,
@@ -335,19 +364,16 @@ async def run(
     work._complete()
 
 
-def _dump_on_timeout() -> None:
+def _dump_on_timeout(pg: OpGroup) -> None:
     """``AIODIST_FR_DUMP_ON_TIMEOUT=1``: this rank's flight recorders (every group of the op's
-    World) to the dump directory, through the instrumentation layer (c10d hands it the groups)."""
+    World) to the dump directory (the group hands its World's groups to the instrumentation)."""
     directory = dump_dir_on_timeout()
     if directory is not None:
-        from aiodist.c10d.world import current_world  # (the World of the op's task)
-
-        world = current_world()
-        dump_groups(world.rank, world.world_size, list(world.groups.values()), directory)
+        pg.dump_recorders(directory)
 
 
 async def _timed_out(
-    pg: ProcessGroup,
+    pg: OpGroup,
     op: str,
     label: str,
     what: str,
@@ -397,22 +423,22 @@ async def _timed_out(
         try:
             await asyncio.sleep(rest)
         except asyncio.CancelledError:  # torn down meanwhile: the op still fails, with this message
-            break_group(pg, msg, err)
+            pg.break_group(msg, err)
             work._fail(err)
             raise
     if entry is not None:
         pg.recorder.timed_out(entry, msg)
     try:
-        _dump_on_timeout()  # AIODIST_FR_DUMP_ON_TIMEOUT=1
+        _dump_on_timeout(pg)  # AIODIST_FR_DUMP_ON_TIMEOUT=1
     except OSError as dump_err:
         log.warning("rank %d: could not dump the flight recorder: %s", me, dump_err)
     # the peers are told first: the abort's task is queued before this Work's waiter wakes, so a
     # rank that exits on the error (os._exit) still sends the ABORT that names the real cause
-    break_group(pg, msg, err)
+    pg.break_group(msg, err)
     work._fail(err)
 
 
-def _failed(pg: ProcessGroup, op: str, label: str, what: str, work: Work, exc: Exception) -> None:
+def _failed(pg: OpGroup, op: str, label: str, what: str, work: Work, exc: Exception) -> None:
     """The op's body raised: a DistError keeps its type, with the op, group and seq in front;
     anything else is wrapped in a DistBackendError naming it."""
     named: DistError
@@ -432,56 +458,11 @@ def _failed(pg: ProcessGroup, op: str, label: str, what: str, work: Work, exc: E
             named.__suppress_context__ = True
         else:  # not one of ours: its traceback says where
             named.__cause__ = exc
-    break_group(pg, f"{op} {label} failed: {exc}", named)  # first: see _timed_out
+    pg.break_group(f"{op} {label} failed: {exc}", named)  # first: see _timed_out
     work._fail(named)
 
 
 # -- breaking a group -------------------------------------------------------------------------------
-
-
-def break_group(
-    pg: ProcessGroup, reason: str, cause: BaseException | None = None, *, tell_peers: bool = True, abort_devices: bool = True
-) -> None:
-    """Mark ``pg`` broken (once, with ``reason``), fail its other pending ops, and (for a
-    failure here, ``tell_peers``) let the peers' pending ops on the group fail now."""
-    if pg.broken is None:
-        pg.broken = reason
-        for dev in set(pg.devices.values()) if abort_devices else ():  # e.g. abort the group's NCCL communicator
-            try:
-                dev.abort_group(pg.group_id, reason)
-            except Exception as exc:  # best effort, like telling the peers
-                log.warning("rank %d: aborting %s on %s: %s", pg.backend.rank, pg.describe(), getattr(dev, "name", dev), exc)
-        if tell_peers:
-            named = getattr(cause, "culprits", None) or None
-            t = asyncio.get_running_loop().create_task(_tell_peers(pg, reason, named), name=f"aiodist abort {pg.group_desc}")
-            pg._aborting.add(t)
-            t.add_done_callback(pg._aborting.discard)
-    current_task = asyncio.current_task()
-    for task, work in list(pg._pending.items()):
-        if task is not current_task:
-            err = DistBackendError(
-                f"{work.op} on {pg.describe()}, {work.label} aborted: the group broke ({pg.broken})",
-                op=work.op,
-                group=pg.group_desc,
-                seq=work.seq,
-                rank=pg.backend.rank,
-                culprits=getattr(cause, "culprits", None),
-            )
-            err.__suppress_context__ = True  # the sentence says what broke it; the cause is the group's other error
-            work._fail(err)
-            # A consequence of the failure the user already sees: awaiting it still raises,
-            # but asyncio must not log one "exception was never retrieved" per pending op.
-            work.exception()
-            task.cancel()
-
-
-async def _tell_peers(pg: ProcessGroup, reason: str, culprits: dict[int, str] | None = None) -> None:
-    """Tell the group's peers it broke, and whom the failure names (every survivor's errors
-    then name the same ranks)."""
-    try:
-        await pg.backend.abort_group(pg.group_id, f"{pg.describe()} broke on rank {pg.backend.rank}: {reason}", pg.ranks, culprits)
-    except Exception as exc:  # best effort: the peers still have their own timeouts
-        log.warning("rank %d: could not tell peers that %s broke: %s", pg.backend.rank, pg.describe(), exc)
 
 
 class PeerOps:

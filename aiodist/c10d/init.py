@@ -380,7 +380,7 @@ def _make_group(
     world: World, gid: int, members: Sequence[int], seconds: float, *, name: str, desc: str, pg_options: Any = None
 ) -> ProcessGroup:
     assert world.backend is not None
-    return ProcessGroup(
+    pg = ProcessGroup(
         world.backend,
         world.backend_name,
         gid,
@@ -393,6 +393,13 @@ def _make_group(
         host_refusal=world.host_refusal,
         thresholds=rules_from(pg_options),
     )
+    pg.world_groups = functools.partial(_world_groups, world)
+    return pg
+
+
+def _world_groups(world: World) -> tuple[int, int, list[ProcessGroup]]:
+    """The World's rank, size and groups (a group's timeout dumps every recorder)."""
+    return world.rank, world.world_size, list(world.groups.values())
 
 
 def _transport_desc(comm: Any) -> str:

@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 from aiodist._digest import op_digest
 from aiodist._instrument.levels import DebugLevel, get_debug_level
-from aiodist._instrument.recorder import Entry, FlightRecorder, _freeze
+from aiodist._instrument.recorder import Entry, FlightRecorder, _freeze, dump_groups
 from aiodist._time import Clock
 from aiodist.algorithms.collectives import together
 from aiodist.algorithms.p2p import P2P
 from aiodist.algorithms.thresholds import Thresholds, current
 from aiodist.backends.base import CommBackend, ProcessGroupLike
-from aiodist.c10d._runner import DeviceTracker, PeerOps, Tracker, break_group, run
+from aiodist.c10d._runner import DeviceTracker, PeerOps, Tracker, run
 from aiodist.c10d._runner import TrackedP2P as _Tracked
 from aiodist.c10d.work import Work
 from aiodist.errors import DistBackendError
@@ -128,6 +128,9 @@ class ProcessGroup:
         self.group_desc = desc or ("default_pg" if group_id == 0 else f"group {group_id}")
         self._described: tuple[str, str] | None = None
         self.recorder = FlightRecorder()
+        #: the World's rank, size and groups, for a timeout's dump of every recorder (set by
+        #: whoever makes the group in a World: c10d's init; None: this group alone)
+        self.world_groups: Callable[[], tuple[int, int, list[Any]]] | None = None
         level = get_debug_level()
         self.detail = level >= DebugLevel.DETAIL  # read once: a group keeps the level it was made at
         # always-on desync detection: each collective's frames carry its digest (DETAIL checks more)
@@ -289,8 +292,7 @@ class ProcessGroup:
         try:
             got = now(seq, described[3] if self._digests else 0, a, b)
         except BaseException as exc:  # (KeyboardInterrupt in the spin): the op may be posted and not read
-            break_group(
-                self,
+            self.break_group(
                 f"{op} seq {seq} was interrupted in its issuing call ({type(exc).__name__}): its part may be posted, its peers' unread",
             )
             raise
@@ -447,9 +449,58 @@ class ProcessGroup:
 
     # -- breaking and tearing down ---------------------------------------------------------------
 
+    def break_group(self, reason: str, cause: BaseException | None = None, *, tell_peers: bool = True, abort_devices: bool = True) -> None:
+        """Mark the group broken (once, with ``reason``), fail its other pending ops, and (for a
+        failure here, ``tell_peers``) let the peers' pending ops on the group fail now."""
+        if self.broken is None:
+            self.broken = reason
+            for dev in set(self.devices.values()) if abort_devices else ():  # e.g. abort the group's NCCL communicator
+                try:
+                    dev.abort_group(self.group_id, reason)
+                except Exception as exc:  # best effort, like telling the peers
+                    log.warning("rank %d: aborting %s on %s: %s", self.backend.rank, self.describe(), getattr(dev, "name", dev), exc)
+            if tell_peers:
+                named = getattr(cause, "culprits", None) or None
+                t = asyncio.get_running_loop().create_task(self._tell_peers(reason, named), name=f"aiodist abort {self.group_desc}")
+                self._aborting.add(t)
+                t.add_done_callback(self._aborting.discard)
+        current_task = asyncio.current_task()
+        for task, work in list(self._pending.items()):
+            if task is not current_task:
+                err = DistBackendError(
+                    f"{work.op} on {self.describe()}, {work.label} aborted: the group broke ({self.broken})",
+                    op=work.op,
+                    group=self.group_desc,
+                    seq=work.seq,
+                    rank=self.backend.rank,
+                    culprits=getattr(cause, "culprits", None),
+                )
+                err.__suppress_context__ = True  # the sentence says what broke it; the cause is the group's other error
+                work._fail(err)
+                # A consequence of the failure the user already sees: awaiting it still raises,
+                # but asyncio must not log one "exception was never retrieved" per pending op.
+                work.exception()
+                task.cancel()
+
+    async def _tell_peers(self, reason: str, culprits: dict[int, str] | None = None) -> None:
+        """Tell the group's peers it broke, and whom the failure names (every survivor's errors
+        then name the same ranks)."""
+        try:
+            await self.backend.abort_group(
+                self.group_id, f"{self.describe()} broke on rank {self.backend.rank}: {reason}", self.ranks, culprits
+            )
+        except Exception as exc:  # best effort: the peers still have their own timeouts
+            log.warning("rank %d: could not tell peers that %s broke: %s", self.backend.rank, self.describe(), exc)
+
+    def dump_recorders(self, directory: str) -> None:
+        """This rank's flight recorders, every group of this group's World, to ``directory``
+        (the instrumentation's ``dump_groups``: ``AIODIST_FR_DUMP_ON_TIMEOUT``)."""
+        rank, world_size, groups = self.world_groups() if self.world_groups is not None else (self.backend.rank, 0, [self])
+        dump_groups(rank, world_size, groups, directory)
+
     def abort(self, reason: str = "the group was aborted") -> None:
         """Fail every pending op of this group (on this rank) and refuse new ones."""
-        break_group(self, reason, tell_peers=False)
+        self.break_group(reason, tell_peers=False)
 
     async def shutdown(self, reason: str) -> None:
         """Abort pending ops and wait for their tasks to end; then the device backends release
@@ -461,7 +512,7 @@ class ProcessGroup:
             for t in late:
                 t.cancel()
         tasks = list(self._pending) + list(self._aborting)
-        break_group(self, reason, tell_peers=False, abort_devices=False)
+        self.break_group(reason, tell_peers=False, abort_devices=False)
         for w in works:
             if w.done():
                 w.exception()  # torn down on purpose: not an error nobody looked at

@@ -1,5 +1,5 @@
 """The TCPStore client's connection: what ``TCPStore`` (aiodist/store/tcp.py) sends requests
-through. ``_Connection`` is the asyncio protocol of one connection to the server: it writes
+through. ``Connection`` is the asyncio protocol of one connection to the server: it writes
 requests (pipelined), parses the replies (aiodist.wire.store) and resolves each request's future
 in order, spinning briefly for a same-host reply (``AIODIST_STORE_SPIN_US``) instead of a loop
 pass; a connection that breaks fails every request still waiting with why. ``_Call`` (and its
@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Coroutine, Generator
 from types import CodeType
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from aiodist._pending import file_line, not_produced, say_never_awaited
 from aiodist.knobs import knob
@@ -32,15 +32,12 @@ from aiodist.wire.store import (
     ReplyParser,
 )
 
-if TYPE_CHECKING:
-    from aiodist.store.tcp import TCPStore  # the API a call belongs to
-
 log = logging.getLogger("aiodist.store")
 
-_I64 = ((Reply.I64, 0),)
-_CHECK_GET = ((Reply.U8, 0), (Reply.BYTES, 0))
-_QUICK_I64, _QUICK_CHECK_GET = QUICK[_I64], QUICK[_CHECK_GET]
-# Spinning for a reply (``_Connection.spin``): how long at most, per request (a same-host reply
+I64 = ((Reply.I64, 0),)
+CHECK_GET = ((Reply.U8, 0), (Reply.BYTES, 0))
+QUICK_I64, QUICK_CHECK_GET = QUICK[I64], QUICK[CHECK_GET]
+# Spinning for a reply (``Connection.spin``): how long at most, per request (a same-host reply
 # comes in 7-40 us here, p99 65 us across CPUs); how recently the loop must have run for a call
 # to finish without it; and the back-off from spins that see no reply.
 SPIN_LOOP_S = 0.001
@@ -68,19 +65,19 @@ _yield = os.sched_yield
 _current_task = asyncio.current_task
 
 
-class _Lost(Exception):
+class Lost(Exception):
     """The connection under a request broke (wrapped into a DistError by the caller)."""
 
 
-class _BadPeer(_Lost):
+class BadPeer(Lost):
     """The peer sent bytes that break the protocol: not (or no longer) a TCPStore server."""
 
 
-class _NoReply(_Lost):
+class NoReply(Lost):
     """The server did not answer this request in time; the connection is closed."""
 
 
-class _Dropped(_Lost):
+class Dropped(Lost):
     """The connection was closed because another request on it had no reply in time: this one
     may be fine, and a read can be repeated on a new connection."""
 
@@ -102,7 +99,7 @@ class _Pending(NamedTuple):
 _new_pending = tuple.__new__
 
 
-class _Connection(asyncio.Protocol):
+class Connection(asyncio.Protocol):
     """One client connection: writes request groups, hands each group's replies (which come
     back in order) to one future. A single timer per connection watches the earliest deadline
     of the groups in flight, instead of one timer per request (the hot path only compares it)."""
@@ -158,12 +155,12 @@ class _Connection(asyncio.Protocol):
                 head = pending[0]
                 values = parser.next_group(head.replies)
         except ProtocolError as exc:
-            self._fail(_BadPeer(f"protocol error from the server: {exc}"))
+            self._fail(BadPeer(f"protocol error from the server: {exc}"))
             assert self.transport is not None
             self.transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(_Lost(f"connection closed by the server{': ' + str(exc) if exc else ''}"))
+        self._fail(Lost(f"connection closed by the server{': ' + str(exc) if exc else ''}"))
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
 
@@ -177,7 +174,7 @@ class _Connection(asyncio.Protocol):
 
     def _fail(self, exc: Exception, overdue: float | None = None) -> None:
         """Fail every request in flight with ``exc``; with ``overdue`` (a loop time), those
-        whose deadline had passed by then with ``_NoReply`` instead."""
+        whose deadline had passed by then with ``NoReply`` instead."""
         if self.error is None:
             self.error = exc
         if self._drain is not None and not self._drain.done():
@@ -189,7 +186,7 @@ class _Connection(asyncio.Protocol):
             p = self.pending.popleft()
             if not p.fut.done():
                 late = overdue is not None and p.deadline is not None and p.deadline <= overdue
-                p.fut.set_exception(_NoReply("no reply from the server in time") if late else exc)
+                p.fut.set_exception(NoReply("no reply from the server in time") if late else exc)
 
     def _check_deadline(self) -> None:
         self._timer = None
@@ -199,8 +196,8 @@ class _Connection(asyncio.Protocol):
             # One overdue reply means the server is stuck or the stream is lost: every reply
             # behind it is stuck too. The others are told why, and reads among them are retried.
             self._fail(
-                _Dropped(
-                    f"the connection was closed because {_what(late.op, late.arg)}, sent on it before or "
+                Dropped(
+                    f"the connection was closed because {describe_call(late.op, late.arg)}, sent on it before or "
                     f"with this request, had no reply from the server within {late.seconds:g} s"
                 ),
                 overdue=now,
@@ -302,7 +299,7 @@ class _Connection(asyncio.Protocol):
         """Write one request group (``op(arg)``, as errors name it); a future of its replies
         (``fut`` when given: a ``_Call``, which makes the call's value of them). With
         ``timeout``, the connection is closed if they are not all in by then: the group fails
-        with ``_NoReply``, every other one in flight with ``_Dropped``. A caller that stops
+        with ``NoReply``, every other one in flight with ``Dropped``. A caller that stops
         waiting earlier cancels the future; its replies are then read and dropped."""
         if self.error is not None:
             raise self.error
@@ -332,7 +329,7 @@ class _Connection(asyncio.Protocol):
         # reply), and close() would keep the socket until a stuck server read it.
         if self.transport is not None:
             self.transport.abort()
-        self._fail(_Lost("connection closed by this client"))
+        self._fail(Lost("connection closed by this client"))
 
     @property
     def kind(self) -> str:
@@ -349,6 +346,18 @@ _future_get_result = asyncio.Future.result
 _future_get_exception = asyncio.Future.exception
 
 
+class CallOwner(Protocol):
+    """What a call asks of the store it belongs to (``TCPStore`` keeps it; mypy checks that
+    where the store makes its calls), as the transport's connections have ``ConnectionOwner``:
+    the error a broken call raises, and the rest of a get that must wait (a missing key) or be
+    retried on a new connection. Its members are the store's own private hooks, not its API."""
+
+    _timeout_s: float
+
+    def _failure(self, exc: Exception, op: str, arg: object, seconds: float) -> Exception: ...
+    def _get_rest(self, key: str, payload: bytes, deadline: float, retry: bool) -> Coroutine[Any, Any, bytes]: ...
+
+
 class _Call(asyncio.Future, Coroutine):
     """What ``get`` and ``add`` return while the main connection is up: the request is already
     sent, and this future is the call itself. The connection resolves it as any request's
@@ -363,7 +372,7 @@ class _Call(asyncio.Future, Coroutine):
 
     __slots__ = ("_store", "_arg", "_payload", "_deadline", "_site", "_used", "_it", "_task")
     _op = "call"
-    _store: TCPStore
+    _store: CallOwner
     _arg: Any  # what errors name: get's key, add's (key, amount)
     _payload: bytes  # get's request, for what is left of it
     _deadline: float  # get's, time.monotonic(): the whole call ends by then
@@ -465,7 +474,7 @@ def _cancel_task(call: asyncio.Future[Any]) -> None:
         task.cancel()
 
 
-class _AddCall(_Call):
+class AddCall(_Call):
     __slots__ = ()
     _op = "add"
 
@@ -473,7 +482,7 @@ class _AddCall(_Call):
         _future_result(self, values[0])
 
 
-class _GetCall(_Call):
+class GetCall(_Call):
     __slots__ = ()
     _op = "get"
 
@@ -484,18 +493,18 @@ class _GetCall(_Call):
             self._then(self._store._get_rest(self._arg, self._payload, self._deadline, False))
 
     def set_exception(self, exc: Any) -> None:
-        if isinstance(exc, _Lost) and not isinstance(exc, _NoReply) and time.monotonic() < self._deadline:
+        if isinstance(exc, Lost) and not isinstance(exc, NoReply) and time.monotonic() < self._deadline:
             self._then(self._store._get_rest(self._arg, self._payload, self._deadline, True))  # a read: retried
         else:
             super().set_exception(exc)
 
 
-_NO_ARG: Any = object()
+NO_ARG: Any = object()
 
 
-def _what(op: str, arg: object) -> str:
+def describe_call(op: str, arg: object) -> str:
     """How an error message names a call: ``get('k')``, ``add('k', 1)``, ``num_keys()``."""
-    if arg is _NO_ARG:
+    if arg is NO_ARG:
         return f"{op}()"
     if isinstance(arg, tuple):
         return f"{op}({', '.join(repr(a) for a in arg)})"
@@ -507,12 +516,12 @@ def _same_host(sock: Any) -> bool:
     if sock.family == socket.AF_UNIX:
         return True
     try:
-        return _is_loopback(sock.getpeername()[0])
+        return is_loopback(sock.getpeername()[0])
     except (OSError, IndexError, TypeError):
         return False
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:

@@ -68,21 +68,20 @@ from aiodist.wire.store import (
 __all__ = ["TCPStore", "InvalidEnvError"]
 
 from aiodist.store._connection import (
-    _CHECK_GET,
-    _I64,
-    _NO_ARG,
-    _QUICK_CHECK_GET,
-    _QUICK_I64,
-    _AddCall,
-    _BadPeer,
-    _Connection,
-    _Dropped,
-    _get_running_loop,
-    _GetCall,
-    _is_loopback,
-    _Lost,
-    _NoReply,
-    _what,
+    CHECK_GET,
+    I64,
+    NO_ARG,
+    QUICK_CHECK_GET,
+    QUICK_I64,
+    AddCall,
+    BadPeer,
+    Connection,
+    Dropped,
+    GetCall,
+    Lost,
+    NoReply,
+    describe_call,
+    is_loopback,
     log,
 )
 
@@ -222,13 +221,13 @@ class TCPStore(Store):
         self._served_by: str | None = None
         self._server: ServerThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._main: _Connection | None = None
-        self._idle: list[_Connection] = []
-        self._busy: set[_Connection] = set()
+        self._main: Connection | None = None
+        self._idle: list[Connection] = []
+        self._busy: set[Connection] = set()
         self._connect_lock: asyncio.Lock | None = None
         self._started = False
         self._closed = False
-        # spun: calls whose reply was read by spinning (_Connection.spin); spin_misses: spins
+        # spun: calls whose reply was read by spinning (Connection.spin); spin_misses: spins
         # that saw no reply in time
         self._counts: dict[str, int] = {"requests": 0, "reconnects": 0, "waits": 0, "spun": 0, "spin_misses": 0}
 
@@ -256,7 +255,7 @@ class TCPStore(Store):
             if self._world_size is not None and self._wait_for_workers:
                 # The rank first, in the same write: the master then knows who is missing.
                 say = encode(Op.SET, (init_rank_key(rank),), (b"1",)) if rank is not None else b""
-                await self._request(say + encode(Op.ADD, (INIT_KEY,), number=1), _I64, "join (init/ counter)", repeatable=False)
+                await self._request(say + encode(Op.ADD, (INIT_KEY,), number=1), I64, "join (init/ counter)", repeatable=False)
                 if self._server is not None:
                     fut = self._server.submit(
                         self._server.server.wait_for_workers(
@@ -394,7 +393,7 @@ class TCPStore(Store):
         try, a loaded machine printed 999ms for a 1 s timeout), else the time this try had."""
         return round(self._timeout_s * 1000) if starting else round(max(0.0, deadline - start) * 1000)
 
-    async def _open(self, deadline: float, starting: bool = False) -> _Connection:
+    async def _open(self, deadline: float, starting: bool = False) -> Connection:
         """A new validated connection, retrying with backoff until ``deadline``: a refused
         connect, and a connection the server drops during the handshake (a server that is
         starting or stopping), are both retried. A host name that does not resolve is warned
@@ -410,20 +409,20 @@ class TCPStore(Store):
                 conn = await self._open_local(loop)
                 if conn is None:
                     # one attempt is bounded too, so a host that drops SYNs is retried and warned about
-                    connecting = loop.create_connection(lambda: _Connection(loop, self._counts), self._host, self._port)
+                    connecting = loop.create_connection(lambda: Connection(loop, self._counts), self._host, self._port)
                     _, tcp = await within(connecting, max(0.001, min(deadline - time.monotonic(), _CONNECT_ATTEMPT_S)))
                     conn = tcp
                 shaking = True
                 got, nonce = await self._handshake(conn, min(deadline, time.monotonic() + _HANDSHAKE_S))
-            except _BadPeer as exc:
+            except BadPeer as exc:
                 raise DistNetworkError(
                     f"{self._describe()}: handshake failed: {exc}: not a TCPStore server; is another program listening on port {self._port}?"
                 ) from None
-            except (OSError, TimeoutError, _Lost) as exc:
+            except (OSError, TimeoutError, Lost) as exc:
                 now = time.monotonic()
                 # an attempt cut short by the deadline says nothing new: keep the error before it
                 why = str(exc) or why or "no answer in time"
-                if shaking and isinstance(exc, (TimeoutError, _NoReply)):  # something accepted, and said nothing a TCPStore would
+                if shaking and isinstance(exc, (TimeoutError, NoReply)):  # something accepted, and said nothing a TCPStore would
                     why = (
                         f"something accepted the connection at {self._describe_addr()} but did not answer the TCPStore "
                         f"handshake within {_HANDSHAKE_S:g} s: is another program listening on port {self._port}?"
@@ -477,7 +476,7 @@ class TCPStore(Store):
         who, server = self._waiter(starting)
         return f"{who} waiting for {server} at {self._describe_addr()} to accept a connection ({_startup.waited(elapsed, total)}; last error: {why})"
 
-    async def _handshake(self, conn: _Connection, deadline: float) -> tuple[int, int]:
+    async def _handshake(self, conn: Connection, deadline: float) -> tuple[int, int]:
         """VALIDATE, then a PING with this process's pid as the nonce (as torch's client): (the echo, the nonce)."""
         nonce = os.getpid() & 0xFFFFFFFF  # torch's client pings with its pid
         try:
@@ -486,17 +485,17 @@ class TCPStore(Store):
                 _U32,
                 max(0.001, deadline - time.monotonic()),
                 "handshake",
-                _NO_ARG,
+                NO_ARG,
             )
         except BaseException:  # lost, or cancelled mid-handshake: do not leak the socket
             conn.close()
             raise
         return got, nonce
 
-    async def _open_local(self, loop: asyncio.AbstractEventLoop) -> _Connection | None:
+    async def _open_local(self, loop: asyncio.AbstractEventLoop) -> Connection | None:
         """A connection over the server's same-host Unix socket, when the host is loopback and
         an aiodist server listens there (see ``TCPStoreServer``); else None (use TCP)."""
-        name = local_socket_name(self._port) if self._use_local and _is_loopback(self._host) else None
+        name = local_socket_name(self._port) if self._use_local and is_loopback(self._host) else None
         if name is None:
             return None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -506,7 +505,7 @@ class TCPStore(Store):
         except OSError:
             sock.close()
             return None
-        _, conn = await loop.create_unix_connection(lambda: _Connection(loop, self._counts), sock=sock)
+        _, conn = await loop.create_unix_connection(lambda: Connection(loop, self._counts), sock=sock)
         return conn
 
     def _check_loop(self) -> None:
@@ -516,7 +515,7 @@ class TCPStore(Store):
         elif self._loop is not loop:
             raise DistStoreError(f"{self._describe()} belongs to another event loop; use store.clone() on this one")
 
-    async def _main_conn(self, deadline: float) -> _Connection:
+    async def _main_conn(self, deadline: float) -> Connection:
         """The main connection, reconnected if it broke; the reconnect (and the wait for another
         task's) ends by ``deadline`` (``time.monotonic()``), the calling request's."""
         self._check_loop()
@@ -553,7 +552,7 @@ class TCPStore(Store):
         payload: bytes,
         shapes: tuple[tuple[Reply, int], ...],
         op: str,
-        arg: object = _NO_ARG,
+        arg: object = NO_ARG,
         repeatable: bool = True,
         timeout: float | None = None,
         *,
@@ -589,25 +588,25 @@ class TCPStore(Store):
                 if conn.paused:
                     await within(conn.drain(), left)
                 return await within(fut, deadline - time.monotonic())
-            except (_Lost, TimeoutError) as exc:
-                if repeatable and attempt == 0 and not isinstance(exc, (_NoReply, TimeoutError)) and time.monotonic() < deadline:
+            except (Lost, TimeoutError) as exc:
+                if repeatable and attempt == 0 and not isinstance(exc, (NoReply, TimeoutError)) and time.monotonic() < deadline:
                     continue  # no time left for a retry: say why the first try failed, not "could not connect in 0 s"
                 raise self._failure(exc, op, arg, seconds) from None
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _failure(self, exc: Exception, op: str, arg: object, seconds: float) -> Exception:
         """The error a call ``op(arg)`` fails with when its request broke with ``exc`` (a
-        ``_Lost`` from the connection, or the TimeoutError of its own deadline)."""
-        if isinstance(exc, (_NoReply, TimeoutError)):
+        ``Lost`` from the connection, or the TimeoutError of its own deadline)."""
+        if isinstance(exc, (NoReply, TimeoutError)):
             return StoreTimeoutError(
-                f"{self._describe()}: {_what(op, arg)}: no reply from the server within {seconds:g} s (request timeout)"
+                f"{self._describe()}: {describe_call(op, arg)}: no reply from the server within {seconds:g} s (request timeout)"
             )
-        if isinstance(exc, _Dropped):
+        if isinstance(exc, Dropped):
             return DistStoreError(
-                f"{self._describe()}: {_what(op, arg)} failed: {exc}. Whether it took effect is unknown; the next call reconnects."
+                f"{self._describe()}: {describe_call(op, arg)} failed: {exc}. Whether it took effect is unknown; the next call reconnects."
             )
         return DistStoreError(
-            f"{self._describe()}: {_what(op, arg)} failed: {exc}. Whether it took effect is unknown. "
+            f"{self._describe()}: {describe_call(op, arg)} failed: {exc}. Whether it took effect is unknown. "
             f"A TCPStore server closes a connection when it refuses any request on it (add on a key "
             f"holding a non-integer, a key or value over its limits), which also fails the other "
             f"requests in flight on this store object; the next call reconnects."
@@ -630,7 +629,7 @@ class TCPStore(Store):
             fut = conn.send(encode(Op.WAIT, keys), _U8, None, "wait", keys)  # the wait's own deadline, below
             (r,) = await within(fut, deadline - time.monotonic())
             if r != STOP_WAITING:
-                raise _Lost(f"unexpected reply {r} to WAIT")
+                raise Lost(f"unexpected reply {r} to WAIT")
         except TimeoutError:
             if conn is not None:
                 conn.close()
@@ -638,7 +637,7 @@ class TCPStore(Store):
             names = [k.decode(errors="replace") for k in keys]  # torch names them with the wire's "/"
             torch_words = f"wait timeout after {ms(timeout_s)}ms, keys: {first_few(names)}"
             raise store_timeout(self._describe(), what, missing or [n[1:] for n in names], time.monotonic() - start, torch_words) from None
-        except _Lost as exc:
+        except Lost as exc:
             conn.close()  # type: ignore[union-attr]
             raise DistStoreError(f"{self._describe()}: {what}: the waiter connection broke: {exc}") from None
         except BaseException:
@@ -666,7 +665,7 @@ class TCPStore(Store):
         try:
             fut = conn.send(payload, tuple((Reply.U8, 0) for _ in keys), self._timeout_s, "check", keys)
             ready = await within(fut, _DIAGNOSIS_S)
-        except (_Lost, TimeoutError):
+        except (Lost, TimeoutError):
             return []
         return [k[1:].decode(errors="replace") for k, r in zip(keys, ready) if r != CHECK_READY]
 
@@ -688,18 +687,18 @@ class TCPStore(Store):
     def get(self, key: str) -> Awaitable[bytes]:  # type: ignore[override]
         if type(key) is not str:
             check_key(key)
-        loop, conn = _get_running_loop(), self._main
+        loop, conn = asyncio._get_running_loop(), self._main
         if loop is None or conn is None or conn.error is not None or conn.loop is not loop or conn.paused:
             return self._get(key)
         payload = encode_check_get(b"/" + key.encode())
-        call = _GetCall(loop=loop)
+        call = GetCall(loop=loop)
         f = sys._getframe(1)
         call._store, call._arg, call._payload, call._used, call._it = self, key, payload, False, None
         call._site = (f.f_code, f.f_lasti)  # the line is worked out only if it is ever named
         seconds = self._timeout_s
         call._deadline = time.monotonic() + seconds
         self._counts["requests"] += 1
-        conn.send(payload, _CHECK_GET, seconds, "get", key, call, _QUICK_CHECK_GET)
+        conn.send(payload, CHECK_GET, seconds, "get", key, call, QUICK_CHECK_GET)
         conn.spin(call)
         return call
 
@@ -708,16 +707,16 @@ class TCPStore(Store):
             check_key(key)
         if type(amount) is not int or not -(2**63) <= amount < 2**63:
             amount = to_amount(amount)
-        loop, conn = _get_running_loop(), self._main
+        loop, conn = asyncio._get_running_loop(), self._main
         if loop is None or conn is None or conn.error is not None or conn.loop is not loop or conn.paused:
             return self._add(key, amount)
-        call = _AddCall(loop=loop)
+        call = AddCall(loop=loop)
         f = sys._getframe(1)
         arg = (key, amount)
         call._store, call._arg, call._used, call._it = self, arg, False, None
         call._site = (f.f_code, f.f_lasti)  # the line is worked out only if it is ever named
         self._counts["requests"] += 1
-        conn.send(encode_add(b"/" + key.encode(), amount), _I64, self._timeout_s, "add", arg, call, _QUICK_I64)
+        conn.send(encode_add(b"/" + key.encode(), amount), I64, self._timeout_s, "add", arg, call, QUICK_I64)
         conn.spin(call)
         return call
 
@@ -726,12 +725,12 @@ class TCPStore(Store):
         broke with its connection (True: it is read again on a new one, once)."""
         k = _wire_key(key)
         if retry:
-            ready, value = await self._request(payload, _CHECK_GET, "get", key, retry_by=deadline)
+            ready, value = await self._request(payload, CHECK_GET, "get", key, retry_by=deadline)
             if ready == CHECK_READY:
                 return value
         while True:
             await self._wait_keys([k], deadline, f"get({key!r})", self._timeout_s)
-            ready, value = await self._request(payload, _CHECK_GET, "get", key)
+            ready, value = await self._request(payload, CHECK_GET, "get", key)
             if ready == CHECK_READY:
                 return value
 
@@ -739,13 +738,13 @@ class TCPStore(Store):
         k = _wire_key(key)
         payload = encode_check_get(k)
         deadline = time.monotonic() + self._timeout_s
-        ready, value = await self._request(payload, _CHECK_GET, "get", key)
+        ready, value = await self._request(payload, CHECK_GET, "get", key)
         if ready == CHECK_READY:
             return value
         return await self._get_rest(key, payload, deadline, False)
 
     async def _add_slow(self, key: str, amount: int) -> int:
-        (v,) = await self._request(encode_add(_wire_key(key), amount), _I64, "add", (key, amount), repeatable=False)
+        (v,) = await self._request(encode_add(_wire_key(key), amount), I64, "add", (key, amount), repeatable=False)
         return v
 
     _get = communicating(_get_slow, "store.get")
@@ -776,11 +775,11 @@ class TCPStore(Store):
 
     async def delete_key(self, key: str) -> bool:
         k = _wire_key(key)
-        (n,) = await self._request(encode(Op.DELETE_KEY, (k,)), _I64, "delete_key", key, repeatable=False)
+        (n,) = await self._request(encode(Op.DELETE_KEY, (k,)), I64, "delete_key", key, repeatable=False)
         return bool(n)
 
     async def num_keys(self) -> int:
-        (n,) = await self._request(encode(Op.GETNUMKEYS), _I64, "num_keys")
+        (n,) = await self._request(encode(Op.GETNUMKEYS), I64, "num_keys")
         return n
 
     async def list_keys(self) -> list[str]:
@@ -835,7 +834,7 @@ class TCPStore(Store):
 
     async def queue_len(self, key: str) -> int:
         k = _wire_key(key)
-        (n,) = await self._request(encode(Op.QUEUE_LEN, (k,)), _I64, "queue_len", key)
+        (n,) = await self._request(encode(Op.QUEUE_LEN, (k,)), I64, "queue_len", key)
         return n
 
     async def ping(self) -> float:

@@ -1,25 +1,42 @@
-"""``Channel``: the ``P2P`` (aiodist.algorithms.p2p) of one op of one group over a ``Transport``,
-and the ``OpLink`` (aiodist.shm._link) that shared memory asks of the op: its identity and
+"""``Channel``: the ``P2P`` (aiodist.algorithms.p2p) of one op of one group over a transport
+(``ChannelOwner``: the ``Transport``, typed by a Protocol so this module imports nothing above
+it), and the ``OpLink`` (aiodist.shm._link) that shared memory asks of the op: its identity and
 digest, the transport's word on a peer (``check_peer``), and the group's abort and desync, by
 public methods of the transport. Its sends and receives go straight to the transport's
-``lines`` and ``inbox`` (one call per message, none through the façade). A bare channel has no tracker: it counts no wait (the runner's ``TrackedP2P``,
-wrapped around it, does)."""
+``lines`` and ``inbox`` (one call per message, none through the façade). A bare channel has no
+tracker: it counts no wait (the runner's ``TrackedP2P``, wrapped around it, does)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from aiodist._message import CHANNEL_TAG_LIMIT, TAG_LIMIT
 from aiodist.errors import DistBackendError
+from aiodist.transport._inbox import Inbox
+from aiodist.transport._lines import Lines
+from aiodist.transport._mailbox import Key
 
-if TYPE_CHECKING:
-    from aiodist.transport._transport import Transport
+__all__ = ["Channel", "ChannelOwner"]
 
-__all__ = ["Channel"]
+
+class ChannelOwner(Protocol):
+    """What a channel asks of its transport (``Transport`` keeps it: mypy checks that where the
+    transport makes its channels): its send lines and inbox, a group's rank check, and its word
+    on a peer, an op's name, abort and desync."""
+
+    @property
+    def lines(self) -> Lines: ...
+    @property
+    def inbox(self) -> Inbox: ...
+    def member(self, ranks: tuple[int, ...]) -> int: ...
+    def check_peer(self, peer: int | None, group: int, seq: int = 0) -> None: ...
+    def abort_op(self, key: Key, reason: str) -> DistBackendError: ...
+    def desync_op(self, key: Key, peer: int, theirs: int, nbytes: int = -1) -> DistBackendError | None: ...
+    def op_name(self, key: Key) -> str | None: ...
 
 
 class Channel:
@@ -28,7 +45,7 @@ class Channel:
 
     __slots__ = ("transport", "group_id", "seq", "ranks", "_rank", "digest")
 
-    def __init__(self, transport: Transport, group_id: int, seq: int, global_ranks: Sequence[int], digest: int = 0) -> None:
+    def __init__(self, transport: ChannelOwner, group_id: int, seq: int, global_ranks: Sequence[int], digest: int = 0) -> None:
         ranks = global_ranks if type(global_ranks) is tuple else tuple(global_ranks)
         self.transport = transport
         self.group_id = group_id

@@ -38,9 +38,9 @@ from aiodist._message import P2P_SEQ, byte_view
 from aiodist.errors import DistBackendError, DistTimeoutError
 from aiodist.transport._digests import DigestBook
 from aiodist.transport._landing import DESYNC, GRACE, HOLD, LAND, MISMATCH, STAGE, Landing, decide
-from aiodist.transport._lines import STRIPE_TAG, check_rank, run_parts, stripe_parts
 from aiodist.transport._mailbox import Key, Mailbox, PostedRecv, StagedMessage, describe_key, size_error
 from aiodist.transport._standing import Standing
+from aiodist.transport._striping import STRIPE_TAG, check_rank, run_parts, stripe_parts
 from aiodist.wire.frame import FrameHeader, FrameLimits
 
 __all__ = ["Inbox", "Reader", "Route"]

@@ -13,7 +13,7 @@ Rules this module keeps:
   the caller's step without arming a deadline; every other send is bounded by the timeout.
 - Striping: a collective's message of ``stripe_min_bytes`` or more to or from a peer on
   another host, where several interfaces are named, is split into one part per lane
-  (``stripe_parts``: equal, 64-byte aligned), part j under tag ``tag + (j + 1) << 40``; sender
+  (``aiodist.transport._striping``: equal, 64-byte aligned), part j under tag ``tag + (j + 1) << 40``; sender
   and receiver decide alike from the size (``Dialer.splits``, which knows the peers' hosts).
   User p2p (``P2P_SEQ``) is never split: an any-source receive could not know the split.
 - The connections come from the ``Dialer`` (its ``send_conn``/``lane_conn`` tables are read
@@ -23,8 +23,7 @@ Rules this module keeps:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -32,59 +31,28 @@ from aiodist._message import byte_view
 from aiodist.errors import DistNetworkError, DistTimeoutError
 from aiodist.transport._connection import Connection
 from aiodist.transport._dialer import Dialer
-from aiodist.transport._mailbox import _PART_SHIFT, Key, describe_key
+from aiodist.transport._mailbox import Key, describe_key
 from aiodist.transport._standing import Standing
+from aiodist.transport._striping import STRIPE_TAG, check_rank, retrieve, run_parts, stripe_parts
 from aiodist.wire.frame import FrameHeader, FrameKind, FrameLimits
 
-if TYPE_CHECKING:
-    from aiodist.transport._inbox import Inbox
-
-__all__ = ["Lines", "stripe_parts", "run_parts", "STRIPE_TAG", "check_rank", "retrieve"]
+__all__ = ["Lines", "SelfDelivery"]
 
 NOWAIT_MAX_BYTES = 64 * 1024  # send_nowait only tries messages this small (the kernel takes them at once)
-STRIPE_TAG = 1 << _PART_SHIFT  # part j of a striped message travels under tag + (j + 1) * STRIPE_TAG (tags stay below 2**31)
-_STRIPE_ALIGN = 64
 
 
-def stripe_parts(nbytes: int, lanes: int) -> list[tuple[int, int]]:
-    """The byte ranges of a striped message's parts, one per lane: equal, 64-byte aligned, the
-    last one taking the rest. Sender and receiver compute the same parts from the size."""
-    step = (nbytes // lanes) // _STRIPE_ALIGN * _STRIPE_ALIGN
-    cuts = [j * step for j in range(lanes)] + [nbytes]
-    return [(cuts[j], cuts[j + 1]) for j in range(lanes)]
+class SelfDelivery(Protocol):
+    """What a send to this rank asks of the receiving side (the transport's ``Inbox``)."""
 
-
-def retrieve(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled():
-        fut.exception()  # a send_nowait write whose caller's receive failed first: seen, not logged
-
-
-async def run_parts(coros: list[Coroutine[Any, Any, Any]]) -> None:
-    """Run a striped message's parts at once. Part 0 runs in the caller's task, so its first
-    step (where a send is written, or a receive posted) happens in the caller's step: sends to
-    one peer still start in call order. The first failure cancels the other parts."""
-    rest = [asyncio.ensure_future(c) for c in coros[1:]]
-    for t in rest:
-        t.add_done_callback(retrieve)
-    try:
-        await coros[0]
-        await asyncio.gather(*rest)
-    except BaseException:
-        for t in rest:
-            t.cancel()
-        raise
-
-
-def check_rank(rank: int, peer: int, world_size: int) -> None:
-    """``peer`` must be a rank of the world (``rank``'s, for the message)."""
-    if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < world_size:
-        raise ValueError(f"rank {rank}: peer {peer!r} is not a rank of a world of {world_size}")
+    def deliver_self(self, key: Key, view: np.ndarray) -> None: ...
 
 
 class Lines:
     """This rank's sends (the module docstring). ``inbox`` takes the sends to self."""
 
-    def __init__(self, dialer: Dialer, standing: Standing, inbox: Inbox, world_size: int, timeout: float, limits: FrameLimits) -> None:
+    def __init__(
+        self, dialer: Dialer, standing: Standing, inbox: SelfDelivery, world_size: int, timeout: float, limits: FrameLimits
+    ) -> None:
         self.rank = dialer.rank
         self.world_size = world_size
         self.timeout = timeout

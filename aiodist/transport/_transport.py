@@ -75,9 +75,10 @@ from aiodist.transport._handshake import Tallies, refusal
 from aiodist.transport._ifaces import Advertised, choose
 from aiodist.transport._inbox import Inbox
 from aiodist.transport._landing import Landing
-from aiodist.transport._lines import Lines, check_rank
+from aiodist.transport._lines import Lines
 from aiodist.transport._mailbox import Key, PostedRecv
 from aiodist.transport._standing import Standing
+from aiodist.transport._striping import check_rank
 from aiodist.wire.frame import FrameHeader, FrameLimits, Hello, abort_frame
 
 __all__ = ["Transport"]
