@@ -41,7 +41,11 @@ async def test_ranks_calling_different_collectives_fail_at_once_on_every_rank() 
             else:
                 await dist.all_reduce(x)  # ... the others all-reduce
             await dist.barrier()  # the group is broken: rank 0 learns it here at the latest
-        return str(e.value), time.monotonic() - t0
+        err = e.value
+        # the facts are fields: the group, the rank; the seq of the op that failed here (1, or
+        # rank 0's barrier at 2), and a culprit that called another op
+        assert err.group == "default_pg" and err.rank == rank and err.seq in (1, 2) and err.culprits, (err, err.culprits)
+        return str(err), time.monotonic() - t0
 
     out = await run_world(3, fn, backend="gloo", timeout=20, pg_timeout=20)
     for msg, took in out:

@@ -437,8 +437,9 @@ async def test_peer_closing_mid_op_fails_the_pending_receive() -> None:
         with pytest.raises(DistNetworkError, match=r"rank 1 closed its transport") as info:
             await pending
         assert list(info.value.culprits) == [1]  # the error's field names the peer (aiodist.errors)
-        with pytest.raises(DistNetworkError, match="rank 1"):  # fail-stop: later ops fail at once
+        with pytest.raises(DistNetworkError, match="rank 1") as info:  # fail-stop: later ops fail at once
             await ts[0].send(1, np.zeros(1), tag=0)
+        assert list(info.value.culprits) == [1]
 
 
 async def test_peer_dying_mid_payload_fails_the_receive() -> None:
@@ -452,8 +453,9 @@ async def test_peer_dying_mid_payload_fails_the_receive() -> None:
         assert conn.transport is not None
         conn.transport.write(FrameHeader(FrameKind.DATA, 0, 0, 3, 1, dst.nbytes).encode() + b"x" * 1000)
         conn.transport.abort()
-        with pytest.raises(DistNetworkError, match=r"rank 1.*tag 3"):
+        with pytest.raises(DistNetworkError, match=r"rank 1.*tag 3") as info:
             await pending
+        assert list(info.value.culprits) == [1]
 
 
 async def test_abort_propagates_to_peers() -> None:
@@ -493,8 +495,9 @@ async def test_check_peer_says_alive_aborted_lost_closed() -> None:
             ts[1].check_peer(None, 7)
         await ts[2].close()
         await until(lambda: 2 in ts[0].stats()["dead_peers"], "rank 0 to see rank 2 leave")
-        with pytest.raises(DistNetworkError, match="rank 2"):
+        with pytest.raises(DistNetworkError, match="rank 2") as info:
             ts[0].check_peer(2, 8)
+        assert list(info.value.culprits) == [2]
         ts[0].check_peer(1, 8)  # the others are untouched
         await ts[1].close()
         with pytest.raises(DistBackendError, match=r"rank 1: the transport is closed \(group 8, seq 3, tag 0\)"):
