@@ -794,9 +794,9 @@ async def test_a_port_held_by_another_program_is_named(caplog: pytest.LogCapture
     """Another program on the port: a server that answers something else is refused at once, one
     that accepts and says nothing is named after the handshake's bound (3 s; 0.5 s here), and a
     master that cannot listen says so in one sentence (no chained traceback)."""
-    import aiodist.store.tcp as tcp
+    import aiodist.store._dial as dial
 
-    monkeypatch.setattr(tcp, "_HANDSHAKE_S", 0.5)
+    monkeypatch.setattr(dial, "_HANDSHAKE_S", 0.5)
 
     async def talker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(b"SSH-2.0-OpenSSH_9.2\r\n")

@@ -38,6 +38,7 @@ from aiodist import _startup
 from aiodist._pending import communicating, mark_coroutine_function
 from aiodist._time import TimeoutLike, within
 from aiodist.errors import DistNetworkError, DistStoreError, QueueEmptyError, StoreTimeoutError
+from aiodist.store._dial import Target, open_connection
 from aiodist.store.base import (
     DEFAULT_STORE_TIMEOUT,
     VALUE_NOT_QUEUE,
@@ -52,7 +53,7 @@ from aiodist.store.base import (
     to_amount,
     to_value,
 )
-from aiodist.store.server import INIT_KEY, ListenError, ServerThread, TCPStoreServer, init_rank_key, local_socket_name
+from aiodist.store.server import INIT_KEY, ListenError, ServerThread, TCPStoreServer, init_rank_key
 from aiodist.wire.store import (
     CHECK_READY,
     STOP_WAITING,
@@ -74,14 +75,12 @@ from aiodist.store._connection import (
     QUICK_CHECK_GET,
     QUICK_I64,
     AddCall,
-    BadPeer,
     Connection,
     Dropped,
     GetCall,
     Lost,
     NoReply,
     describe_call,
-    is_loopback,
     log,
 )
 
@@ -89,10 +88,6 @@ _U8 = ((Reply.U8, 0),)
 _U32 = ((Reply.U32, 0),)
 _BYTES = ((Reply.BYTES, 0),)
 _MAX_IDLE_WAITERS = 8
-_CONNECT_ATTEMPT_S = 5.0  # one connect attempt's deadline
-#: how long one connection waits for the handshake's reply: a TCPStore answers in milliseconds;
-#: a program that accepted and says nothing (another server on the port) is named after this
-_HANDSHAKE_S = 3.0
 _DIAGNOSIS_S = 0.1  # how long a timed-out wait may take to learn which keys are missing
 
 
@@ -251,7 +246,7 @@ class TCPStore(Store):
         rank = _startup.current().rank  # set by the rendezvous: the progress warnings name ranks
         self._served_by = _startup.current().server_of
         try:
-            self._main = await self._open(deadline, starting=True)
+            self._main = await open_connection(self._target(), deadline, starting=True)
             if self._world_size is not None and self._wait_for_workers:
                 # The rank first, in the same write: the master then knows who is missing.
                 say = encode(Op.SET, (init_rank_key(rank),), (b"1",)) if rank is not None else b""
@@ -369,6 +364,10 @@ class TCPStore(Store):
     def _describe_addr(self) -> str:
         return f"[{self._host}]:{self._port}" if ":" in self._host else f"{self._host}:{self._port}"
 
+    def _target(self) -> Target:
+        """Where a new connection goes, and what its errors and warnings say (store/_dial.py)."""
+        return Target(self._host, self._port, self._use_local, self._timeout_s, self._counts)
+
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {**super().stats(), "host": self._host, "port": self._port, "is_master": self._is_master}
         out.update(self._counts)
@@ -386,127 +385,6 @@ class TCPStore(Store):
         return c
 
     # -- connections ----------------------------------------------------------------------
-
-    def _connect_ms(self, deadline: float, start: float, starting: bool) -> int:
-        """The milliseconds torch's connect-timeout sentence names: the store's timeout for its
-        first connect (the deadline was set a moment before the first try: measured from that
-        try, a loaded machine printed 999ms for a 1 s timeout), else the time this try had."""
-        return round(self._timeout_s * 1000) if starting else round(max(0.0, deadline - start) * 1000)
-
-    async def _open(self, deadline: float, starting: bool = False) -> Connection:
-        """A new validated connection, retrying with backoff until ``deadline``: a refused
-        connect, and a connection the server drops during the handshake (a server that is
-        starting or stopping), are both retried. A host name that does not resolve is warned
-        about at the first failure; any failure that lasts, every ``AIODIST_INIT_WARN_INTERVAL``
-        seconds. ``starting``: the store's first connect, whose warnings name the start-up phase."""
-        loop = asyncio.get_running_loop()
-        delay, start = 0.01, time.monotonic()
-        warned, every, unresolved, why = start, _startup.warn_interval(), False, ""
-        warned_silent = False
-        while True:
-            shaking = False  # connected, waiting for the handshake's reply
-            try:
-                conn = await self._open_local(loop)
-                if conn is None:
-                    # one attempt is bounded too, so a host that drops SYNs is retried and warned about
-                    connecting = loop.create_connection(lambda: Connection(loop, self._counts), self._host, self._port)
-                    _, tcp = await within(connecting, max(0.001, min(deadline - time.monotonic(), _CONNECT_ATTEMPT_S)))
-                    conn = tcp
-                shaking = True
-                got, nonce = await self._handshake(conn, min(deadline, time.monotonic() + _HANDSHAKE_S))
-            except BadPeer as exc:
-                raise DistNetworkError(
-                    f"{self._describe()}: handshake failed: {exc}: not a TCPStore server; is another program listening on port {self._port}?"
-                ) from None
-            except (OSError, TimeoutError, Lost) as exc:
-                now = time.monotonic()
-                # an attempt cut short by the deadline says nothing new: keep the error before it
-                why = str(exc) or why or "no answer in time"
-                if shaking and isinstance(exc, (TimeoutError, NoReply)):  # something accepted, and said nothing a TCPStore would
-                    why = (
-                        f"something accepted the connection at {self._describe_addr()} but did not answer the TCPStore "
-                        f"handshake within {_HANDSHAKE_S:g} s: is another program listening on port {self._port}?"
-                    )
-                    if not warned_silent:
-                        warned_silent, warned = True, now
-                        log.warning("%s", self._unreachable(why, now - start, deadline - start, starting))
-                if isinstance(exc, socket.gaierror) and not unresolved:  # a misspelt MASTER_ADDR: say so at once
-                    unresolved, warned = True, now
-                    log.warning("%s", self._unresolved(exc, deadline - start, starting))
-                elif now - warned >= every:
-                    warned = now
-                    log.warning("%s", self._unreachable(why, now - start, deadline - start, starting))
-                now = time.monotonic()
-                if now >= deadline:
-                    raise DistNetworkError(
-                        f"The client socket has timed out after {self._connect_ms(deadline, start, starting)}ms while trying to "
-                        f"connect to ({self._host}, {self._port}). Could not connect to the TCPStore server at "
-                        f"{self._describe_addr()} within the connect timeout (tried for {now - start:.1f} s): {why}"
-                    ) from None
-                await asyncio.sleep(min(delay, deadline - now))  # the last try comes at the deadline
-                delay = min(delay * 2, 1.0)
-                continue
-            if got != nonce:
-                conn.close()
-                heard = int(got).to_bytes(4, "little")
-                raise DistNetworkError(
-                    f"{self._describe()}: handshake failed: the server at {self._describe_addr()} answered {heard!r} "
-                    f"(ping echo {got} != {nonce}): it is not a TCPStore server; is another program listening on port {self._port}?"
-                )
-            return conn
-
-    def _waiter(self, starting: bool) -> tuple[str, str]:
-        """Who waits and for what: ``("init_process_group: rank 1", "rank 0's TCPStore server")``
-        during start-up, else this store and "the TCPStore server"."""
-        if not starting:
-            return self._describe(), "the TCPStore server"
-        p = _startup.current()
-        return _startup.who(self._describe()), f"{p.server_of}'s TCPStore server" if p.server_of else "the TCPStore server"
-
-    def _unresolved(self, exc: OSError, total: float, starting: bool) -> str:
-        who, server = self._waiter(starting)
-        source = _startup.current().addr_from if starting else None
-        return (
-            f"{who} cannot resolve {self._host!r}, the host of {server} at {self._describe_addr()}"
-            f"{f' (from {source})' if source else ''}: {exc}; is the name right? Still trying, "
-            f"until the timeout ({_startup.seconds(total)})"
-        )
-
-    def _unreachable(self, why: str, elapsed: float, total: float, starting: bool) -> str:
-        who, server = self._waiter(starting)
-        return f"{who} waiting for {server} at {self._describe_addr()} to accept a connection ({_startup.waited(elapsed, total)}; last error: {why})"
-
-    async def _handshake(self, conn: Connection, deadline: float) -> tuple[int, int]:
-        """VALIDATE, then a PING with this process's pid as the nonce (as torch's client): (the echo, the nonce)."""
-        nonce = os.getpid() & 0xFFFFFFFF  # torch's client pings with its pid
-        try:
-            (got,) = await conn.send(
-                encode(Op.VALIDATE, number=0x3C85F7CE) + encode(Op.PING, number=nonce),
-                _U32,
-                max(0.001, deadline - time.monotonic()),
-                "handshake",
-                NO_ARG,
-            )
-        except BaseException:  # lost, or cancelled mid-handshake: do not leak the socket
-            conn.close()
-            raise
-        return got, nonce
-
-    async def _open_local(self, loop: asyncio.AbstractEventLoop) -> Connection | None:
-        """A connection over the server's same-host Unix socket, when the host is loopback and
-        an aiodist server listens there (see ``TCPStoreServer``); else None (use TCP)."""
-        name = local_socket_name(self._port) if self._use_local and is_loopback(self._host) else None
-        if name is None:
-            return None
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.setblocking(False)
-            sock.connect(name)  # abstract sockets connect at once or refuse at once
-        except OSError:
-            sock.close()
-            return None
-        _, conn = await loop.create_unix_connection(lambda: Connection(loop, self._counts), sock=sock)
-        return conn
 
     def _check_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -542,7 +420,7 @@ class TCPStore(Store):
             if conn is None or not conn.usable:
                 if conn is not None:
                     self._counts["reconnects"] += 1
-                conn = self._main = await self._open(deadline)
+                conn = self._main = await open_connection(self._target(), deadline)
         finally:
             self._connect_lock.release()
         return conn
@@ -624,7 +502,7 @@ class TCPStore(Store):
             conn = c if c.usable else None
         try:
             if conn is None:
-                conn = await self._open(deadline)
+                conn = await open_connection(self._target(), deadline)
             self._busy.add(conn)
             fut = conn.send(encode(Op.WAIT, keys), _U8, None, "wait", keys)  # the wait's own deadline, below
             (r,) = await within(fut, deadline - time.monotonic())
