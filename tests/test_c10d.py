@@ -459,8 +459,9 @@ async def test_rank_that_never_joins_fails_the_others(n: int) -> None:
             await work
         assert loop.time() - start < 10  # the group's 0.3 s timeout, far before the default group's
         assert work.is_completed() and not work.is_success() and work.exception() is info.value
-        with pytest.raises(dist.DistBackendError, match="unusable"):
+        with pytest.raises(dist.DistBackendError, match="unusable") as refused:
             await dist.broadcast(np.ones(1), src=1, group=g)
+        assert (refused.value.group, refused.value.rank) == (g.group_desc, rank)  # the facts are fields
         ok = np.ones(1)
         await dist.all_reduce(ok)  # the default group is another group: still fine, but rank 0 must join it
         return str(info.value)

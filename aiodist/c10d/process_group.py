@@ -218,7 +218,11 @@ class ProcessGroup:
 
     def check_usable(self) -> None:
         if self.broken is not None:
-            raise DistBackendError(f"{self.describe()} is unusable: {self.broken}; destroy it and create a new group")
+            raise DistBackendError(
+                f"{self.describe()} is unusable: {self.broken}; destroy it and create a new group",
+                group=self.group_desc,
+                rank=self.backend.rank,
+            )
 
     def _check_host(self, op: str) -> None:
         if self.host_refusal is not None:
