@@ -255,7 +255,12 @@ async def test_in_host_phases_go_through_the_hosts_shared_memory(monkeypatch: py
                 assert np.array_equal(y, sum(_data(r, n) for r in (0, 1, 3))), f"rank {rank}: uneven all_reduce of {n}"
                 await dist.broadcast(y, src=3, group=uneven)
                 assert np.array_equal(y, sum(_data(r, n) for r in (0, 1, 3))), f"rank {rank}: uneven broadcast of {n}"
-        return dict(backend.shm.stats())
+        stats = dict(backend.shm.stats())
+        part = uneven.group_id | HOST_PART if uneven is not dist.GroupMember.NON_GROUP_MEMBER else -1
+        assert (part in stats["groups"]) == (rank in (0, 1)), stats  # the uneven group's part on h0 (h1 has rank 3 alone)
+        await dist.destroy_process_group(uneven)
+        assert part not in backend.shm.stats()["groups"]  # its host part went with it (segments closed)
+        return stats
 
     stats = await run_world(4, fn, "gloo", pg_options={"hier_min": 0, "hier_piece": 256 * 1024})  # 4 MiB: 8 pieces
     for rank, st in enumerate(stats):
