@@ -210,6 +210,26 @@ async def test_broadcast_and_reduce_cross_to_each_remote_host_once(h: int, k: in
     assert sum(p.across for p in ps) == (h - 1) * n * 4
 
 
+@pytest.mark.parametrize("hosts", LAYOUTS, ids=["".join(h) for h in LAYOUTS])
+async def test_barrier_lets_no_rank_leave_before_every_rank_entered(hosts: list[str]) -> None:
+    layout = hier.layout_of(hosts)
+    assert layout is not None
+    ps = local_world(len(hosts), capacity=0, seed=3)
+    events: list[tuple[str, int]] = []
+
+    async def one(r: int) -> None:
+        for _ in range(r % 3):
+            await asyncio.sleep(0)  # ranks enter at different turns of the loop
+        events.append(("in", r))
+        await hier.barrier(ps[r], layout)
+        events.append(("out", r))
+
+    await asyncio.gather(*(one(r) for r in range(len(hosts))))
+    last_in = max(i for i, (kind, _) in enumerate(events) if kind == "in")
+    first_out = min(i for i, (kind, _) in enumerate(events) if kind == "out")
+    assert last_in < first_out, events
+
+
 # -- the in-host phases through shared memory (real backends, in one process) ----------------------
 
 
@@ -241,6 +261,7 @@ async def test_in_host_phases_go_through_the_hosts_shared_memory(monkeypatch: py
             part = np.empty(n, np.float32)
             await dist.reduce_scatter_tensor(part, _data(rank, 4 * n))
             assert np.array_equal(part, sum(_data(r, 4 * n) for r in range(4))[rank * n : (rank + 1) * n]), f"rank {rank}: reduce_scatter"
+            await dist.barrier()  # by the hierarchy: lane barriers within, one among the hosts' first ranks
             for root in (0, 3):  # a host's first rank, and not
                 b = _data(rank, n)
                 await dist.broadcast(b, src=root)

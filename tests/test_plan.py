@@ -76,6 +76,8 @@ ROWS = [
     Row("spread, hierarchy at every size", "all_reduce", 4, 4, Plan("hier", False), Thresholds(hier_min=0), spread=True),
     Row("spread, hierarchy off", "all_reduce", 16 * M, 4, Plan("single_copy", True), Thresholds(hier_min=-1), spread=True),
     Row("spread, small broadcast: its own rules", "broadcast", 4, 4, Plan("lane", True), spread=True),
+    Row("spread, barrier: the hierarchy", "barrier", 0, 4, Plan("hier", False), spread=True),
+    Row("spread, barrier, hierarchy off: the lane", "barrier", 0, 4, Plan("lane", True), Thresholds(hier_min=-1), spread=True),
     Row("spread, broadcast of 1 MiB: the hierarchy", "broadcast", M, 4, Plan("hier", False), spread=True),
     Row("spread, reduce of 1 MiB: the hierarchy", "reduce", M, 4, Plan("hier", False), spread=True),
     Row("spread, reduce, hierarchy off: its own rules", "reduce", M, 4, Plan("lane", True), Thresholds(hier_min=-1), spread=True),

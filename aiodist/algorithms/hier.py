@@ -23,6 +23,8 @@ all_reduce, by rules in order:
 Every rank ends with the same bits: each slice is reduced once (within the host, in local rank
 order, then across by the leaders' or the slice's ring) and copied everywhere after.
 
+barrier: within each host, among the hosts' first ranks, within each host again.
+
 broadcast and reduce: each host has a leader (the root on its host, its first rank elsewhere);
 broadcast goes from the root to the leaders (each remote host's link crossed once), then within
 each host from its leader; reduce is its mirror (within each host to its leader, then among the
@@ -65,6 +67,7 @@ __all__ = [
     "all_reduce",
     "broadcast",
     "reduce",
+    "barrier",
     "all_gather",
     "reduce_scatter",
     "crossing_bytes",
@@ -139,12 +142,14 @@ class Within(Protocol):
 
     async def broadcast(self, p2p: P2P, host: Sequence[int], phase: int, buf: np.ndarray, root: int) -> bool: ...
 
+    async def barrier(self, p2p: P2P, host: Sequence[int], phase: int) -> bool: ...
+
 
 def within_phases(op: str, layout: Layout, rank: int, nbytes: int = 0, th: Thresholds | None = None) -> int:
     """How many in-host phases ``op`` of ``nbytes`` runs on group rank ``rank``'s host (what a
     ``Within`` for it takes places in line for, at issue): none on a host of one rank;
     all_reduce's two per piece (in and out: ``pieces``; rule 2 has one piece); broadcast's one
-    (out) and reduce's one (in); all_gather's one (out) and reduce_scatter's one (in) where the
+    (out) and reduce's one (in); barrier's two; all_gather's one (out) and reduce_scatter's one (in) where the
     layout is even (else they are the flat schedules: none)."""
     if len(_host_of(layout, rank)) < 2:
         return 0
@@ -152,6 +157,8 @@ def within_phases(op: str, layout: Layout, rank: int, nbytes: int = 0, th: Thres
         return 2 * pieces(nbytes, th) if even(layout) > 1 else 2
     if op in ("broadcast", "reduce"):
         return 1
+    if op == "barrier":
+        return 2
     return 1 if op in ("all_gather", "reduce_scatter") and even(layout) > 1 else 0
 
 
@@ -254,6 +261,20 @@ async def broadcast(
         await alg.broadcast(Subset(SubP2P(p2p, _ACROSS), leaders), buf, leaders.index(root), thresholds=thresholds)
     if len(host) > 1 and (within is None or not await within.broadcast(p2p, host, _WITHIN_OUT, buf, host.index(lead))):
         await alg.broadcast(Subset(SubP2P(p2p, _WITHIN_OUT), host), buf, host.index(lead), thresholds=thresholds)
+
+
+async def barrier(p2p: P2P, layout: Layout, *, within: Within | None = None) -> None:
+    """``alg.barrier``'s contract (no rank leaves before every rank entered): a barrier within
+    each host, one among the hosts' first ranks (the only messages across), a barrier within
+    each host again (its ranks wait for their leader's)."""
+    host = _host_of(layout, p2p.rank)
+    alone = len(host) == 1
+    if not alone and (within is None or not await within.barrier(p2p, host, _WITHIN_IN)):
+        await alg.barrier(Subset(SubP2P(p2p, _WITHIN_IN), host))
+    if p2p.rank == host[0]:
+        await alg.barrier(Subset(SubP2P(p2p, _ACROSS), [h[0] for h in layout]))
+    if not alone and (within is None or not await within.barrier(p2p, host, _WITHIN_OUT)):
+        await alg.barrier(Subset(SubP2P(p2p, _WITHIN_OUT), host))
 
 
 async def reduce(

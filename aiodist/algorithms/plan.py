@@ -90,6 +90,8 @@ all_to_all (``nbytes``: what this rank sends in all; ``part``: the number of par
      the lane slot go inline there).
   2. otherwise ``socket``.
 barrier
+  0. ``spread`` and the hierarchy on (``th.hier_min >= 0``): ``hier`` (within each host, among
+     the hosts' first ranks, within again), out of the group's line.
   1. ``th.lane(0)``: ``lane``.
   2. otherwise ``socket``.
 
@@ -208,6 +210,8 @@ def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0, spr
             return Plan("single_copy", True)
         return _SOCKET
     if op == "barrier":
+        if spread and th.hier_min >= 0:
+            return _HIER
         return Plan("lane", True) if th.lane(0) else _SOCKET
     raise ValueError(f"plan: unknown op {op!r}; the ops are {', '.join(OPS)}")
 

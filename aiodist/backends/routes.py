@@ -174,6 +174,12 @@ class HostShm:
             return False
         return await run_reduce(t, HostLink(op_link(p2p), host, phase), buf, root, combine, pl.single_copy, pl.lane)
 
+    async def barrier(self, p2p: P2P, host: Sequence[int], phase: int) -> bool:
+        t, _ = self._plan("barrier", 0, host)
+        if t is None:
+            return False
+        return await run_barrier(t, HostLink(op_link(p2p), host, phase))
+
     async def broadcast(self, p2p: P2P, host: Sequence[int], phase: int, buf: np.ndarray, root: int) -> bool:
         t, pl = self._plan("broadcast", buf.nbytes, host)
         if t is None:
@@ -282,7 +288,9 @@ class Route:
 
     async def barrier(self, p2p: P2P) -> None:
         ticket = self.ticket
-        if ticket is None or not await run_barrier(ticket, p2p):
+        if self.plan.path == "hier" and self.layout is not None:
+            await hier.barrier(p2p, self.layout, within=self.within)
+        elif ticket is None or not await run_barrier(ticket, p2p):
             await alg.barrier(p2p)
 
 
