@@ -40,7 +40,7 @@ async def test_the_masters_wait_names_the_configured_timeout_in_seconds() -> Non
 
 
 async def test_the_client_pings_with_its_pid(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiodist.store import tcp as tcp_mod
+    from aiodist.store import _dial as tcp_mod  # (where a new connection's handshake is made)
     from aiodist.wire.store import Op
 
     pings: list[int] = []
