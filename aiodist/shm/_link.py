@@ -22,13 +22,11 @@ Who implements it:
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable, Sequence
 from typing import Protocol, TypeGuard, runtime_checkable
 
-import numpy as np
-
-from aiodist.algorithms.p2p import CHANNEL_TAG_LIMIT, P2P, TAG_LIMIT
+from aiodist.algorithms.hier import Subset
+from aiodist.algorithms.p2p import CHANNEL_TAG_LIMIT, P2P, TAG_LIMIT, SubP2P
 from aiodist.errors import DistBackendError
 
 __all__ = ["OpLink", "op_link", "HostLink"]
@@ -117,7 +115,7 @@ def op_link(p2p: P2P) -> OpLink:
     raise TypeError(f"shared memory runs an op over its OpLink (aiodist.shm._link); {type(p2p).__name__} is not one")
 
 
-class HostLink:
+class HostLink(SubP2P):
     """An op's ``OpLink`` seen by some of its ranks (``members``, group ranks of the op): the ranks
     of one host in a hierarchical op over hosts (``aiodist.algorithms.hier``), whose in-host phases
     run through the host's own shared memory. Group rank ``i`` here is ``members[i]`` there.
@@ -127,15 +125,14 @@ class HostLink:
     go as they are. The op's identity (group id, seq, digest, name) is the op's own: errors name
     the group the user called, and the peers' digests are the op's."""
 
-    __slots__ = ("_link", "_members", "_base", "_index", "rank", "size", "ranks")
+    __slots__ = ("_link", "_members", "_index", "ranks")
 
     def __init__(self, link: OpLink, members: Sequence[int], index: int) -> None:
+        # rank, size, send, receive: SubP2P's over the op's ranks ``members`` (hier.Subset)
+        super().__init__(Subset(link, members), index)
         self._link = link
         self._members = tuple(members)
-        self._base = (index + 1) * TAG_LIMIT
         self._index = index
-        self.rank = self._members.index(link.rank)
-        self.size = len(self._members)
         whole = link.ranks
         self.ranks = tuple(whole[m] for m in self._members)
 
@@ -167,15 +164,6 @@ class HostLink:
     @property
     def op_name(self) -> str | None:
         return self._link.op_name
-
-    async def send(self, peer: int, buf: np.ndarray, tag: int) -> None:
-        await self._link.send(self._members[peer], buf, self._tag(tag))
-
-    async def recv(self, peer: int, buf: np.ndarray, tag: int) -> None:
-        await self._link.recv(self._members[peer], buf, self._tag(tag))
-
-    def send_nowait(self, peer: int, buf: np.ndarray, tag: int) -> bool | asyncio.Future[None]:
-        return self._link.send_nowait(self._members[peer], buf, self._tag(tag))
 
     def check_peer(self, peer: int) -> None:
         self._link.check_peer(self._members[peer])
