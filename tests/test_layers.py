@@ -6,6 +6,7 @@ surface and the error tree."""
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 import re
 import subprocess
@@ -224,9 +225,14 @@ def _modules() -> dict[str, pathlib.Path]:
 def _module_graph() -> dict[str, set[str]]:
     """Each module of aiodist and aiodist_cuda -> the modules of both it imports anywhere in it:
     top-level, in function bodies (lazy), and under ``if TYPE_CHECKING:`` (a type-only edge is a
-    coupling all the same)."""
+    coupling all the same). A fresh copy each call (the sources are parsed once per run)."""
+    return {m: set(e) for m, e in _parsed_graph().items()}
+
+
+@functools.cache
+def _parsed_graph() -> dict[str, frozenset[str]]:
     mods = _modules()
-    graph: dict[str, set[str]] = {}
+    graph: dict[str, frozenset[str]] = {}
     for name, path in mods.items():
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
         found: set[str] = set()
@@ -246,7 +252,7 @@ def _module_graph() -> dict[str, set[str]]:
                 m = m.rpartition(".")[0]
             if m and m != name:
                 edges.add(m)
-        graph[name] = edges
+        graph[name] = frozenset(edges)
     return graph
 
 
