@@ -16,6 +16,9 @@ all_reduce, by rules in order:
    **reduce-scatter within each host** (local rank ``i`` gets the host's sum of slice ``i``),
    **all_reduce of slice i among the hosts' local ranks i** (``k`` exchanges across in parallel,
    each of ``S/k``), **all-gather within each host**. Each host sends ``2(h-1)/h * S`` across.
+   In ``pieces`` (``th.hier_piece`` each, at most ``MAX_PIECES``), pipelined: a piece's exchange
+   across runs while the next piece's reduce-scatter and the earlier pieces' all-gathers run
+   within the host (``_all_reduce_pieces``).
 2. otherwise (uneven hosts: 3 + 1; or a buffer smaller than ``k``): **reduce to each host's first
    rank, all_reduce among those leaders, broadcast within each host**. The same bytes across
    (the leaders' ring), one rank per host doing it.
