@@ -55,6 +55,7 @@ __all__ = [
     "reduce_scatter",
     "scatter",
     "together",
+    "retrieve",
 ]
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
@@ -336,7 +337,7 @@ async def _flow(
             for t in posted:
                 if t is not None and not t.done():
                     t.cancel()
-                    t.add_done_callback(_retrieve)
+                    t.add_done_callback(retrieve)
 
     async def send() -> None:
         for peer, src, tag, after in sends:
@@ -356,8 +357,9 @@ async def _flow(
         await _all(send(), receive())
 
 
-def _retrieve(task: asyncio.Task[None]) -> None:
-    """Mark a cancelled receive's outcome as seen (its error, if any, is the op's already)."""
+def retrieve(task: asyncio.Future[Any]) -> None:
+    """Mark a cancelled task's outcome as seen (its error, if any, is the op's already): a
+    receive here, an exchange across of aiodist.algorithms.hier."""
     if not task.cancelled():
         task.exception()
 

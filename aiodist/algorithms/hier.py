@@ -239,12 +239,7 @@ async def _all_reduce_pieces(
         for f in across:
             if not f.done():
                 f.cancel()
-            f.add_done_callback(_retrieve)
-
-
-def _retrieve(f: asyncio.Future[None]) -> None:
-    if not f.cancelled():
-        f.exception()
+            f.add_done_callback(alg.retrieve)
 
 
 def _leaders(layout: Layout, root: int) -> list[int]:

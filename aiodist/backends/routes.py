@@ -136,8 +136,7 @@ class HostShm:
     def release(self, *_: Any) -> None:
         """Pass every place on (the Work's done callback; idempotent)."""
         for t in self._tickets:
-            if t is not None:
-                t.release()
+            t.release()
 
     def _next(self) -> Ticket | None:
         i = self._used

@@ -462,9 +462,6 @@ def _failed(pg: OpGroup, op: str, label: str, what: str, work: Work, exc: Except
     work._fail(named)
 
 
-# -- breaking a group -------------------------------------------------------------------------------
-
-
 class PeerOps:
     """What a point-to-point op's body uses: the backend's p2p calls on global ranks, counting
     what is pending so a timeout can name the ranks not heard from (a ``Tracker``,

@@ -499,7 +499,8 @@ class ProcessGroup:
     def dump_recorders(self, directory: str) -> None:
         """This rank's flight recorders, every group of this group's World, to ``directory``
         (the instrumentation's ``dump_groups``: ``AIODIST_FR_DUMP_ON_TIMEOUT``)."""
-        rank, world_size, groups = self.world_groups() if self.world_groups is not None else (self.backend.rank, 0, [self])
+        b = self.backend
+        rank, world_size, groups = self.world_groups() if self.world_groups is not None else (b.rank, b.world_size, [self])
         dump_groups(rank, world_size, groups, directory)
 
     def abort(self, reason: str = "the group was aborted") -> None:

@@ -18,8 +18,8 @@ Rules this module keeps:
   after it saw every peer's flag of op k - 1, which each peer wrote only after it had read every
   slot of op k - 2 (the same slot): two slots need no "done reading" flag. Lane ops run in the
   group's shared-memory line (tickets), one at a time, in issue order.
-- A rank writes the payload, then the digest and size, then the flag (the op's sequence number
-  + 1, so flags only grow). x86-TSO keeps stores in program order and loads in program order,
+- A rank writes the payload, then the digest and size, then the flag (the op's number in the
+  line + 1, so flags only grow). x86-TSO keeps stores in program order and loads in program order,
   so a reader that sees the flag sees the payload (the lane is used only on x86-64:
   ``_manager._TSO``).
 - A waiter that stops spinning publishes ``sleeping = flag``, fences, and checks the flags again
@@ -38,10 +38,9 @@ Rules this module keeps:
   parity (a peer writes that set again only after this rank's first phase of the next big op);
   a sleeping wait reads its peers' ``current`` words, so a peer in another kind of op at the
   same seq (which writes other words) is a desync, not a wait until the timeout.
-- Flags and phase words only grow (seq + 1, and the group's count of big ops ``<< 26`` plus the
-  step), so a wait is for a value at least its target. A group's op may run two lane ops or two
-  big ops of one seq (a hierarchical op's in-host phases): the slots alternate, and the count
-  moves on.
+- Flags and phase words only grow (the op's number in the line + 1: ``OpLink.line_seq``, its
+  seq but for a hierarchical op's in-host phases, which each have their own; and the group's
+  count of big ops ``<< 26`` plus the step), so a wait is for a value at least its target.
 """
 
 from __future__ import annotations

@@ -520,9 +520,11 @@ class SharedMemory:
 
     def release_group(self, group_id: int) -> None:
         """The group is destroyed: its line goes (ops still waiting for their turn are
-        cancelled) and its segments are closed here; its host part's too (``HOST_PART``)."""
-        if not group_id & HOST_PART:
-            self.release_group(group_id | HOST_PART)
+        cancelled) and its segments are closed here; its host part's too (``HOST_PART``), where it
+        had one (a group on one host keeps no second entry among the refused ids)."""
+        part = group_id | HOST_PART
+        if part != group_id and (part in self._arrived or part in self._own or part in self._mapped):
+            self.release_group(part)
         for key in [k for k in self._turns if k[0] == group_id]:
             _cancel(self._turns.pop(key))
         self._drop(group_id)

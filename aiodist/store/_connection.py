@@ -35,6 +35,7 @@ from aiodist.wire.store import (
 log = logging.getLogger("aiodist.store")
 
 I64 = ((Reply.I64, 0),)
+U32 = ((Reply.U32, 0),)
 CHECK_GET = ((Reply.U8, 0), (Reply.BYTES, 0))
 QUICK_I64, QUICK_CHECK_GET = QUICK[I64], QUICK[CHECK_GET]
 # Spinning for a reply (``Connection.spin``): how long at most, per request (a same-host reply

@@ -16,13 +16,12 @@ from typing import Any
 from aiodist import _startup
 from aiodist._time import within
 from aiodist.errors import DistNetworkError
-from aiodist.store._connection import NO_ARG, BadPeer, Connection, Lost, NoReply, is_loopback, log
+from aiodist.store._connection import NO_ARG, U32, BadPeer, Connection, Lost, NoReply, is_loopback, log
 from aiodist.store.server import local_socket_name
-from aiodist.wire.store import Op, Reply, encode
+from aiodist.wire.store import Op, encode
 
 __all__ = ["Target", "open_connection"]
 
-_U32 = ((Reply.U32, 0),)
 _CONNECT_ATTEMPT_S = 5.0  # one connect attempt's deadline
 #: how long one connection waits for the handshake's reply: a TCPStore answers in milliseconds;
 #: a program that accepted and says nothing (another server on the port) is named after this
@@ -148,7 +147,7 @@ async def _handshake(conn: Connection, deadline: float) -> tuple[int, int]:
     try:
         (got,) = await conn.send(
             encode(Op.VALIDATE, number=0x3C85F7CE) + encode(Op.PING, number=nonce),
-            _U32,
+            U32,
             max(0.001, deadline - time.monotonic()),
             "handshake",
             NO_ARG,

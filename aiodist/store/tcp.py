@@ -74,6 +74,7 @@ from aiodist.store._connection import (
     NO_ARG,
     QUICK_CHECK_GET,
     QUICK_I64,
+    U32,
     AddCall,
     Connection,
     Dropped,
@@ -85,7 +86,6 @@ from aiodist.store._connection import (
 )
 
 _U8 = ((Reply.U8, 0),)
-_U32 = ((Reply.U32, 0),)
 _BYTES = ((Reply.BYTES, 0),)
 _MAX_IDLE_WAITERS = 8
 _DIAGNOSIS_S = 0.1  # how long a timed-out wait may take to learn which keys are missing
@@ -359,10 +359,10 @@ class TCPStore(Store):
         return self._server.server if self._server is not None else None
 
     def _describe(self) -> str:
-        return f"TCPStore({self._describe_addr()})"
+        return self._target().describe()
 
     def _describe_addr(self) -> str:
-        return f"[{self._host}]:{self._port}" if ":" in self._host else f"{self._host}:{self._port}"
+        return self._target().addr()
 
     def _target(self) -> Target:
         """Where a new connection goes, and what its errors and warnings say (store/_dial.py)."""
@@ -549,13 +549,13 @@ class TCPStore(Store):
 
     async def _confirmed(self, payload: bytes, op: str, arg: object) -> None:
         """Send a request that has no reply, followed by a PING; return when it is echoed."""
-        await self._request(payload + encode(Op.PING, number=0), _U32, op, arg, repeatable=False)
+        await self._request(payload + encode(Op.PING, number=0), U32, op, arg, repeatable=False)
 
     # -- the Store API ----------------------------------------------------------------------
 
     async def set(self, key: str, value: ValueLike) -> None:
         k = _wire_key(key)
-        await self._request(encode_set_ping(k, to_value(value)), _U32, "set", key, repeatable=False)
+        await self._request(encode_set_ping(k, to_value(value)), U32, "set", key, repeatable=False)
 
     # get and add: a ``_Call`` sent on the main connection when it is up on the running loop
     # (the store layer's one fast path: tests/test_handles.py checks it against the general
@@ -718,5 +718,5 @@ class TCPStore(Store):
     async def ping(self) -> float:
         """One round trip to the server; its time in seconds."""
         t = time.perf_counter()
-        await self._request(encode(Op.PING, number=1), _U32, "ping")
+        await self._request(encode(Op.PING, number=1), U32, "ping")
         return time.perf_counter() - t
