@@ -15,8 +15,18 @@ from aiodist.algorithms.thresholds import Thresholds
 K, M = 1 << 10, 1 << 20
 D = Thresholds()
 NO_LANE = Thresholds(lane_max=0)
+NO_PAIR = Thresholds(pair_lane_max=0)  # a pair's lane as a wider group's (1 MiB)
 NO_CMA = Thresholds(
     broadcast_shm_min=-1, reduce_cma_min=-1, reduce_scatter_cma_min=-1, alltoall_cma=-1, gather_cma_min=-1, scatter_cma_min=-1
+)
+NO_CMA_PAIR = Thresholds(
+    broadcast_shm_min=-1,
+    reduce_cma_min=-1,
+    reduce_scatter_cma_min=-1,
+    alltoall_cma=-1,
+    gather_cma_min=-1,
+    scatter_cma_min=-1,
+    pair_lane_max=0,
 )
 
 
@@ -40,10 +50,15 @@ ROWS = [
     Row("256 KiB, 2 ranks: still the lane", "broadcast", 256 * K, 2, Plan("lane", True)),
     Row("1 MiB, 4 ranks: still the lane", "broadcast", M, 4, Plan("lane", True)),
     Row("past the lane, under single copy, 4 ranks: socket, in line", "broadcast", M + 4, 4, Plan("socket", True)),
-    Row("past the lane, 2 ranks: single copy", "broadcast", M + 4, 2, Plan("single_copy", True)),
+    Row("past the lane, 2 ranks: single copy", "broadcast", M + 4, 2, Plan("single_copy", True), NO_PAIR),
+    Row("a pair, 4 MiB: the lane (its slots hold 4 MiB)", "broadcast", 4 * M, 2, Plan("lane", True)),
+    Row("a pair, past 4 MiB: single copy", "broadcast", 4 * M + 4, 2, Plan("single_copy", True)),
+    Row("a pair, lane off: single copy", "broadcast", 2 * M, 2, Plan("single_copy", True), NO_LANE),
+    Row("3 ranks, 2 MiB: not the pair's lane", "broadcast", 2 * M, 3, Plan("single_copy", True)),
     Row("256 KiB, 4 ranks: still the lane", "broadcast", 256 * K, 4, Plan("lane", True)),
     Row("2 MiB, 4 ranks: single copy", "broadcast", 2 * M, 4, Plan("single_copy", True)),
-    Row("single copy off: the socket, out of line", "broadcast", 4 * M, 2, Plan("socket", False), NO_CMA),
+    Row("single copy off: the socket, out of line", "broadcast", 4 * M, 2, Plan("socket", False), NO_CMA_PAIR),
+    Row("single copy off, a pair, 4 MiB: the lane", "broadcast", 4 * M, 2, Plan("lane", True), NO_CMA),
     Row("no lane, single copy on: single copy", "broadcast", 4 * M, 2, Plan("single_copy", True), NO_LANE),
     Row("no lane, under single copy: socket, out of line", "broadcast", 64 * K, 2, Plan("socket", False), NO_LANE),
     Row(
@@ -68,8 +83,12 @@ ROWS = [
     Row("empty: the socket", "all_reduce", 0, 2, Plan("socket", False)),
     Row("256 KiB: still the lane", "all_reduce", 256 * K, 2, Plan("lane", True)),
     Row("1 MiB, the lane's slot: still the lane", "all_reduce", M, 2, Plan("lane", True)),
-    Row("past the lane's slot: the halves", "all_reduce", M + 4, 2, Plan("halves", True)),
-    Row("4 MiB: single copy", "all_reduce", 4 * M, 2, Plan("single_copy", True)),
+    Row("past the lane's slot: the halves", "all_reduce", M + 4, 2, Plan("halves", True), NO_PAIR),
+    Row("4 MiB: single copy", "all_reduce", 4 * M, 2, Plan("single_copy", True), NO_PAIR),
+    Row("a pair, 4 MiB: the lane (its slots hold 4 MiB)", "all_reduce", 4 * M, 2, Plan("lane", True)),
+    Row("a pair, past 4 MiB: single copy", "all_reduce", 4 * M + 4, 2, Plan("single_copy", True)),
+    Row("4 ranks, 2 MiB: the halves", "all_reduce", 2 * M, 4, Plan("halves", True)),
+    Row("a pair, lane off: the halves", "all_reduce", 2 * M, 2, Plan("halves", True), NO_LANE),
     Row("spread over hosts, 64 KiB: the hierarchy, out of line", "all_reduce", 64 * K, 4, Plan("hier", False), spread=True),
     Row("spread over hosts, 16 MiB: the hierarchy", "all_reduce", 16 * M, 4, Plan("hier", False), spread=True),
     Row("spread, under the hierarchy's size: as on one host", "all_reduce", 4 * K, 4, Plan("lane", True), spread=True),
@@ -164,7 +183,10 @@ ROWS = [
     # reduce_scatter
     Row("reduce_scatter, small: the lane", "reduce_scatter", 64, 2, Plan("lane", True)),
     Row("reduce_scatter, 1 MiB: still the lane", "reduce_scatter", M, 2, Plan("lane", True)),
-    Row("reduce_scatter, past the lane: single copy", "reduce_scatter", M + 8, 2, Plan("single_copy", True)),
+    Row("reduce_scatter, past the lane: single copy", "reduce_scatter", M + 8, 2, Plan("single_copy", True), NO_PAIR),
+    Row("reduce_scatter, a pair, 4 MiB: the lane", "reduce_scatter", 4 * M, 2, Plan("lane", True)),
+    Row("reduce_scatter, a pair, past 4 MiB: single copy", "reduce_scatter", 4 * M + 8, 2, Plan("single_copy", True)),
+    Row("reduce_scatter, 4 ranks, 2 MiB: single copy", "reduce_scatter", 2 * M, 4, Plan("single_copy", True)),
     Row("reduce_scatter, lane off: single copy", "reduce_scatter", 64, 2, Plan("single_copy", True), NO_LANE),
     Row("reduce_scatter, big: single copy", "reduce_scatter", 4 * M, 4, Plan("single_copy", True)),
     Row("reduce_scatter, empty: the socket", "reduce_scatter", 0, 2, Plan("socket", False)),
@@ -174,7 +196,7 @@ ROWS = [
         M + 512 * K,
         2,
         Plan("socket", True),
-        Thresholds(reduce_scatter_cma_min=2 * M),
+        Thresholds(reduce_scatter_cma_min=2 * M, pair_lane_max=0),
     ),
     Row(
         "reduce_scatter, single copy from 1 MiB, 128 KiB (past its lane, within the others'): socket, in line",
@@ -182,9 +204,9 @@ ROWS = [
         128 * K,
         2,
         Plan("socket", True),
-        Thresholds(reduce_scatter_cma_min=M, reduce_scatter_lane_max=64 * K),
+        Thresholds(reduce_scatter_cma_min=M, reduce_scatter_lane_max=64 * K, pair_lane_max=0),
     ),
-    Row("reduce_scatter, single copy off: the socket", "reduce_scatter", 2 * M, 2, Plan("socket", False), NO_CMA),
+    Row("reduce_scatter, single copy off: the socket", "reduce_scatter", 2 * M, 2, Plan("socket", False), NO_CMA_PAIR),
     # all_to_all (nbytes: this rank's own; part: the number of parts)
     Row("all_to_all: single copy (inline where the parts fit the lane)", "all_to_all", 64, 4, Plan("single_copy", True), part=4),
     Row("all_to_all, big: single copy", "all_to_all", M, 4, Plan("single_copy", True), part=4),
@@ -240,9 +262,10 @@ def test_a_rules_file_then_the_variables(tmp_path: Path) -> None:
     from aiodist.algorithms.thresholds import from_env
 
     f = tmp_path / "rules.json"
-    f.write_text(json.dumps({"lane_max": "64K", "allreduce_shm_min": 1048576, "broadcast_lane_max": "4K"}))
-    th = from_env({"AIODIST_ALGO_RULES": str(f), "AIODIST_ALGO_LANE_MAX": "32K"})
-    assert (th.lane_max, th.allreduce_shm_min, th.broadcast_lane_max) == (32 * K, M, 4 * K)  # the variable wins
+    rules = {"lane_max": "64K", "allreduce_shm_min": 1048576, "broadcast_lane_max": "4K", "pair_lane_max": "8M"}
+    f.write_text(json.dumps(rules))
+    th = from_env({"AIODIST_ALGO_RULES": str(f), "AIODIST_ALGO_LANE_MAX": "32K", "AIODIST_ALGO_PAIR_LANE_MAX": "0"})
+    assert (th.lane_max, th.allreduce_shm_min, th.broadcast_lane_max, th.pair_lane_max) == (32 * K, M, 4 * K, 0)  # the variables win
     assert plan("all_reduce", 128 * K, 2, th) == Plan("socket", False)  # past the lane, under the halves
 
 

@@ -54,7 +54,15 @@ WORKER = ROOT / "tests" / "helpers" / "shm_compare_rank.py"  # RULES_JSON: every
 
 #: the default group's path rules in every rank (its init_process_group's pg_options): shared
 #: memory from 0 bytes, single copy for reduce and scatter at every size, in groups of any size
-WORKER_RULES = {"allreduce_shm_min": 0, "allgather_shm_min": 0, "reduce_cma_min": 0, "cma_wide_min": 0, "scatter_cma_min": 0}
+#: (a pair's lane no further than a wider group's)
+WORKER_RULES = {
+    "allreduce_shm_min": 0,
+    "allgather_shm_min": 0,
+    "reduce_cma_min": 0,
+    "cma_wide_min": 0,
+    "scatter_cma_min": 0,
+    "pair_lane_max": 0,
+}
 
 
 def _world(n: int, extra: dict[int, dict[str, str]] | None = None) -> list[dict[str, Any]]:
@@ -129,8 +137,9 @@ def test_shared_memory_off_on_one_rank_uses_the_socket_and_says_so() -> None:
 
 IN_PROCESS_ENV = {"AIODIST_SHM_BYTES": "1M"}
 #: the path rules of every group the tests with ``shm_env`` make (run_world's and new_group's
-#: pg_options): all_reduce and all_gather through shared memory from 0 bytes
-RULES = {"allreduce_shm_min": 0, "allgather_shm_min": 0}
+#: pg_options): all_reduce and all_gather through shared memory from 0 bytes (a pair's lane no
+#: further than a wider group's: the halves' rounds are what these ops in flight exercise)
+RULES = {"allreduce_shm_min": 0, "allgather_shm_min": 0, "pair_lane_max": 0}
 BIG = 300_007  # 1.2 MB of float32: three 512 KiB rounds, so ops in flight overlap round by round
 
 
@@ -690,3 +699,49 @@ async def test_an_error_out_of_an_in_call_op_breaks_the_group_on_every_rank(monk
     monkeypatch.setattr(routes, "lane_now", interrupted)
     out = await run_world(2, fn, "gloo", timeout=30)
     assert all("interrupted in its issuing call" in m for m in out), out
+
+
+async def test_a_pair_takes_its_lane_up_to_4_mib(shm_env: None) -> None:
+    """A group of 2 (the world, or a pair in a wider world) has lane slots of 4 MiB
+    (``_manager.lane_max``): all_reduce, broadcast and reduce_scatter_tensor up to
+    ``pair_lane_max`` go through it (lane ops counted, no single-copy op), in place and at odd
+    lengths, with the exact sums; a wider group's slots stay 1 MiB."""
+
+    def ints(count: int, salt: int) -> np.ndarray:
+        return np.random.default_rng(salt).integers(-1000, 1000, count).astype(np.float32)
+
+    async def fn(rank: int) -> tuple[bool, int, int, list[int]]:
+        n = dist.get_world_size()
+        pair = await dist.new_group([0, n - 1])
+        ok = True
+        if rank in (0, n - 1):
+            me = 0 if rank == 0 else 1
+            m = (4 << 20) // 4 - 5  # odd
+            x = ints(m, me)
+            await dist.all_reduce(x, group=pair)
+            ok &= bool(np.array_equal(x, ints(m, 0) + ints(m, 1)))
+            for root in (0, 1):
+                b = ints(m, 9 + root) if me == root else np.zeros(m, np.float32)
+                await dist.broadcast(b, group_src=root, group=pair)
+                ok &= bool(np.array_equal(b, ints(m, 9 + root)))
+            k = (4 << 20) // 8 - 1
+            y = ints(2 * k, 20 + me)
+            want = (ints(2 * k, 20) + ints(2 * k, 21))[me * k : (me + 1) * k]
+            o = np.empty(k, np.float32)
+            await dist.reduce_scatter_tensor(o, y, group=pair)
+            await dist.reduce_scatter_tensor(y[me * k : (me + 1) * k], y, group=pair)  # in place
+            ok &= bool(np.array_equal(o, want)) and bool(np.array_equal(y[me * k : (me + 1) * k], want))
+        await dist.all_reduce(np.ones(4, np.float32))  # the world's lane
+        world = next(t.state for key, t in _shm()._turns.items() if key[0] == dist.group.WORLD.group_id)
+        g = next(t.state for key, t in _shm()._turns.items() if key[0] == pair.group_id) if rank in (0, n - 1) else None
+        slots = [b[0].size for b in g.bodies] if g is not None else []
+        ok &= all(b[0].size == (4 << 20 if n == 2 else 1 << 20) for b in world.bodies)
+        lane_ops, cma_ops = (g.lane_ops, g.cma_ops) if g is not None else (0, 0)
+        await dist.destroy_process_group()
+        return ok, lane_ops, cma_ops, slots
+
+    for out in await run_world(2, fn, "gloo", timeout=60):
+        # all_reduce by slices (2 lane ops), 2 broadcasts, 2 reduce_scatters; no single copy
+        assert out == (True, 6, 0, [4 << 20] * 2), out
+    outs = await run_world(3, fn, "gloo", timeout=60)
+    assert outs[0] == outs[2] == (True, 6, 0, [4 << 20] * 2) and outs[1] == (True, 0, 0, []), outs

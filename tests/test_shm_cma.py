@@ -60,7 +60,7 @@ def test_the_switch_is_0_or_1() -> None:
 
 ENV = {"AIODIST_SHM_BYTES": "1M"}
 #: the default group's path rules (run_world's pg_options): all_gather through shared memory at every size
-RULES: dict[str, int | str] = {"allgather_shm_min": 0}
+RULES: dict[str, int | str] = {"allgather_shm_min": 0, "pair_lane_max": 0}  # (a pair's lane no further than a wider group's)
 
 
 def _slice_owner_sum(xs: list[np.ndarray]) -> np.ndarray:
@@ -196,7 +196,7 @@ async def test_big_all_reduce_reads_the_peers_slices(monkeypatch: pytest.MonkeyP
     the others' in rank order) on every rank, for floats, ints, MAX, AVG, a 2-D tensor and odd
     lengths. (``single`` off: the halves, the same bits at 2 ranks.)"""
     monkeypatch.setenv("AIODIST_SHM_BYTES", "1M")
-    rules = {"allreduce_cma_min": "64K" if single else -1, "allreduce_shm_min": "256K"}
+    rules = {"allreduce_cma_min": "64K" if single else -1, "allreduce_shm_min": "256K", "pair_lane_max": 0}
 
     def data(rank: int, m: int) -> np.ndarray:
         return np.random.default_rng(1000 * rank + m).standard_normal(m).astype(np.float32)
@@ -369,7 +369,7 @@ async def test_reduce_scatter_reads_every_ranks_part_in_rank_order(monkeypatch: 
         assert np.all(oa == sum(range(n)) / n)
         return int(dist.group.WORLD.backend.stats()["shm"]["cma_ops"])
 
-    no_lane = {"reduce_scatter_lane_max": 0}  # (the small ones: single copy too)
+    no_lane = {"reduce_scatter_lane_max": 0, "pair_lane_max": 0}  # (the small ones: single copy too)
     assert await run_world(n, fn, backend="gloo", timeout=60, pg_options=no_lane) == [6] * n
 
 
@@ -494,7 +494,9 @@ async def test_gather_and_scatter_read_straight_from_the_other_side(monkeypatch:
     assert await run_world(n, fn, backend="gloo", timeout=60, pg_options=rules) == [want] * n
 
 
-@pytest.mark.parametrize("op,m", [("gather", 10), ("scatter", 10), ("scatter", 300_000)], ids=["gather", "scatter-inline", "scatter-read"])
+@pytest.mark.parametrize(
+    "op,m", [("gather", 10), ("scatter", 10), ("scatter", 1_100_000)], ids=["gather", "scatter-inline", "scatter-read"]
+)
 async def test_a_gather_or_scatter_whose_sizes_do_not_match_fails_the_reader(monkeypatch: pytest.MonkeyPatch, op: str, m: int) -> None:
     """A mistake: rank 1 passes m + 2 elements where the root's list holds m for it. The rank
     that reads says which ranks and sizes, well within the timeout; the other fails too (the
@@ -565,12 +567,13 @@ async def test_a_failed_read_names_the_op_group_seq_and_rank_and_fails_the_peer(
                 await dist.reduce_scatter_tensor(np.empty(150_000, np.float32), np.ones(300_000, np.float32))
             elif op == "all_to_all":
                 await dist.all_to_all_single(
-                    np.empty(600_000, np.float32), np.ones(600_000, np.float32)
-                )  # (parts past the lane slot: read)
+                    np.empty(2_200_000, np.float32), np.ones(2_200_000, np.float32)
+                )  # (parts past the pair's 4 MiB lane slot: read)
             elif op == "gather":
                 await dist.gather(np.ones(300_000, np.float32), [np.empty(300_000, np.float32) for _ in range(2)] if rank == 0 else None)
             else:
-                await dist.scatter(np.empty(300_000, np.float32), [np.ones(300_000, np.float32)] * 2 if rank == 0 else None)
+                # (parts past the pair's 4 MiB lane slot: read)
+                await dist.scatter(np.empty(1_100_000, np.float32), [np.ones(1_100_000, np.float32)] * 2 if rank == 0 else None)
         except DistBackendError as exc:
             return str(exc), asyncio.get_running_loop().time() - t
         return "ok", 0.0

@@ -36,7 +36,8 @@ broadcast
   1. ``0 < nbytes <= th.broadcast_lane_max`` and the lane on: ``lane`` (before single copy,
      where thresholds would allow both), in a group of any size: every lane op waits for every
      rank, yet done in its call it beat the socket's tree, where a rank waits only for its
-     parent (4 ranks on 2 cores, 4-256 KiB: 37-85 us against 86-534).
+     parent (4 ranks on 2 cores, 4-256 KiB: 37-85 us against 86-534); in a group of 2 up to
+     ``th.pair_lane_max`` too (``th.pair_lane``: the pair's lane slots hold 4 MiB).
   2. past ``th.broadcast_lane_max`` and ``th.broadcast_shm(nbytes, ranks)``: ``single_copy``.
   3. past ``th.broadcast_lane_max``, single copy allowed (``broadcast_shm_min >= 0``) and the
      lane on: ``socket`` in line.
@@ -46,9 +47,10 @@ all_reduce
      ``aiodist.algorithms.hier.layout_of``) and ``th.hier(nbytes)``: ``hier``, out of the
      group's shared-memory line (a group across hosts has no shared memory as a whole; its
      in-host phases take places in the line of its ranks on this host).
-  2. ``th.all_reduce_shm(nbytes)``: ``single_copy`` if ``th.all_reduce_cma(nbytes)``, else ``halves``.
-  3. ``th.all_reduce_lane(nbytes)``: ``lane``.
-  4. otherwise ``socket``.
+  2. ``th.pair_lane(nbytes, ranks)`` (a group of 2, up to ``th.pair_lane_max``): ``lane``.
+  3. ``th.all_reduce_shm(nbytes)``: ``single_copy`` if ``th.all_reduce_cma(nbytes)``, else ``halves``.
+  4. ``th.all_reduce_lane(nbytes)``: ``lane``.
+  5. otherwise ``socket``.
 reduce
   0. ``spread`` and ``th.hier(nbytes)``: ``hier`` (within each host to a leader, then among the
      leaders to the root), out of line.
@@ -79,8 +81,8 @@ payloads, which every rank must take by one path whatever its own size)
   4. otherwise ``socket`` in line.
 reduce_scatter (``nbytes``: the input's total)
   0. ``spread`` and ``th.hier(nbytes)``: ``hier``, as all_gather.
-  1. ``th.reduce_scatter_lane(nbytes)``: ``lane`` (every rank posts its input and folds
-     its own part of every slot).
+  1. ``th.reduce_scatter_lane(nbytes)`` or ``th.pair_lane(nbytes, ranks)``: ``lane`` (every
+     rank posts its input and folds its own part of every slot).
   2. ``th.reduce_scatter_cma(nbytes)``: ``single_copy``.
   3. past its lane's sizes (``th.reduce_scatter_lane_max``; lane on) with single copy allowed:
      ``socket`` in line.
@@ -152,6 +154,8 @@ def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0, spr
     if op == "all_reduce":
         if spread and th.hier(nbytes):
             return _HIER
+        if th.pair_lane(nbytes, ranks):
+            return Plan("lane", True)
         if th.all_reduce_shm(nbytes):
             return Plan("single_copy" if th.all_reduce_cma(nbytes) else "halves", True)
         if th.all_reduce_lane(nbytes):
@@ -160,7 +164,7 @@ def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0, spr
     if op == "broadcast":
         if spread and th.hier(nbytes):
             return _HIER
-        if 0 < nbytes <= th.broadcast_lane_max and th.lane(nbytes):
+        if (0 < nbytes <= th.broadcast_lane_max and th.lane(nbytes)) or th.pair_lane(nbytes, ranks):
             return Plan("lane", True)
         if nbytes > th.broadcast_lane_max and th.broadcast_shm_min >= 0:
             if th.broadcast_shm(nbytes, ranks):
@@ -200,7 +204,7 @@ def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0, spr
     if op == "reduce_scatter":
         if spread and th.hier(nbytes):
             return _HIER
-        if th.reduce_scatter_lane(nbytes):
+        if th.reduce_scatter_lane(nbytes) or th.pair_lane(nbytes, ranks):
             return Plan("lane", True)
         if th.reduce_scatter_cma(nbytes):
             return Plan("single_copy", True)

@@ -151,6 +151,15 @@ class Thresholds:
     #: 118, 1 MiB 56 against 192; 4 ranks on 2 cores 256 KiB 189 against 465, 512 KiB 327
     #: against 523, 1 MiB 655 against 642.
     reduce_scatter_lane_max: int = 1 * MiB
+    #: in a group of 2 ranks, all_reduce, broadcast and reduce_scatter go through the latency
+    #: lane up to this many bytes (its slots hold 4 MiB there: aiodist.shm._manager.lane_max),
+    #: ahead of their other rules, where ``lane_max`` is on; 0: as in wider groups. Measured back
+    #: to back at 2 ranks (best of three), the lane against single copy: broadcast 2 MiB 58 us
+    #: against 244, 4 MiB 126 against 353; reduce_scatter 2 MiB 109 against 309, 4 MiB 340
+    #: against 423; all_reduce 4 MiB 407 against 519 (2 MiB 174 against 184, the halves). Wider
+    #: groups keep 1 MiB: with more ranks than cores a lane op waits for ranks not running (4
+    #: ranks on 2 cores, 4 MiB slots: broadcast 4 MiB 2.1 ms against 1.2).
+    pair_lane_max: int = 4 * MiB
     #: gather and scatter through the latency lane up to this many bytes per rank (a rank judges
     #: by its own part: torch's gather and scatter take one size everywhere), in a group of any
     #: size, where the group has a lane: the root posts its table of sizes (and a scatter's
@@ -267,6 +276,11 @@ class Thresholds:
     def all_reduce_lane(self, nbytes: int) -> bool:
         """all_reduce of ``nbytes`` goes through shared memory's latency lane where the group has one."""
         return 0 < nbytes <= self.lane_max and not self.all_reduce_shm(nbytes)
+
+    def pair_lane(self, nbytes: int, ranks: int) -> bool:
+        """A pair's all_reduce, broadcast or reduce_scatter of ``nbytes`` goes through the
+        latency lane where the group has one (``pair_lane_max``)."""
+        return ranks == 2 and 0 < nbytes <= self.pair_lane_max and self.lane_max > 0
 
     def lane(self, nbytes: int) -> bool:
         """An op whose largest per-rank payload is ``nbytes`` (0 for barrier) goes through the

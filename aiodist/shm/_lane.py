@@ -7,11 +7,12 @@ rank asleep in epoll that a peer's message wakes (on a VM, tens to hundreds of m
 each). The lane has a rank write its input where its peers read it and watch their flags,
 spinning a little while (``GroupShm.spin_s``) before it sleeps on its doorbell.
 
-Layout (``aiodist.shm._manager``: ``LANE_BYTES`` at the start of every member's segment), int64
+Layout (``aiodist.shm._manager``: ``lane_bytes(ranks)`` at the start of every member's segment), int64
 words: ``sleeping`` (the value this rank is asleep waiting for), ``phase`` (a big op's step),
 ``current`` (the op this rank is in: digest, seq + 1, written as a seqlock), two ``checks`` sets
 (digest and size of the group's big ops, by their count's parity); then two slots, each a
-64-byte head (flag, digest, nbytes) and ``LANE_MAX`` payload bytes.
+64-byte head (flag, digest, nbytes) and the group's payload bytes (``_manager.lane_max``: 4 MiB in
+a group of 2 ranks, 1 MiB in a wider one).
 
 Rules this module keeps:
 - A group's k-th lane op uses slot k % 2 of every member. A rank writes its slot for op k only
@@ -57,7 +58,7 @@ from aiodist._message import byte_view
 from aiodist.algorithms.schedule import chunk_bounds
 from aiodist.errors import DistBackendError
 from aiodist.shm._link import OpLink
-from aiodist.shm._manager import LANE_SLOT, GroupShm
+from aiodist.shm._manager import GroupShm
 
 __all__ = [
     "SLICED_TOTAL",
@@ -110,10 +111,9 @@ def fits(g: GroupShm, nbytes: int) -> bool:
     return g.fits_lane(nbytes)
 
 
-#: indices into ``GroupShm.words[q]`` (int64 words of member q's lane): its ``current`` words
-#: (digest, seq + 1) and each slot's head (flag, then digest and nbytes after it)
+#: index into ``GroupShm.words[q]`` (int64 words of member q's lane) of its ``current`` words
+#: (digest, seq + 1); each slot's head (flag, then digest and nbytes after it) is at ``g.head[s]``
 _CUR = 2
-_HEAD = (64 // 8, (64 + LANE_SLOT) // 8)
 #: ``collect``'s answer where every peer is there but one wrote another digest or size: the
 #: full check (``settle``, with the op's link) names it
 ODD: list[np.ndarray] = []
@@ -141,7 +141,7 @@ def post(g: GroupShm, seq: int, digest: int, mine: np.ndarray | Sequence[np.ndar
         for piece in mine:
             body[n : n + piece.nbytes] = piece
             n += piece.nbytes
-    h = _HEAD[s]
+    h = g.head[s]
     w[h + 1] = digest
     w[h + 2] = n
     w[h] = seq + 1
@@ -158,7 +158,7 @@ def collect(g: GroupShm, s: int, seq: int, digest: int, sizes: Sequence[int]) ->
     """Whether every peer posted op ``seq`` in slot ``s`` (False: not yet; nothing changes), and
     with this rank's digest and ``sizes[peer]`` bytes (a negative size: any): True; ``ODD``
     where one did not (``settle`` names it). Never waits."""
-    h = _HEAD[s]
+    h = g.head[s]
     target = seq + 1
     words = g.words
     odd = False
@@ -174,7 +174,7 @@ def collect(g: GroupShm, s: int, seq: int, digest: int, sizes: Sequence[int]) ->
 def parts(g: GroupShm, s: int, sizes: Sequence[int]) -> list[np.ndarray]:
     """Every member's bytes of slot ``s`` (views, valid until this rank's next lane op of the
     group), as ``sizes`` says (a negative size: what that member wrote)."""
-    h = _HEAD[s]
+    h = g.head[s]
     return [g.bodies[q][s][: n if n >= 0 else g.words[q][h + 2]] for q, n in enumerate(sizes)]
 
 
@@ -350,7 +350,7 @@ def _gather_odd(
 ) -> tuple[int, int, int] | None:
     """(sender, bytes sent, bytes expected) of the first rank whose size is not what the root's
     table says, as this rank sees it; None where all agree."""
-    h = _HEAD[s]
+    h = g.head[s]
     if me == root:
         assert outs is not None
         for q, o in enumerate(outs):
@@ -445,7 +445,7 @@ def gather_even(g: GroupShm, s: int, me: int, root: int, outs: Sequence[np.ndarr
     if me != root:
         return bool(bodies[root][s][8 * me : 8 * me + 8].view(np.int64)[0] == part)
     assert outs is not None
-    h = _HEAD[s] + 2
+    h = g.head[s] + 2
     words = g.words
     for q in g.others:
         if words[q][h] != part:
@@ -641,7 +641,7 @@ def now(g: GroupShm, seq: int, digest: int, mine: np.ndarray | Sequence[np.ndarr
         # wait on one missing flag at a time (a word's read and the yield per turn), then
         # collect once more
         end = time.perf_counter() + g.spin_s
-        h = _HEAD[s]
+        h = g.head[s]
         target = seq + 1
         words = g.words
         for q in g.others:

@@ -96,13 +96,25 @@ def segment_bytes(env: dict[str, str] | None = None) -> int:
 
 
 #: the latency lane (aiodist.shm._lane) at the start of every segment: a rank's "sleeping" word,
-#: then two slots of a 64-byte header (flag, digest, nbytes) and ``LANE_MAX`` payload bytes
+#: then two slots of a 64-byte header (flag, digest, nbytes) and ``lane_max(ranks)`` payload
+#: bytes: ``LANE_MAX`` in a group of more than 2, ``PAIR_LANE_MAX`` in a pair (its ops reach
+#: 4 MiB done in the call: two copies in cache beat single-copy reads there, where with more
+#: ranks than cores every lane op waits for ranks the scheduler has not run)
 LANE_MAX = 1 << 20
-LANE_SLOT = 64 + LANE_MAX
-#: ... then a rank's single-copy words (``GroupShm.cma_words``: the address and size of its
-#: input in a single-copy op, and a reduce's address of its reduced slice), in the lane's last page
-LANE_CMA = 64 + 2 * LANE_SLOT
-LANE_BYTES = (LANE_CMA + 64 + 4095) // 4096 * 4096
+PAIR_LANE_MAX = 4 << 20
+
+
+def lane_max(ranks: int) -> int:
+    """Payload bytes of a lane slot in a group of ``ranks`` (the same on every rank)."""
+    return PAIR_LANE_MAX if ranks == 2 else LANE_MAX
+
+
+def lane_bytes(ranks: int) -> int:
+    """Bytes of the lane at the start of a segment of a group of ``ranks``: the sleeping word and
+    the big ops' words (64), two slots (64-byte head, payload), then a rank's single-copy words
+    (``GroupShm.cma_words``: the address and size of its input in a single-copy op, and a reduce's
+    address of its reduced slice), to the next page."""
+    return (64 + 2 * (64 + lane_max(ranks)) + 64 + 4095) // 4096 * 4096
 
 
 @dataclass
@@ -150,9 +162,13 @@ class GroupShm:
     words: list[memoryview] = field(default_factory=list)
     others: tuple[int, ...] = ()
     typed: dict[tuple[int, np.dtype[Any], int], list[np.ndarray]] = field(default_factory=dict)
+    #: indices into ``words[q]`` of each lane slot's head (flag, then digest and nbytes)
+    head: tuple[int, int] = (0, 0)
 
     def __post_init__(self) -> None:
-        base = LANE_BYTES if self.lane else 0
+        slot = 64 + lane_max(len(self.segments))
+        self.head = (64 // 8, (64 + slot) // 8)
+        base = lane_bytes(len(self.segments)) if self.lane else 0
         whole = [s.view for s in self.segments]
         self.views = [v[base:] for v in whole]  # type: ignore[index]
         if self.lane:
@@ -162,11 +178,12 @@ class GroupShm:
                 self.phases.append(v[8:16].view(np.int64))
                 self.current.append(v[16:32].view(np.int64))
                 self.checks.append((v[32:48].view(np.int64), v[48:64].view(np.int64)))
-                at = (64, 64 + LANE_SLOT)
+                at = (64, 64 + slot)
                 self.heads.append((v[at[0] : at[0] + 24].view(np.int64), v[at[1] : at[1] + 24].view(np.int64)))
-                self.bodies.append((v[at[0] + 64 : at[0] + LANE_SLOT], v[at[1] + 64 : at[1] + LANE_SLOT]))
-                self.cma_words.append(v[LANE_CMA : LANE_CMA + 24].view(np.int64))
-                self.words.append(memoryview(v[: 64 + LANE_SLOT + 64]).cast("q"))  # type: ignore[arg-type]
+                self.bodies.append((v[at[0] + 64 : at[0] + slot], v[at[1] + 64 : at[1] + slot]))
+                cma = 64 + 2 * slot
+                self.cma_words.append(v[cma : cma + 24].view(np.int64))
+                self.words.append(memoryview(v[: 64 + slot + 64]).cast("q"))  # type: ignore[arg-type]
         self.others = tuple(q for q in range(len(self.segments)) if q != self.me)
 
     def typed_slots(self, s: int, dtype: np.dtype[Any], count: int) -> list[np.ndarray]:
@@ -263,6 +280,7 @@ class SharedMemory:
         self.off = off  # why this rank cannot use shared memory, or None
         self.server: FdServer | None = None
         self._own: dict[int, Segment] = {}  # group id -> this rank's segment for it
+        self._sizes: dict[int, int] = {}  # group id -> its number of ranks (the lane's size), from its first ticket
         self._mapped: dict[int, list[Segment]] = {}  # group id -> the peers' segments mapped here
         # group id -> done once this rank has an op of it in line (a peer's fetch waits for it)
         self._arrived: dict[int, asyncio.Future[None]] = {}
@@ -359,6 +377,7 @@ class SharedMemory:
         turns = self._turns.get(key)
         if turns is None:
             turns = self._turns[key] = _Turns()
+            self._sizes[group_id] = len(ranks)
             arrived = self._arrival(group_id)
             if not arrived.done():
                 arrived.set_result(None)
@@ -384,7 +403,7 @@ class SharedMemory:
         if seg is None:
             # the latency lane comes on top of AIODIST_SHM_BYTES: the halves keep their size
             # (a 16 MiB all_reduce is still one round of the default 32 MiB)
-            extra = LANE_BYTES if self.bell >= 0 else 0
+            extra = lane_bytes(self._sizes.get(group_id, 0)) if self.bell >= 0 else 0
             seg = self._own[group_id] = Segment.create(f"aiodist-shm-g{group_id}-r{self.rank}", self.size + extra)
         return seg
 
@@ -457,8 +476,9 @@ class SharedMemory:
         smallest = min(s.size for s in by_rank)
         # the lane: where every segment has room for it and every peer has a doorbell (the
         # same for every rank: the same segments, the same records)
-        lane = _TSO and self.bell >= 0 and smallest >= LANE_BYTES + _MIN_BYTES and all(s.bell >= 0 for s in segs)
-        half = (smallest - (LANE_BYTES if lane else 0)) // 2 // _ALIGN * _ALIGN
+        lane_at = lane_bytes(len(ranks))
+        lane = _TSO and self.bell >= 0 and smallest >= lane_at + _MIN_BYTES and all(s.bell >= 0 for s in segs)
+        half = (smallest - (lane_at if lane else 0)) // 2 // _ALIGN * _ALIGN
         bells = [self.bell if r == self.rank else s.bell for r, s in zip(ranks, by_rank, strict=True)]
         pids = [os.getpid() if r == self.rank else recs[peers.index(r)].get("pid") for r in ranks]
         spin = self.spin_s if len(set(pids)) == len(ranks) else 0.0  # ranks sharing a process (and loop) never spin
@@ -515,6 +535,7 @@ class SharedMemory:
         if arrived is not None and not arrived.done():
             arrived.set_result(None)  # a fetch waiting on it finds the group done with
         own = self._own.pop(group_id, None)
+        self._sizes.pop(group_id, None)
         for seg in [*self._mapped.pop(group_id, []), *([own] if own is not None else [])]:
             seg.close()
 

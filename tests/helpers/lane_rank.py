@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -68,7 +69,9 @@ N_OPS = 2000  # eager: ops back to back
 async def same_as_socket() -> None:
     await dist.init_process_group("gloo", timeout=30)
     rank, n = dist.get_rank(), dist.get_world_size()
-    sock = await dist.new_group(list(range(n)), pg_options={"lane_max": 0})  # this group has no lane
+    # this group has no lane, and its big ops take the socket too
+    no_shm = {"lane_max": 0, "allreduce_shm_min": -1, "broadcast_shm_min": -1, "reduce_scatter_cma_min": -1}
+    sock = await dist.new_group(list(range(n)), pg_options=no_shm)
     rng = np.random.default_rng(7 + rank)
     same, digests = {}, {}
 
@@ -117,6 +120,23 @@ async def same_as_socket() -> None:
         await w.wait()
     want = [sum(r * 10 + i for r in range(n)) for i in range(7)]
     same["in_flight"] = all(bool(np.all(x == w)) for x, w in zip(xs, want))
+    # up to 4 MiB: a pair's lane (its slots hold 4 MiB), elsewhere single copy; odd lengths
+    m = (4 << 20) // 4 - 3
+    await both("pair_4m", rng.integers(-1000, 1000, m).astype(np.float32))
+    for root in range(n):
+        a = rng.standard_normal(786_433).astype(np.float32) if rank == root else np.zeros(786_433, np.float32)
+        b = a.copy()
+        await dist.broadcast(a, src=root)
+        await dist.broadcast(b, src=root, group=sock)
+        same[f"pair_bcast_{root}"] = bool(np.array_equal(a, b)) and bool(a.any())
+    k = (4 << 20) // 4 // n - 1
+    x = rng.integers(-1000, 1000, k * n).astype(np.float32)
+    oa, ob = np.empty(k, np.float32), np.empty(k, np.float32)
+    await dist.reduce_scatter_tensor(oa, x)
+    await dist.reduce_scatter_tensor(ob, x, group=sock)
+    y = x.copy()
+    await dist.reduce_scatter_tensor(y[rank * k : (rank + 1) * k], y)  # in place: the output is this rank's part of the input
+    same["pair_rs"] = bool(np.array_equal(oa, ob)) and bool(np.array_equal(y[rank * k : (rank + 1) * k], ob))
     stats = dist.group.WORLD.backend.stats()["shm"]
     await dist.destroy_process_group()
     print(json.dumps({"same": same, "digests": digests, "shm": stats}))
@@ -225,18 +245,19 @@ async def mid() -> None:
 
     for k, (lane, off) in enumerate(pairs):
         g_rank, g_n = dist.get_group_rank(lane, rank), dist.get_world_size(lane)
-        for count in (100_000, 262_144, 70_001):  # 400 KB; 1 MiB, the slot (folded by slices); odd slices
+        # 400 KB; 1 MiB, a wide group's slot (folded by slices); odd slices; 4 MB, within a pair's slot
+        for count in (100_000, 262_144, 70_001, 1_000_003):
             mine = [ints(count, q) for q in range(g_n)]
             for name, group in (("lane", lane), ("off", off)):
                 x = mine[g_rank].copy()
                 await dist.all_reduce(x, group=group)
                 same[f"{k}_all_reduce_{count}_{name}"] = bool(np.array_equal(x, np.sum(mine, axis=0)))
-        for root in range(g_n):  # 1 MB: the slot's size
-            want = ints(250_000, 7 + root)
+        for root, count in itertools.product(range(g_n), (250_000, 1_048_575)):  # 1 MB: a wide group's slot; 4 MB, a pair's
+            want = ints(count, 7 + root)
             for name, group in (("lane", lane), ("off", off)):
-                b = want.copy() if g_rank == root else np.zeros(250_000, np.float32)
+                b = want.copy() if g_rank == root else np.zeros(count, np.float32)
                 await dist.broadcast(b, group_src=root, group=group)
-                same[f"{k}_broadcast_{root}_{name}"] = bool(np.array_equal(b, want))
+                same[f"{k}_broadcast_{root}_{count}_{name}"] = bool(np.array_equal(b, want))
         parts = [ints(250_000, 20 + q) for q in range(g_n)]
         for name, group in (("lane", lane), ("off", off)):
             r = parts[g_rank].copy()
@@ -254,11 +275,12 @@ async def mid() -> None:
             uneven = [np.zeros(100_000 + 50_000 * q, np.float32) for q in range(g_n)]
             await dist.all_gather(uneven, ints(100_000 + 50_000 * g_rank, 40 + g_rank), group=group)
             same[f"{k}_all_gather_uneven_{name}"] = all(np.array_equal(u, ints(100_000 + 50_000 * q, 40 + q)) for q, u in enumerate(uneven))
-        inputs = [ints(80_000 * g_n, 50 + q) for q in range(g_n)]  # up to 960 KB of input
-        for name, group in (("lane", lane), ("off", off)):
-            o = np.zeros(80_000, np.float32)
-            await dist.reduce_scatter_tensor(o, inputs[g_rank], group=group)
-            same[f"{k}_reduce_scatter_{name}"] = bool(np.array_equal(o, np.sum(inputs, axis=0)[80_000 * g_rank : 80_000 * (g_rank + 1)]))
+        for m in (80_000, 500_001):  # up to 960 KB of input; 4 MB at 2 ranks (a pair's lane)
+            inputs = [ints(m * g_n, 50 + q) for q in range(g_n)]
+            for name, group in (("lane", lane), ("off", off)):
+                o = np.zeros(m, np.float32)
+                await dist.reduce_scatter_tensor(o, inputs[g_rank], group=group)
+                same[f"{k}_reduce_scatter_{m}_{name}"] = bool(np.array_equal(o, np.sum(inputs, axis=0)[m * g_rank : m * (g_rank + 1)]))
     lane_ops = dist.group.WORLD.backend.stats()["shm"]["lane_ops"] - before
     await dist.destroy_process_group()
     print(json.dumps({"same": same, "lane_ops": lane_ops}))
