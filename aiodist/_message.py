@@ -10,7 +10,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["P2P", "byte_view", "TAG_LIMIT", "CHANNEL_TAG_LIMIT", "GO_TAG", "P2P_SEQ"]
+__all__ = ["P2P", "byte_view", "TAG_LIMIT", "CHANNEL_TAG_LIMIT", "GO_TAG", "P2P_SEQ", "LINE_STEP"]
 
 #: An algorithm's tags are below this (and a user's p2p tags: torch's int).
 TAG_LIMIT = 1 << 31
@@ -22,6 +22,10 @@ CHANNEL_TAG_LIMIT = 1 << 36
 GO_TAG = CHANNEL_TAG_LIMIT - TAG_LIMIT
 #: the channel seq of every point-to-point message (collective seqs stay below 2**63)
 P2P_SEQ = 1 << 63
+#: an op's number in its group's shared-memory line (``line_seq``: the latency lane's flags) is
+#: its seq times this: room for the lane ops of one op (a pair's pieces, aiodist.shm._lane),
+#: each with a number of its own, below the next op's
+LINE_STEP = 32
 
 
 @runtime_checkable

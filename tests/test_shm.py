@@ -745,3 +745,82 @@ async def test_a_pair_takes_its_lane_up_to_4_mib(shm_env: None) -> None:
         assert out == (True, 6, 0, [4 << 20] * 2), out
     outs = await run_world(3, fn, "gloo", timeout=60)
     assert outs[0] == outs[2] == (True, 6, 0, [4 << 20] * 2) and outs[1] == (True, 0, 0, []), outs
+
+
+async def test_a_pair_takes_its_lane_in_pieces_past_4_mib(shm_env: None) -> None:
+    """Past ``pair_lane_max``, a pair's all_reduce, broadcast and reduce_scatter go through its
+    lane in pieces (``_lane.*_pieces``: lane ops counted, no single-copy op): exact sums at odd
+    lengths, the single-copy all_reduce's bits for random floats (each rank adds its own half
+    first), MAX and AVG, a reduce_scatter in place and one whose output is the other rank's
+    part, a broadcast from each rank."""
+    m = 3_000_001  # 12 MB of float32: pieces of 1 MiB (the all_reduce's: of each half)
+    plain = {"pair_pieces_max": 0}  # the same ranks by single copy
+
+    def ints(count: int, salt: int) -> np.ndarray:
+        return np.random.default_rng(salt).integers(-1000, 1000, count).astype(np.float32)
+
+    async def fn(rank: int) -> tuple[dict[str, bool], int, int, int]:
+        other = await dist.new_group([0, 1], pg_options=plain)
+        same: dict[str, bool] = {}
+        x = ints(m, rank)
+        await dist.all_reduce(x)
+        same["sum"] = bool(np.array_equal(x, ints(m, 0) + ints(m, 1)))
+        f = np.random.default_rng(5 + rank).standard_normal(m).astype(np.float32)
+        a, b = f.copy(), f.copy()
+        await dist.all_reduce(a)
+        await dist.all_reduce(b, group=other)
+        same["bits"] = bool(np.array_equal(a.view(np.uint32), b.view(np.uint32)))
+        i = (np.arange(m, dtype=np.int64) % 1000) * (rank + 1)
+        await dist.all_reduce(i, op=dist.ReduceOp.MAX)
+        same["max"] = bool(np.array_equal(i, (np.arange(m, dtype=np.int64) % 1000) * 2))
+        v = np.full(m, float(rank + 1), np.float64)  # 24 MB
+        await dist.all_reduce(v, op=dist.ReduceOp.AVG)
+        same["avg"] = bool(np.all(v == 1.5))
+        for root in (0, 1):
+            c = ints(m, 9 + root) if rank == root else np.zeros(m, np.float32)
+            await dist.broadcast(c, src=root)
+            same[f"bcast_{root}"] = bool(np.array_equal(c, ints(m, 9 + root)))
+        k = m // 2
+        y = ints(2 * k, 20 + rank)
+        want = (ints(2 * k, 20) + ints(2 * k, 21))[rank * k : (rank + 1) * k]
+        o = np.empty(k, np.float32)
+        await dist.reduce_scatter_tensor(o, y)
+        same["rs"] = bool(np.array_equal(o, want))
+        z = y.copy()
+        await dist.reduce_scatter_tensor(z[rank * k : (rank + 1) * k], z)  # in place
+        same["rs_in_place"] = bool(np.array_equal(z[rank * k : (rank + 1) * k], want))
+        w = y.copy()
+        nxt = 1 - rank
+        await dist.reduce_scatter_tensor(w[nxt * k : (nxt + 1) * k], w)  # the output is the other rank's part
+        same["rs_other_part"] = bool(np.array_equal(w[nxt * k : (nxt + 1) * k], want))
+        g = next(t.state for key, t in _shm()._turns.items() if key[0] == dist.group.WORLD.group_id)
+        lane_ops, cma_ops = g.lane_ops, g.cma_ops
+        await dist.destroy_process_group()
+        return same, lane_ops, cma_ops, m
+
+    for same, lane_ops, cma_ops, _ in await run_world(2, fn, "gloo", timeout=120):
+        assert all(same.values()), same
+        # pieces of 1 MiB (two lane ops each in an all_reduce, whose pieces hold 1 MiB a rank):
+        # the two float32 all_reduces 6 each, the 24 MB MAX and AVG 12 each, the broadcasts 12
+        # each, the reduce_scatters 6 each (each rank posts the other's part)
+        assert (lane_ops, cma_ops) == (2 * (2 * 6 + 2 * 12) + 2 * 12 + 3 * 6, 0), (lane_ops, cma_ops)
+
+
+@pytest.mark.parametrize(
+    "n, itemsize, piece, slot, want",
+    [
+        (10, 1, 4, 16, [0, 4, 8, 10]),  # pieces of the piece's size, the last one short
+        (8, 4, 16, 64, [0, 4, 8]),  # in items: 16 bytes are 4 float32
+        (100, 1, 1, 16, [*range(0, 100, 4), 100]),  # more than 32 pieces: larger ones (4 items, 25 pieces)
+        (3, 8, 1, 64, [0, 1, 2, 3]),  # a piece smaller than an item: one item
+        (100, 1, 4, 3, None),  # a piece past the slot
+        (0, 4, 16, 64, [0]),  # nothing: no piece
+    ],
+)
+def test_piece_bounds(n: int, itemsize: int, piece: int, slot: int, want: list[int] | None) -> None:
+    from aiodist.shm._lane import piece_bounds
+
+    got = piece_bounds(n, itemsize, piece, slot)
+    assert got == want
+    if got is not None:
+        assert len(got) - 1 <= 32  # LINE_STEP: every piece has a number of its own in the line

@@ -54,8 +54,11 @@ def test_lane_gives_the_socket_paths_bits(n: int) -> None:
         assert out["shm"]["lane_groups"] == [0], out["shm"]
         # 15 small all_reduces, 2 all_gathers, 7 all_reduces in flight, and the n broadcasts;
         # in a pair (its lane's slots hold 4 MiB) the 2 and 4 MiB all_reduces (2 lane ops each:
-        # by slices), the 3 MiB broadcasts and the 4 MiB reduce_scatters too
-        assert out["shm"]["lane_ops"] == 24 + n + (2 + 2 + n + 2 if n == 2 else 0), out["shm"]
+        # by slices), the 3 MiB broadcasts and the 4 MiB reduce_scatters too; and the 10 MB
+        # ones in pieces of 1 MiB (the all_reduce 5 pieces of two lane ops, each broadcast 10,
+        # the reduce_scatter 10: each rank posts the other's part)
+        pair = 2 + 2 + n + 2 + 2 * 5 + 10 * n + 10
+        assert out["shm"]["lane_ops"] == 24 + n + (pair if n == 2 else 0), out["shm"]
 
 
 @pytest.mark.parametrize("spin_us", ["0", "50"])
@@ -130,7 +133,7 @@ def test_the_lanes_mid_sizes_give_the_other_paths_results(n: int) -> None:
         assert out["lane_ops"] >= n + 6 + (8 if r in (0, n - 1) else 0), out
 
 
-@pytest.mark.parametrize("count", [4, 100_000, 1_000_000], ids=["4B", "400KB", "4MB-pair-lane"])
+@pytest.mark.parametrize("count", [4, 100_000, 1_000_000, 3_000_000], ids=["4B", "400KB", "4MB-pair-lane", "12MB-pieces"])
 def test_a_killed_peer_fails_the_lane_wait_within_seconds(count: int) -> None:
     procs = [
         subprocess.Popen(

@@ -23,6 +23,7 @@ import pytest
 
 import aiodist as dist
 from aiodist._digest import op_digest
+from aiodist._message import LINE_STEP
 from aiodist.algorithms.p2p import TAG_LIMIT, local_world
 from aiodist.c10d._runner import TrackedP2P
 from aiodist.errors import DistBackendError, DistTimeoutError
@@ -266,8 +267,9 @@ async def test_a_host_link_maps_peers_and_tags_onto_the_ops_link() -> None:
     assert isinstance(link, OpLink) and op_link(link) is link
     assert (link.rank, link.size, link.ranks) == (1, 2, (10, 12))
     assert (link.group_id, link.seq, link.op_name, link.digest) == (3, 5, "all_reduce", 7)
-    assert link.line_seq == 5 * 32 + 4  # each in-host phase of the op has lane flags of its own
-    assert HostLink(op, (0, 2), 5).line_seq > link.line_seq and HostLink(op, (0, 2), 29).line_seq < 6 * 32
+    # each in-host phase of the op has lane flags of its own (and room for its own pieces)
+    assert link.line_seq == (5 * 32 + 4) * LINE_STEP
+    assert HostLink(op, (0, 2), 5).line_seq >= link.line_seq + LINE_STEP and HostLink(op, (0, 2), 29).line_seq < 6 * 32 * LINE_STEP
     link.digest = 0  # the agreement clears the op's digest for its vote
     assert op.digest == 0
     buf = np.zeros(1, np.uint8)

@@ -18,6 +18,9 @@ The paths:
 - ``socket``: messages through the transport (``aiodist.algorithms.collectives``).
 - ``lane``: shared memory's latency lane (``aiodist.shm._lane``): one slot per rank, no message
   when the ranks arrive together; small ops, where the group has a lane.
+- ``pieces``: a pair's latency lane in pieces (``aiodist.shm._lane``: one lane op a piece, each
+  with its own number in the line), past the pair's 4 MiB slot; where the group has no lane,
+  single copy (or the halves, or the socket, where the group cannot read its peers).
 - ``halves``: shared memory's two segment halves, pipelined (``aiodist.shm._algorithms``).
 - ``single_copy``: single-copy reads of the peers' buffers (``aiodist.shm._cma``), where the
   group can read its peers' memory.
@@ -38,6 +41,8 @@ broadcast
      rank, yet done in its call it beat the socket's tree, where a rank waits only for its
      parent (4 ranks on 2 cores, 4-256 KiB: 37-85 us against 86-534); in a group of 2 up to
      ``th.pair_lane_max`` too (``th.pair_lane``: the pair's lane slots hold 4 MiB).
+  1b. ``th.pair_pieces(nbytes, ranks)`` (a group of 2, past ``th.pair_lane_max`` up to
+     ``th.pair_pieces_max``): ``pieces`` (in cache, two copies a byte beat a single-copy read).
   2. past ``th.broadcast_lane_max`` and ``th.broadcast_shm(nbytes, ranks)``: ``single_copy``.
   3. past ``th.broadcast_lane_max``, single copy allowed (``broadcast_shm_min >= 0``) and the
      lane on: ``socket`` in line.
@@ -47,7 +52,8 @@ all_reduce
      ``aiodist.algorithms.hier.layout_of``) and ``th.hier(nbytes)``: ``hier``, out of the
      group's shared-memory line (a group across hosts has no shared memory as a whole; its
      in-host phases take places in the line of its ranks on this host).
-  2. ``th.pair_lane(nbytes, ranks)`` (a group of 2, up to ``th.pair_lane_max``): ``lane``.
+  2. ``th.pair_lane(nbytes, ranks)`` (a group of 2, up to ``th.pair_lane_max``): ``lane``;
+     ``th.pair_pieces(nbytes, ranks)`` (past it, up to ``th.pair_pieces_max``): ``pieces``.
   3. ``th.all_reduce_shm(nbytes)``: ``single_copy`` if ``th.all_reduce_cma(nbytes)``, else ``halves``.
   4. ``th.all_reduce_lane(nbytes)``: ``lane``.
   5. otherwise ``socket``.
@@ -82,7 +88,8 @@ payloads, which every rank must take by one path whatever its own size)
 reduce_scatter (``nbytes``: the input's total)
   0. ``spread`` and ``th.hier(nbytes)``: ``hier``, as all_gather.
   1. ``th.reduce_scatter_lane(nbytes)`` or ``th.pair_lane(nbytes, ranks)``: ``lane`` (every
-     rank posts its input and folds its own part of every slot).
+     rank posts its input and folds its own part of every slot); ``th.pair_pieces(nbytes,
+     ranks)``: ``pieces`` (each rank posts the other's part, piece by piece).
   2. ``th.reduce_scatter_cma(nbytes)``: ``single_copy``.
   3. past its lane's sizes (``th.reduce_scatter_lane_max``; lane on) with single copy allowed:
      ``socket`` in line.
@@ -110,7 +117,7 @@ from aiodist.algorithms.thresholds import Thresholds
 
 __all__ = ["OPS", "Path", "Plan", "plan"]
 
-Path = Literal["socket", "lane", "halves", "single_copy", "hier"]
+Path = Literal["socket", "lane", "pieces", "halves", "single_copy", "hier"]
 
 OPS = (
     "broadcast",
@@ -145,6 +152,7 @@ class Plan:
 _SOCKET = Plan("socket", False)
 _SOCKET_IN_LINE = Plan("socket", True)
 _HIER = Plan("hier", False)
+_PIECES = Plan("pieces", True)
 
 
 def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0, spread: bool = False) -> Plan:
@@ -156,6 +164,8 @@ def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0, spr
             return _HIER
         if th.pair_lane(nbytes, ranks):
             return Plan("lane", True)
+        if th.pair_pieces(nbytes, ranks):
+            return _PIECES
         if th.all_reduce_shm(nbytes):
             return Plan("single_copy" if th.all_reduce_cma(nbytes) else "halves", True)
         if th.all_reduce_lane(nbytes):
@@ -166,6 +176,8 @@ def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0, spr
             return _HIER
         if (0 < nbytes <= th.broadcast_lane_max and th.lane(nbytes)) or th.pair_lane(nbytes, ranks):
             return Plan("lane", True)
+        if th.pair_pieces(nbytes, ranks):
+            return _PIECES
         if nbytes > th.broadcast_lane_max and th.broadcast_shm_min >= 0:
             if th.broadcast_shm(nbytes, ranks):
                 return Plan("single_copy", True)
@@ -206,6 +218,8 @@ def plan(op: str, nbytes: int, ranks: int, th: Thresholds, *, part: int = 0, spr
             return _HIER
         if th.reduce_scatter_lane(nbytes) or th.pair_lane(nbytes, ranks):
             return Plan("lane", True)
+        if th.pair_pieces(nbytes, ranks):
+            return _PIECES
         if th.reduce_scatter_cma(nbytes):
             return Plan("single_copy", True)
         return _SOCKET_IN_LINE if _past_lane(th, nbytes, th.reduce_scatter_lane_max, th.reduce_scatter_cma_min) else _SOCKET

@@ -153,13 +153,25 @@ class Thresholds:
     reduce_scatter_lane_max: int = 1 * MiB
     #: in a group of 2 ranks, all_reduce, broadcast and reduce_scatter go through the latency
     #: lane up to this many bytes (its slots hold 4 MiB there: aiodist.shm._manager.lane_max),
-    #: ahead of their other rules, where ``lane_max`` is on; 0: as in wider groups. Measured back
-    #: to back at 2 ranks (best of three), the lane against single copy: broadcast 2 MiB 58 us
+    #: ahead of their other rules, where ``lane_max`` is on; 0: as in wider groups (no pieces
+    #: either). Measured back to back at 2 ranks (best of three), the lane against single
+    #: copy: broadcast 2 MiB 58 us
     #: against 244, 4 MiB 126 against 353; reduce_scatter 2 MiB 109 against 309, 4 MiB 340
     #: against 423; all_reduce 4 MiB 407 against 519 (2 MiB 174 against 184, the halves). Wider
     #: groups keep 1 MiB: with more ranks than cores a lane op waits for ranks not running (4
     #: ranks on 2 cores, 4 MiB slots: broadcast 4 MiB 2.1 ms against 1.2).
     pair_lane_max: int = 4 * MiB
+    #: ... and past it, up to this many bytes, through the pair's lane in pieces
+    #: (aiodist.shm._lane: one lane op each, an all_reduce's two; the next piece is written
+    #: while the last is copied out) where the group has a lane; 0: never (single copy).
+    #: Measured back to back at 2 ranks (best of three), pieces against single copy: all_reduce
+    #: 8 MiB 719 us against 1061, 16 MiB 1980 against 2572; broadcast 8 MiB 391 against 664,
+    #: 16 MiB 957 against 1429; reduce_scatter 8 MiB 696 against 1137, 16 MiB 1911 against
+    #: 2165. all_gather keeps single copy: in pieces 16 MiB of output took 2089 against 1893.
+    pair_pieces_max: int = 64 * MiB
+    #: ... in pieces of this many bytes (an all_reduce's: of each rank's half of a piece;
+    #: larger where that would take more than 32 pieces, and at most the slot's 4 MiB).
+    pair_piece: int = 1 * MiB
     #: gather and scatter through the latency lane up to this many bytes per rank (a rank judges
     #: by its own part: torch's gather and scatter take one size everywhere), in a group of any
     #: size, where the group has a lane: the root posts its table of sizes (and a scatter's
@@ -281,6 +293,11 @@ class Thresholds:
         """A pair's all_reduce, broadcast or reduce_scatter of ``nbytes`` goes through the
         latency lane where the group has one (``pair_lane_max``)."""
         return ranks == 2 and 0 < nbytes <= self.pair_lane_max and self.lane_max > 0
+
+    def pair_pieces(self, nbytes: int, ranks: int) -> bool:
+        """A pair's all_reduce, broadcast or reduce_scatter of ``nbytes`` (past
+        ``pair_lane_max``) goes through its lane in pieces where the group has one."""
+        return ranks == 2 and self.lane_max > 0 and self.pair_piece > 0 and 0 < self.pair_lane_max < nbytes <= self.pair_pieces_max
 
     def lane(self, nbytes: int) -> bool:
         """An op whose largest per-rank payload is ``nbytes`` (0 for barrier) goes through the

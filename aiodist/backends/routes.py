@@ -159,7 +159,8 @@ class HostShm:
         t, pl = self._plan("reduce_scatter", sum(p.nbytes for p in parts), host)
         if t is None:
             return False
-        return await run_reduce_scatter(t, HostLink(op_link(p2p), host, phase), out, parts, combine, pl.single_copy, pl.lane)
+        link = HostLink(op_link(p2p), host, phase)
+        return await run_reduce_scatter(t, link, out, parts, combine, pl.single_copy, pl.lane, _piece(pl, self._th))
 
     async def all_gather(self, p2p: P2P, host: Sequence[int], phase: int, outs: Sequence[np.ndarray], mine: np.ndarray) -> bool:
         t, pl = self._plan("all_gather", sum(o.nbytes for o in outs), host, max(o.nbytes for o in outs))
@@ -183,7 +184,12 @@ class HostShm:
         t, pl = self._plan("broadcast", buf.nbytes, host)
         if t is None:
             return False
-        return await run_broadcast(t, HostLink(op_link(p2p), host, phase), buf, root, pl.single_copy, pl.lane)
+        return await run_broadcast(t, HostLink(op_link(p2p), host, phase), buf, root, pl.single_copy, pl.lane, _piece(pl, self._th))
+
+
+def _piece(pl: Plan, th: Any) -> int:
+    """A pair's pieces' size where the plan says ``pieces`` (``Thresholds.pair_piece``), else 0."""
+    return int(th.pair_piece) if pl.path == "pieces" else 0
 
 
 class Route:
@@ -217,13 +223,16 @@ class Route:
             work.add_done_callback(within.release)  # type: ignore[attr-defined]
         return work
 
+    def _piece(self) -> int:
+        return _piece(self.plan, self.th)
+
     # -- the ops -------------------------------------------------------------------------------
 
     async def broadcast(self, p2p: P2P, flat: np.ndarray, root: int) -> None:
         pl, ticket = self.plan, self.ticket
         if pl.path == "hier" and self.layout is not None:
             await hier.broadcast(p2p, flat, root, self.layout, thresholds=self.th, within=self.within)
-        elif ticket is None or not await run_broadcast(ticket, p2p, flat, root, pl.single_copy, pl.lane):
+        elif ticket is None or not await run_broadcast(ticket, p2p, flat, root, pl.single_copy, pl.lane, self._piece()):
             await alg.broadcast(p2p, flat, root, thresholds=self.th)
 
     async def all_reduce(self, p2p: P2P, flat: np.ndarray, combine: Combine, into: Into | None = None) -> None:
@@ -233,7 +242,7 @@ class Route:
         if pl.path == "hier":
             assert self.layout is not None
             await hier.all_reduce(p2p, flat, combine, self.layout, thresholds=self.th, within=self.within)
-        elif ticket is None or not await run_all_reduce(ticket, p2p, flat, combine, pl.lane, pl.single_copy, into):
+        elif ticket is None or not await run_all_reduce(ticket, p2p, flat, combine, pl.lane, pl.single_copy, into, self._piece()):
             await alg.all_reduce(p2p, flat, combine, thresholds=self.th)
         if into is not None and not into.written:
             into.copy_from(flat)
@@ -277,7 +286,7 @@ class Route:
         pl = self.plan
         if pl.path == "hier" and self.layout is not None:
             await hier.reduce_scatter(p2p, out, parts, combine, self.layout, thresholds=self.th, within=self.within)
-        elif ticket is None or not await run_reduce_scatter(ticket, p2p, out, parts, combine, pl.single_copy, pl.lane):
+        elif ticket is None or not await run_reduce_scatter(ticket, p2p, out, parts, combine, pl.single_copy, pl.lane, self._piece()):
             await alg.reduce_scatter(p2p, out, parts, combine, thresholds=self.th)
 
     async def all_to_all(self, p2p: P2P, outs: Sequence[np.ndarray], ins: Sequence[np.ndarray]) -> None:

@@ -86,23 +86,27 @@ async def run_all_reduce(
     lane: bool = False,
     single_copy: bool = False,
     into: _algorithms.Into | None = None,
+    piece: int = 0,
 ) -> bool:
     """all_reduce ``flat`` through shared memory in this op's turn; False (nothing done) where
     the group uses the socket path. ``lane``: a small op, for the latency lane (aiodist.shm._lane),
     or the socket path where the group has no lane. ``single_copy``: a big one, by single-copy
     reads where the group can; ``into``: the result's arrays, written by that path
-    (``into.written``)."""
+    (``into.written``). ``piece``: a pair's, through its lane in pieces of that many bytes
+    (``_lane.all_reduce_pieces``), else as a big one."""
     try:
         link = op_link(p2p)
         g = await ticket.acquire(link)
         if g is None:
             return False
+        if piece and g.lane and flat.size and await _lane.all_reduce_pieces(link, g, flat, combine, piece):
+            return True
         if lane:
             if not _lane.fits(g, flat.nbytes):
                 return False
             await _lane.all_reduce(link, g, flat, combine)
         elif flat.size:
-            await _algorithms.all_reduce(link, g, flat, combine, single_copy, into)
+            await _algorithms.all_reduce(link, g, flat, combine, single_copy or piece > 0, into)
         return True
     finally:
         ticket.release()
@@ -122,18 +126,24 @@ async def run_barrier(ticket: Ticket, p2p: P2P) -> bool:
         ticket.release()
 
 
-async def run_broadcast(ticket: Ticket, p2p: P2P, flat: np.ndarray, root: int, big: bool = False, lane: bool = True) -> bool:
+async def run_broadcast(
+    ticket: Ticket, p2p: P2P, flat: np.ndarray, root: int, big: bool = False, lane: bool = True, piece: int = 0
+) -> bool:
     """A small broadcast (``lane``) through the latency lane in this op's turn, or a ``big`` one
     by single-copy reads of the root's tensor; False (nothing done) where the group has no lane
     (or the payload does not fit it), for a big one no single copy, and for one that is neither:
     then, where the group has a lane, this rank says which op it is in (``_lane.announce``), so a
-    peer waiting in the lane for another op at this seq (a size that differs) sees the desync."""
+    peer waiting in the lane for another op at this seq (a size that differs) sees the desync.
+    ``piece``: a pair's, through its lane in pieces of that many bytes
+    (``_lane.broadcast_pieces``), else as a big one."""
     try:
         link = op_link(p2p)
         g = await ticket.acquire(link)
         if g is None:
             return False
-        if big and g.cma:
+        if piece and g.lane and await _lane.broadcast_pieces(link, g, flat, root, piece):
+            return True
+        if (big or piece) and g.cma:
             await _algorithms.broadcast_single_copy(link, g, flat, root)
             return True
         if not lane or not _lane.fits(g, flat.nbytes):
@@ -175,15 +185,25 @@ async def run_reduce(
         ticket.release()
 
 
-async def _single_copy(ticket: Ticket, p2p: P2P, big: bool, run: Callable[[OpLink, GroupShm], Awaitable[None]], table: int = 0) -> bool:
+async def _single_copy(
+    ticket: Ticket,
+    p2p: P2P,
+    big: bool,
+    run: Callable[[OpLink, GroupShm], Awaitable[None]],
+    table: int = 0,
+    first: Callable[[OpLink, GroupShm], Awaitable[bool]] | None = None,
+) -> bool:
     """A ``big`` op by single-copy reads (``run``) in this op's turn, where the group can read
     its peers (and, for an op that sends a table of ``table`` bytes through the lane, that
-    fits it); False (nothing done) otherwise, after ``_to_socket``."""
+    fits it); False (nothing done) otherwise, after ``_to_socket``. ``first``: a way tried
+    before (a pair's pieces), done where it answers True."""
     try:
         link = op_link(p2p)
         g = await ticket.acquire(link)
         if g is None:
             return False
+        if first is not None and await first(link, g):
+            return True
         if big and g.cma and (not table or _lane.fits(g, table)):
             await run(link, g)
             return True
@@ -193,11 +213,27 @@ async def _single_copy(ticket: Ticket, p2p: P2P, big: bool, run: Callable[[OpLin
 
 
 async def run_reduce_scatter(
-    ticket: Ticket, p2p: P2P, out: np.ndarray, parts: Sequence[np.ndarray], combine: _algorithms.Combine, big: bool, lane: bool = False
+    ticket: Ticket,
+    p2p: P2P,
+    out: np.ndarray,
+    parts: Sequence[np.ndarray],
+    combine: _algorithms.Combine,
+    big: bool,
+    lane: bool = False,
+    piece: int = 0,
 ) -> bool:
     """A small reduce_scatter (``lane``) through the latency lane, or a ``big`` one by single-copy
     reads, in this op's turn; False (nothing done) where the group can do neither for it (then
-    ``_to_socket``)."""
+    ``_to_socket``). ``piece``: a pair's, through its lane in pieces of that many bytes
+    (``_lane.reduce_scatter_pieces``), else as a big one."""
+    if piece:
+
+        async def pieces(link: OpLink, g: GroupShm) -> bool:
+            return g.lane and await _lane.reduce_scatter_pieces(link, g, out, parts, combine, piece)
+
+        return await _single_copy(
+            ticket, p2p, True, lambda link, g: _algorithms.reduce_scatter_single_copy(link, g, out, parts, combine), first=pieces
+        )
     if not lane:
         return await _single_copy(ticket, p2p, big, lambda link, g: _algorithms.reduce_scatter_single_copy(link, g, out, parts, combine))
     try:

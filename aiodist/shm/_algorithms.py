@@ -85,6 +85,7 @@ from aiodist.algorithms.collectives import _borrowed  # the bounded scratch pool
 from aiodist.algorithms.p2p import P2P, byte_view
 from aiodist.errors import DistBackendError
 from aiodist.shm import _cma, _lane
+from aiodist.shm._lane import same_bytes as _same_bytes
 from aiodist.shm._link import OpLink
 from aiodist.shm._manager import GroupShm, retrieve
 
@@ -736,8 +737,3 @@ async def _read_failed(p2p: OpLink, q: int, pid: int, exc: OSError, op: str) -> 
         f"(process {pid}) failed on rank {ranks[p2p.rank]}: {os.strerror(exc.errno or 0)}",
         culprits={ranks[q]: f"its process ended (process {pid}: no such process)"} if gone else None,
     ) from exc
-
-
-def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
-    """``a`` and ``b`` are the same bytes of memory (1-D byte views)."""
-    return a.nbytes == b.nbytes and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]

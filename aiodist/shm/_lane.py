@@ -54,7 +54,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from aiodist._message import byte_view
+from aiodist._message import LINE_STEP, byte_view
 from aiodist.algorithms.schedule import chunk_bounds
 from aiodist.errors import DistBackendError
 from aiodist.shm._link import OpLink
@@ -89,6 +89,11 @@ __all__ = [
     "scatter_finish",
     "scatter_even",
     "fits",
+    "piece_bounds",
+    "broadcast_pieces",
+    "reduce_scatter_pieces",
+    "all_reduce_pieces",
+    "same_bytes",
 ]
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
@@ -178,13 +183,13 @@ def parts(g: GroupShm, s: int, sizes: Sequence[int]) -> list[np.ndarray]:
     return [g.bodies[q][s][: n if n >= 0 else g.words[q][h + 2]] for q, n in enumerate(sizes)]
 
 
-async def settle(p2p: OpLink, g: GroupShm, s: int, sizes: Sequence[int], op: str, spin: bool = True) -> list[np.ndarray]:
+async def settle(p2p: OpLink, g: GroupShm, s: int, sizes: Sequence[int], op: str, spin: bool = True, sub: int = 0) -> list[np.ndarray]:
     """The rest of a lane op that ``post`` began: wait for every peer's flag (``_wait``: a
     spin unless ``spin`` is false, then the doorbell), check each peer's digest and size (a
     desync, a size error: raised), and every member's bytes (``parts``)."""
     me = p2p.rank
     seq, digest = p2p.seq, p2p.digest
-    target = p2p.line_seq + 1
+    target = p2p.line_seq + sub + 1
     heads = [h[s] for h in g.heads]
     missing = [q for q in g.others if heads[q][0] < target]
     if missing:
@@ -203,18 +208,19 @@ async def settle(p2p: OpLink, g: GroupShm, s: int, sizes: Sequence[int], op: str
 
 
 async def exchange(
-    p2p: OpLink, g: GroupShm, mine: np.ndarray | Sequence[np.ndarray] | None, sizes: Sequence[int], op: str
+    p2p: OpLink, g: GroupShm, mine: np.ndarray | Sequence[np.ndarray] | None, sizes: Sequence[int], op: str, sub: int = 0
 ) -> list[np.ndarray]:
     """One lane op: write ``mine`` (bytes, pieces of bytes written one after the other, or
     nothing), wait for every peer's, check each peer's digest and that it wrote ``sizes[peer]``
     bytes (a negative size: any); every member's bytes (views of the slots, valid until this
     rank's next lane op of the group). ``post``, then ``collect``, then ``settle`` where a peer
-    is not there yet or did not agree: the in-call path's steps, in one coroutine."""
-    seq, digest = p2p.line_seq, p2p.digest
+    is not there yet or did not agree: the in-call path's steps, in one coroutine. ``sub``: the
+    lane op's number within the op (a pair's pieces: ``OpLink.line_seq + sub``)."""
+    seq, digest = p2p.line_seq + sub, p2p.digest
     s = post(g, seq, digest, mine)
     if collect(g, s, seq, digest, sizes) is True:
         return parts(g, s, sizes)
-    return await settle(p2p, g, s, sizes, op)
+    return await settle(p2p, g, s, sizes, op, sub=sub)
 
 
 #: an all_reduce whose slots hold at least this many bytes in all (its size times the group's)
@@ -327,6 +333,121 @@ async def reduce_scatter(p2p: OpLink, g: GroupShm, out: np.ndarray, parts: Seque
     np.copyto(byte_view(out, writable=True), slots[0][start:stop])
     for slot in slots[1:]:
         combine(out, slot[start:stop].view(dt))
+
+
+# -- a pair's ops past its slot: in pieces, each a lane op with a number of its own ----------------
+
+
+def piece_bounds(n: int, itemsize: int, piece: int, slot: int) -> list[int] | None:
+    """Bounds (items) of ``n`` items of ``itemsize`` bytes cut in pieces of ``piece`` bytes, or
+    larger ones where that would take more than ``LINE_STEP`` pieces (an op's lane ops each
+    have a number of their own: ``OpLink.line_seq`` + the piece's index); None where a piece
+    would not fit ``slot`` bytes."""
+    per = max(piece // itemsize, -(-n // LINE_STEP), 1)
+    if per * itemsize > slot:
+        return None
+    return [*range(0, n, per), n]
+
+
+def _items(pieces: Sequence[np.ndarray], piece: int, slot: int) -> tuple[list[int], int] | None:
+    """The piece bounds (items) of parts of one size and dtype, with their item size."""
+    k = pieces[0].dtype.itemsize
+    b = piece_bounds(pieces[0].size, k, piece, slot)
+    return None if b is None else (b, k)
+
+
+async def broadcast_pieces(p2p: OpLink, g: GroupShm, flat: np.ndarray, root: int, piece: int) -> bool:
+    """A broadcast in pieces of ``piece`` bytes (``piece_bounds``), one lane op each: the root
+    writes piece i + 1 while the other rank copies piece i out (two slots: the lane's reuse rule
+    keeps the root at most one piece ahead). False (nothing done) where a piece would not fit."""
+    src = byte_view(flat, writable=True)
+    b = piece_bounds(src.size, 1, piece, g.bodies[0][0].size)
+    if b is None:
+        return False
+    me, p = p2p.rank, p2p.size
+    for i in range(len(b) - 1):
+        lo, hi = b[i], b[i + 1]
+        sizes = [hi - lo if q == root else 0 for q in range(p)]
+        got = await exchange(p2p, g, src[lo:hi] if me == root else None, sizes, "broadcast", i)
+        if me != root:
+            np.copyto(src[lo:hi], got[root])
+    return True
+
+
+async def reduce_scatter_pieces(
+    p2p: OpLink, g: GroupShm, out: np.ndarray, parts: Sequence[np.ndarray], combine: Combine, piece: int
+) -> bool:
+    """A pair's reduce_scatter in pieces of its parts (one lane op each): each rank posts piece
+    i of the other rank's part only, and folds its own: the other's piece, then its own, in
+    rank order (where ``out`` is its own part, in place, rank 1 adds rank 0's to its own:
+    the same bits but for which NaN's payload a sum keeps). An output that overlaps another
+    part is written from a copy of the input. False (nothing done) where a piece would not fit."""
+    me = p2p.rank
+    if p2p.size != 2:
+        return False
+    got_b = _items(parts, piece, g.bodies[0][0].size)
+    if got_b is None:
+        return False
+    b, k = got_b
+    other = 1 - me
+    ours = parts[me]
+    o = out.reshape(-1)
+    in_place = same_bytes(byte_view(ours), byte_view(out))
+    if not in_place and any(np.may_share_memory(o, x) for x in parts):
+        parts = [x.copy() for x in parts]
+        ours = parts[me]
+    theirs = byte_view(parts[other])
+    dt = out.dtype
+    for i in range(len(b) - 1):
+        lo, hi = b[i], b[i + 1]
+        got = await exchange(p2p, g, theirs[lo * k : hi * k], [(hi - lo) * k] * 2, "reduce_scatter", i)
+        peer = got[other].view(dt)
+        dst = o[lo:hi]
+        if in_place and me == 1:
+            combine(dst, peer)
+        elif me == 0:
+            if not in_place:
+                np.copyto(dst, ours[lo:hi])
+            combine(dst, peer)
+        else:
+            np.copyto(dst, peer)
+            combine(dst, ours[lo:hi])
+    return True
+
+
+async def all_reduce_pieces(p2p: OpLink, g: GroupShm, flat: np.ndarray, combine: Combine, piece: int) -> bool:
+    """A pair's all_reduce in pieces (two lane ops each): each rank posts the other's half of
+    piece i (``chunk_bounds``), adds it to its own half (its own first, then the other's: the
+    bits of the single-copy all_reduce), posts its reduced half and copies the other's. False
+    (nothing done) where a piece would not fit."""
+    me = p2p.rank
+    if p2p.size != 2:
+        return False
+    got_b = _items([flat], 2 * piece, g.bodies[0][0].size)
+    if got_b is None:
+        return False
+    b, k = got_b
+    f = flat.reshape(-1)
+    raw = byte_view(flat, writable=True)
+    for i in range(len(b) - 1):
+        lo, hi = b[i], b[i + 1]
+        h = chunk_bounds(hi - lo, 2)
+        cut = [lo + h[0], lo + h[1], lo + h[2]]
+        mine_lo, mine_hi = cut[me], cut[me + 1]
+        their_lo, their_hi = cut[1 - me], cut[2 - me]
+        sizes = [(cut[q + 1] - cut[q]) * k for q in (1, 0)]  # what each rank posts: the other's half
+        got = await exchange(p2p, g, raw[their_lo * k : their_hi * k], sizes, "all_reduce", i)
+        mine = f[mine_lo:mine_hi]
+        combine(mine, got[1 - me].view(flat.dtype))
+        sizes = [(cut[q + 1] - cut[q]) * k for q in (0, 1)]  # each rank's reduced half
+        got = await exchange(p2p, g, raw[mine_lo * k : mine_hi * k], sizes, "all_reduce", i)
+        np.copyto(raw[their_lo * k : their_hi * k], got[1 - me])
+    return True
+
+
+def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """``a`` and ``b`` are the same bytes of memory (1-D byte views)."""
+    return a.nbytes == b.nbytes and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
 
 
 # -- gather and scatter: sizes may differ per rank (the object collectives' payloads); the root's
@@ -634,7 +755,9 @@ def now(g: GroupShm, seq: int, digest: int, mine: np.ndarray | Sequence[np.ndarr
     """A lane op in the issuing call: ``post`` (``mine``, or ``written``), then ``collect``, spinning at most ``g.spin_s``
     (yielding the core at every turn, never the loop). The slot (0 or 1) where every peer is
     there and agrees (its bytes: ``parts``); the slot - 2 (-2 or -1) where the op is posted and
-    waits, for ``settle`` in a task."""
+    waits, for ``settle`` in a task. ``seq`` is the op's seq (its number in the line:
+    times ``LINE_STEP``, as ``OpLink.line_seq``)."""
+    seq *= LINE_STEP
     s = post(g, seq, digest, mine, written)
     got = collect(g, s, seq, digest, sizes)
     if got is False and g.spin_s:

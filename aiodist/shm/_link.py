@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol, TypeGuard, runtime_checkable
 
+from aiodist._message import LINE_STEP
 from aiodist.algorithms.hier import Subset
 from aiodist.algorithms.p2p import CHANNEL_TAG_LIMIT, P2P, TAG_LIMIT, SubP2P
 from aiodist.errors import DistBackendError
@@ -50,8 +51,9 @@ class OpLink(P2P, Protocol):
     @property
     def line_seq(self) -> int:
         """The op's number in its group's shared-memory line, which the lane's flags and the
-        ``current`` words carry (they only grow along the line): its ``seq``; a hierarchical
-        op's in-host phase (``HostLink``) has one of its own for each phase."""
+        ``current`` words carry (they only grow along the line): its ``seq`` times
+        ``LINE_STEP`` (the numbers between are its own lane ops': a pair's pieces); a
+        hierarchical op's in-host phase (``HostLink``) has one of its own for each phase."""
         ...
 
     @property
@@ -157,9 +159,10 @@ class HostLink(SubP2P):
 
     @property
     def line_seq(self) -> int:
-        """``seq * 32 + index``: every in-host phase of the op (several run in one host's line,
-        in the order of their tag blocks) has flags of its own, above the last op's."""
-        return self._link.line_seq * _PHASES + self._index
+        """``(line_seq * 32 + index) * LINE_STEP``: every in-host phase of the op (several run in
+        one host's line, in the order of their tag blocks) has flags of its own, above the last
+        op's, with room for its own pieces."""
+        return (self._link.line_seq * _PHASES + self._index) * LINE_STEP
 
     @property
     def op_name(self) -> str | None:

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from aiodist._message import CHANNEL_TAG_LIMIT, TAG_LIMIT
+from aiodist._message import CHANNEL_TAG_LIMIT, LINE_STEP, TAG_LIMIT
 from aiodist.errors import DistBackendError
 from aiodist.transport._inbox import Inbox
 from aiodist.transport._lines import Lines
@@ -59,8 +59,9 @@ class Channel:
 
     @property
     def line_seq(self) -> int:
-        """The op's number in its group's shared-memory line: its seq (aiodist.shm._link)."""
-        return self.seq
+        """The op's number in its group's shared-memory line: its seq times ``LINE_STEP``
+        (aiodist.shm._link)."""
+        return self.seq * LINE_STEP
 
     @property
     def rank(self) -> int:

@@ -137,6 +137,20 @@ async def same_as_socket() -> None:
     y = x.copy()
     await dist.reduce_scatter_tensor(y[rank * k : (rank + 1) * k], y)  # in place: the output is this rank's part of the input
     same["pair_rs"] = bool(np.array_equal(oa, ob)) and bool(np.array_equal(y[rank * k : (rank + 1) * k], ob))
+    # past 4 MiB: a pair's lane in pieces, elsewhere single copy
+    m = 2_500_001
+    await both("pieces_10m", rng.integers(-1000, 1000, m).astype(np.float32))
+    for root in range(n):
+        a = rng.standard_normal(m).astype(np.float32) if rank == root else np.zeros(m, np.float32)
+        b = a.copy()
+        await dist.broadcast(a, src=root)
+        await dist.broadcast(b, src=root, group=sock)
+        same[f"pieces_bcast_{root}"] = bool(np.array_equal(a, b)) and bool(a.any())
+    x = rng.integers(-1000, 1000, m * n).astype(np.float32)
+    oa, ob = np.empty(m, np.float32), np.empty(m, np.float32)
+    await dist.reduce_scatter_tensor(oa, x)
+    await dist.reduce_scatter_tensor(ob, x, group=sock)
+    same["pieces_rs"] = bool(np.array_equal(oa, ob))
     stats = dist.group.WORLD.backend.stats()["shm"]
     await dist.destroy_process_group()
     print(json.dumps({"same": same, "digests": digests, "shm": stats}))
