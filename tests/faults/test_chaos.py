@@ -31,10 +31,21 @@ CASES = [(11, "kill"), (13, "stop")]
 
 @pytest.mark.parametrize("seed,how", CASES, ids=[f"{h}-seed{s}" for s, h in CASES])
 def test_a_rank_lost_mid_fuzz_is_named_and_the_survivors_finish_it(seed: int, how: str) -> None:
+    _chaos(seed, how, N, {})
+
+
+def test_a_pair_left_after_a_loss_runs_its_big_ops_exactly() -> None:
+    """3 ranks, sizes up to 6 MB too: the survivors are a pair, whose all_reduce, broadcast and
+    reduce_scatter go through its 4 MiB lane and, past it, through the lane in pieces; 0 wrong."""
+    _chaos(19, "kill", 3, {"CHAOS_MORE_SIZES": "700000,1500001"})
+
+
+def _chaos(seed: int, how: str, n: int, more: dict[str, str]) -> None:
+    N = n
     rng = random.Random(seed)
     victim, at = rng.randrange(N), rng.randrange(5, 40)
     server = ServerThread(TCPStoreServer(host="127.0.0.1", port=0)).start()
-    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_PORT": str(server.server.port)}
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_PORT": str(server.server.port), **more}
     outs: dict[int, list[str]] = {r: [] for r in range(N)}
     procs = start_ranks(WORKER, N, env=lambda r: env, args=(seed, victim, how, at, TIMEOUT_S, OPS_AFTER))
     try:

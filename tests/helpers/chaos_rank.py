@@ -4,7 +4,8 @@
         python tests/helpers/chaos_rank.py SEED VICTIM HOW AT TIMEOUT OPS_AFTER
 
 Every rank draws the same plan from SEED: ops (all_reduce SUM/MAX, broadcast, reduce, all_gather,
-reduce_scatter, all_to_all_single, gather, scatter, barrier) with sizes from 1 to 150,000 float32,
+reduce_scatter, all_to_all_single, gather, scatter, barrier) with sizes from 1 to 150,000 float32
+(and ``CHAOS_MORE_SIZES``),
 on the default group or a group of every rank (in order, reversed, or evens then odds), a third of them left in flight
 (``async_op=True``, up to 3 at once) and waited later. Each rank's input is drawn from (SEED, op,
 rank) as small integers, so every rank computes every op's exact expected result itself and
@@ -38,6 +39,9 @@ import aiodist as dist  # noqa: E402
 
 OPS = ["all_reduce", "all_reduce_max", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter", "barrier"]
 SIZES = [1, 3, 64, 1000, 4096, 16384, 65536, 150_000]  # (150,000: 600 KB, the lane's mid sizes)
+#: more sizes (float32 counts, comma-separated), drawn as often as the others: a pair's lane
+#: (up to 4 MiB) and its pieces past it, where the survivors are 2
+SIZES += [int(x) for x in os.environ.get("CHAOS_MORE_SIZES", "").split(",") if x]
 
 
 def groups_for(world: int) -> list[list[int]]:
