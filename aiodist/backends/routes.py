@@ -433,11 +433,11 @@ class Quick:
         if g is None:
             return None
         views = g.typed_slots(g.lane_ops & 1, flat.dtype, flat.size)  # (the slot post takes)
-        views[g.me][...] = flat
         if self._sliced:
             b = lane_sliced(flat.nbytes, flat.size, len(self.ranks))
             assert b is not None
             return self._fold_sliced(g, seq, digest, flat, fold, views, b)
+        views[g.me][...] = flat
         tmp = self._scratch(flat)
         s = lane_now(g, seq, digest, None, self.sizes, flat.nbytes)
         if s >= 0:
@@ -448,21 +448,31 @@ class Quick:
     def _fold_sliced(
         self, g: GroupShm, seq: int, digest: int, flat: np.ndarray, fold: Fold, views: list[np.ndarray], b: list[int]
     ) -> bool | Rest:
-        """An all_reduce folded by slices (``aiodist.shm._lane.sliced``), its input already in
-        this rank's slot: the first lane op, this rank's slice folded, the second lane op with
-        it, the others' slices copied; parked at whichever lane op a peer is not there for."""
+        """An all_reduce folded by slices (``aiodist.shm._lane.sliced``): its input into this
+        rank's slot (in a pair, only the other rank's slice: its own is folded from ``flat``,
+        ``out`` itself as its part of the fold, which ``folder`` allows as a pair's second
+        part), the first lane op, this rank's slice folded, the second lane op with it, the
+        others' slices copied; parked at whichever lane op a peer is not there for."""
         me = self.me
         lo, hi = b[me], b[me + 1]
         out = flat[lo:hi]
+        mine = views[me]
+        if len(views) == 2:
+            mine[:lo] = flat[:lo]
+            mine[hi:] = flat[hi:]
+            parts = [out, views[1][lo:hi]] if me == 0 else [views[0][lo:hi], out]
+        else:
+            mine[...] = flat
+            parts = [v[lo:hi] for v in views]
         s = lane_now(g, seq, digest, None, self.sizes, flat.nbytes)
         if s < 0:
 
             def rest(link: Any, g: GroupShm, s: int) -> Any:
-                fold(out, [v[lo:hi] for v in views], None)
+                fold(out, parts, None)
                 return lane_all_reduce_gather(link, g, flat, b)
 
             return self._park(g, s + 2, self.sizes, "all_reduce", rest)
-        fold(out, [v[lo:hi] for v in views], None)
+        fold(out, parts, None)
         sizes = lane_slice_sizes(b, flat.itemsize)
         s = lane_now(g, seq, digest, out.view(np.uint8), sizes)
         if s >= 0:
