@@ -4,6 +4,7 @@ module docstring, in order), and the rule that c10d makes no path decision of it
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 from typing import NamedTuple
 
@@ -19,15 +20,7 @@ NO_PAIR = Thresholds(pair_lane_max=0)  # a pair's lane as a wider group's (1 MiB
 NO_CMA = Thresholds(
     broadcast_shm_min=-1, reduce_cma_min=-1, reduce_scatter_cma_min=-1, alltoall_cma=-1, gather_cma_min=-1, scatter_cma_min=-1
 )
-NO_CMA_PAIR = Thresholds(
-    broadcast_shm_min=-1,
-    reduce_cma_min=-1,
-    reduce_scatter_cma_min=-1,
-    alltoall_cma=-1,
-    gather_cma_min=-1,
-    scatter_cma_min=-1,
-    pair_lane_max=0,
-)
+NO_CMA_PAIR = dataclasses.replace(NO_CMA, pair_lane_max=0)
 
 
 class Row(NamedTuple):

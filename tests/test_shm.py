@@ -824,3 +824,47 @@ def test_piece_bounds(n: int, itemsize: int, piece: int, slot: int, want: list[i
     assert got == want
     if got is not None:
         assert len(got) - 1 <= 32  # LINE_STEP: every piece has a number of its own in the line
+
+
+async def test_a_pairs_kept_calls_post_only_the_other_ranks_part(shm_env: None) -> None:
+    """A pair's kept calls done in the call (the second call of a shape on): a sliced
+    all_reduce and a reduce_scatter_tensor post only the other rank's slice or part and fold
+    their own from the input; exact sums, call after call with new data, float bits equal to
+    rank order (rank 0's element plus rank 1's, whichever rank folds it), and a
+    reduce_scatter in place (the whole input posted) alike."""
+    m = 300_003  # 1.2 MB: the lane, by slices
+
+    def ints(count: int, salt: int) -> np.ndarray:
+        return np.random.default_rng(salt).integers(-1000, 1000, count).astype(np.float32)
+
+    def floats(count: int, salt: int) -> np.ndarray:
+        return np.random.default_rng(salt).standard_normal(count).astype(np.float32)
+
+    async def fn(rank: int) -> tuple[list[bool], int]:
+        ok = []
+        before = None
+        for call in range(4):
+            x = ints(m, 10 * call + rank)
+            await dist.all_reduce(x)
+            ok.append(bool(np.array_equal(x, ints(m, 10 * call) + ints(m, 10 * call + 1))))
+            f = floats(m, 100 + 10 * call + rank)
+            await dist.all_reduce(f)
+            ok.append(bool(np.array_equal(f, floats(m, 100 + 10 * call) + floats(m, 100 + 10 * call + 1))))
+            y = floats(2 * m, 200 + 10 * call + rank)
+            o = np.empty(m, np.float32)
+            await dist.reduce_scatter_tensor(o, y)
+            want = (floats(2 * m, 200 + 10 * call) + floats(2 * m, 201 + 10 * call))[rank * m : (rank + 1) * m]
+            ok.append(bool(np.array_equal(o, want)))
+            z = y.copy()
+            await dist.reduce_scatter_tensor(z[rank * m : (rank + 1) * m], z)  # in place
+            ok.append(bool(np.array_equal(z[rank * m : (rank + 1) * m], want)))
+            if call == 0:
+                before = dist.group.WORLD.backend.stats()["shm"]["lane_ops"]
+        assert before is not None
+        lane_ops = dist.group.WORLD.backend.stats()["shm"]["lane_ops"] - before
+        await dist.destroy_process_group()
+        return ok, lane_ops
+
+    for ok, lane_ops in await run_world(2, fn, "gloo", timeout=60):
+        assert all(ok), ok
+        assert lane_ops == 3 * (2 + 2 + 1 + 1), lane_ops  # every call after the first through the lane

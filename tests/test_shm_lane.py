@@ -56,8 +56,8 @@ def test_lane_gives_the_socket_paths_bits(n: int) -> None:
         # in a pair (its lane's slots hold 4 MiB) the 2 and 4 MiB all_reduces (2 lane ops each:
         # by slices), the 3 MiB broadcasts and the 4 MiB reduce_scatters too; and the 10 MB
         # ones in pieces of 1 MiB (the all_reduce 5 pieces of two lane ops, each broadcast 10,
-        # the reduce_scatter 10: each rank posts the other's part)
-        pair = 2 + 2 + n + 2 + 2 * 5 + 10 * n + 10
+        # the reduce_scatters 10 each: each rank posts the other's part)
+        pair = 2 + 2 + n + 2 + 2 * 5 + 10 * n + 2 * 10
         assert out["shm"]["lane_ops"] == 24 + n + (pair if n == 2 else 0), out["shm"]
 
 

@@ -530,10 +530,14 @@ class Quick:
 
     def reduce_scatter(self, seq: int, digest: int, out: np.ndarray, inp_fold: tuple[np.ndarray, Fold]) -> bool | Rest | None:
         """``out`` = this rank's part of every rank's input (``inp_fold``: the input, flat, the
-        group's size times ``out``'s, and the reduction's fold), folded in rank order."""
+        group's size times ``out``'s, and the reduction's fold), folded in rank order. In a
+        pair whose output is apart from its input, a rank posts only the other's part and folds
+        its own straight from its input."""
         inp, fold = inp_fold
         m = out.size
         lo = self.me * m
+        if len(self.ranks) == 2 and not np.may_share_memory(out, inp):
+            return self._reduce_scatter_pair(seq, digest, out, inp, fold)
 
         tmp = self._scratch(out)
 
@@ -541,6 +545,26 @@ class Quick:
             fold(out, [v[lo : lo + m] for v in g.typed_slots(s, inp.dtype, inp.size)], tmp)
 
         return self._go(seq, digest, inp.view(np.uint8), self.sizes, finish, "reduce_scatter")
+
+    def _reduce_scatter_pair(self, seq: int, digest: int, out: np.ndarray, inp: np.ndarray, fold: Fold) -> bool | Rest | None:
+        g = self._lane()
+        if g is None:
+            return None
+        me, m = self.me, out.size
+        views = g.typed_slots(g.lane_ops & 1, inp.dtype, inp.size)  # (the slot post takes)
+        theirs = (1 - me) * m
+        views[me][theirs : theirs + m] = inp[theirs : theirs + m]
+        own = inp[me * m : (me + 1) * m]
+
+        def finish(g: GroupShm, s: int) -> None:
+            other = g.typed_slots(s, inp.dtype, inp.size)[1 - me][me * m : (me + 1) * m]
+            fold(out, [own, other] if me == 0 else [other, own], None)
+
+        s = lane_now(g, seq, digest, None, self.sizes, inp.nbytes)
+        if s >= 0:
+            finish(g, s)
+            return True
+        return self._park(g, s + 2, self.sizes, "reduce_scatter", lambda link, g, s: finish(g, s))
 
     def gather(self, seq: int, digest: int, mine: np.ndarray, outs_root: tuple[Sequence[np.ndarray] | None, int]) -> bool | Rest | None:
         """Every rank's ``mine`` into ``outs[that rank]`` of the root (``outs_root``: the

@@ -75,6 +75,24 @@ async def same_as_socket() -> None:
     rng = np.random.default_rng(7 + rank)
     same, digests = {}, {}
 
+    async def bcast_both(name: str, count: int) -> None:
+        for root in range(n):
+            a = rng.standard_normal(count).astype(np.float32) if rank == root else np.zeros(count, np.float32)
+            b = a.copy()
+            await dist.broadcast(a, src=root)
+            await dist.broadcast(b, src=root, group=sock)
+            same[f"{name}_{root}"] = bool(np.array_equal(a, b)) and bool(a.any())
+            digests[f"{name}_{root}"] = hashlib.sha256(a.tobytes()).hexdigest()
+
+    async def rs_both(name: str, k: int) -> None:
+        x = rng.integers(-1000, 1000, k * n).astype(np.float32)
+        oa, ob = np.empty(k, np.float32), np.empty(k, np.float32)
+        await dist.reduce_scatter_tensor(oa, x)
+        await dist.reduce_scatter_tensor(ob, x, group=sock)
+        y = x.copy()
+        await dist.reduce_scatter_tensor(y[rank * k : (rank + 1) * k], y)  # in place: the output is this rank's part of the input
+        same[name] = bool(np.array_equal(oa, ob)) and bool(np.array_equal(y[rank * k : (rank + 1) * k], ob))
+
     async def both(name: str, data: np.ndarray, op: dist.ReduceOp = dist.ReduceOp.SUM, exact: bool = True) -> None:
         a, b = data.copy(), data.copy()
         await dist.all_reduce(a, op=op)
@@ -92,13 +110,7 @@ async def same_as_socket() -> None:
     await both("u8_bor", rng.integers(0, 256, 17).astype(np.uint8), op=dist.ReduceOp.BOR)
     await both("c64", (rng.integers(-9, 9, 5) + 1j).astype(np.complex64))
     # broadcast and all_gather: every rank gets the same bytes as through the socket
-    for root in range(n):
-        a = rng.standard_normal(9).astype(np.float32) if rank == root else np.zeros(9, np.float32)
-        b = a.copy()
-        await dist.broadcast(a, src=root)
-        await dist.broadcast(b, src=root, group=sock)
-        same[f"bcast_{root}"] = bool(np.array_equal(a, b)) and bool(a.any())
-        digests[f"bcast_{root}"] = hashlib.sha256(a.tobytes()).hexdigest()
+    await bcast_both("bcast", 9)
     part = np.arange(1000, dtype=np.int32) + 1000 * rank
     oa, ob = np.zeros(1000 * n, np.int32), np.zeros(1000 * n, np.int32)
     await dist.all_gather_into_tensor(oa, part)
@@ -123,34 +135,13 @@ async def same_as_socket() -> None:
     # up to 4 MiB: a pair's lane (its slots hold 4 MiB), elsewhere single copy; odd lengths
     m = (4 << 20) // 4 - 3
     await both("pair_4m", rng.integers(-1000, 1000, m).astype(np.float32))
-    for root in range(n):
-        a = rng.standard_normal(786_433).astype(np.float32) if rank == root else np.zeros(786_433, np.float32)
-        b = a.copy()
-        await dist.broadcast(a, src=root)
-        await dist.broadcast(b, src=root, group=sock)
-        same[f"pair_bcast_{root}"] = bool(np.array_equal(a, b)) and bool(a.any())
-    k = (4 << 20) // 4 // n - 1
-    x = rng.integers(-1000, 1000, k * n).astype(np.float32)
-    oa, ob = np.empty(k, np.float32), np.empty(k, np.float32)
-    await dist.reduce_scatter_tensor(oa, x)
-    await dist.reduce_scatter_tensor(ob, x, group=sock)
-    y = x.copy()
-    await dist.reduce_scatter_tensor(y[rank * k : (rank + 1) * k], y)  # in place: the output is this rank's part of the input
-    same["pair_rs"] = bool(np.array_equal(oa, ob)) and bool(np.array_equal(y[rank * k : (rank + 1) * k], ob))
+    await bcast_both("pair_bcast", 786_433)
+    await rs_both("pair_rs", (4 << 20) // 4 // n - 1)
     # past 4 MiB: a pair's lane in pieces, elsewhere single copy
     m = 2_500_001
     await both("pieces_10m", rng.integers(-1000, 1000, m).astype(np.float32))
-    for root in range(n):
-        a = rng.standard_normal(m).astype(np.float32) if rank == root else np.zeros(m, np.float32)
-        b = a.copy()
-        await dist.broadcast(a, src=root)
-        await dist.broadcast(b, src=root, group=sock)
-        same[f"pieces_bcast_{root}"] = bool(np.array_equal(a, b)) and bool(a.any())
-    x = rng.integers(-1000, 1000, m * n).astype(np.float32)
-    oa, ob = np.empty(m, np.float32), np.empty(m, np.float32)
-    await dist.reduce_scatter_tensor(oa, x)
-    await dist.reduce_scatter_tensor(ob, x, group=sock)
-    same["pieces_rs"] = bool(np.array_equal(oa, ob))
+    await bcast_both("pieces_bcast", m)
+    await rs_both("pieces_rs", m)
     stats = dist.group.WORLD.backend.stats()["shm"]
     await dist.destroy_process_group()
     print(json.dumps({"same": same, "digests": digests, "shm": stats}))
