@@ -21,6 +21,7 @@ NO_CMA = Thresholds(
     broadcast_shm_min=-1, reduce_cma_min=-1, reduce_scatter_cma_min=-1, alltoall_cma=-1, gather_cma_min=-1, scatter_cma_min=-1
 )
 NO_CMA_PAIR = dataclasses.replace(NO_CMA, pair_lane_max=0)
+PIECES = Thresholds(pair_pieces_max=64 * M)  # a pair's lane in pieces past 4 MiB (off by default)
 
 
 class Row(NamedTuple):
@@ -45,12 +46,12 @@ ROWS = [
     Row("past the lane, under single copy, 4 ranks: socket, in line", "broadcast", M + 4, 4, Plan("socket", True)),
     Row("past the lane, 2 ranks: single copy", "broadcast", M + 4, 2, Plan("single_copy", True), NO_PAIR),
     Row("a pair, 4 MiB: the lane (its slots hold 4 MiB)", "broadcast", 4 * M, 2, Plan("lane", True)),
-    Row("a pair, past 4 MiB: its lane in pieces", "broadcast", 4 * M + 4, 2, Plan("pieces", True)),
-    Row("a pair, 64 MiB: still pieces", "broadcast", 64 * M, 2, Plan("pieces", True)),
-    Row("a pair, past 64 MiB: single copy", "broadcast", 64 * M + 4, 2, Plan("single_copy", True)),
-    Row("a pair, pieces off: single copy", "broadcast", 8 * M, 2, Plan("single_copy", True), Thresholds(pair_pieces_max=0)),
-    Row("a pair, lane off: no pieces", "broadcast", 8 * M, 2, Plan("single_copy", True), NO_LANE),
-    Row("3 ranks, 8 MiB: no pieces", "broadcast", 8 * M, 3, Plan("single_copy", True)),
+    Row("a pair, past 4 MiB: single copy (pieces off by default)", "broadcast", 4 * M + 4, 2, Plan("single_copy", True)),
+    Row("a pair, past 4 MiB, pieces on: its lane in pieces", "broadcast", 4 * M + 4, 2, Plan("pieces", True), PIECES),
+    Row("a pair, 64 MiB: still pieces", "broadcast", 64 * M, 2, Plan("pieces", True), PIECES),
+    Row("a pair, past 64 MiB: single copy", "broadcast", 64 * M + 4, 2, Plan("single_copy", True), PIECES),
+    Row("a pair, lane off: no pieces", "broadcast", 8 * M, 2, Plan("single_copy", True), dataclasses.replace(PIECES, lane_max=0)),
+    Row("3 ranks, 8 MiB: no pieces", "broadcast", 8 * M, 3, Plan("single_copy", True), PIECES),
     Row("a pair, lane off: single copy", "broadcast", 2 * M, 2, Plan("single_copy", True), NO_LANE),
     Row("3 ranks, 2 MiB: not the pair's lane", "broadcast", 2 * M, 3, Plan("single_copy", True)),
     Row("256 KiB, 4 ranks: still the lane", "broadcast", 256 * K, 4, Plan("lane", True)),
@@ -84,10 +85,11 @@ ROWS = [
     Row("past the lane's slot: the halves", "all_reduce", M + 4, 2, Plan("halves", True), NO_PAIR),
     Row("4 MiB: single copy", "all_reduce", 4 * M, 2, Plan("single_copy", True), NO_PAIR),
     Row("a pair, 4 MiB: the lane (its slots hold 4 MiB)", "all_reduce", 4 * M, 2, Plan("lane", True)),
-    Row("a pair, past 4 MiB: its lane in pieces", "all_reduce", 4 * M + 4, 2, Plan("pieces", True)),
-    Row("a pair, past 64 MiB: single copy", "all_reduce", 64 * M + 4, 2, Plan("single_copy", True)),
-    Row("a pair, piece 0: single copy", "all_reduce", 8 * M, 2, Plan("single_copy", True), Thresholds(pair_piece=0)),
-    Row("4 ranks, 8 MiB: single copy", "all_reduce", 8 * M, 4, Plan("single_copy", True)),
+    Row("a pair, past 4 MiB: single copy (pieces off by default)", "all_reduce", 4 * M + 4, 2, Plan("single_copy", True)),
+    Row("a pair, past 4 MiB, pieces on: its lane in pieces", "all_reduce", 4 * M + 4, 2, Plan("pieces", True), PIECES),
+    Row("a pair, past 64 MiB: single copy", "all_reduce", 64 * M + 4, 2, Plan("single_copy", True), PIECES),
+    Row("a pair, piece 0: single copy", "all_reduce", 8 * M, 2, Plan("single_copy", True), dataclasses.replace(PIECES, pair_piece=0)),
+    Row("4 ranks, 8 MiB: single copy", "all_reduce", 8 * M, 4, Plan("single_copy", True), PIECES),
     Row("4 ranks, 2 MiB: the halves", "all_reduce", 2 * M, 4, Plan("halves", True)),
     Row("a pair, lane off: the halves", "all_reduce", 2 * M, 2, Plan("halves", True), NO_LANE),
     Row("spread over hosts, 64 KiB: the hierarchy, out of line", "all_reduce", 64 * K, 4, Plan("hier", False), spread=True),
@@ -187,8 +189,9 @@ ROWS = [
     Row("reduce_scatter, 1 MiB: still the lane", "reduce_scatter", M, 2, Plan("lane", True)),
     Row("reduce_scatter, past the lane: single copy", "reduce_scatter", M + 8, 2, Plan("single_copy", True), NO_PAIR),
     Row("reduce_scatter, a pair, 4 MiB: the lane", "reduce_scatter", 4 * M, 2, Plan("lane", True)),
-    Row("reduce_scatter, a pair, past 4 MiB: its lane in pieces", "reduce_scatter", 4 * M + 8, 2, Plan("pieces", True)),
-    Row("reduce_scatter, a pair, past 64 MiB: single copy", "reduce_scatter", 64 * M + 8, 2, Plan("single_copy", True)),
+    Row("reduce_scatter, a pair, past 4 MiB: single copy", "reduce_scatter", 4 * M + 8, 2, Plan("single_copy", True)),
+    Row("reduce_scatter, a pair, past 4 MiB, pieces on: its lane in pieces", "reduce_scatter", 4 * M + 8, 2, Plan("pieces", True), PIECES),
+    Row("reduce_scatter, a pair, past 64 MiB: single copy", "reduce_scatter", 64 * M + 8, 2, Plan("single_copy", True), PIECES),
     Row("reduce_scatter, 4 ranks, 2 MiB: single copy", "reduce_scatter", 2 * M, 4, Plan("single_copy", True)),
     Row("reduce_scatter, lane off: single copy", "reduce_scatter", 64, 2, Plan("single_copy", True), NO_LANE),
     Row("reduce_scatter, big: single copy", "reduce_scatter", 4 * M, 4, Plan("single_copy", True)),

@@ -748,12 +748,14 @@ async def test_a_pair_takes_its_lane_up_to_4_mib(shm_env: None) -> None:
 
 
 async def test_a_pair_takes_its_lane_in_pieces_past_4_mib(shm_env: None) -> None:
-    """Past ``pair_lane_max``, a pair's all_reduce, broadcast and reduce_scatter go through its
-    lane in pieces (``_lane.*_pieces``: lane ops counted, no single-copy op): exact sums at odd
+    """Past ``pair_lane_max``, with ``pair_pieces_max`` set (0 by default), a pair's all_reduce,
+    broadcast and reduce_scatter go through its lane in pieces (``_lane.*_pieces``: lane ops
+    counted, no single-copy op): exact sums at odd
     lengths, the single-copy all_reduce's bits for random floats (each rank adds its own half
     first), MAX and AVG, a reduce_scatter in place and one whose output is the other rank's
     part, a broadcast from each rank."""
     m = 3_000_001  # 12 MB of float32: pieces of 1 MiB (the all_reduce's: of each half)
+    pieces = {"pair_pieces_max": "64M"}  # (off by default)
     plain = {"pair_pieces_max": 0}  # the same ranks by single copy
 
     def ints(count: int, salt: int) -> np.ndarray:
@@ -798,7 +800,7 @@ async def test_a_pair_takes_its_lane_in_pieces_past_4_mib(shm_env: None) -> None
         await dist.destroy_process_group()
         return same, lane_ops, cma_ops, m
 
-    for same, lane_ops, cma_ops, _ in await run_world(2, fn, "gloo", timeout=120):
+    for same, lane_ops, cma_ops, _ in await run_world(2, fn, "gloo", timeout=120, pg_options=pieces):
         assert all(same.values()), same
         # pieces of 1 MiB (two lane ops each in an all_reduce, whose pieces hold 1 MiB a rank):
         # the two float32 all_reduces 6 each, the 24 MB MAX and AVG 12 each, the broadcasts 12

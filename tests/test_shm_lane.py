@@ -47,7 +47,7 @@ def _run(scenario: list[object], n: int, extra: dict[str, str] | None = None) ->
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_lane_gives_the_socket_paths_bits(n: int) -> None:
-    res = _run(["same"], n)
+    res = _run(["same"], n, {"AIODIST_ALGO_PAIR_PIECES_MAX": "64M"})  # (a pair's pieces: off by default)
     for r, out in enumerate(res):
         assert all(out["same"].values()), f"rank {r}: lane and socket results differ: {out['same']}"
         assert out["digests"] == res[0]["digests"], f"rank {r}'s results are not rank 0's bits"
@@ -139,7 +139,7 @@ def test_a_killed_peer_fails_the_lane_wait_within_seconds(count: int) -> None:
         subprocess.Popen(
             [sys.executable, str(WORKER), "killed", str(count)], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
-        for e in _envs(2)
+        for e in _envs(2, {"AIODIST_ALGO_PAIR_PIECES_MAX": "64M"})  # (12 MB: a pair's pieces, off by default)
     ]
     try:
         for p in procs:

@@ -19,7 +19,8 @@ The paths:
 - ``lane``: shared memory's latency lane (``aiodist.shm._lane``): one slot per rank, no message
   when the ranks arrive together; small ops, where the group has a lane.
 - ``pieces``: a pair's latency lane in pieces (``aiodist.shm._lane``: one lane op a piece, each
-  with its own number in the line), past the pair's 4 MiB slot; where the group has no lane,
+  with its own number in the line), past the pair's 4 MiB slot, where ``th.pair_pieces_max``
+  turns it on (0 by default); where the group has no lane,
   single copy (or the halves, or the socket, where the group cannot read its peers).
 - ``halves``: shared memory's two segment halves, pipelined (``aiodist.shm._algorithms``).
 - ``single_copy``: single-copy reads of the peers' buffers (``aiodist.shm._cma``), where the

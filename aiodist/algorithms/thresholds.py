@@ -163,12 +163,15 @@ class Thresholds:
     pair_lane_max: int = 4 * MiB
     #: ... and past it, up to this many bytes, through the pair's lane in pieces
     #: (aiodist.shm._lane: one lane op each, an all_reduce's two; the next piece is written
-    #: while the last is copied out) where the group has a lane; 0: never (single copy).
-    #: Measured back to back at 2 ranks (best of three), pieces against single copy: all_reduce
-    #: 8 MiB 719 us against 1061, 16 MiB 1980 against 2572; broadcast 8 MiB 391 against 664,
-    #: 16 MiB 957 against 1429; reduce_scatter 8 MiB 696 against 1137, 16 MiB 1911 against
-    #: 2165. all_gather keeps single copy: in pieces 16 MiB of output took 2089 against 1893.
-    pair_pieces_max: int = 64 * MiB
+    #: while the last is copied out) where the group has a lane; 0 (the default): never (single
+    #: copy). Off by default: measured back to back at 2 ranks, pieces against single copy were
+    #: faster in most runs (all_reduce 8 MiB 719 us against 1061; broadcast 16 MiB 0.80-1.01 ms
+    #: against 1.17-1.86; reduce_scatter 16 MiB 1.03-1.34 against 1.41-1.78), but this VM has
+    #: spells in which the two ranks' cross-core copies slow down several times, and there a
+    #: run of pieces, which meet at every piece, took 7-8 ms where single copy, which meets
+    #: twice, took 1-4 (16 MiB broadcast 7.2 against 0.9-1.5; all_reduce 8.1-8.6 against
+    #: 2.2-7.4, in 4 of 8 runs against 2 of 8). all_gather was slower in pieces in any run.
+    pair_pieces_max: int = 0
     #: ... in pieces of this many bytes (an all_reduce's: of each rank's half of a piece;
     #: larger where that would take more than 32 pieces, and at most the slot's 4 MiB).
     pair_piece: int = 1 * MiB
