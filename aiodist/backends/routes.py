@@ -223,16 +223,13 @@ class Route:
             work.add_done_callback(within.release)  # type: ignore[attr-defined]
         return work
 
-    def _piece(self) -> int:
-        return _piece(self.plan, self.th)
-
     # -- the ops -------------------------------------------------------------------------------
 
     async def broadcast(self, p2p: P2P, flat: np.ndarray, root: int) -> None:
         pl, ticket = self.plan, self.ticket
         if pl.path == "hier" and self.layout is not None:
             await hier.broadcast(p2p, flat, root, self.layout, thresholds=self.th, within=self.within)
-        elif ticket is None or not await run_broadcast(ticket, p2p, flat, root, pl.single_copy, pl.lane, self._piece()):
+        elif ticket is None or not await run_broadcast(ticket, p2p, flat, root, pl.single_copy, pl.lane, _piece(pl, self.th)):
             await alg.broadcast(p2p, flat, root, thresholds=self.th)
 
     async def all_reduce(self, p2p: P2P, flat: np.ndarray, combine: Combine, into: Into | None = None) -> None:
@@ -242,7 +239,7 @@ class Route:
         if pl.path == "hier":
             assert self.layout is not None
             await hier.all_reduce(p2p, flat, combine, self.layout, thresholds=self.th, within=self.within)
-        elif ticket is None or not await run_all_reduce(ticket, p2p, flat, combine, pl.lane, pl.single_copy, into, self._piece()):
+        elif ticket is None or not await run_all_reduce(ticket, p2p, flat, combine, pl.lane, pl.single_copy, into, _piece(pl, self.th)):
             await alg.all_reduce(p2p, flat, combine, thresholds=self.th)
         if into is not None and not into.written:
             into.copy_from(flat)
@@ -286,7 +283,7 @@ class Route:
         pl = self.plan
         if pl.path == "hier" and self.layout is not None:
             await hier.reduce_scatter(p2p, out, parts, combine, self.layout, thresholds=self.th, within=self.within)
-        elif ticket is None or not await run_reduce_scatter(ticket, p2p, out, parts, combine, pl.single_copy, pl.lane, self._piece()):
+        elif ticket is None or not await run_reduce_scatter(ticket, p2p, out, parts, combine, pl.single_copy, pl.lane, _piece(pl, self.th)):
             await alg.reduce_scatter(p2p, out, parts, combine, thresholds=self.th)
 
     async def all_to_all(self, p2p: P2P, outs: Sequence[np.ndarray], ins: Sequence[np.ndarray]) -> None:

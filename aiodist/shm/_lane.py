@@ -9,7 +9,7 @@ spinning a little while (``GroupShm.spin_s``) before it sleeps on its doorbell.
 
 Layout (``aiodist.shm._manager``: ``lane_bytes(ranks)`` at the start of every member's segment), int64
 words: ``sleeping`` (the value this rank is asleep waiting for), ``phase`` (a big op's step),
-``current`` (the op this rank is in: digest, seq + 1, written as a seqlock), two ``checks`` sets
+``current`` (the op this rank is in: digest, its number in the line + 1, written as a seqlock), two ``checks`` sets
 (digest and size of the group's big ops, by their count's parity); then two slots, each a
 64-byte head (flag, digest, nbytes) and the group's payload bytes (``_manager.lane_max``: 4 MiB in
 a group of 2 ranks, 1 MiB in a wider one).
@@ -117,7 +117,7 @@ def fits(g: GroupShm, nbytes: int) -> bool:
 
 
 #: index into ``GroupShm.words[q]`` (int64 words of member q's lane) of its ``current`` words
-#: (digest, seq + 1); each slot's head (flag, then digest and nbytes after it) is at ``g.head[s]``
+#: (digest, the op's number in the line + 1); each slot's head (flag, then digest and nbytes after it) is at ``g.head[s]``
 _CUR = 2
 #: ``collect``'s answer where every peer is there but one wrote another digest or size: the
 #: full check (``settle``, with the op's link) names it
@@ -665,7 +665,7 @@ SOCKET_MARK = 0x5A17_0000_0000_0001
 
 def announce(link: OpLink, g: GroupShm, me: int, socket: bool = False) -> None:
     """Say which op this rank is in, for a peer that waits on it: a seqlock (seq 0, the digest,
-    then seq + 1), so a reader never takes one op's digest for another's. ``socket``: this
+    then the op's number in the line + 1), so a reader never takes one op's digest for another's. ``socket``: this
     rank takes the socket for it (the digest is marked: see ``SOCKET_MARK``)."""
     digest = link.digest
     cur = g.current[me]

@@ -139,7 +139,7 @@ class GroupShm:
     heads: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     bodies: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     # ... phases[q]: a big op's step word (the halves' doorbell); current[q]: the op rank q is
-    # in (digest, seq + 1: a seqlock); checks[q][k % 2]: digest and size of its k-th big op
+    # in (digest, its number in the line + 1: a seqlock); checks[q][k % 2]: digest and size of its k-th big op
     phases: list[np.ndarray] = field(default_factory=list)
     current: list[np.ndarray] = field(default_factory=list)
     checks: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
