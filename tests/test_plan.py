@@ -128,9 +128,12 @@ ROWS = [
     Row("256 KiB in all, 4 ranks: the lane", "all_gather", 256 * K, 4, Plan("lane", True), part=64 * K),
     Row("2 MiB in all, 2 ranks: the lane", "all_gather", 2 * M, 2, Plan("lane", True), part=M),
     Row("3 MiB in all, 3 ranks: the lane", "all_gather", 3 * M, 3, Plan("lane", True), part=M),
-    Row("4 MiB in all, 2 ranks: single copy", "all_gather", 4 * M, 2, Plan("single_copy", True), part=2 * M),
+    Row("4 MiB in all, 2 ranks: the pair's lane (2 MiB parts)", "all_gather", 4 * M, 2, Plan("lane", True), part=2 * M),
+    Row("past 4 MiB in all, 2 ranks: single copy", "all_gather", 4 * M + 8, 2, Plan("single_copy", True), part=2 * M + 4),
+    Row("4 MiB in all, 2 ranks, the pair's lane off: single copy", "all_gather", 4 * M, 2, Plan("single_copy", True), NO_PAIR, part=2 * M),
+    Row("4 MiB in all, 3 ranks: not the pair's lane", "all_gather", 4 * M, 3, Plan("single_copy", True), part=2 * M),
     Row("a pair, 16 MiB in all: single copy (no pieces: measured slower)", "all_gather", 16 * M, 2, Plan("single_copy", True), part=8 * M),
-    Row("a part past the lane, 2 ranks: single copy", "all_gather", 3 * M, 2, Plan("single_copy", True), part=2 * M),
+    Row("a part past the lane, 2 ranks: single copy", "all_gather", 3 * M, 2, Plan("single_copy", True), NO_PAIR, part=2 * M),
     Row("a part past the lane, 3 ranks (past cma_wide_min): single copy", "all_gather", 3 * M, 3, Plan("single_copy", True), part=2 * M),
     Row(
         "a part past a smaller lane, 4 ranks: the halves",
@@ -147,7 +150,7 @@ ROWS = [
         3 * M,
         2,
         Plan("socket", False),
-        Thresholds(allgather_shm_min=-1),
+        Thresholds(allgather_shm_min=-1, pair_lane_max=0),
         part=2 * M,
     ),
     Row(

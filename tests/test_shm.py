@@ -405,6 +405,49 @@ async def test_all_gather_in_place_and_with_an_input_overlapping_the_output(shm_
         assert np.array_equal(straddle, np.concatenate(sent)), f"rank {r}: an input straddling the output's slices"
 
 
+@pytest.mark.parametrize("n", [1000, 2 * 1024 * 1024 // 8], ids=["small", "2 MiB parts (the pair's lane)"])
+async def test_a_lane_all_gather_copies_its_own_part_in_place_from_the_input_or_from_its_slot(shm_env: None, n: int) -> None:
+    """Through the latency lane (default rules: small parts, and a pair's 2 MiB parts in its
+    4 MiB slots), three calls each, so that the kept calls run in the issuing call and the first
+    on the task path: an in-place all_gather_into_tensor (its own part is left as it is), the list
+    form with ``tensor_list[rank] is tensor``, an input that straddles the output's slices (the
+    peers' parts are copied first and overwrite half of it: the own part then comes from the
+    rank's slot), and a plain one (the own part from the input, after the peers')."""
+
+    def part(rank: int, salt: int) -> np.ndarray:
+        return np.arange(n, dtype=np.int64) * 3 + 1_000_000 * rank + salt
+
+    async def fn(rank: int) -> list[Any]:
+        got: list[Any] = []
+        lane0 = _shm().stats()["lane_ops"]
+        for k in range(3):
+            inplace = np.full(2 * n, -1, np.int64)
+            inplace[rank * n : (rank + 1) * n] = part(rank, k)
+            await dist.all_gather_into_tensor(inplace, inplace[rank * n : (rank + 1) * n])
+            mine = part(rank, 10 + k)
+            lst = [mine if q == rank else np.full(n, -1, np.int64) for q in range(2)]
+            await dist.all_gather(lst, mine)
+            straddle = np.arange(2 * n + n // 2, dtype=np.int64) * 7 + 100 * rank + k
+            inp = straddle[rank * n + n // 2 : (rank + 1) * n + n // 2]
+            sent = inp.copy()
+            await dist.all_gather_into_tensor(straddle[: 2 * n], inp)
+            plain = np.full(2 * n, -1, np.int64)
+            await dist.all_gather_into_tensor(plain, part(rank, 20 + k))
+            got.append((inplace, lst, straddle[: 2 * n].copy(), sent, plain))
+        stats = _shm().stats()
+        return [got, stats["lane_ops"] - lane0, stats["cma_ops"]]
+
+    res = await run_world(2, fn, "gloo", timeout=30)
+    for r, (got, lane_ops, cma_ops) in enumerate(res):
+        assert lane_ops == 12 and cma_ops == 0, f"rank {r}: {lane_ops} lane ops, {cma_ops} single-copy ops"
+        for k, (inplace, lst, straddle, _, plain) in enumerate(got):
+            assert np.array_equal(inplace, np.concatenate([part(0, k), part(1, k)])), f"rank {r}, call {k}: in place"
+            assert np.array_equal(lst[0], part(0, 10 + k)) and np.array_equal(lst[1], part(1, 10 + k)), f"rank {r}, call {k}: list"
+            sent = np.concatenate([res[q][0][k][3] for q in range(2)])
+            assert np.array_equal(straddle, sent), f"rank {r}, call {k}: an input straddling the output's slices"
+            assert np.array_equal(plain, np.concatenate([part(0, 20 + k), part(1, 20 + k)])), f"rank {r}, call {k}: plain"
+
+
 async def test_an_op_done_in_its_call_lets_the_loop_run_within_its_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """A lane all_reduce whose peer already waits completes in its issuing call (post, collect:
     ProcessGroup.issue_now) whether or not the loop ran lately; where no op of the group let the

@@ -151,13 +151,14 @@ class Thresholds:
     #: 118, 1 MiB 56 against 192; 4 ranks on 2 cores 256 KiB 189 against 465, 512 KiB 327
     #: against 523, 1 MiB 655 against 642.
     reduce_scatter_lane_max: int = 1 * MiB
-    #: in a group of 2 ranks, all_reduce, broadcast and reduce_scatter go through the latency
-    #: lane up to this many bytes (its slots hold 4 MiB there: aiodist.shm._manager.lane_max),
-    #: ahead of their other rules, where ``lane_max`` is on; 0: as in wider groups (no pieces
-    #: either). Measured back to back at 2 ranks (best of three), the lane against single
+    #: in a group of 2 ranks, all_reduce, broadcast, reduce_scatter and all_gather (its output:
+    #: parts of up to half of it) go through the latency lane up to this many bytes (its slots
+    #: hold 4 MiB there: aiodist.shm._manager.lane_max), ahead of their other rules, where
+    #: ``lane_max`` is on; 0: as in wider groups (no pieces either). Measured back to back at 2 ranks (best of three), the lane against single
     #: copy: broadcast 2 MiB 58 us
     #: against 244, 4 MiB 126 against 353; reduce_scatter 2 MiB 109 against 309, 4 MiB 340
-    #: against 423; all_reduce 4 MiB 407 against 519 (2 MiB 174 against 184, the halves). Wider
+    #: against 423; all_reduce 4 MiB 407 against 519 (2 MiB 174 against 184, the halves);
+    #: all_gather 4 MiB of output 224 against 336 (8 MiB was slower: 760 against 536). Wider
     #: groups keep 1 MiB: with more ranks than cores a lane op waits for ranks not running (4
     #: ranks on 2 cores, 4 MiB slots: broadcast 4 MiB 2.1 ms against 1.2).
     pair_lane_max: int = 4 * MiB
@@ -293,8 +294,9 @@ class Thresholds:
         return 0 < nbytes <= self.lane_max and not self.all_reduce_shm(nbytes)
 
     def pair_lane(self, nbytes: int, ranks: int) -> bool:
-        """A pair's all_reduce, broadcast or reduce_scatter of ``nbytes`` goes through the
-        latency lane where the group has one (``pair_lane_max``)."""
+        """A pair's all_reduce, broadcast, reduce_scatter or all_gather (``nbytes``: its
+        output) of ``nbytes`` goes through the latency lane where the group has one
+        (``pair_lane_max``)."""
         return ranks == 2 and 0 < nbytes <= self.pair_lane_max and self.lane_max > 0
 
     def pair_pieces(self, nbytes: int, ranks: int) -> bool:

@@ -327,6 +327,18 @@ class Rest:
         self.release = release
 
 
+def _own_part(own: np.ndarray, mine: np.ndarray, slot: np.ndarray, aside: bool, shape: tuple[int, ...] = ()) -> None:
+    """An all_gather's own part into its place in the output, after the peers' parts (copied
+    first, while their slots are fresh: measured at 2 ranks, the own part's copy before them
+    made a 512 KiB part's op 91 us against 53): from ``mine`` itself, or from this rank's slot
+    where ``mine`` overlaps the output elsewhere (``aside``: the peers' copies may have
+    overwritten it); nothing where ``mine`` is the own part already (in place)."""
+    if aside:
+        own[...] = slot if len(shape) < 2 else slot.reshape(shape)
+    elif own.ctypes.data != mine.ctypes.data or own.nbytes != mine.nbytes:
+        own[...] = mine
+
+
 class Quick:
     """A kept call's in-call path (trio's ``send_nowait`` as the first step of ``send``): where
     the group's shared-memory line is empty and the group agreed on a lane the payload fits,
@@ -508,9 +520,16 @@ class Quick:
         """Every rank's ``mine`` into its part of ``out`` (flat, the group's size times ``mine``'s)."""
         m = mine.size
 
+        me = self.me
+        own = out[me * m : (me + 1) * m]
+        aside = np.may_share_memory(own, mine) and own.ctypes.data != mine.ctypes.data
+
         def finish(g: GroupShm, s: int) -> None:
-            for q, v in enumerate(g.typed_slots(s, out.dtype, m)):
-                out[q * m : (q + 1) * m] = v  # this rank's own from its slot too: ``mine`` may overlap ``out``
+            slots = g.typed_slots(s, out.dtype, m)
+            for q, v in enumerate(slots):
+                if q != me:
+                    out[q * m : (q + 1) * m] = v
+            _own_part(own, mine, slots[me], aside)
 
         return self._go(seq, digest, mine.view(np.uint8), self.sizes, finish, "all_gather")
 
@@ -519,9 +538,16 @@ class Quick:
         m = mine.size
         shape = mine.shape
 
+        me = self.me
+        own = outs[me]
+        aside = np.may_share_memory(own, mine) and own.ctypes.data != mine.ctypes.data
+
         def finish(g: GroupShm, s: int) -> None:
-            for o, v in zip(outs, g.typed_slots(s, mine.dtype, m), strict=True):
-                o[...] = v if len(shape) == 1 else v.reshape(shape)  # this rank's own from its slot too: ``mine`` may be one of ``outs``
+            slots = g.typed_slots(s, mine.dtype, m)
+            for q, (o, v) in enumerate(zip(outs, slots, strict=True)):
+                if q != me:
+                    o[...] = v if len(shape) == 1 else v.reshape(shape)
+            _own_part(own, mine, slots[me], aside, shape)
 
         return self._go(seq, digest, mine.reshape(-1).view(np.uint8), self.sizes, finish, "all_gather")
 

@@ -311,12 +311,15 @@ async def all_gather(p2p: OpLink, g: GroupShm, outs: Sequence[np.ndarray], mine:
     me = p2p.rank
     dsts = [byte_view(o, writable=True) for o in outs]
     src = byte_view(mine)
+    own = dsts[me]
+    in_place = same_bytes(own, src)
+    aside = not in_place and any(np.may_share_memory(src, d) for d in dsts)
     parts = await exchange(p2p, g, src, [d.nbytes for d in dsts], "all_gather")
-    for q, d in enumerate(dsts):
+    for q, d in enumerate(dsts):  # the peers' parts first, while their slots are fresh
         if q != me:
             np.copyto(d, parts[q])
-    if outs[me] is not mine:
-        np.copyto(dsts[me], parts[me])  # from the slot: the input may overlap the output
+    if not in_place:  # from the slot where the input overlaps the output (the copies above may have overwritten it)
+        np.copyto(own, parts[me] if aside else src)
 
 
 async def reduce_scatter(p2p: OpLink, g: GroupShm, out: np.ndarray, parts: Sequence[np.ndarray], combine: Combine) -> None:

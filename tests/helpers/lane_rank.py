@@ -268,18 +268,21 @@ async def mid() -> None:
             r = parts[g_rank].copy()
             await dist.reduce(r, group_dst=g_n - 1, group=group)
             same[f"{k}_reduce_{name}"] = g_rank != g_n - 1 or bool(np.array_equal(r, np.sum(parts, axis=0)))
-        pieces = [ints(200_000, 30 + q) for q in range(g_n)]  # 800 KB a rank
-        for name, group in (("lane", lane), ("off", off)):
-            out = np.zeros(200_000 * g_n, np.float32)
-            await dist.all_gather_into_tensor(out, pieces[g_rank], group=group)
-            same[f"{k}_all_gather_{name}"] = bool(np.array_equal(out, np.concatenate(pieces)))
-            out = np.zeros(200_000 * g_n, np.float32)
-            out[200_000 * g_rank : 200_000 * (g_rank + 1)] = pieces[g_rank]
-            await dist.all_gather_into_tensor(out, out[200_000 * g_rank : 200_000 * (g_rank + 1)], group=group)  # in place
-            same[f"{k}_all_gather_in_place_{name}"] = bool(np.array_equal(out, np.concatenate(pieces)))
-            uneven = [np.zeros(100_000 + 50_000 * q, np.float32) for q in range(g_n)]
-            await dist.all_gather(uneven, ints(100_000 + 50_000 * g_rank, 40 + g_rank), group=group)
-            same[f"{k}_all_gather_uneven_{name}"] = all(np.array_equal(u, ints(100_000 + 50_000 * q, 40 + q)) for q, u in enumerate(uneven))
+        for c, (each, base) in enumerate(((200_000, 100_000), (500_001, 400_000))):  # 800 KB a rank; 2 MB (a pair's lane: 4 MB in all)
+            pieces = [ints(each, 30 + q) for q in range(g_n)]
+            for name, group in (("lane", lane), ("off", off)):
+                out = np.zeros(each * g_n, np.float32)
+                await dist.all_gather_into_tensor(out, pieces[g_rank], group=group)
+                same[f"{k}_all_gather_{c}_{name}"] = bool(np.array_equal(out, np.concatenate(pieces)))
+                out = np.zeros(each * g_n, np.float32)
+                out[each * g_rank : each * (g_rank + 1)] = pieces[g_rank]
+                await dist.all_gather_into_tensor(out, out[each * g_rank : each * (g_rank + 1)], group=group)  # in place
+                same[f"{k}_all_gather_in_place_{c}_{name}"] = bool(np.array_equal(out, np.concatenate(pieces)))
+                uneven = [np.zeros(base + 50_000 * q, np.float32) for q in range(g_n)]
+                await dist.all_gather(uneven, ints(base + 50_000 * g_rank, 40 + g_rank), group=group)
+                same[f"{k}_all_gather_uneven_{c}_{name}"] = all(
+                    np.array_equal(u, ints(base + 50_000 * q, 40 + q)) for q, u in enumerate(uneven)
+                )
         for m in (80_000, 500_001):  # up to 960 KB of input; 4 MB at 2 ranks (a pair's lane)
             inputs = [ints(m * g_n, 50 + q) for q in range(g_n)]
             for name, group in (("lane", lane), ("off", off)):
