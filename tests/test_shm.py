@@ -874,10 +874,12 @@ def test_piece_bounds(n: int, itemsize: int, piece: int, slot: int, want: list[i
 async def test_a_pairs_kept_calls_post_only_the_other_ranks_part(shm_env: None) -> None:
     """A pair's kept calls done in the call (the second call of a shape on): a sliced
     all_reduce and a reduce_scatter_tensor post only the other rank's slice or part and fold
-    their own from the input; exact sums, call after call with new data, float bits equal to
-    rank order (rank 0's element plus rank 1's, whichever rank folds it), and a
-    reduce_scatter in place (the whole input posted) alike."""
-    m = 300_003  # 1.2 MB: the lane, by slices
+    their own from the input, an all_reduce in one lane op folds its own part from the input;
+    exact sums, call after call with new data, float bits equal to rank order (rank 0's
+    element plus rank 1's, whichever rank folds it), and a reduce_scatter in place (the whole
+    input posted) alike."""
+    m = 300_003  # 1.2 MB: the lane, one lane op
+    big = 800_003  # 3.2 MB: the lane, by slices (two lane ops)
 
     def ints(count: int, salt: int) -> np.ndarray:
         return np.random.default_rng(salt).integers(-1000, 1000, count).astype(np.float32)
@@ -895,6 +897,12 @@ async def test_a_pairs_kept_calls_post_only_the_other_ranks_part(shm_env: None) 
             f = floats(m, 100 + 10 * call + rank)
             await dist.all_reduce(f)
             ok.append(bool(np.array_equal(f, floats(m, 100 + 10 * call) + floats(m, 100 + 10 * call + 1))))
+            x = ints(big, 300 + 10 * call + rank)
+            await dist.all_reduce(x)
+            ok.append(bool(np.array_equal(x, ints(big, 300 + 10 * call) + ints(big, 300 + 10 * call + 1))))
+            f = floats(big, 400 + 10 * call + rank)
+            await dist.all_reduce(f)
+            ok.append(bool(np.array_equal(f, floats(big, 400 + 10 * call) + floats(big, 400 + 10 * call + 1))))
             y = floats(2 * m, 200 + 10 * call + rank)
             o = np.empty(m, np.float32)
             await dist.reduce_scatter_tensor(o, y)
@@ -912,4 +920,4 @@ async def test_a_pairs_kept_calls_post_only_the_other_ranks_part(shm_env: None) 
 
     for ok, lane_ops in await run_world(2, fn, "gloo", timeout=60):
         assert all(ok), ok
-        assert lane_ops == 3 * (2 + 2 + 1 + 1), lane_ops  # every call after the first through the lane
+        assert lane_ops == 3 * (1 + 1 + 2 + 2 + 1 + 1), lane_ops  # every call after the first through the lane

@@ -53,11 +53,12 @@ def test_lane_gives_the_socket_paths_bits(n: int) -> None:
         assert out["digests"] == res[0]["digests"], f"rank {r}'s results are not rank 0's bits"
         assert out["shm"]["lane_groups"] == [0], out["shm"]
         # 15 small all_reduces, 2 all_gathers, 7 all_reduces in flight, and the n broadcasts;
-        # in a pair (its lane's slots hold 4 MiB) the 2 and 4 MiB all_reduces (2 lane ops each:
-        # by slices), the 3 MiB broadcasts and the 4 MiB reduce_scatters too; and the 10 MB
-        # ones in pieces of 1 MiB (the all_reduce 5 pieces of two lane ops, each broadcast 10,
-        # the reduce_scatters 10 each: each rank posts the other's part)
-        pair = 2 + 2 + n + 2 + 2 * 5 + 10 * n + 2 * 10
+        # in a pair (its lane's slots hold 4 MiB) the 2 MiB all_reduce (one lane op: below
+        # 3 MiB a pair folds in one) and the 4 MiB one (2 lane ops: by slices), the 3 MiB
+        # broadcasts and the 4 MiB reduce_scatters too; and the 10 MB ones in pieces of 1 MiB
+        # (the all_reduce 5 pieces of two lane ops, each broadcast 10, the reduce_scatters 10
+        # each: each rank posts the other's part)
+        pair = 1 + 2 + n + 2 + 2 * 5 + 10 * n + 2 * 10
         assert out["shm"]["lane_ops"] == 24 + n + (pair if n == 2 else 0), out["shm"]
 
 

@@ -448,6 +448,8 @@ class Quick:
             return self._fold_sliced(g, seq, digest, flat, fold, views, b)
         views[g.me][...] = flat
         tmp = self._scratch(flat)
+        if len(views) == 2:  # a pair folds its own part from ``flat``, not from the slot it just wrote
+            views = [flat, views[1]] if g.me == 0 else [views[0], flat]
         s = lane_now(g, seq, digest, None, self.sizes, flat.nbytes)
         if s >= 0:
             fold(flat, views, tmp)
