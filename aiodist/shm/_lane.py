@@ -322,9 +322,10 @@ async def all_gather(p2p: OpLink, g: GroupShm, outs: Sequence[np.ndarray], mine:
     src = byte_view(mine)
     own = dsts[me]
     in_place = same_bytes(own, src)
-    aside = not in_place and any(np.may_share_memory(src, d) for d in dsts)
+    pair = p2p.size == 2
+    aside = not pair or (not in_place and any(np.may_share_memory(src, d) for d in dsts))
     parts = await exchange(p2p, g, src, [d.nbytes for d in dsts], "all_gather")
-    for q, d in enumerate(dsts):  # the peers' parts first, while their slots are fresh
+    for q, d in enumerate(dsts):  # a pair: the other's part first, while its slot is fresh (Quick.all_gather)
         if q != me:
             np.copyto(d, parts[q])
     if not in_place:  # from the slot where the input overlaps the output (the copies above may have overwritten it)
