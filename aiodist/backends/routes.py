@@ -547,10 +547,9 @@ class Quick:
         if len(self.ranks) != 2:
 
             def finish_wide(g: GroupShm, s: int) -> None:
+                # this rank's own from its slot too: ``mine`` may be one of ``outs``
                 for o, v in zip(outs, g.typed_slots(s, mine.dtype, m), strict=True):
-                    o[...] = (
-                        v if len(shape) == 1 else v.reshape(shape)
-                    )  # this rank's own from its slot too: ``mine`` may be one of ``outs``
+                    o[...] = v if len(shape) == 1 else v.reshape(shape)
 
             return self._go(seq, digest, mine.reshape(-1).view(np.uint8), self.sizes, finish_wide, "all_gather")
         me = self.me
