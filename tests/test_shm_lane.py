@@ -134,11 +134,15 @@ def test_the_lanes_mid_sizes_give_the_other_paths_results(n: int) -> None:
         assert out["lane_ops"] >= n + 6 + (8 if r in (0, n - 1) else 0), out
 
 
-@pytest.mark.parametrize("count", [4, 100_000, 1_000_000, 3_000_000], ids=["4B", "400KB", "4MB-pair-lane", "12MB-pieces"])
-def test_a_killed_peer_fails_the_lane_wait_within_seconds(count: int) -> None:
+@pytest.mark.parametrize(
+    "count,op",
+    [(4, "all_reduce"), (100_000, "all_reduce"), (1_000_000, "all_reduce"), (3_000_000, "all_reduce"), (500_000, "all_gather")],
+    ids=["4B", "400KB", "4MB-pair-lane", "12MB-pieces", "all_gather-4MB-pair-lane"],
+)
+def test_a_killed_peer_fails_the_lane_wait_within_seconds(count: int, op: str) -> None:
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), "killed", str(count)], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            [sys.executable, str(WORKER), "killed", str(count), op], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         for e in _envs(2, {"AIODIST_ALGO_PAIR_PIECES_MAX": "64M"})  # (12 MB: a pair's pieces, off by default)
     ]

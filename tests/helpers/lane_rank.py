@@ -294,7 +294,7 @@ async def mid() -> None:
     print(json.dumps({"same": same, "lane_ops": lane_ops}))
 
 
-async def killed(count: int) -> None:
+async def killed(count: int, op: str) -> None:
     await dist.init_process_group("gloo", timeout=30)
     rank = dist.get_rank()
     await dist.all_reduce(np.ones(4, np.float32))
@@ -302,7 +302,10 @@ async def killed(count: int) -> None:
     if rank == 1:
         await asyncio.sleep(60)  # killed here, while rank 0 waits in the lane
     try:
-        await dist.all_reduce(np.ones(count, np.float32))
+        if op == "all_gather":
+            await dist.all_gather_into_tensor(np.empty(2 * count, np.float32), np.ones(count, np.float32))
+        else:
+            await dist.all_reduce(np.ones(count, np.float32))
         print("no error", flush=True)
     except dist.DistError as exc:
         print(f"ERROR {time.time()!r} {type(exc).__name__}: {exc}", flush=True)
@@ -333,7 +336,7 @@ SCENARIOS: dict[str, tuple[Callable[..., Awaitable[None]], tuple[type, ...]]] = 
     "missing": (missing, (str,)),
     "eager": (eager, (str,)),
     "mid": (mid, ()),
-    "killed": (killed, (int,)),
+    "killed": (killed, (int, str)),
     "barrier": (barrier, ()),
 }
 
