@@ -688,9 +688,9 @@ def folder(op: ReduceOpLike, dtype: str, what: str | None = None) -> Fold:
     """``fold(out, parts, tmp=None)`` for one (op, logical dtype), checked once: ``out`` =
     ``parts[0]`` combined with ``parts[1]``, then the next, in order (``combiner``'s bits, each
     element computed once per part), where ``out`` overlaps no part, or, of two parts, is one
-    of them itself (a pair's own slice, not copied first: the same bits, but that bfloat16's
-    fold then combines the other part into ``out``, which only a NaN's payload could tell
-    apart). One call over every part:
+    of them itself (a pair's own slice, not copied first: the same bits; bfloat16's fold, where
+    ``out`` is the second, combines through ``tmp`` or a copy to keep the order, which the
+    MIN of +0 and -0 or a NaN's payload would show). One call over every part:
     one ufunc call per part after the first and, for floating dtypes, one quiet error state for
     all of them (where ``combiner`` pays both per part). ``tmp`` (out's dtype and size, overlapping
     nothing) lets the steps go from one array to the other: numpy's ufunc writing into one of
@@ -704,8 +704,14 @@ def folder(op: ReduceOpLike, dtype: str, what: str | None = None) -> Fold:
     if name == "bfloat16":
 
         def slow(out: np.ndarray[Any, Any], parts: Sequence[np.ndarray[Any, Any]], tmp: Any = None) -> None:
-            if len(parts) == 2 and parts[1] is out:  # a pair's part that is out itself: out = parts[0] (+) out
-                combine(out, parts[0])  # (every reduction here is commutative for two parts)
+            if len(parts) == 2 and parts[1] is out:  # a pair's part that is out itself: out = parts[0] (+) out,
+                if tmp is None:  # in that order (the MIN of +0 and -0, a NaN's payload show it)
+                    first = np.array(parts[0])
+                else:
+                    first = tmp
+                    np.copyto(first, parts[0])
+                combine(first, out)
+                np.copyto(out, first)
                 return
             np.copyto(out, parts[0])
             for p in parts[1:]:

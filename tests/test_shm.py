@@ -448,6 +448,51 @@ async def test_a_lane_all_gather_copies_its_own_part_in_place_from_the_input_or_
             assert np.array_equal(plain, np.concatenate([part(0, 20 + k), part(1, 20 + k)])), f"rank {r}, call {k}: plain"
 
 
+async def test_a_pairs_all_reduce_gives_both_ranks_the_same_bits_in_rank_order(shm_env: None) -> None:
+    """A pair's all_reduce folds its own part from its input (one lane op below 3 MiB, slices
+    above): both ranks must still fold in rank order, rank 0's part first, on the task path
+    (every first call), in the call (the calls after) and with one rank in each (in one
+    process, rank 0's first call parks and rank 1's is done in its call). The order shows in
+    the MIN and MAX of +0 and -0 (checked against rank order) and in which NaN's payload a SUM
+    keeps (checked equal on both ranks); float32, and bfloat16 through torch where it is
+    installed. Sizes: one lane op, and slices."""
+    try:
+        import torch
+    except ImportError:
+        torch = None
+
+    def want(op: Any, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return {dist.ReduceOp.MIN: np.minimum, dist.ReduceOp.MAX: np.maximum, dist.ReduceOp.SUM: np.add}[op](a, b)
+
+    async def fn(rank: int) -> list[tuple[str, bytes]]:
+        got = []
+        for n in (16, 100_000, 800_003):  # the lane (one lane op, below 3 MiB in a pair), slices
+            for call in range(3):
+                for op in (dist.ReduceOp.MIN, dist.ReduceOp.MAX):
+                    x = np.full(n, -0.0 if rank else 0.0, np.float32)
+                    await dist.all_reduce(x, op=op)
+                    got.append((f"f32 {op} {n} {call}", x.tobytes()))
+                nan = np.full(n, 0x7FC00001 + rank, np.uint32).view(np.float32)
+                await dist.all_reduce(nan)
+                got.append((f"f32 nan {n} {call}", nan.tobytes()))
+                if torch is not None:
+                    t = torch.full((n,), -0.0 if rank else 0.0, dtype=torch.bfloat16)
+                    await dist.all_reduce(t, op=dist.ReduceOp.MIN)
+                    got.append((f"bf16 min {n} {call}", t.view(torch.int16).numpy().tobytes()))
+                    b = torch.from_numpy(np.full(n, 0x7FC1 + rank, np.int16)).view(torch.bfloat16)
+                    await dist.all_reduce(b)
+                    got.append((f"bf16 nan {n} {call}", b.view(torch.int16).numpy().tobytes()))
+        return got
+
+    r0, r1 = await run_world(2, fn, "gloo", timeout=60)
+    for (case, a), (_, b) in zip(r0, r1, strict=True):
+        assert a == b, f"{case}: the two ranks' bits differ"
+        if case.startswith("f32") and "nan" not in case:  # (which NaN's payload a SUM keeps is numpy's loop's choice)
+            op = dist.ReduceOp.MIN if "MIN" in case.split()[1] else dist.ReduceOp.MAX
+            n = len(a) // 4
+            assert a == want(op, np.full(n, 0.0, np.float32), np.full(n, -0.0, np.float32)).tobytes(), f"{case}: not rank order's zero"
+
+
 async def test_an_op_done_in_its_call_lets_the_loop_run_within_its_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """A lane all_reduce whose peer already waits completes in its issuing call (post, collect:
     ProcessGroup.issue_now) whether or not the loop ran lately; where no op of the group let the

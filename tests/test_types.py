@@ -826,6 +826,30 @@ def test_fold_with_a_second_array_gives_the_bits_of_the_fold_in_place(dtype: str
     np.testing.assert_array_equal(stepped.view(np.uint8), want.view(np.uint8))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("op", [R.MIN, R.MAX])
+@pytest.mark.parametrize("with_tmp", [False, True], ids=["no-tmp", "tmp"])
+def test_a_pairs_fold_into_one_of_its_parts_keeps_rank_order(dtype: str, op: R, with_tmp: bool) -> None:
+    """A pair folds its own part straight from its buffer (``out`` is one of the two parts):
+    the result's bits are rank order's whichever it is, as the MIN and MAX of +0 and -0 show
+    (rank 0 +0, rank 1 -0)."""
+    bf = dtype == "bfloat16"
+
+    def zeros(neg: bool) -> np.ndarray:
+        x = np.full(5, -0.0 if neg else 0.0, np.float32)
+        return (x.view(np.uint32) >> 16).astype(np.uint16) if bf else x
+
+    fold = folder(op, dtype)
+    want = zeros(False)
+    combiner(op, dtype)(want, zeros(True))  # rank order: rank 0's part first
+    for me in (0, 1):
+        out = zeros(me == 1)
+        other = zeros(me == 0)
+        parts = [out, other] if me == 0 else [other, out]
+        fold(out, parts, np.empty_like(out) if with_tmp else None)
+        np.testing.assert_array_equal(out.view(np.uint8), want.view(np.uint8), err_msg=f"rank {me}")
+
+
 def test_fold_and_combine_are_quiet_on_overflow_and_leave_the_callers_error_state() -> None:
     """A floating reduction that overflows gives inf with no warning (as torch's), in the loop's
     thread and in another, and the caller's own numpy error state is untouched after it."""

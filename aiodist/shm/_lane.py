@@ -261,8 +261,8 @@ async def all_reduce(p2p: OpLink, g: GroupShm, flat: np.ndarray, combine: Combin
     b = sliced(n, flat.size, p)
     dt = flat.dtype
     if b is None:
-        if p == 2:  # a pair: its own part is ``flat`` itself (two parts: the order leaves the bits)
-            combine(flat, parts[1 - p2p.rank].view(dt))
+        if p == 2 and p2p.rank == 0:  # a pair's rank 0: its own part is ``flat`` itself, first in rank order
+            combine(flat, parts[1].view(dt))
             return
         np.copyto(mine, parts[0])
         for part in parts[1:]:
